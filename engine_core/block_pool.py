@@ -1,0 +1,171 @@
+"""The pool of fixed-size KV cache blocks.
+
+Free blocks sit in one doubly linked list threaded through the blocks themselves, so a free block
+can be pulled out of the middle in O(1) (a prefix-cache hit on a block nobody holds) and the list
+order is the eviction order: new blocks come from the head, freed blocks go to the tail.
+A freed block keeps its hash until it is handed out again (lazy eviction), so a later request
+with the same prefix can still find it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None  # set when the block is full and cached
+    prev_free: KVCacheBlock | None = None
+    next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinel head and tail."""
+
+    __slots__ = ("_head", "_tail", "num_free")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free KV cache block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free list")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(f"{block} is already in the free list")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self):  # head to tail; for tests and invariant checks
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # block hash -> the block holding it (one block per hash; duplicates are not cached).
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks with {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference to each block; blocks nobody holds join the free list's tail.
+
+        Callers pass a request's blocks tail first, so its least reusable blocks (the ends of
+        prompts) are evicted before the shared prefixes they hang from.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference to cached blocks a new request reuses."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Record that ``block`` (full, computed) holds the tokens behind ``block_hash``."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # another block already holds these tokens; keep the first
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def check_invariants(self) -> None:
+        """Raise if the pool's bookkeeping is inconsistent (tests call this after every step)."""
+        free = list(self.free_queue)
+        if len(free) != self.free_queue.num_free:
+            raise AssertionError("free count does not match the free list")
+        if len({b.block_id for b in free}) != len(free):
+            raise AssertionError("a block is in the free list twice")
+        for block in self.blocks:
+            in_free = block.prev_free is not None
+            if in_free != (block.ref_cnt == 0):
+                raise AssertionError(f"{block}: free-list membership disagrees with ref count")
+            if block.ref_cnt < 0:
+                raise AssertionError(f"{block}: negative ref count")
+        for h, block in self.cached.items():
+            if block.block_hash != h:
+                raise AssertionError(f"{block}: cached under a hash it does not hold")

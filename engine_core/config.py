@@ -1,0 +1,330 @@
+"""The engine's one configuration object.
+
+``EngineArgs`` holds what the user asked for; ``EngineArgs.create_config()`` resolves defaults
+against the model and the machine, validates everything once, and returns an ``EngineConfig``:
+frozen msgspec structs, so the same object travels to the EngineCore process and the workers.
+Start-up may fill in the number of KV blocks (measured by the workers); that produces a new frozen
+config (``with_num_blocks``), never a mutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
+from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16"}
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class ConfigError(ValueError):
+    """The requested configuration is impossible; the message says which value and why."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    format: str  # "hf" | "gguf" (where the files are)
+    load_format: str  # "safetensors" | "gguf" | "dummy" (how weights are produced)
+    tokenizer: str
+    served_model_name: str
+    dtype: str
+    arch: ArchSpec
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    task: str = "generate"  # "generate" | "embed"
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_blocks: int | None = None  # forced by the user, or measured at start-up
+    enable_prefix_caching: bool = True
+    prefix_hash_seed: int | None = None  # None: a random seed per process
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    max_queued_requests: int | None = None
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni" | "mp" | "ray"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    device: str  # "cpu" | "cuda"
+    attention_backend: str | None = None  # None: the best available
+    enforce_eager: bool = False
+    max_cudagraph_batch: int = 512
+    max_logprobs: int = 20
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    runner: RunnerConfig
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        capacity = num_blocks * self.cache.block_size
+        if capacity < self.model.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                f"{self.cache.block_size}) but max_model_len is {self.model.max_model_len}: "
+                "give the cache more memory (--gpu-memory-utilization / kv_cache_memory_bytes) "
+                "or lower --max-model-len"
+            )
+        cache = msgspec.structs.replace(self.cache, num_blocks=num_blocks)
+        return msgspec.structs.replace(self, cache=cache)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        bs = self.cache.block_size
+        return (self.model.max_model_len + bs - 1) // bs
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything a user can set; names follow vLLM's flags."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    task: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_hash_seed: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    max_queued_requests: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    device: str = "auto"
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+    # Applied to the model's HF config before anything reads it (e.g. shapes for benchmarks).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def create_config(self) -> EngineConfig:
+        src = resolve_model(self.model)
+        hf = load_hf_config(src)
+        hf.update(self.hf_overrides)
+        arch = arch_from_hf_dict(hf, src.path)
+        device = _resolve_device(self.device)
+
+        load_format = self.load_format
+        if load_format not in _LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+        if load_format == "auto":
+            load_format = "gguf" if src.format == "gguf" else "safetensors"
+        if load_format == "gguf" and src.format != "gguf":
+            raise ConfigError(f"load_format='gguf' but {src.path} is not a .gguf file")
+
+        task = self.task
+        if task == "auto":
+            task = "embed" if arch.is_embedding else "generate"
+        if task not in ("generate", "embed"):
+            raise ConfigError(f"task must be 'auto', 'generate' or 'embed', got {task!r}")
+        if task == "generate" and arch.is_embedding:
+            raise ConfigError(f"{arch.architecture} is an embedding model; use task='embed'")
+
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
+        if max_model_len > arch.max_position_embeddings and arch.rope_scaling is None:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's context of "
+                f"{arch.max_position_embeddings} tokens (max_position_embeddings in {src.path})"
+            )
+
+        model = ModelConfig(
+            path=src.path,
+            format=src.format,
+            load_format=load_format,
+            tokenizer=self.tokenizer or src.path,
+            served_model_name=self.served_model_name or src.name,
+            dtype=_resolve_dtype(self.dtype, hf, device),
+            arch=arch,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids(src, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            chat_template=hf.get("_chat_template"),
+            task=task,
+            seed=self.seed,
+        )
+        cache = self._cache_config()
+        scheduler = self._scheduler_config(max_model_len, device)
+        parallel = self._parallel_config(arch)
+        runner = RunnerConfig(
+            device=device,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager or device == "cpu",
+            max_cudagraph_batch=min(512, scheduler.max_num_seqs),
+            max_logprobs=self.max_logprobs,
+        )
+        if self.attention_backend not in (None, "torch", "triton", "cuda"):
+            raise ConfigError(
+                f"attention_backend must be torch, triton or cuda, got {self.attention_backend!r}"
+            )
+        config = EngineConfig(
+            model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner
+        )
+        if cache.num_blocks is not None:
+            config = config.with_num_blocks(cache.num_blocks)
+        return config
+
+    def _cache_config(self) -> CacheConfig:
+        bs = self.block_size
+        if bs < 1 or bs > 256 or bs & (bs - 1):
+            raise ConfigError(f"block_size must be a power of two in [1, 256], got {bs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
+            )
+        return CacheConfig(
+            block_size=bs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_hash_seed=self.prefix_hash_seed,
+        )
+
+    def _scheduler_config(self, max_model_len: int, device: str) -> SchedulerConfig:
+        max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        chunked = self.enable_chunked_prefill
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = (8192 if device == "cuda" else 2048) if chunked else max(max_model_len, 2048)
+            budget = max(budget, max_num_seqs)
+        if budget < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        if not chunked and budget < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled, so long prompts could never "
+                "be scheduled: raise max_num_batched_tokens, lower max_model_len, or enable "
+                "chunked prefill"
+            )
+        if budget < max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})"
+            )
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        return SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=chunked,
+            async_scheduling=self.async_scheduling,
+            max_queued_requests=self.max_queued_requests,
+        )
+
+    def _parallel_config(self, arch: ArchSpec) -> ParallelConfig:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if arch.num_heads % tp:
+            raise ConfigError(
+                f"tensor_parallel_size {tp} must divide the number of attention heads "
+                f"({arch.num_heads})"
+            )
+        if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+            raise ConfigError(
+                f"tensor_parallel_size {tp} and the number of KV heads ({arch.num_kv_heads}) "
+                "must divide one another"
+            )
+        if pp > arch.num_layers:
+            raise ConfigError(
+                f"pipeline_parallel_size {pp} exceeds the number of layers ({arch.num_layers})"
+            )
+        backend = self.distributed_executor_backend or ("uni" if tp * pp == 1 else "mp")
+        if backend not in ("uni", "mp", "ray"):
+            raise ConfigError(
+                f"distributed_executor_backend must be uni, mp or ray, got {backend!r}"
+            )
+        if backend == "uni" and tp * pp > 1:
+            raise ConfigError("the in-process executor runs one worker; use 'mp' or 'ray'")
+        return ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend
+        )
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA GPU is visible to torch")
+    return device
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto":
+        if device == "cpu":
+            # Half-precision matmuls are slow or unsupported on many CPUs.
+            return "float32"
+        ckpt = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
+        return "bfloat16" if ckpt == "float32" else ckpt if ckpt in _DTYPES else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be auto or one of {_DTYPES}, got {dtype!r}")
+    return dtype

@@ -1,0 +1,139 @@
+"""Wire types: everything that crosses a process boundary, as msgspec structs.
+
+frontend ⇄ EngineCore: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out.
+EngineCore ⇄ workers: ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
+Arrays are numpy arrays; the serializer sends large ones as separate zero-copy frames.
+"""
+
+from __future__ import annotations
+
+import enum
+import msgspec
+import numpy as np
+
+from tidal.engine_core.sampling_params import SamplingParams
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token or a stop string
+    LENGTH = 1  # max_tokens or the model's context
+    ABORT = 2  # aborted by the client or the frontend
+    ERROR = 3  # this request failed; others are unaffected
+
+    def __str__(self) -> str:  # the OpenAI spelling
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, **_WIRE):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    # Which frontend sent it (the engine routes outputs back by this index).
+    client_index: int = 0
+
+
+class LogprobsArrays(msgspec.Struct, **_WIRE):
+    """Log-probabilities of ``T`` positions: column 0 is the chosen token, then the top-N."""
+
+    token_ids: np.ndarray  # int32 [T, 1 + N]
+    logprobs: np.ndarray  # float32 [T, 1 + N]
+    ranks: np.ndarray  # int32 [T], 1-based rank of the chosen token in the distribution
+
+    def slice(self, start: int, end: int) -> LogprobsArrays:
+        return LogprobsArrays(
+            self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end]
+        )
+
+    @staticmethod
+    def concat(parts: list[LogprobsArrays]) -> LogprobsArrays:
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsArrays(
+            np.concatenate([p.token_ids for p in parts]),
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
+
+
+class EngineCoreOutput(msgspec.Struct, **_WIRE):
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: LogprobsArrays | None = None
+    # Prompt logprobs for prompt positions [start, start + T); position 0 never has one.
+    new_prompt_logprobs: LogprobsArrays | None = None
+    prompt_logprobs_start: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, **_WIRE):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # since the previous report
+    prefix_cache_queries: int = 0  # tokens looked up, since the previous report
+    prefix_cache_hits: int = 0  # tokens found, since the previous report
+    num_prompt_tokens: int = 0  # computed this step (prefill work)
+    num_generation_tokens: int = 0  # sampled this step
+
+
+class EngineCoreOutputs(msgspec.Struct, **_WIRE):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0
+
+
+# --- EngineCore -> workers -------------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, **_WIRE):
+    """A request the worker has not seen (or must rebuild, after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Prompt logprobs already delivered for positions below this (a resumed request skips them).
+    prompt_logprobs_from: int = 0
+
+
+class CachedRequestData(msgspec.Struct, **_WIRE):
+    """Requests the worker already holds: only what changed (parallel lists, one entry each)."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, **_WIRE):
+    step_id: int
+    new_reqs: list[NewRequestData] = []
+    cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # req_id -> tokens to compute this step, in batch order (new requests after cached ones).
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    # The worker drops these (finished, aborted or preempted since the last step).
+    finished_req_ids: list[str] = []
+
+
+class ModelRunnerOutput(msgspec.Struct, **_WIRE):
+    req_ids: list[str] = []  # requests that sampled this step, in batch order
+    sampled_token_ids: list[list[int]] = []
+    logprobs: LogprobsArrays | None = None  # one row per sampled token, same order
+    prompt_logprobs: dict[str, tuple[int, LogprobsArrays]] = {}  # req_id -> (start, arrays)
+    failed: dict[str, str] = {}  # req_id -> why; those requests finish with ERROR
+    pooled: dict[str, np.ndarray] = {}  # embedding models: req_id -> vector
+

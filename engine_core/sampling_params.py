@@ -1,0 +1,155 @@
+"""Per-request sampling parameters: a wire type, validated when built (and when decoded)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class OutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the previous one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+# Hard ceilings that hold whatever the deployment; servers set tighter limits at their edge.
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_LOGIT_BIAS = 1024
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` generates until the model's context
+    is full. ``logprobs=N`` returns the top-N log-probabilities of every sampled position plus the
+    sampled token's own; ``prompt_logprobs=N`` does the same for the prompt tokens. Log-probabilities
+    are those of the processed distribution: after logit bias, penalties, min_tokens masking and
+    temperature (1.0 for greedy), before top-k/top-p/min-p truncation.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            f"must be in (0, 10], got {self.repetition_penalty}",
+        )
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    0 <= value <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}], got {value}"
+                )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+        )
+        _check(all(self.stop), "stop", "stop strings must be non-empty")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "token ids must be >= 0",
+        )
+        if self.logit_bias is not None:
+            _check(
+                len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+            )
+            for tok, bias in self.logit_bias.items():
+                _check(tok >= 0, "logit_bias", f"token id must be >= 0, got {tok}")
+                _check(
+                    -100.0 <= bias <= 100.0,
+                    "logit_bias",
+                    f"bias must be in [-100, 100], got {bias} for token {tok}",
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def max_vocab_id_used(self) -> int:
+        """Largest token id this request mentions (checked against the vocabulary)."""
+        ids = list(self.stop_token_ids)
+        if self.logit_bias:
+            ids.extend(self.logit_bias)
+        return max(ids, default=-1)
+
+    def child(self, index: int) -> SamplingParams:
+        """Parameters of the ``index``-th of ``n`` samples: n=1, and a distinct seed if seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return msgspec.structs.replace(self, n=1, seed=seed)
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it (the API reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamError(param, message)

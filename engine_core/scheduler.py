@@ -1,0 +1,272 @@
+"""Token-budget scheduler: no prefill or decode phases.
+
+Every request has ``num_computed_tokens`` and ``num_tokens``; each step hands out at most
+``max_num_batched_tokens`` tokens so the first catches up with the second. Running requests are
+served first (in admission order), then waiting ones are admitted first-come first-served.
+A prompt longer than the remaining budget is split across steps (chunked prefill). When the KV
+pool runs dry, the newest running request is preempted: its blocks are freed and it is later
+recomputed from scratch (its already generated tokens become part of what it recomputes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.kv_cache_manager import KVCacheManager
+from tidal.engine_core.protocol import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from tidal.engine_core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.cache.num_blocks is None:
+            raise ValueError("the scheduler needs the resolved number of KV blocks")
+        self.config = config
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.token_budget = config.scheduler.max_num_batched_tokens
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        self.max_model_len = config.model.max_model_len
+        self.kv = KVCacheManager(
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Dropped since the last step; the workers are told to forget them.
+        self._finished_ids: list[str] = []
+        self._step_id = 0
+        self._num_preemptions = 0
+        self._prompt_tokens_step = 0
+
+    # --- intake -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[Request]:
+        """Finish requests from outside the step loop (aborts, stop strings). Unknown ids are
+        ignored: the request may have finished on its own meanwhile."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.finish(reason)
+            self._release(req)
+            done.append(req)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break  # ``req`` itself was preempted; everything after it too
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # Admitting while preempting would only thrash: the pool is already short.
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted_now
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if not self.chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if self.kv.allocate_slots(req, num_new) is None:
+                break
+            self.waiting.popleft()
+            resumed = req.status == RequestStatus.PREEMPTED
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids if resumed else [],
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv.block_ids(req.request_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                    prompt_logprobs_from=req.prompt_logprobs_sent,
+                )
+            )
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        total = self.token_budget - budget
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            new_reqs=new_reqs,
+            cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        self._step_id += 1
+        # Computed counts advance when scheduled, so the next step can be planned before this
+        # one's results are back.
+        prompt_tokens = 0
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
+            req.num_computed_tokens += n
+        self._prompt_tokens_step = prompt_tokens
+        return out
+
+    def update_from_output(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        logprobs = result.logprobs
+        for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            accepted = []
+            for token in tokens:
+                req.append_token(token)
+                accepted.append(token)
+                if req.check_stop(token, self.max_model_len):
+                    break
+            out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
+            if logprobs is not None:
+                out.new_logprobs = logprobs.slice(row, row + len(accepted))
+            self._attach_prompt_logprobs(req, result, out)
+            if req.is_finished:
+                self._finish_output(req, out)
+            outputs.append(out)
+
+        sampled = set(result.req_ids)
+        for rid in result.prompt_logprobs:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished or rid in sampled:
+                continue
+            out = EngineCoreOutput(request_id=rid)
+            self._attach_prompt_logprobs(req, result, out)
+            if out.new_prompt_logprobs is not None:
+                outputs.append(out)
+
+        for rid, message in result.failed.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            logger.warning("request %s failed in the worker: %s", rid, message)
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            req.finish(FinishReason.ERROR)
+            out = EngineCoreOutput(request_id=rid, error=message)
+            self._finish_output(req, out)
+            outputs.append(out)
+        return outputs
+
+    def make_stats(self, num_generation_tokens: int) -> SchedulerStats:
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=self._num_preemptions,
+            num_prompt_tokens=self._prompt_tokens_step,
+            num_generation_tokens=num_generation_tokens,
+        )
+        self._num_preemptions = 0
+        self._prompt_tokens_step = 0
+        return stats
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _attach_prompt_logprobs(
+        self, req: Request, result: ModelRunnerOutput, out: EngineCoreOutput
+    ) -> None:
+        chunk = result.prompt_logprobs.get(req.request_id)
+        if chunk is None:
+            return
+        start, arrays = chunk
+        skip = max(0, req.prompt_logprobs_sent - start)
+        n = len(arrays.ranks)
+        if skip >= n:
+            return
+        out.new_prompt_logprobs = arrays.slice(skip, n) if skip else arrays
+        out.prompt_logprobs_start = start + skip
+        req.prompt_logprobs_sent = start + n
+
+    def _finish_output(self, req: Request, out: EngineCoreOutput) -> None:
+        out.finish_reason = req.finish_reason
+        out.stop_reason = req.stop_reason
+        out.num_cached_tokens = max(req.num_cached_tokens, 0)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        logger.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self._num_preemptions += 1
+        self._finished_ids.append(req.request_id)
+        self.waiting.appendleft(req)
+

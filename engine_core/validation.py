@@ -1,0 +1,55 @@
+"""Checks a request must pass before it may reach the scheduler.
+
+Frontends call this before sending (so validation errors never reach the engine); the EngineCore
+calls it again on arrival, so a buggy or hostile frontend can fail only its own request.
+"""
+
+from __future__ import annotations
+
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.sampling_params import SamplingParamError, SamplingParams
+
+
+class RequestValidationError(ValueError):
+    """A request is invalid; ``param`` names the offending field, as OpenAI's API reports it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate_request(
+    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
+) -> None:
+    max_len = config.model.max_model_len
+    vocab = config.model.vocab_size
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestValidationError("the prompt is empty: give at least one token", "prompt")
+    if n >= max_len:
+        raise RequestValidationError(
+            f"the prompt has {n} tokens but the model's context (max_model_len) is {max_len} "
+            "tokens, which leaves no room to generate: shorten the prompt",
+            "prompt",
+        )
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestValidationError(
+            f"token id {bad} in the prompt is outside the vocabulary [0, {vocab})", "prompt"
+        )
+    top = params.max_vocab_id_used()
+    if top >= vocab:
+        where = "stop_token_ids" if top in params.stop_token_ids else "logit_bias"
+        raise RequestValidationError(
+            f"token id {top} in {where} is outside the vocabulary [0, {vocab})", where
+        )
+    limit = config.runner.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise RequestValidationError(
+                f"{name}={value} exceeds this server's limit of {limit}", name
+            )
+
+
+__all__ = ["RequestValidationError", "SamplingParamError", "validate_request"]

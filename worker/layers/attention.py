@@ -1,0 +1,32 @@
+"""The attention layer: writes this step's K/V into its paged cache and attends through it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 impl: AttentionImpl) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.impl = impl
+        # Bound by the model runner once the cache is allocated.
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        self.impl.write_kv(k, v, self.kv_cache, meta)
+        out = torch.empty_like(q)
+        self.impl.forward(q, self.kv_cache, meta, self.scale, out)
+        return out.view(n, self.num_heads * self.head_dim)

@@ -1,0 +1,62 @@
+"""Token embedding and LM head, with the vocabulary split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.layers.linear import WeightShapeError, set_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r*V/tp, (r+1)*V/tp) of the (padded) vocabulary; tokens of other ranks
+    look up zeros, and one all-reduce assembles the full embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tp: ParallelGroup | None = None) -> None:
+        super().__init__()
+        self.tp = tp or single_group()
+        world = self.tp.world_size
+        self.vocab_size = vocab_size
+        self.padded_vocab = -(-vocab_size // world) * world
+        self.shard_size = self.padded_vocab // world
+        self.start = self.tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise WeightShapeError(
+                f"shape mismatch: the model expects ({self.vocab_size}, {param.shape[1]}), the "
+                f"checkpoint has {tuple(loaded.shape)}"
+            )
+        end = min(self.start + self.shard_size, self.vocab_size)
+        n = max(0, end - self.start)
+        param.data[:n].copy_(loaded[self.start:end])
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; each rank computes its vocabulary slice and the slices
+    are gathered. Shares its weight with the embedding when the model ties them."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.world_size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover - use compute_logits
+        return self.compute_logits(hidden)

@@ -1,0 +1,176 @@
+"""Linear layers that know how to shard themselves and load their checkpoint tensors.
+
+Column-parallel layers split the output features across tensor-parallel ranks; row-parallel
+layers split the input features and all-reduce the result. Fused layers (q/k/v, gate/up) stack
+several checkpoint tensors; each parameter's ``weight_loader`` puts a tensor (or one shard of a
+fused tensor) in its place and checks the shape, naming what did not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+
+
+class WeightShapeError(ValueError):
+    pass
+
+
+def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise WeightShapeError(
+            f"shape mismatch: the model expects {tuple(param.shape)}, the checkpoint has "
+            f"{tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise WeightShapeError(
+            f"shape mismatch for {what}: the model expects {tuple(dst.shape)}, the checkpoint "
+            f"gives {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+def _shard(t: torch.Tensor, dim: int, index: int, count: int, what: str) -> torch.Tensor:
+    if t.shape[dim] % count:
+        raise WeightShapeError(
+            f"{what}: dimension {dim} of size {t.shape[dim]} does not split into {count} shards"
+        )
+    size = t.shape[dim] // count
+    return t.narrow(dim, index * size, size)
+
+
+class LinearBase(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: ParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp or single_group()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            set_weight_loader(self.bias, self.weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank's output is its slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp: ParallelGroup | None = None) -> None:
+        tp = tp or single_group()
+        if out_features % tp.world_size:
+            raise ValueError(f"{out_features} output features do not split over {tp.world_size}")
+        super().__init__(in_features, out_features // tp.world_size, bias, dtype, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = _shard(loaded, 0, self.tp.rank, self.tp.world_size, "column-parallel weight")
+        _copy_checked(param.data, part, "column-parallel weight")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stacked on the output dim (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 dtype: torch.dtype, tp: ParallelGroup | None = None) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, dtype, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise WeightShapeError("a fused gate/up tensor needs a shard id")
+        world, rank = self.tp.world_size, self.tp.rank
+        offset = sum(self.output_sizes[:shard_id]) // world
+        size = self.output_sizes[shard_id] // world
+        part = _shard(loaded, 0, rank, world, f"shard {shard_id}")
+        _copy_checked(param.data.narrow(0, offset, size), part, f"shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused; heads split across ranks. When there are more ranks than
+    KV heads, each KV head is replicated on ``world_size // num_kv_heads`` ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype, tp: ParallelGroup | None = None) -> None:
+        tp = tp or single_group()
+        world = tp.world_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads // world
+        self.num_kv_heads = max(1, num_kv_heads // world)
+        self.total_num_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * world
+        super().__init__(hidden_size, out, bias, dtype, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        d = self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        world, rank = self.tp.world_size, self.tp.rank
+        if shard_id == "q":
+            offset, size, part = 0, q, _shard(loaded, 0, rank, world, "q")
+        elif shard_id in ("k", "v"):
+            offset = q if shard_id == "k" else q + kv
+            size = kv
+            replicas = max(1, world // self.total_num_kv_heads)
+            part = _shard(loaded, 0, rank // replicas, world // replicas, shard_id)
+        else:
+            raise WeightShapeError(f"unknown q/k/v shard id {shard_id!r}")
+        _copy_checked(param.data.narrow(0, offset, size), part, f"{shard_id} projection")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial results are summed with one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp: ParallelGroup | None = None, reduce_results: bool = True) -> None:
+        tp = tp or single_group()
+        if in_features % tp.world_size:
+            raise ValueError(f"{in_features} input features do not split over {tp.world_size}")
+        super().__init__(in_features // tp.world_size, out_features, bias, dtype, tp)
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: whole on every rank, added once after the reduce
+            _copy_checked(param.data, loaded, "row-parallel bias")
+            return
+        part = _shard(loaded, 1, self.tp.rank, self.tp.world_size, "row-parallel weight")
+        _copy_checked(param.data, part, "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,99 @@
+"""Build a model on the target device and fill its weights from a checkpoint or at random."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tidal.engine_core.config import ModelConfig
+from tidal.worker.attention.backend import AttentionImpl
+from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[name]
+
+
+@contextlib.contextmanager
+def _default_device(device: torch.device) -> Iterator[None]:
+    # Parameters are created directly where they will live: no CPU copy of the whole model.
+    prev = torch.get_default_device()
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(prev)
+
+
+def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
+               tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> nn.Module:
+    start = time.perf_counter()
+    dtype = torch_dtype(config.dtype)
+    with _default_device(device), torch.inference_mode(False):
+        model = build_model(config.arch, dtype, impl, tp, pp)
+    model.eval()
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        _load_checkpoint(model, config)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%s, %.1fM parameters, %s) on %s in %.2f s", config.served_model_name,
+                config.load_format, n_params / 1e6, config.dtype, device,
+                time.perf_counter() - start)
+    return model
+
+
+def _load_checkpoint(model: nn.Module, config: ModelConfig) -> None:
+    current = {"file": config.path}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        if config.load_format == "gguf":
+            from tidal.worker.loader.gguf_weights import iter_gguf_weights
+
+            for name, tensor in iter_gguf_weights(config.path):
+                yield name, tensor
+        else:
+            from tidal.worker.loader.safetensors_weights import iter_safetensors
+
+            for name, tensor, path in iter_safetensors(config.path):
+                current["file"] = path
+                yield name, tensor
+
+    try:
+        model.load_weights(tensors())
+    except (ValueError, FileNotFoundError) as exc:
+        raise ModelLoadError(f"{current['file']}: {exc}") from exc
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
+                       high: float = 1e-3) -> None:
+    """Small uniform random weights (norm weights stay 1), reproducible from ``seed``.
+
+    Drawn on the parameter's own device: an 8B model initialises in seconds on a GPU."""
+    gens: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        gen = gens.get(param.device)
+        if gen is None:
+            gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(low, high, generator=gen)

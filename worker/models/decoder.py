@@ -1,0 +1,233 @@
+"""One decoder-only transformer for every supported family (Llama 2/3, Mistral, SmolLM2, Qwen2,
+Qwen3). The families differ in a few flags of ``ArchSpec``: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), rope scaling, tied embeddings.
+
+Parameter names follow HF transformers, except the fused ``qkv_proj`` and ``gate_up_proj``,
+which ``load_weights`` assembles from the separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tidal.engine_core.model_arch import ArchSpec
+from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.layers.activation import SiluAndMul
+from tidal.worker.layers.attention import Attention
+from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tidal.worker.layers.norm import RMSNorm
+from tidal.worker.layers.rotary import RotaryEmbedding
+
+
+class WeightLoadError(ValueError):
+    def __init__(self, tensor: str, message: str) -> None:
+        super().__init__(f"tensor {tensor!r}: {message}")
+        self.tensor = tensor
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 impl: AttentionImpl) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, arch.qkv_bias, dtype, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False,
+                                        dtype, tp)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                          arch.rope_theta, arch.rope_scaling)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              self.head_dim**-0.5, impl)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, meta)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False,
+                                                       dtype, tp)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 impl: AttentionImpl) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(arch, dtype, tp, impl)
+        self.mlp = DecoderMLP(arch, dtype, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def layer_range(num_layers: int, pp: ParallelGroup) -> tuple[int, int]:
+    """Layers [start, end) owned by pipeline stage ``pp.rank``: an even split, the remainder
+    going to the first stages."""
+    base, extra = divmod(num_layers, pp.world_size)
+    start = pp.rank * base + min(pp.rank, extra)
+    return start, start + base + (1 if pp.rank < extra else 0)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
+                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp or single_group()
+        self.pp = pp or single_group()
+        self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
+        if self.pp.is_first or (arch.tie_word_embeddings and self.pp.is_last):
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
+                                                       self.tp)
+        else:
+            self.embed_tokens = None
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(arch, dtype, self.tp, impl)
+            for i in range(self.start_layer, self.end_layer)
+        })
+        if self.pp.is_last:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, self.tp)
+            if arch.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.norm = None
+            self.lm_head = None
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers.values()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs this stage's layers. The first stage embeds ``input_ids``; later stages take
+        ``hidden``/``residual`` from the previous one. The last stage returns the final normed
+        hidden states (and None); others return (hidden, residual) to send on."""
+        if self.pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+            residual = None
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if not self.pp.is_last:
+            return hidden, residual
+        if residual is None:
+            return self.norm(hidden), None
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    # --- weights ------------------------------------------------------------------------------
+
+    _STACKED = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; raises ``WeightLoadError``
+        naming the tensor on a mismatch, and listing every parameter the checkpoint lacked."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = {name for name in params}
+        if self.arch.tie_word_embeddings and "lm_head.weight" in expected:
+            expected.discard("lm_head.weight")  # shared with the embedding
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = self._param_name(ckpt_name)
+            if name is None:
+                continue
+            shard_id = None
+            for fused, part, sid in self._STACKED:
+                if part in name:
+                    name, shard_id = name.replace(part, fused), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                if self._belongs_elsewhere(name):
+                    continue
+                raise WeightLoadError(ckpt_name, "the checkpoint has it but the model does not "
+                                      f"({self.arch.architecture}); wrong architecture?")
+            try:
+                if shard_id is None:
+                    param.weight_loader(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
+            except ValueError as exc:
+                raise WeightLoadError(ckpt_name, str(exc)) from exc
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise WeightLoadError(missing[0], f"missing from the checkpoint ({len(missing)} "
+                                  f"parameters not loaded: {shown})")
+
+    def _param_name(self, ckpt_name: str) -> str | None:
+        if "rotary_emb.inv_freq" in ckpt_name:
+            return None
+        if ckpt_name.startswith("model."):
+            name = ckpt_name[len("model."):]
+        else:
+            name = ckpt_name
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None
+        if name.startswith("layers."):
+            idx = int(name.split(".")[1])
+            if not self.start_layer <= idx < self.end_layer:
+                return None  # another pipeline stage's layer
+        return name
+
+    def _belongs_elsewhere(self, name: str) -> bool:
+        # Embedding / head / final norm held by another pipeline stage.
+        head = name.split(".")[0]
+        return head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None

@@ -1,0 +1,136 @@
+"""The sampler: logits of a batch → one token per row (and log-probabilities when asked).
+
+Order of processing: logit bias, min_tokens bans, penalties, temperature; log-probabilities are
+taken here (the "processed" distribution); then top-k, top-p and min-p truncate, and tokens are
+drawn with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs one random
+number per vocabulary entry and lets seeded rows draw from their own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.worker.sample.metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    token_ids: torch.Tensor  # int64 [B, 1 + N]: sampled token, then the top-N
+    logprobs: torch.Tensor  # float32 [B, 1 + N]
+    ranks: torch.Tensor  # int64 [B]: 1-based rank of the sampled token
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [B]
+    logprobs: LogprobsTensors | None
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    counts = meta.output_counts
+    assert counts is not None and meta.prompt_mask is not None
+    rep = meta.repetition_penalty
+    if rep is not None:
+        seen = meta.prompt_mask | (counts > 0)
+        factor = torch.where(logits > 0, 1.0 / rep.unsqueeze(1), rep.unsqueeze(1))
+        logits = torch.where(seen, logits * factor, logits)
+    if meta.frequency_penalty is not None:
+        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
+    if meta.presence_penalty is not None:
+        logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and its top-p nucleus."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        # The k-th largest value is at ascending position vocab - k; ties with it survive.
+        kth = sorted_logits.gather(1, (vocab - top_k).clamp(0, vocab - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        tail_mass = probs.cumsum(dim=-1)
+        drop = tail_mass <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    return q
+
+
+def compute_logprobs(
+    logprobs: torch.Tensor, sampled: torch.Tensor, num: int
+) -> LogprobsTensors:
+    chosen = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if num > 0:
+        top_vals, top_ids = logprobs.topk(num, dim=-1)
+        ids = torch.cat((sampled.unsqueeze(1), top_ids), dim=1)
+        vals = torch.cat((chosen, top_vals), dim=1)
+    else:
+        ids, vals = sampled.unsqueeze(1), chosen
+    return LogprobsTensors(ids, vals, ranks)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        if meta.bias_rows is not None:
+            logits = logits.index_put(
+                (meta.bias_rows, meta.bias_cols), meta.bias_vals, accumulate=True
+            )
+        if meta.ban_rows is not None:
+            logits = logits.index_put(
+                (meta.ban_rows, meta.ban_cols),
+                torch.tensor(_NEG_INF, device=logits.device),
+            )
+        if meta.output_counts is not None:
+            logits = apply_penalties(logits, meta)
+        if not meta.all_greedy:
+            temp = meta.temperature
+            if not meta.all_random:
+                temp = torch.where(temp == 0.0, torch.ones_like(temp), temp)
+            logits = logits / temp.unsqueeze(1)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = logits.log_softmax(dim=-1)
+
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            sampled = greedy
+        else:
+            truncated = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+            if meta.min_p is not None:
+                truncated = apply_min_p(truncated, meta.min_p)
+            probs = truncated.softmax(dim=-1)
+            drawn = (probs / exponential_noise(probs, meta.generators)).argmax(dim=-1)
+            sampled = drawn if greedy is None else torch.where(
+                meta.temperature == 0.0, greedy, drawn
+            )
+        lp = None
+        if logprobs is not None:
+            lp = compute_logprobs(logprobs, sampled, meta.max_num_logprobs or 0)
+        return SamplerOutput(sampled, lp)
