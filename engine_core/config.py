@@ -84,6 +84,7 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False
     max_cudagraph_batch: int = 512
     max_logprobs: int = 20
+    cpu_threads: int | None = None  # torch intra-op threads of a CPU worker; None: torch's default
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,6 +142,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     max_logprobs: int = 20
+    cpu_threads: int | None = None
     # Applied to the model's HF config before anything reads it (e.g. shapes for benchmarks).
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -200,7 +202,11 @@ class EngineArgs:
             seed=self.seed,
         )
         cache = self._cache_config()
-        scheduler = self._scheduler_config(max_model_len, device)
+        if task == "embed":
+            # Encoders attend both ways: a prompt is computed in one step, never chunked, and
+            # nothing is cached between steps.
+            cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
+        scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
         runner = RunnerConfig(
             device=device,
@@ -208,7 +214,10 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or device == "cpu",
             max_cudagraph_batch=min(512, scheduler.max_num_seqs),
             max_logprobs=self.max_logprobs,
+            cpu_threads=self.cpu_threads,
         )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.attention_backend not in (None, "torch", "triton", "cuda"):
             raise ConfigError(
                 f"attention_backend must be torch, triton or cuda, got {self.attention_backend!r}"
@@ -243,17 +252,20 @@ class EngineArgs:
             prefix_hash_seed=self.prefix_hash_seed,
         )
 
-    def _scheduler_config(self, max_model_len: int, device: str) -> SchedulerConfig:
-        max_num_seqs = self.max_num_seqs or (256 if device == "cuda" else 64)
+    def _scheduler_config(self, max_model_len: int, device: str, task: str) -> SchedulerConfig:
+        chunked = self.enable_chunked_prefill and task == "generate"
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            # A step never holds more sequences than tokens.
+            max_num_seqs = min(256 if device == "cuda" else 64, budget or 1 << 30)
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        chunked = self.enable_chunked_prefill
-        budget = self.max_num_batched_tokens
         if budget is None:
             budget = (8192 if device == "cuda" else 2048) if chunked else max(max_model_len, 2048)
             budget = max(budget, max_num_seqs)
-        if budget < 1:
-            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {budget}")
         if not chunked and budget < max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len "

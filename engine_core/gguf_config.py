@@ -252,6 +252,7 @@ def gguf_head_counts(header: GGUFHeader) -> tuple[int, int]:
 
 
 def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
+    """:func:`gguf_to_hf_config` for an already parsed header."""
     arch = gguf_architecture(header)
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     meta = _ArchMetadata(header, arch)
@@ -262,7 +263,7 @@ def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
     tied = header.tensor("output.weight") is None
     if header.tensor("rope_freqs.weight") is not None:
         # Llama 3.1-style rope scaling is stored as per-frequency factors in a tensor, not as
-        # metadata, so it cannot be expressed here; say so rather than silently mis-rotate.
+        # metadata, so this config cannot carry it; the model will rotate slightly wrongly.
         logger.warning(
             "%s: has a rope_freqs tensor (Llama 3.1-style rope scaling) that the config "
             "cannot express; rotary frequencies will be unscaled",
@@ -282,7 +283,11 @@ def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
         # transformers >= 5 folds theta and scaling together under this key.
-        "rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
+        "rope_parameters": {
+            "rope_type": "default",
+            **(rope_scaling or {}),
+            "rope_theta": rope_theta,
+        },
         "max_position_embeddings": meta.required_int("context_length"),
         "vocab_size": _vocab_size(header, meta),
         "tie_word_embeddings": tied,

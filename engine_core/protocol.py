@@ -70,6 +70,7 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    pooled: np.ndarray | None = None  # embedding models: the request's vector (float32)
 
     @property
     def finished(self) -> bool:

@@ -204,6 +204,15 @@ class Scheduler:
             if out.new_prompt_logprobs is not None:
                 outputs.append(out)
 
+        for rid, vector in result.pooled.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            req.finish(FinishReason.STOP)
+            out = EngineCoreOutput(request_id=rid, pooled=vector)
+            self._finish_output(req, out)
+            outputs.append(out)
+
         for rid, message in result.failed.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:

@@ -1,1 +1,9 @@
+"""tidal's frontends: offline ``LLM``, ``AsyncLLM``, the OpenAI-compatible server and client."""
 
+from __future__ import annotations
+
+from tidal.engine_core.sampling_params import OutputKind, SamplingParams
+from tidal.frontend.llm import LLM
+from tidal.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "OutputKind", "RequestOutput", "SamplingParams"]

@@ -32,6 +32,10 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+            if config.runner.cpu_threads is not None:
+                # Several engines or processes sharing few cores slow down badly when each
+                # runs a full OpenMP team (spin-waiting threads); this caps the team.
+                torch.set_num_threads(config.runner.cpu_threads)
         torch.manual_seed(config.model.seed)
         self.runner = ModelRunner(config, self.device, tp, pp)
 

@@ -82,8 +82,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.is_neox = is_neox
         cache = build_cos_sin_cache(head_dim, max_position, base, scaling)
-        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
-                             persistent=False)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

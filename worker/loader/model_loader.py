@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -27,22 +26,12 @@ def torch_dtype(name: str) -> torch.dtype:
             "bfloat16": torch.bfloat16}[name]
 
 
-@contextlib.contextmanager
-def _default_device(device: torch.device) -> Iterator[None]:
-    # Parameters are created directly where they will live: no CPU copy of the whole model.
-    prev = torch.get_default_device()
-    torch.set_default_device(device)
-    try:
-        yield
-    finally:
-        torch.set_default_device(prev)
-
-
 def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
                tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> nn.Module:
     start = time.perf_counter()
     dtype = torch_dtype(config.dtype)
-    with _default_device(device), torch.inference_mode(False):
+    # Parameters are created directly where they will live: no CPU copy of the whole model.
+    with torch.device(device):
         model = build_model(config.arch, dtype, impl, tp, pp)
     model.eval()
     if config.load_format == "dummy":
