@@ -22,7 +22,7 @@ from tidal.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, Sch
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.engine_core.validation import validate_request
 from tidal.frontend.output_processor import OutputProcessor
-from tidal.frontend.outputs import RequestOutput
+from tidal.frontend.outputs import EmbeddingOutput, RequestOutput
 from tidal.frontend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class AsyncLLM:
         self.config = client.config
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
-        self._collectors: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._collectors: dict[str, asyncio.Queue[Any]] = {}
         self._output_task: asyncio.Task[None] | None = None
         self._dead: BaseException | None = None
         self._observers: list[StatObserver] = []
@@ -161,6 +161,34 @@ class AsyncLLM:
         finally:
             self._collectors.pop(request_id, None)
             if not finished:
+                await self._abort_quietly(request_id)
+
+    async def encode(self, prompt: str | list[int], request_id: str) -> EmbeddingOutput:
+        """The embedding of one prompt (the engine must serve an embedding model)."""
+        if self.config.model.task != "embed":
+            raise ValueError(f"{self.config.model.served_model_name} is not an embedding model")
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+        text = prompt if isinstance(prompt, str) else None
+        ids = await self.tokenize(prompt) if text is not None else list(prompt)
+        validate_request(ids, SamplingParams(max_tokens=1), self.config)
+        self._ensure_output_task()
+        req = self.processor.add_embedding_request(request_id, text, ids)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._collectors[request_id] = queue
+        done = False
+        try:
+            await self.client.add_request(req)
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = True
+            if item.error is not None:
+                raise RequestFailedError(item.error)
+            return item
+        finally:
+            self._collectors.pop(request_id, None)
+            if not done:
                 await self._abort_quietly(request_id)
 
     async def abort(self, request_id: str) -> None:

@@ -19,6 +19,7 @@ from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.frontend.detokenizer import IncrementalDetokenizer, create_detokenizer, decode_token
 from tidal.frontend.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
     Logprob,
     PositionLogprobs,
     RequestMetrics,
@@ -83,6 +84,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    is_embedding: bool = False
 
     @property
     def finished(self) -> bool:
@@ -91,7 +93,7 @@ class RequestState:
 
 @dataclass(slots=True)
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | EmbeddingOutput]
     # Engine request ids that finished here (stop strings) and must be aborted in the engine.
     abort_engine_ids: list[str]
 
@@ -168,6 +170,9 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, seq = entry
+            if state.is_embedding:
+                result.request_outputs.append(self._embedding_output(state, seq, eo))
+                continue
             if eo.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, eo.prompt_logprobs_start, eo.new_prompt_logprobs)
             if not eo.new_token_ids and not eo.finished:
@@ -190,7 +195,24 @@ class OutputProcessor:
                 self.requests.pop(state.request_id, None)
         return result
 
+    def add_embedding_request(self, request_id: str, prompt: str | None,
+                              prompt_token_ids: list[int],
+                              arrival_time: float | None = None) -> EngineCoreRequest:
+        """Register a request of an embedding model; its one output is an EmbeddingOutput."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        (req,) = self.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        self.requests[request_id].is_embedding = True
+        return req
+
     # --- internals ----------------------------------------------------------------------------
+
+    def _embedding_output(self, state: RequestState, seq: SeqState,
+                          eo: EngineCoreOutput) -> EmbeddingOutput:
+        self._by_engine_id.pop(seq.engine_id, None)
+        self.requests.pop(state.request_id, None)
+        seq.finish_reason = str(eo.finish_reason)
+        vector = [] if eo.pooled is None else eo.pooled.astype(np.float32).tolist()
+        return EmbeddingOutput(state.request_id, state.prompt_token_ids, vector, eo.error)
 
     def _update_seq(self, seq: SeqState, eo: EngineCoreOutput) -> bool:
         """Apply one engine output; True if a stop string ended the sequence here (so the

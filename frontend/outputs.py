@@ -58,3 +58,8 @@ class EmbeddingOutput:
     request_id: str
     prompt_token_ids: list[int]
     embedding: list[float]
+    error: str | None = None  # the engine failed this request
+
+    @property
+    def finished(self) -> bool:
+        return True

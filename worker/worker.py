@@ -37,7 +37,12 @@ class Worker:
                 # runs a full OpenMP team (spin-waiting threads); this caps the team.
                 torch.set_num_threads(config.runner.cpu_threads)
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config, self.device, tp, pp)
+        if config.model.task == "embed":
+            from tidal.worker.pooling_runner import PoolingRunner
+
+            self.runner = PoolingRunner(config, self.device)
+        else:
+            self.runner = ModelRunner(config, self.device, tp, pp)
 
     @property
     def is_output_rank(self) -> bool:
