@@ -64,7 +64,10 @@ def _load_checkpoint(model: nn.Module, config: ModelConfig) -> None:
     try:
         model.load_weights(tensors())
     except (ValueError, FileNotFoundError) as exc:
-        raise ModelLoadError(f"{current['file']}: {exc}") from exc
+        message = str(exc)
+        if current["file"] not in message:
+            message = f"{current['file']}: {message}"
+        raise ModelLoadError(message) from exc
 
 
 @torch.no_grad()

@@ -183,6 +183,7 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings and "lm_head.weight" in expected:
             expected.discard("lm_head.weight")  # shared with the embedding
         loaded: set[str] = set()
+        shards: dict[str, set[object]] = {}
         for ckpt_name, tensor in weights:
             name = self._param_name(ckpt_name)
             if name is None:
@@ -205,7 +206,15 @@ class DecoderForCausalLM(nn.Module):
                     param.weight_loader(param, tensor, shard_id)
             except ValueError as exc:
                 raise WeightLoadError(ckpt_name, str(exc)) from exc
-            loaded.add(name)
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                shards.setdefault(name, set()).add(shard_id)
+        for name, got in shards.items():
+            # A fused parameter is loaded only once every part of it has been.
+            need = {"q", "k", "v"} if ".qkv_proj." in name else {0, 1}
+            if got == need:
+                loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

@@ -1,0 +1,153 @@
+"""Scheduler behaviour on the CPU with fake model outputs (no model runs)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tidal.engine_core.config import EngineArgs
+from tidal.engine_core.protocol import EngineCoreRequest, FinishReason, ModelRunnerOutput
+from tidal.engine_core.request import Request
+from tidal.engine_core.sampling_params import SamplingParams
+from tidal.engine_core.scheduler import Scheduler
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def base_config(tiny_models):
+    return EngineArgs(model=str(tiny_models["llama"][0]), num_kv_blocks=64, max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=256).create_config()
+
+
+def make_scheduler(cfg, **changes):
+    sched = msgspec.structs.replace(cfg.scheduler, **{k: v for k, v in changes.items()
+                                                      if k != "num_blocks"})
+    cache = msgspec.structs.replace(cfg.cache, num_blocks=changes.get("num_blocks",
+                                                                      cfg.cache.num_blocks))
+    return Scheduler(msgspec.structs.replace(cfg, scheduler=sched, cache=cache))
+
+
+def add(s: Scheduler, rid: str, n_prompt: int, **params) -> Request:
+    params.setdefault("max_tokens", 8)
+    req = Request.from_engine_request(
+        EngineCoreRequest(rid, list(range(10, 10 + n_prompt)), SamplingParams(**params)),
+        s.max_model_len, frozenset({EOS}))
+    s.add_request(req)
+    return req
+
+
+def fake_step(s: Scheduler, token: int = 7):
+    """Schedule, then pretend the model sampled ``token`` for every request that samples."""
+    so = s.schedule()
+    ids, toks = [], []
+    for rid, n in so.num_scheduled_tokens.items():
+        req = s.requests[rid]
+        if req.num_computed_tokens >= req.num_tokens:
+            ids.append(rid)
+            toks.append([token])
+    outs = s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=toks))
+    s.kv.check_invariants()
+    return so, outs
+
+
+def test_budget_running_first_then_fcfs_with_chunking(base_config):
+    s = make_scheduler(base_config, max_num_batched_tokens=32)
+    add(s, "a", 20)
+    add(s, "b", 30)
+    add(s, "c", 5)
+    so, _ = fake_step(s)
+    # a fits whole, b is chunked with what is left; c waits (FCFS: no skipping ahead).
+    assert so.num_scheduled_tokens == {"a": 20, "b": 12}
+    so, _ = fake_step(s)
+    # running first: a decodes (1), b continues its prompt (18), then c is admitted (5).
+    assert so.num_scheduled_tokens == {"a": 1, "b": 18, "c": 5}
+    assert so.total_num_scheduled_tokens == 24
+
+
+def test_no_chunking_waits_for_room(base_config):
+    s = make_scheduler(base_config, max_num_batched_tokens=256, enable_chunked_prefill=False)
+    add(s, "a", 200)
+    add(s, "b", 100)
+    so, _ = fake_step(s)
+    assert so.num_scheduled_tokens == {"a": 200}
+    so, _ = fake_step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 100}
+
+
+def test_max_num_seqs(base_config):
+    s = make_scheduler(base_config, max_num_seqs=2)
+    for i in range(4):
+        add(s, f"r{i}", 3)
+    so, _ = fake_step(s)
+    assert list(so.num_scheduled_tokens) == ["r0", "r1"]
+
+
+def test_preempts_newest_and_resumes_with_all_tokens(base_config):
+    # 6 blocks of 16 tokens: three requests of 30 prompt tokens need 2 blocks each, then grow.
+    s = make_scheduler(base_config, num_blocks=6, max_num_batched_tokens=128)
+    for rid in "abc":
+        add(s, rid, 30, max_tokens=40, ignore_eos=True)
+    fake_step(s)
+    assert s.kv.num_free_blocks == 0
+    c = s.requests["c"]
+    for _ in range(4):  # decode until the sequences outgrow two blocks (32 tokens)
+        so, _ = fake_step(s)
+        if c.num_preemptions:
+            break
+    # The newest request ("c") is the one preempted; the older ones keep running.
+    assert c.num_preemptions == 1 and c.num_computed_tokens == 0 and c in s.waiting
+    assert s.requests["a"].num_preemptions == 0 and s.requests["b"].num_preemptions == 0
+    assert "c" in so.finished_req_ids  # the worker is told to drop its state
+    # It comes back later as a new request carrying its generated tokens.
+    for _ in range(60):
+        before = list(c.output_token_ids)
+        so, _ = fake_step(s)
+        resumed = [r for r in so.new_reqs if r.req_id == "c"]
+        if resumed:
+            assert before and resumed[0].output_token_ids == before
+            assert resumed[0].num_computed_tokens == 0
+            break
+    else:
+        pytest.fail("the preempted request never resumed")
+    while s.has_unfinished():
+        fake_step(s)
+    assert s.kv.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("params, token, reason, stop_reason, n_out", [
+    (dict(max_tokens=3, ignore_eos=True), EOS, FinishReason.LENGTH, None, 3),
+    (dict(max_tokens=5), EOS, FinishReason.STOP, None, 1),
+    (dict(max_tokens=5, stop_token_ids=[9]), 9, FinishReason.STOP, 9, 1),
+    (dict(max_tokens=5, min_tokens=3), EOS, FinishReason.STOP, None, 3),
+])
+def test_finish_conditions(base_config, params, token, reason, stop_reason, n_out):
+    s = make_scheduler(base_config)
+    req = add(s, "a", 4, **params)
+    outs = []
+    while s.has_unfinished():
+        outs += fake_step(s, token)[1]
+    assert req.finish_reason == reason and req.stop_reason == stop_reason
+    assert req.num_output_tokens == n_out
+    assert outs[-1].finish_reason == reason
+    assert s.kv.num_free_blocks == s.config.cache.num_blocks
+
+
+def test_max_model_len_finishes_with_length(base_config):
+    s = make_scheduler(base_config)
+    req = add(s, "a", 250, max_tokens=None, ignore_eos=True)
+    assert req.max_tokens == 6
+    while s.has_unfinished():
+        fake_step(s)
+    assert req.finish_reason == FinishReason.LENGTH and req.num_tokens == 256
+
+
+def test_abort_frees_blocks_and_tells_the_worker(base_config):
+    s = make_scheduler(base_config)
+    add(s, "a", 40)
+    add(s, "b", 40)
+    fake_step(s)
+    s.finish_requests(["a", "unknown"], FinishReason.ABORT)
+    so, _ = fake_step(s)
+    assert "a" in so.finished_req_ids and "a" not in so.num_scheduled_tokens
+    assert s.kv.num_free_blocks == s.config.cache.num_blocks - 3
