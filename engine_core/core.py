@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+from tidal.engine_core import control
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.executor import Executor, create_executor
 from tidal.engine_core.protocol import (
@@ -16,23 +17,77 @@ from tidal.engine_core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    ModelRunnerOutput,
+    SchedulerOutput,
 )
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
+from tidal.engine_core.stats_logger import StatsLogger
 from tidal.engine_core.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
 
+class NoopExecutor:
+    """Runs no model: every request that completes its tokens in a step samples one fixed token.
+
+    Selected with ``distributed_executor_backend="noop"``; it measures the engine's own overhead
+    (scheduling, transport, detokenization) without a model (``tools/bench_overhead.py``).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        eos = set(config.model.eos_token_ids)
+        self.token = next(t for t in range(config.model.vocab_size) if t not in eos)
+        self.num_blocks = config.cache.num_blocks or 4096
+        self._lengths: dict[str, int] = {}  # req_id -> tokens the request holds
+
+    def determine_num_blocks(self) -> int:
+        return self.num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        return None
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        lengths = self._lengths
+        for rid in so.finished_req_ids:
+            lengths.pop(rid, None)
+        computed = {r.req_id: r.num_computed_tokens for r in so.new_reqs}
+        for r in so.new_reqs:
+            lengths[r.req_id] = len(r.prompt_token_ids) + len(r.output_token_ids)
+        cached = so.cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        out = ModelRunnerOutput()
+        for rid, n in so.num_scheduled_tokens.items():
+            if computed.get(rid, 0) + n >= lengths.get(rid, 0):
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append([self.token])
+                lengths[rid] = lengths.get(rid, 0) + 1
+        return out
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self._lengths.clear()
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         start = time.perf_counter()
-        self.executor = executor if executor is not None else create_executor(config)
+        if executor is None:
+            noop = config.parallel.distributed_executor_backend == "noop"
+            executor = NoopExecutor(config) if noop else create_executor(config)
+        self.executor = executor
+        logger.info("executor %s up (model loaded) in %.2f s", type(executor).__name__,
+                    time.perf_counter() - start)
+        phase = time.perf_counter()
         num_blocks = self.executor.determine_num_blocks()
         self.config = config.with_num_blocks(num_blocks)
         self.executor.init_kv_cache(num_blocks)
+        logger.info("KV cache sized and allocated in %.2f s", time.perf_counter() - phase)
         self.scheduler = Scheduler(self.config)
         self._eos = frozenset(config.model.eos_token_ids)
+        self.stats_logger = StatsLogger()
         logger.info("EngineCore ready in %.2f s: %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - start, num_blocks, config.cache.block_size,
                     config.model.max_model_len)
@@ -63,11 +118,14 @@ class EngineCore:
             result = self.executor.execute_model(sched)
             outputs = self.scheduler.update_from_output(sched, result)
         n_gen = sum(len(o.new_token_ids) for o in outputs)
-        return EngineCoreOutputs(
-            outputs=outputs,
-            timestamp=time.monotonic(),
-            scheduler_stats=self.scheduler.make_stats(n_gen),
-        )
+        stats = self.scheduler.make_stats(n_gen)
+        self.stats_logger.record(stats)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
+                                 scheduler_stats=stats)
+
+    def handle_control(self, call: control.ControlCall) -> control.ControlResult:
+        """Run a typed control call (``tidal.engine_core.control``) between two steps."""
+        return control.execute(self, call)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -40,7 +40,8 @@ class Scheduler:
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_model_len = config.model.max_model_len
         self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.cache.prefix_hash_seed,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -124,17 +125,22 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            remaining = req.num_tokens - num_hit
             if not self.chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            if self.kv.allocate_slots(req, num_new) is None:
+            req.num_computed_tokens = num_hit
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                req.num_computed_tokens = 0
                 break
+            self.kv.record_lookup(req.num_tokens, num_hit)
             self.waiting.popleft()
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
+                req.num_cached_tokens = num_hit
             self.running.append(req)
             new_reqs.append(
                 NewRequestData(
@@ -227,7 +233,10 @@ class Scheduler:
         return outputs
 
     def make_stats(self, num_generation_tokens: int) -> SchedulerStats:
+        queries, hits = self.kv.take_stats()
         stats = SchedulerStats(
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage,

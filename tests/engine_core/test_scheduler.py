@@ -28,10 +28,14 @@ def make_scheduler(cfg, **changes):
     return Scheduler(msgspec.structs.replace(cfg, scheduler=sched, cache=cache))
 
 
-def add(s: Scheduler, rid: str, n_prompt: int, **params) -> Request:
+def add(s: Scheduler, rid: str, n_prompt: int, prompt: list[int] | None = None,
+        **params) -> Request:
     params.setdefault("max_tokens", 8)
+    # Distinct prompts per request id, so the prefix cache only hits where a test wants it.
+    base = 10 + 1000 * (sum(map(ord, rid)) % 50)
+    prompt = prompt if prompt is not None else list(range(base, base + n_prompt))
     req = Request.from_engine_request(
-        EngineCoreRequest(rid, list(range(10, 10 + n_prompt)), SamplingParams(**params)),
+        EngineCoreRequest(rid, prompt, SamplingParams(**params)),
         s.max_model_len, frozenset({EOS}))
     s.add_request(req)
     return req

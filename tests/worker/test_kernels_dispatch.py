@@ -1,0 +1,75 @@
+"""Kernel dispatch and backend selection on any machine: the CPU path never touches triton or
+the CUDA extension, and the choices are validated."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tidal.worker import ops
+from tidal.worker.attention.selector import get_attention_impl
+from tidal.worker.ops import torch_ops
+
+
+def test_importing_ops_loads_no_gpu_toolchain() -> None:
+    code = (
+        "import sys\n"
+        "import tidal.worker.ops, tidal.worker.attention.selector\n"
+        "bad = [m for m in ('triton', 'torch.utils.cpp_extension', 'tidal.worker.ops.cuda_ops',"
+        " 'tidal.worker.ops.triton_ops') if m in sys.modules]\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"import pulled in {proc.stdout.strip()} {proc.stderr[-2000:]}"
+
+
+def test_cpu_tensors_take_the_torch_path() -> None:
+    x = torch.randn(3, 64)
+    assert ops.DISPATCH.impl_for(x) is torch_ops
+    assert ops.prepare_ops(torch.device("cpu")) == "torch"
+    w = torch.randn(64)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
+    out, res = ops.fused_add_rms_norm(x, x, w, 1e-6)
+    ref_out, ref_res = torch_ops.fused_add_rms_norm(x, x, w, 1e-6)
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+
+
+def test_op_choice_is_validated_and_restorable() -> None:
+    previous = ops.get_op_impl()
+    try:
+        ops.set_op_impl("torch")
+        assert ops.get_op_impl() == "torch"
+        with pytest.raises(ValueError):
+            ops.set_op_impl("fastest")  # type: ignore[arg-type]
+        assert ops.get_op_impl() == "torch"
+    finally:
+        ops.set_op_impl(previous)
+
+
+def test_selector_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert get_attention_impl(None, cpu).name == "torch"
+    assert get_attention_impl("torch", cpu).name == "torch"
+    # A GPU backend asked for on a CPU device degrades to torch (with a warning), never crashes.
+    assert get_attention_impl("triton", cpu).name == "torch"
+    assert get_attention_impl("cuda", cpu).name == "torch"
+    with pytest.raises(ValueError):
+        get_attention_impl("flash", cpu)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on a machine with no GPU")
+def test_extension_unavailable_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    from tidal.worker.ops import cuda_ext
+
+    loader = cuda_ext._ExtensionLoader()  # a fresh loader: the process-wide one may be cached
+    with caplog.at_level(logging.WARNING, logger=cuda_ext.__name__):
+        assert loader.result().module is None
+        assert loader.result().module is None
+    warned = [r for r in caplog.records if "CUDA kernels unavailable" in r.getMessage()]
+    assert len(warned) == 1
+    assert "no CUDA device" in (loader.result().error or "")

@@ -1,0 +1,516 @@
+"""Build the CUDA extension and microbenchmark tidal's GPU kernels (driven by gpu_kernel_check.sh).
+
+    python tools/gpu_kernel_check.py build --out build.json
+    python tools/gpu_kernel_check.py bench --out kernel_bench.json
+
+``bench`` measures, in one run: the HBM ceiling (a 2 GiB device-to-device copy, bytes read +
+written), paged-attention decode for the Triton and CUDA backends at batch 1/64/256 x context
+1024 on the Qwen3-0.6B attention shape (16 q heads, 8 KV heads, head 128, bf16, block 16) as
+achieved KV bandwidth, prefill attention throughput, and the fused ops. Kernel times come from
+CUDA-graph replays (launch gaps excluded, as in a captured decode step) timed with CUDA events;
+each timed call reads a different KV set, so the working set exceeds the L2 cache. Prints a
+table and writes one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+QWEN3 = {"num_heads": 16, "num_kv_heads": 8, "head_dim": 128, "block_size": 16, "hidden": 1024, "ffn": 3072}
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from tidal.worker.ops.cuda_ext import build_result
+
+    t0 = time.perf_counter()
+    res = build_result()
+    info = {
+        "ok": res.module is not None,
+        "build_seconds": round(res.seconds, 2),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "arch": res.arch,
+        "build_dir": res.build_dir,
+        "error": res.error,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    print(json.dumps(info, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+    return 0 if info["ok"] else 1
+
+
+# ----------------------------------------------------------------------------- timing helpers
+
+
+def _events_ms(run: Callable[[], None], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def time_calls(calls: list[Callable[[], None]], reps: int = 10) -> dict[str, float]:
+    """Median/min/max ms per call over ``reps`` replays of a graph holding all ``calls``."""
+    for c in calls:  # warm-up: compiles, allocator
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        run = graph.replay
+        mode = "graph"
+    except Exception as exc:  # fall back to eager launches, say so in the result
+        print(f"  (graph capture failed: {exc}; timing eager launches)", file=sys.stderr)
+
+        def run() -> None:
+            for c in calls:
+                c()
+
+        mode = "eager"
+    run()
+    torch.cuda.synchronize()
+    per_call = [t / len(calls) for t in _events_ms(run, reps)]
+    return {
+        "ms": statistics.median(per_call),
+        "ms_min": min(per_call),
+        "ms_max": max(per_call),
+        "mode": mode,
+    }
+
+
+def hbm_ceiling() -> dict[str, float]:
+    n = 2 * 1024**3
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = _events_ms(lambda: dst.copy_(src), 10)
+    ms = statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": 2 * n, "ms": ms, "GBps": 2 * n / ms / 1e6}
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _paged_sets(
+    batch: int, ctx: list[int], q_lens: list[int], n_sets: int, shape: dict[str, int], dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """One KV cache holding ``n_sets`` disjoint, shuffled block sets, and a metadata per set."""
+    from tidal.worker.attention.backend import AttentionMetadata
+
+    bs, hkv, d, h = shape["block_size"], shape["num_kv_heads"], shape["head_dim"], shape["num_heads"]
+    need = [-(-c // bs) for c in ctx]
+    per_set = sum(need)
+    ids = list(range(per_set * n_sets))
+    random.Random(seed).shuffle(ids)
+    kv = torch.empty((2, per_set * n_sets, bs, hkv, d), dtype=dtype, device="cuda").normal_()
+    num_tokens = sum(q_lens)
+    query = torch.randn((num_tokens, h, d), dtype=dtype, device="cuda")
+    qsl = np.zeros(batch + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(q_lens)
+    seq_np = np.asarray(ctx, dtype=np.int32)
+    metas = []
+    for s in range(n_sets):
+        table = torch.zeros((batch, max(need)), dtype=torch.int32)
+        k = s * per_set
+        for i, n in enumerate(need):
+            table[i, :n] = torch.tensor(ids[k : k + n], dtype=torch.int32)
+            k += n
+        metas.append(
+            AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                num_reqs=batch,
+                max_query_len=max(q_lens),
+                max_seq_len=max(ctx),
+                query_start_loc=torch.from_numpy(qsl).cuda(),
+                seq_lens=torch.from_numpy(seq_np).cuda(),
+                block_table=table.cuda(),
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device="cuda"),
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_np,
+                num_decodes=batch if max(q_lens) == 1 else 0,
+            )
+        )
+    return query, kv, metas
+
+
+def _impls() -> dict[str, Any]:
+    from tidal.worker.attention.triton_attn import TritonAttention
+
+    impls: dict[str, Any] = {"triton": TritonAttention()}
+    try:
+        from tidal.worker.attention.cuda_attn import CudaAttention
+
+        impls["cuda"] = CudaAttention()
+    except Exception as exc:
+        print(f"  cuda backend unavailable: {exc}", file=sys.stderr)
+    return impls
+
+
+def bench_decode(ceiling: float, shape: dict[str, int]) -> list[dict[str, Any]]:
+    rows = []
+    dtype = torch.bfloat16
+    h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    scale = d**-0.5
+    impls = _impls()
+    for batch in (1, 64, 256):
+        ctx = [1024] * batch
+        kv_bytes = 2 * batch * 1024 * hkv * d * 2  # K and V, bf16
+        # Enough distinct sets that one replay streams >= 256 MiB (5x the L2), at most 16 sets.
+        n_sets = max(2, min(16, math.ceil(256 * 2**20 / kv_bytes)))
+        query, kv, metas = _paged_sets(batch, ctx, [1] * batch, n_sets, shape, dtype, seed=batch)
+        out = torch.empty_like(query)
+        for name, impl in impls.items():
+            calls = [
+                (lambda m=m, impl=impl: impl.forward(query, kv, m, scale, out)) for m in metas
+            ]
+            t = time_calls(calls)
+            gbps = kv_bytes / t["ms"] / 1e6
+            rows.append(
+                {
+                    "kernel": f"decode/{name}",
+                    "batch": batch,
+                    "context": 1024,
+                    "kv_bytes": kv_bytes,
+                    **t,
+                    "GBps": gbps,
+                    "frac_of_ceiling": gbps / ceiling,
+                }
+            )
+        # Dense reference: torch SDPA over contiguous K/V of the same sizes (no paging).
+        q4 = torch.randn((batch, h, 1, d), dtype=dtype, device="cuda")
+        kd = [torch.randn((batch, hkv, 1024, d), dtype=dtype, device="cuda") for _ in range(min(n_sets, 4))]
+        vd = [torch.randn_like(k) for k in kd]
+        calls = [
+            (lambda k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+            for k, v in zip(kd, vd)
+        ]
+        try:
+            t = time_calls(calls)
+            gbps = kv_bytes / t["ms"] / 1e6
+            rows.append({"kernel": "decode/torch_sdpa_dense", "batch": batch, "context": 1024,
+                         "kv_bytes": kv_bytes, **t, "GBps": gbps, "frac_of_ceiling": gbps / ceiling})  # fmt: skip
+        except Exception as exc:
+            print(f"  sdpa dense decode failed: {exc}", file=sys.stderr)
+        del kv, kd, vd
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill(shape: dict[str, int]) -> list[dict[str, Any]]:
+    rows = []
+    dtype = torch.bfloat16
+    h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    scale = d**-0.5
+    impls = _impls()
+    cases = {
+        "4x2048 prompts": ([2048] * 4, [2048] * 4),
+        "2048-token chunk of an 8192 context": ([2048], [8192]),
+    }
+    for label, (q_lens, ctx) in cases.items():
+        # Causal pairs: query j of a request sees ctx - q + j + 1 positions.
+        pairs = sum(sum(c - q + j + 1 for j in range(q)) for q, c in zip(q_lens, ctx))
+        flops = 4 * h * d * pairs
+        query, kv, metas = _paged_sets(len(q_lens), ctx, q_lens, 2, shape, dtype, seed=7)
+        out = torch.empty_like(query)
+        for name, impl in impls.items():
+            calls = [(lambda m=m, impl=impl: impl.forward(query, kv, m, scale, out)) for m in metas]
+            t = time_calls(calls, reps=5)
+            rows.append({"kernel": f"prefill/{name}", "case": label, "tokens": sum(q_lens), **t,
+                         "TFLOPs": flops / t["ms"] / 1e9})  # fmt: skip
+        if len(set(q_lens)) == 1 and q_lens == ctx:
+            b, n = len(q_lens), q_lens[0]
+            q4 = torch.randn((b, h, n, d), dtype=dtype, device="cuda")
+            k4 = torch.randn((b, hkv, n, d), dtype=dtype, device="cuda")
+            v4 = torch.randn_like(k4)
+            try:
+                t = time_calls(
+                    [lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)],
+                    reps=5,
+                )  # fmt: skip
+                rows.append({"kernel": "prefill/torch_sdpa_dense", "case": label, "tokens": b * n, **t,
+                             "TFLOPs": flops / t["ms"] / 1e9})  # fmt: skip
+            except Exception as exc:
+                print(f"  sdpa dense prefill failed: {exc}", file=sys.stderr)
+        del kv
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+
+def bench_ops(ceiling: float, shape: dict[str, int]) -> list[dict[str, Any]]:
+    from tidal.worker.ops import torch_ops
+
+    impls: dict[str, Any] = {"torch": torch_ops}
+    from tidal.worker.ops import triton_ops
+
+    impls["triton"] = triton_ops
+    from tidal.worker.ops.cuda_ext import load_extension
+
+    if load_extension() is not None:
+        from tidal.worker.ops import cuda_ops
+
+        impls["cuda"] = cuda_ops
+    tokens, hidden, ffn = 8192, shape["hidden"], shape["ffn"]
+    h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    dt = torch.bfloat16
+    sets = 4  # rotate inputs so the working set is not L2-resident
+    xs = [torch.randn(tokens, hidden, dtype=dt, device="cuda") for _ in range(sets)]
+    rs = [torch.randn(tokens, hidden, dtype=dt, device="cuda") for _ in range(sets)]
+    w = torch.randn(hidden, dtype=dt, device="cuda")
+    gs = [torch.randn(tokens, 2 * ffn, dtype=dt, device="cuda") for _ in range(sets)]
+    qkvs = [torch.randn(tokens, (h + 2 * hkv) * d, dtype=dt, device="cuda") for _ in range(sets)]
+    pos = torch.randint(0, 4096, (tokens,), device="cuda")
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    fr = torch.outer(torch.arange(4096, device="cuda").float(), inv)
+    cache = torch.cat((fr.cos(), fr.sin()), -1)
+    e = 2  # bytes per bf16 element
+    cases = {
+        "rms_norm": (lambda m, i: m.rms_norm(xs[i], w, 1e-6), 2 * tokens * hidden * e),
+        "fused_add_rms_norm": (lambda m, i: m.fused_add_rms_norm(xs[i], rs[i], w, 1e-6), 4 * tokens * hidden * e),
+        "silu_and_mul": (lambda m, i: m.silu_and_mul(gs[i]), 3 * tokens * ffn * e),
+        "rotary_embedding": (
+            lambda m, i: m.rotary_embedding(
+                pos, qkvs[i][:, : h * d].view(tokens, h, d), qkvs[i][:, h * d : (h + hkv) * d].view(tokens, hkv, d),
+                cache, True),
+            2 * tokens * (h + hkv) * d * e,
+        ),
+    }  # fmt: skip
+    rows = []
+    for op, (fn, nbytes) in cases.items():
+        for name, mod in impls.items():
+            t = time_calls([(lambda i=i, mod=mod, fn=fn: fn(mod, i)) for i in range(sets)])
+            gbps = nbytes / t["ms"] / 1e6
+            rows.append({"kernel": f"op/{op}/{name}", "tokens": tokens, "bytes": nbytes, **t,
+                         "GBps": gbps, "frac_of_ceiling": gbps / ceiling})  # fmt: skip
+    # write_kv: this step's K/V of 8192 tokens into random slots of a big cache.
+    from tidal.worker.ops import triton_attention_kernels as tk
+
+    bs = shape["block_size"]
+    blocks = 4 * tokens // bs
+    kvc = torch.empty((2, blocks, bs, hkv, d), dtype=dt, device="cuda")
+    slots = torch.randperm(blocks * bs, device="cuda")[:tokens]
+    kv_rows = [(q[:, h * d : (h + hkv) * d].view(tokens, hkv, d), q[:, (h + hkv) * d :].view(tokens, hkv, d)) for q in qkvs]
+    k_flat, v_flat = kvc[0].view(-1, hkv, d), kvc[1].view(-1, hkv, d)
+
+    def torch_write(i: int) -> None:
+        # write_kv_reference minus its padding check, which syncs the host (not capturable).
+        k_flat.index_copy_(0, slots, kv_rows[i][0])
+        v_flat.index_copy_(0, slots, kv_rows[i][1])
+
+    wk = {
+        "torch": torch_write,
+        "triton": lambda i: tk.write_kv(kv_rows[i][0], kv_rows[i][1], kvc[0], kvc[1], slots),
+    }
+    if "cuda" in impls:
+        ext = load_extension()
+        wk["cuda"] = lambda i: ext.reshape_and_cache(kv_rows[i][0], kv_rows[i][1], kvc[0], kvc[1], slots)
+    nbytes = 2 * 2 * tokens * hkv * d * e
+    for name, fn in wk.items():
+        t = time_calls([(lambda i=i, fn=fn: fn(i)) for i in range(sets)])
+        gbps = nbytes / t["ms"] / 1e6
+        rows.append({"kernel": f"op/write_kv/{name}", "tokens": tokens, "bytes": nbytes, **t,
+                     "GBps": gbps, "frac_of_ceiling": gbps / ceiling})  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------- config sweeps
+
+
+def bench_sweep(ceiling: float, shape: dict[str, int]) -> list[dict[str, Any]]:
+    """Launch-configuration sweeps that the planners' defaults were chosen from."""
+    import dataclasses
+
+    from tidal.worker.ops import triton_attention_kernels as tk
+    from tidal.worker.ops.attention_plan import plan_triton_attention
+    from tidal.worker.ops.cuda_ext import load_extension
+
+    ext = load_extension()
+    dtype = torch.bfloat16
+    h, hkv, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    scale = d**-0.5
+    rows: list[dict[str, Any]] = []
+
+    def triton_calls(query, kv, metas, out, plan):
+        return [
+            (lambda m=m: tk.paged_attention(query, kv[0], kv[1], m.block_table, m.seq_lens,
+                                            m.query_start_loc, m.num_reqs, scale, out, plan))
+            for m in metas
+        ]  # fmt: skip
+
+    # Decode: number of context splits (runtime argument of both kernels: no recompiles).
+    for batch, ctx_len in ((1, 1024), (1, 8192), (16, 1024), (64, 1024)):
+        kv_bytes = 2 * batch * ctx_len * hkv * d * 2
+        n_sets = max(2, min(16, math.ceil(256 * 2**20 / kv_bytes)))
+        query, kv, metas = _paged_sets(batch, [ctx_len] * batch, [1] * batch, n_sets, shape, dtype, seed=3)
+        out = torch.empty_like(query)
+        base = plan_triton_attention(query.shape[0], batch, 1, h, hkv, d, dtype, query.device)
+        for splits in (1, 2, 4, 8, 16):
+            plan = dataclasses.replace(base, num_splits=splits)
+            t = time_calls(triton_calls(query, kv, metas, out, plan))
+            rows.append({"kernel": "sweep/decode_splits/triton", "batch": batch, "context": ctx_len,
+                         "splits": splits, "default": base.num_splits, **t,
+                         "GBps": kv_bytes / t["ms"] / 1e6})  # fmt: skip
+        if ext is not None:
+            for splits in (1, 2, 4, 8, 16, 32):
+                parts = (
+                    torch.empty((query.shape[0], h, splits, d), dtype=torch.float32, device="cuda"),
+                    torch.empty((query.shape[0], h, splits), dtype=torch.float32, device="cuda"),
+                    torch.empty((query.shape[0], h, splits), dtype=torch.float32, device="cuda"),
+                )
+                calls = [
+                    (lambda m=m, sp=splits, pb=parts: ext.paged_attention_decode(
+                        out, query, kv[0], kv[1], m.block_table, m.seq_lens, m.query_start_loc,
+                        batch, scale, sp, pb[0] if sp > 1 else None, pb[1] if sp > 1 else None,
+                        pb[2] if sp > 1 else None))
+                    for m in metas
+                ]  # fmt: skip
+                t = time_calls(calls)
+                rows.append({"kernel": "sweep/decode_splits/cuda", "batch": batch, "context": ctx_len,
+                             "splits": splits, **t, "GBps": kv_bytes / t["ms"] / 1e6})  # fmt: skip
+        del kv
+        torch.cuda.empty_cache()
+
+    # Decode tiles/warps/stages at bandwidth-bound batch sizes.
+    for batch in (64, 256):
+        kv_bytes = 2 * batch * 1024 * hkv * d * 2
+        n_sets = max(2, min(16, math.ceil(256 * 2**20 / kv_bytes)))
+        query, kv, metas = _paged_sets(batch, [1024] * batch, [1] * batch, n_sets, shape, dtype, seed=4)
+        out = torch.empty_like(query)
+        base = plan_triton_attention(query.shape[0], batch, 1, h, hkv, d, dtype, query.device)
+        for tile_n, warps, stages in ((64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 2, 3), (64, 4, 2),
+                                      (64, 4, 4), (128, 8, 3), (32, 2, 4)):  # fmt: skip
+            plan = dataclasses.replace(base, tile_n=tile_n, num_warps=warps, num_stages=stages)
+            t = time_calls(triton_calls(query, kv, metas, out, plan))
+            rows.append({"kernel": "sweep/decode_cfg/triton", "batch": batch, "tile_n": tile_n,
+                         "num_warps": warps, "num_stages": stages, **t, "GBps": kv_bytes / t["ms"] / 1e6,
+                         "frac_of_ceiling": kv_bytes / t["ms"] / 1e6 / ceiling})  # fmt: skip
+        del kv
+        torch.cuda.empty_cache()
+
+    # Prefill tile shapes.
+    q_lens = [2048] * 4
+    pairs = sum(sum(j + 1 for j in range(q)) for q in q_lens)
+    flops = 4 * h * d * pairs
+    query, kv, metas = _paged_sets(4, q_lens, q_lens, 2, shape, dtype, seed=8)
+    out = torch.empty_like(query)
+    base = plan_triton_attention(query.shape[0], 4, 2048, h, hkv, d, dtype, query.device)
+    for block_m, tile_n, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3),
+                                           (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3),
+                                           (128, 64, 8, 4), (64, 128, 4, 2)):  # fmt: skip
+        plan = dataclasses.replace(base, block_m=block_m, block_q=block_m // (h // hkv), tile_n=tile_n,
+                                   num_warps=warps, num_stages=stages,
+                                   grid0=query.shape[0] // (block_m // (h // hkv)) + 4)  # fmt: skip
+        try:
+            t = time_calls(triton_calls(query, kv, metas, out, plan), reps=5)
+        except Exception as exc:  # e.g. out of shared memory for a large tile
+            rows.append({"kernel": "sweep/prefill_cfg/triton", "block_m": block_m, "tile_n": tile_n,
+                         "num_warps": warps, "num_stages": stages, "error": str(exc)[:200]})  # fmt: skip
+            continue
+        rows.append({"kernel": "sweep/prefill_cfg/triton", "case": "4x2048", "block_m": block_m,
+                     "tile_n": tile_n, "num_warps": warps, "num_stages": stages, **t,
+                     "TFLOPs": flops / t["ms"] / 1e9})  # fmt: skip
+    return rows
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    props = torch.cuda.get_device_properties(0)
+    result: dict[str, Any] = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "shape": QWEN3,
+    }
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except Exception:
+        result["triton"] = None
+    ceil = hbm_ceiling()
+    result["hbm_copy"] = ceil
+    print(f"device {props.name}: d2d copy {ceil['GBps']:.0f} GB/s (read+write of 2 GiB)")
+    sections = [("decode", lambda: bench_decode(ceil["GBps"], QWEN3)), ("prefill", lambda: bench_prefill(QWEN3)),
+                ("ops", lambda: bench_ops(ceil["GBps"], QWEN3))]  # fmt: skip
+    if args.sweep:
+        sections.append(("sweep", lambda: bench_sweep(ceil["GBps"], QWEN3)))
+    for name, fn in sections:
+        t0 = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print("\nkernel                          case                  ms (min-max)          GB/s   %ceil  TFLOP/s")
+    for name, _ in sections:
+        rows = result.get(name)
+        if not isinstance(rows, list):
+            print(f"{name}: {rows}")
+            continue
+        for r in rows:
+            if "ms" not in r:
+                print(f"{r['kernel']:<31} {r}")
+                continue
+            case = r.get("case") or f"b={r.get('batch', r.get('tokens'))}"
+            knobs = [f"{k}={r[k]}" for k in ("context", "splits", "block_m", "tile_n", "num_warps", "num_stages")
+                     if k in r and not (k == "context" and r[k] == 1024 and "splits" not in r)]  # fmt: skip
+            if knobs:
+                case = f"{case} " + " ".join(knobs).replace("num_warps", "w").replace("num_stages", "st")
+            frac = r.get("frac_of_ceiling", r["GBps"] / ceil["GBps"]) if "GBps" in r else 0.0
+            gb = f"{r['GBps']:7.0f}  {100 * frac:5.1f}" if "GBps" in r else " " * 14
+            tf = f"{r['TFLOPs']:7.1f}" if "TFLOPs" in r else ""
+            print(f"{r['kernel']:<31} {case:<21} {r['ms']:8.4f} ({r['ms_min']:.4f}-{r['ms_max']:.4f})"
+                  f" {gb} {tf}")  # fmt: skip
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out")
+    c = sub.add_parser("bench")
+    c.add_argument("--out")
+    c.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check", file=sys.stderr)
+        return 2
+    return cmd_build(args) if args.cmd == "build" else cmd_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""Triton kernels of paged attention: one kernel for a whole mixed batch, a merge kernel for
+split contexts, and the K/V cache write.
+
+Batch layout and masking rules are those of ``tidal.worker.attention.backend``. A program owns
+``BLOCK_Q`` query positions of one request and every query head of one KV head (GQA packing:
+``BLOCK_M = BLOCK_Q * QPK`` rows, row ``m`` is position ``m // QPK`` of head ``m % QPK``), so each
+K/V tile it reads feeds all heads that share it. In a decode-only batch (``SPLIT_KV``) the
+context of a request is cut into ``num_splits`` ranges of whole tiles, one program each, and a
+second kernel merges the partial results (flash-decoding).
+
+This module imports triton at import time: import it only when a CUDA device and triton exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal.worker.ops.attention_plan import MAX_SPLITS, TritonAttentionPlan, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(qsl_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.constexpr):
+    """The last request whose first query block is <= q_block_idx.
+
+    Request i's query blocks start at (qsl[i] - qsl[0]) // BLOCK_Q + i, a bound that leaves every
+    request at least as many blocks as it needs, so a flat grid of
+    num_tokens // BLOCK_Q + num_reqs programs covers any batch of that many tokens and requests.
+    """
+    base = tl.load(qsl_ptr)
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = (tl.load(qsl_ptr + mid) - base) // BLOCK_Q + mid
+        if first_block <= q_block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    t,
+    kv_end,
+    row_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    head_off,
+    stride_kv_blk,
+    stride_kv_tok,
+    scale_log2,
+    offs_d,
+    d_ok,
+    PAGE_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    """One online-softmax step over context tile ``t``; returns the new (max, sum, acc)."""
+    pos = t * TILE_N + tl.arange(0, TILE_N)
+    if MASKED:
+        pos_ok = pos < kv_end
+        blk = tl.load(bt_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)
+    tok_off = blk * stride_kv_blk + (pos % PAGE_SIZE).to(tl.int64) * stride_kv_tok + head_off
+    if MASKED:
+        k = tl.load(
+            k_cache_ptr + tok_off[None, :] + offs_d[:, None],
+            mask=pos_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+    elif EVEN_D:
+        k = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None])
+    else:
+        k = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2
+    if MASKED:
+        keep = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that see nothing yet keep max -inf: subtract 0 so p stays 0 rather than NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every entry of s is
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(
+            v_cache_ptr + tok_off[:, None] + offs_d[None, :],
+            mask=pos_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+    elif EVEN_D:
+        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    num_reqs,
+    num_splits,
+    scale_log2,
+    stride_q_tok: tl.int64,
+    stride_q_head: tl.int64,
+    stride_o_tok: tl.int64,
+    stride_o_head: tl.int64,
+    stride_kv_blk: tl.int64,
+    stride_kv_tok: tl.int64,
+    stride_kv_head: tl.int64,
+    stride_bt: tl.int64,
+    NUM_HEADS: tl.constexpr,
+    QPK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        req = pid_q
+        q_block = 0
+    else:
+        req = _find_request(qsl_ptr, pid_q, num_reqs, BLOCK_Q)
+        q_block = pid_q - ((tl.load(qsl_ptr + req) - tl.load(qsl_ptr)) // BLOCK_Q + req)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_before = seq_len - q_len  # context positions before the first query of this request
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + offs_m // QPK
+    head = kv_head * QPK + offs_m % QPK
+    row_ok = (offs_m < BLOCK_Q * QPK) & (q_idx < q_len)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Causal bound: the block's last query row sees positions up to ctx_before + its index.
+    kv_end = tl.minimum(ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len), seq_len)
+    kv_end = tl.maximum(kv_end, 0)
+    num_tiles = (kv_end + TILE_N - 1) // TILE_N
+    if SPLIT_KV:
+        per_split = (num_tiles + num_splits - 1) // num_splits
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    row_pos = ctx_before + q_idx  # context position of each query row
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_kv_head
+    # Tiles that end at or before the first row's position are visible to every row and lie
+    # inside the context: no masks. Only the tiles on the causal diagonal (and the ragged last
+    # tile) pay for masking.
+    n_full = (ctx_before + q_block * BLOCK_Q + 1) // TILE_N
+    for t in range(tile_lo, tl.minimum(n_full, tile_hi)):
+        m_i, l_i, acc = _attend_tile(
+            q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
+            PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT,
+        )  # fmt: skip
+    for t in range(tl.maximum(n_full, tile_lo), tile_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
+            PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT,
+        )  # fmt: skip
+
+    # seq_len 0 (padding) or an empty split: acc and l are 0 and the output row is 0.
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT_KV:
+        part = (tok * NUM_HEADS + head) * num_splits + split
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], o, mask=row_ok[:, None]
+        )
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    else:
+        tl.store(
+            out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    qsl_ptr,
+    num_splits,
+    stride_o_tok: tl.int64,
+    stride_o_head: tl.int64,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(max_s - max) * sum_s; one program per
+    (decode request, head)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(qsl_ptr + req)
+    if tl.load(qsl_ptr + req + 1) - tok != 1:
+        return
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < num_splits
+    base = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits
+    m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(l > 0.0, tl.exp2(m - m_use) * l, 0.0)
+    den = tl.sum(w, axis=0)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    o = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    out: torch.Tensor,
+    plan: TritonAttentionPlan,
+) -> None:
+    """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``."""
+    if num_reqs == 0 or query.shape[0] == 0:
+        return
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    qpk = num_heads // num_kv_heads
+    head_dim_p = max(16, next_pow2(head_dim))
+    split = plan.num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_tokens, num_heads, plan.num_splits, head_dim_p),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, plan.num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused by the kernel in this mode
+    grid = (plan.grid0, num_kv_heads, plan.num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        part_out,
+        part_max,
+        part_sum,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_reqs,
+        plan.num_splits,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        QPK=qpk,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        PAGE_SIZE=key_cache.shape[1],
+        BLOCK_Q=plan.block_q,
+        BLOCK_M=plan.block_m,
+        TILE_N=plan.tile_n,
+        DECODE_ONLY=plan.decode_only,
+        SPLIT_KV=split,
+        IEEE_DOT=query.dtype == torch.float32,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            query_start_loc,
+            plan.num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            SPLITS_P=max(2, next_pow2(MAX_SPLITS)),
+            num_warps=4,
+        )
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_k_tok: tl.int64,
+    stride_k_head: tl.int64,
+    stride_v_tok: tl.int64,
+    stride_v_head: tl.int64,
+    stride_c_blk: tl.int64,
+    stride_c_tok: tl.int64,
+    stride_c_head: tl.int64,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    blk = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    h = tl.arange(0, HEADS_P)
+    d = tl.arange(0, HEAD_DIM_P)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    dst = blk * stride_c_blk + off * stride_c_tok + h[:, None] * stride_c_head + d[None, :]
+    k = tl.load(key_ptr + t * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + t * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping`` (< 0: skip)."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    heads_p = next_pow2(num_kv_heads)
+    head_dim_p = next_pow2(head_dim)
+    # Wide rows (many KV heads x 128) want more warps to keep enough loads in flight.
+    num_warps = 4 if heads_p * head_dim_p <= 2048 else 8
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P=heads_p,
+        HEAD_DIM_P=head_dim_p,
+        PAGE_SIZE=key_cache.shape[1],
+        num_warps=num_warps,
+    )
+
