@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from tidal.engine_core import control
 from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.executor import Executor, create_executor
+from tidal.engine_core.executor import Deferred, Executor, create_executor
 from tidal.engine_core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -47,7 +49,11 @@ class NoopExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         return None
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        out = self._execute(so)
+        return Deferred(out) if non_block else out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         lengths = self._lengths
         for rid in so.finished_req_ids:
             lengths.pop(rid, None)
@@ -88,6 +94,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.config)
         self._eos = frozenset(config.model.eos_token_ids)
         self.stats_logger = StatsLogger()
+        # Steps launched but not yet collected: (scheduler output, result or pending result).
+        self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
+        self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         logger.info("EngineCore ready in %.2f s: %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - start, num_blocks, config.cache.block_size,
                     config.model.max_model_len)
@@ -104,18 +113,27 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute and update once; returns the new outputs (possibly none)."""
-        if not self.scheduler.has_unfinished():
-            return EngineCoreOutputs(timestamp=time.monotonic())
-        sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput]
-        if sched.total_num_scheduled_tokens == 0 and not sched.finished_req_ids:
-            outputs = []
-        else:
-            result = self.executor.execute_model(sched)
+        """Schedule, execute and update once; returns the new outputs (possibly none).
+
+        With a batch queue (async scheduling, pipeline parallelism) the next step is scheduled
+        and launched before the oldest one's results are collected, so scheduling overlaps the
+        model's work; results still arrive in order.
+        """
+        outputs: list[EngineCoreOutput] = []
+        launched = False
+        if len(self.batch_queue) < self.max_inflight and self.scheduler.has_unfinished():
+            sched = self.scheduler.schedule()
+            if sched.total_num_scheduled_tokens:
+                pending = (self.executor.execute_model(sched, non_block=True)
+                           if self.max_inflight > 1 else self.executor.execute_model(sched))
+                self.batch_queue.append((sched, pending))
+                launched = True
+        if self.batch_queue and (len(self.batch_queue) >= self.max_inflight or not launched):
+            sched, pending = self.batch_queue.popleft()
+            result = pending.result() if self.max_inflight > 1 else pending
             outputs = self.scheduler.update_from_output(sched, result)
         n_gen = sum(len(o.new_token_ids) for o in outputs)
         stats = self.scheduler.make_stats(n_gen)

@@ -4,7 +4,7 @@ the EngineCore's own process (CPU, tests, one GPU without process isolation)."""
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
@@ -12,12 +12,38 @@ from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+class PendingOutput(Protocol):
+    """A step's result that may still be computing (e.g. on the GPU)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Deferred:
+    """A step result produced in this process; ``result()`` waits for the device if the model
+    runner handed back an output still being copied (anything with ``get_output()``)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def result(self) -> ModelRunnerOutput:
+        get = getattr(self._value, "get_output", None)
+        return get() if get is not None else self._value
+
+
 class Executor(Protocol):
+    # Steps that may be in flight at once: 1 runs steps one by one; more lets the EngineCore
+    # schedule step N+1 while step N runs (async scheduling, pipeline stages).
+    max_concurrent_batches: int
+
     def determine_num_blocks(self) -> int: ...
 
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        """The step's ``ModelRunnerOutput``, or with ``non_block`` a ``PendingOutput``."""
+        ...
 
     def check_health(self) -> None: ...
 
@@ -30,6 +56,7 @@ class UniprocExecutor:
 
         self.worker = Worker(config)
         self.worker.load_model()
+        self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
@@ -37,10 +64,9 @@ class UniprocExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.worker.execute_model(so)
-        assert out is not None
-        return out
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        out = Deferred(self.worker.execute_model(so))
+        return out if non_block else out.result()
 
     def check_health(self) -> None:
         return None

@@ -96,10 +96,13 @@ class KVCacheManager:
         end = num_tokens // self.block_size
         if end <= start:
             return
+        # Blocks holding tokens still being sampled (async scheduling) are cached later, once
+        # their values are known.
         hashes = self.hasher.update(request, num_tokens)
+        end = min(end, len(hashes))
         for i in range(start, end):
             self.pool.cache_block(blocks[i], hashes[i])
-        self._num_cached[request.request_id] = end
+        self._num_cached[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
         self._num_cached.pop(request.request_id, None)

@@ -1,6 +1,7 @@
 """Wire types: everything that crosses a process boundary, as msgspec structs.
 
-frontend ⇄ EngineCore: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out.
+frontend ⇄ EngineCore: ``EngineCoreRequest`` in, ``EngineCoreOutputs`` out, each wrapped in a
+tagged envelope (``FrontendMessage`` / ``EngineMessage``) on the sockets.
 EngineCore ⇄ workers: ``SchedulerOutput`` in, ``ModelRunnerOutput`` out.
 Arrays are numpy arrays; the serializer sends large ones as separate zero-copy frames.
 """
@@ -11,6 +12,8 @@ import enum
 import msgspec
 import numpy as np
 
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.control import ControlCall, ControlResult
 from tidal.engine_core.sampling_params import SamplingParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -117,6 +120,10 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
     req_ids: list[str] = []
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    # Only with pipeline parallelism (stages that do not sample never see the sampled tokens):
+    # tokens sampled since the request was last scheduled; they end at the last position
+    # scheduled this step. Empty lists otherwise.
+    new_token_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, **_WIRE):
@@ -138,3 +145,91 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     failed: dict[str, str] = {}  # req_id -> why; those requests finish with ERROR
     pooled: dict[str, np.ndarray] = {}  # embedding models: req_id -> vector
 
+
+
+# --- frontend ⇄ EngineCore process: envelopes -------------------------------------------------
+#
+# Every message on a frontend⇄EngineCore socket is one member of a tagged union, so the receiver
+# dispatches on the decoded type (never on a method name) and a frame of the wrong kind fails to
+# decode instead of being misread. See ``core_proc`` for the sockets that carry them.
+
+# Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
+PROTOCOL_VERSION = 1
+
+
+class Hello(msgspec.Struct, tag="hello", **_WIRE):
+    """Frontend -> engine (handshake socket): where the engine should connect to reach it."""
+
+    input_address: str  # the frontend's ROUTER; the engine connects a DEALER to it
+    output_address: str  # the frontend's PULL; the engine connects a PUSH to it
+    pid: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Ready(msgspec.Struct, tag="ready", **_WIRE):
+    """Engine -> frontend (handshake socket): the engine is serving this frontend."""
+
+    engine_identity: bytes  # the engine DEALER's identity on the frontend's ROUTER
+    client_index: int  # this frontend's index on the engine (outputs are routed by it)
+    config: EngineConfig  # resolved: KV blocks known, max_model_len final
+    engine_pid: int = 0
+    heartbeat_interval_s: float = 0.0  # the engine sends at least one message this often
+
+
+class HandshakeFailed(msgspec.Struct, tag="failed", **_WIRE):
+    """Engine -> frontend (handshake socket): start-up failed or the HELLO was refused."""
+
+    error: str
+
+
+HandshakeMessage = Hello | Ready | HandshakeFailed
+
+
+class EngineRegister(msgspec.Struct, tag="register", **_WIRE):
+    """Engine -> frontend, once, on the input socket: until it arrives the frontend's ROUTER
+    cannot route to the engine (its identity is not known yet)."""
+
+    engine_identity: bytes
+
+
+class AddRequest(msgspec.Struct, tag="add", **_WIRE):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", **_WIRE):
+    request_ids: list[str]
+
+
+class ControlRequest(msgspec.Struct, tag="control", **_WIRE):
+    call_id: int
+    call: ControlCall
+
+
+class Goodbye(msgspec.Struct, tag="bye", **_WIRE):
+    """The frontend is leaving: the engine aborts its requests and forgets it."""
+
+
+FrontendMessage = AddRequest | AbortRequests | ControlRequest | Goodbye
+
+
+class CoreOutputs(msgspec.Struct, tag="out", **_WIRE):
+    outputs: EngineCoreOutputs
+
+
+class ControlResponse(msgspec.Struct, tag="control", **_WIRE):
+    call_id: int
+    result: ControlResult = None
+    error: str | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="hb", **_WIRE):
+    """Sent when nothing else was for a while, so a remote frontend can tell "idle" from "dead"."""
+
+
+class EngineDead(msgspec.Struct, tag="dead", **_WIRE):
+    """The engine is going away (a fatal error or a shutdown); the reason says which."""
+
+    reason: str
+
+
+EngineMessage = CoreOutputs | ControlResponse | Heartbeat | EngineDead

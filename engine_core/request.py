@@ -31,6 +31,11 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
     num_preemptions: int = 0
     prompt_logprobs_sent: int = 1  # prompt positions below this were delivered (0 never is)
+    # Tokens scheduled to be sampled by steps still in flight (async scheduling, pipeline
+    # parallelism): their positions exist for scheduling, their values are not known yet.
+    num_placeholders: int = 0
+    # Known tokens the workers have been sent (pipeline parallelism forwards the rest).
+    num_tokens_sent: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -43,6 +43,11 @@ class Scheduler:
             config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             config.cache.prefix_hash_seed,
         )
+        # Steps may be scheduled before earlier ones return (async scheduling, pipeline
+        # parallelism). Async scheduling lets a request decode on a token still being sampled
+        # (the worker fills it in); otherwise a request waits for its in-flight step.
+        self.async_scheduling = config.scheduler.async_scheduling
+        self.forward_tokens = config.parallel.pipeline_parallel_size > 1
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,7 +101,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(self._num_pending(req), budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -113,6 +118,9 @@ class Scheduler:
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            if self.forward_tokens:
+                cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
+                req.num_tokens_sent = req.num_tokens
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             i += 1
@@ -125,6 +133,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_placeholders:
+                break  # preempted with a step in flight: resume once its token is known
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
             remaining = req.num_tokens - num_hit
@@ -141,6 +151,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            req.num_tokens_sent = req.num_tokens
             self.running.append(req)
             new_reqs.append(
                 NewRequestData(
@@ -163,19 +174,34 @@ class Scheduler:
             cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
-            finished_req_ids=self._finished_ids,
+            finished_req_ids=self._finished_ids if total else [],
         )
+        if not total:
+            return out  # nothing runs; the workers learn of finished requests next time
         self._finished_ids = []
         self._step_id += 1
         # Computed counts advance when scheduled, so the next step can be planned before this
-        # one's results are back.
+        # one's results are back; a request that reaches its end samples a token this step.
         prompt_tokens = 0
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
             prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_placeholders:
+                req.num_placeholders += 1
         self._prompt_tokens_step = prompt_tokens
         return out
+
+    def _num_pending(self, req: Request) -> int:
+        """Tokens ``req`` could compute now (0: it must wait)."""
+        if req.num_placeholders:
+            if not self.async_scheduling:
+                return 0  # its next input token is still being sampled
+            # Stop scheduling once the tokens in flight already reach a known limit.
+            if (req.num_output_tokens + req.num_placeholders >= req.max_tokens
+                    or req.num_tokens + req.num_placeholders >= self.max_model_len):
+                return 0
+        return req.num_tokens + req.num_placeholders - req.num_computed_tokens
 
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -186,6 +212,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            req.num_placeholders = max(0, req.num_placeholders - 1)
             accepted = []
             for token in tokens:
                 req.append_token(token)
@@ -224,8 +251,6 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             logger.warning("request %s failed in the worker: %s", rid, message)
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
             req.finish(FinishReason.ERROR)
             out = EngineCoreOutput(request_id=rid, error=message)
             self._finish_output(req, out)
@@ -269,7 +294,9 @@ class Scheduler:
         out.finish_reason = req.finish_reason
         out.stop_reason = req.stop_reason
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
-        if req in self.running:
+        if req.status == RequestStatus.PREEMPTED:
+            self.waiting.remove(req)  # its in-flight step finished it after preemption
+        elif req in self.running:
             self.running.remove(req)
         self._release(req)
 

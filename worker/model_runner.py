@@ -33,6 +33,15 @@ def position_seed(seed: int, position: int) -> int:
 
 
 @dataclass(slots=True)
+class IntermediateTensors:
+    """What a pipeline stage hands the next one: hidden states and residuals of this step's
+    tokens."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -181,15 +190,29 @@ class ModelRunner:
             except ValueError as exc:
                 failed[new.req_id] = str(exc)
         cr = so.cached_reqs
-        for rid, blocks, computed in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
+        for i, (rid, blocks, computed) in enumerate(
+                zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens)):
             row = b.row_of.get(rid)
-            if row is not None:
-                b.append_blocks(row, blocks)
-                b.num_computed[row] = computed
+            if row is None:
+                continue
+            b.append_blocks(row, blocks)
+            b.num_computed[row] = computed
+            if cr.new_token_ids and cr.new_token_ids[i]:
+                # Pipeline parallelism: tokens sampled on the last stage, ending at this step's
+                # last scheduled position (the sampling stage already holds them).
+                new = cr.new_token_ids[i]
+                end = computed + so.num_scheduled_tokens.get(rid, 0)
+                b.token_ids[row, end - len(new):end] = new
+                b.num_tokens[row] = max(int(b.num_tokens[row]), end)
         return failed
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, so: SchedulerOutput, intermediate: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors:
+        """Run one step. With pipeline parallelism, stages after the first take the previous
+        stage's ``intermediate`` tensors, and stages before the last return theirs instead of
+        sampling."""
         failed = self.apply_diffs(so)
         b = self.batch
         req_ids = [rid for rid in so.num_scheduled_tokens if rid in b.row_of]
@@ -200,7 +223,13 @@ class ModelRunner:
                               len(req_ids))
         inputs = self.prepare_inputs(rows, n_sched)
         assert self.model is not None
-        hidden, _ = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden, residual = self.model(
+            inputs.input_ids, inputs.positions, inputs.meta,
+            None if intermediate is None else intermediate.hidden,
+            None if intermediate is None else intermediate.residual)
+        if not self.pp.is_last:
+            b.num_computed[rows] = inputs.seq_lens
+            return IntermediateTensors(hidden, residual)
         prompt_lp = self._prompt_logprobs(req_ids, inputs, hidden)
         sample_rows = rows[inputs.sample_mask]
         sampled_ids = [rid for rid, m in zip(req_ids, inputs.sample_mask) if m]

@@ -182,3 +182,27 @@ def test_text_prompts_chat_and_stop_strings(smollm2_llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full[:full.index(stop)]
     assert stop not in cut.text
+
+
+@pytest.mark.parametrize("num_blocks", [512, 24], ids=["roomy", "preempting"])
+def test_async_scheduling_gives_identical_outputs(tiny, num_blocks):
+    """Scheduling step N+1 before step N's tokens are known must not change any output, also
+    when requests stop early (stop tokens, max_tokens) and when preemption kicks in."""
+    folder, vocab = tiny
+    prompts = _mixed_prompts(12, vocab, seed=11)
+    free = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=512, multiprocess=False)
+    probe = free.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30,
+                                                      ignore_eos=True), use_tqdm=False)
+    stop_tok = probe[0].outputs[0].token_ids[7]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=25, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok]),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)] * 3
+    expected = _tokens(free.generate(prompts, params, use_tqdm=False))
+    fast = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=num_blocks,
+               max_model_len=256, async_scheduling=True, multiprocess=False)
+    core = fast.engine.core
+    assert core.max_inflight == 2
+    assert _tokens(fast.generate(prompts, params, use_tqdm=False)) == expected
+    core.scheduler.kv.check_invariants()
+    assert core.scheduler.kv.num_free_blocks == core.config.cache.num_blocks
