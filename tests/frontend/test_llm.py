@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-import reference
 from tidal.frontend import LLM, SamplingParams
 
 

