@@ -71,7 +71,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # "uni" | "mp" | "ray"
+    distributed_executor_backend: str = "uni"  # "uni" | "mp" | "ray" | "noop" (no model)
 
     @property
     def world_size(self) -> int:
@@ -306,11 +306,12 @@ class EngineArgs:
                 f"pipeline_parallel_size {pp} exceeds the number of layers ({arch.num_layers})"
             )
         backend = self.distributed_executor_backend or ("uni" if tp * pp == 1 else "mp")
-        if backend not in ("uni", "mp", "ray"):
+        # "noop" runs no model at all (one fixed token per step): for overhead benchmarks.
+        if backend not in ("uni", "mp", "ray", "noop"):
             raise ConfigError(
-                f"distributed_executor_backend must be uni, mp or ray, got {backend!r}"
+                f"distributed_executor_backend must be uni, mp, ray or noop, got {backend!r}"
             )
-        if backend == "uni" and tp * pp > 1:
+        if backend in ("uni", "noop") and tp * pp > 1:
             raise ConfigError("the in-process executor runs one worker; use 'mp' or 'ray'")
         return ParallelConfig(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend

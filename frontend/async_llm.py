@@ -7,6 +7,10 @@
 Outputs stream per request through a collector queue filled by one background task that reads
 the engine client and runs the ``OutputProcessor``. Cancelling the consuming task (or breaking out
 of the loop) aborts the request in the engine.
+
+By default the engine runs in its own process (``tidal.frontend.mp_client``); ``mode="thread"``
+keeps it in a thread of this one, and ``AsyncLLM.from_address`` connects to a running
+``engine-core`` instead (several frontends may share one).
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tidal.engine_core.config import EngineArgs, EngineConfig
+from tidal.engine_core.control import (
+    ControlCall,
+    ControlResult,
+    GetKVStats,
+    KVStats,
+    ResetPrefixCache,
+)
 from tidal.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.engine_core.validation import validate_request
@@ -52,6 +63,15 @@ class AsyncEngineClient(Protocol):
         """Wait for the next batch of outputs; raises EngineDeadError if the engine died."""
         ...
 
+    async def call(self, call: ControlCall) -> ControlResult:
+        """Run a typed control call in the engine (``tidal.engine_core.control``)."""
+        ...
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine is dead, once the client knows it is; None while it lives."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -71,14 +91,52 @@ class AsyncLLM:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-tokenize")
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **client_kwargs: Any) -> AsyncLLM:
-        """Start an engine for ``args``. ``client_kwargs`` choose how it runs (see
-        ``tidal.frontend.engine_client.make_async_client``)."""
+    def from_engine_args(cls, args: EngineArgs, *, mode: str = "process",
+                         skip_tokenizer_init: bool = False, **client_kwargs: Any) -> AsyncLLM:
+        """Start an engine for ``args``: in its own process (``mode="process"``, the default)
+        or in a thread of this one (``mode="thread"``). ``client_kwargs`` go to the client (see
+        ``tidal.frontend.engine_client.make_async_client``). ``skip_tokenizer_init``: token-id
+        prompts only, no text in the outputs."""
         from tidal.frontend.engine_client import make_async_client
 
         config = args.create_config()
-        tokenizer = load_tokenizer(config.model)
-        return cls(make_async_client(config, **client_kwargs), tokenizer)
+        if mode != "process":
+            tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
+            return cls(make_async_client(config, mode, **client_kwargs), tokenizer)
+        from tidal.frontend.mp_client import EngineConnection, MPAsyncClient
+
+        # The engine process starts (imports, loads the model) while this one loads the
+        # tokenizer.
+        conn = EngineConnection.spawn(config, **client_kwargs)
+        try:
+            tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
+            conn.wait_ready()
+        except BaseException:
+            conn.close()
+            raise
+        return cls(MPAsyncClient(conn), tokenizer)
+
+    @classmethod
+    def from_address(cls, address: str, *, tokenizer: str | None = None,
+                     skip_tokenizer_init: bool = False, timeout_s: float | None = None,
+                     **client_kwargs: Any) -> AsyncLLM:
+        """Connect to a running ``engine-core`` at ``address`` (``tcp://HOST:PORT`` or
+        ``ipc://PATH``). The tokenizer is the engine's model's unless ``tokenizer`` names
+        another path (the engine's may not exist on this host)."""
+        from tidal.frontend.mp_client import MPAsyncClient
+
+        client = MPAsyncClient.connect(address, timeout_s, **client_kwargs)
+        try:
+            model = client.config.model
+            if tokenizer is not None:
+                import msgspec
+
+                model = msgspec.structs.replace(model, tokenizer=tokenizer)
+            tok = None if skip_tokenizer_init else load_tokenizer(model)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, tok)
 
     # --- state --------------------------------------------------------------------------------
 
@@ -98,8 +156,28 @@ class AsyncLLM:
         return self.tokenizer
 
     async def check_health(self) -> None:
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
+        # The client may know before the output task does (e.g. no request in flight).
+        if self._dead is None and self.client.dead_error is not None:
+            self._mark_dead(self.client.dead_error)
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+
+    async def control(self, call: ControlCall) -> ControlResult:
+        """Run a typed control call in the engine; returns ``type(call).result_type``."""
+        self._raise_if_dead()
+        return await self.client.call(call)
+
+    async def get_kv_stats(self) -> KVStats:
+        stats = await self.control(GetKVStats())
+        assert isinstance(stats, KVStats)
+        return stats
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests hold blocks."""
+        return bool(await self.control(ResetPrefixCache()))
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -133,9 +211,11 @@ class AsyncLLM:
         ``EngineDeadError`` if the engine dies, ``RequestFailedError`` if the engine failed this
         request alone.
         """
-        if self._dead is not None:
-            raise EngineDeadError(str(self._dead))
+        self._raise_if_dead()
         text = prompt if isinstance(prompt, str) else None
+        if self.tokenizer is None and (text is not None or params.stop):
+            raise ValueError("text prompts and stop strings need a tokenizer "
+                             "(this engine was started with skip_tokenizer_init)")
         ids = await self.tokenize(prompt) if text is not None else list(prompt)
         validate_request(ids, params, self.config)
         self._ensure_output_task()
@@ -167,8 +247,7 @@ class AsyncLLM:
         """The embedding of one prompt (the engine must serve an embedding model)."""
         if self.config.model.task != "embed":
             raise ValueError(f"{self.config.model.served_model_name} is not an embedding model")
-        if self._dead is not None:
-            raise EngineDeadError(str(self._dead))
+        self._raise_if_dead()
         text = prompt if isinstance(prompt, str) else None
         ids = await self.tokenize(prompt) if text is not None else list(prompt)
         validate_request(ids, SamplingParams(max_tokens=1), self.config)

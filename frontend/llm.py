@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -23,6 +23,9 @@ from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import RequestOutput
 from tidal.frontend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
+if TYPE_CHECKING:
+    from tidal.frontend.mp_client import MPSyncClient
+
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
@@ -30,14 +33,35 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, skip_tokenizer_init: bool = False,
-                 **kwargs: Any) -> None:
+                 multiprocess: bool = False, **kwargs: Any) -> None:
         """``kwargs`` are engine arguments (see ``EngineArgs``). ``skip_tokenizer_init``: take
         token-id prompts only and return token ids without text (for models without a
-        tokenizer)."""
+        tokenizer).
+
+        ``multiprocess``: run the EngineCore in its own process, on the same client as
+        ``AsyncLLM`` (a crash there raises ``EngineDeadError`` here instead of taking this
+        process down). Off by default: offline batches gain little from the isolation, and
+        starting a process costs seconds. ``llm.engine.core`` (the in-process EngineCore, which
+        tests inspect) exists only in the default mode.
+        """
         args = EngineArgs.from_kwargs(model=model, **kwargs)
         config = args.create_config()
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
-        self.engine = InprocClient(config)
+        self.engine: InprocClient | MPSyncClient
+        if not multiprocess:
+            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
+            self.engine = InprocClient(config)
+        else:
+            from tidal.frontend.mp_client import EngineConnection
+            from tidal.frontend.mp_client import MPSyncClient as _MPSyncClient
+
+            conn = EngineConnection.spawn(config)  # starts while the tokenizer loads
+            try:
+                self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
+                conn.wait_ready()
+            except BaseException:
+                conn.close()
+                raise
+            self.engine = _MPSyncClient(conn)
         self.config = self.engine.config
         self._ids = itertools.count()
 

@@ -1,0 +1,711 @@
+"""The EngineCore process: an ``EngineCore`` behind ZeroMQ sockets, serving one or more frontends.
+
+Threads
+  * main: the busy loop. Between two steps it takes decoded inputs from a queue, then schedules,
+    executes and updates once, and hands the outputs (Python objects) to the output thread. With
+    nothing to run it blocks on that queue, waking once a second only to ask the executor whether
+    its workers are alive: an idle engine uses no CPU to speak of.
+  * input: owns the handshake socket and one DEALER per frontend; decodes every message off the
+    busy loop's critical path and queues it.
+  * output: owns one PUSH per frontend; encodes and sends outputs, and a ``Heartbeat`` to any
+    frontend that got nothing for ``HEARTBEAT_INTERVAL_S``.
+
+Sockets
+  The engine binds one ROUTER, the handshake socket, at its listen address. A frontend binds its
+  own ROUTER (input) and PULL (output), connects a DEALER to the handshake socket and sends
+  ``Hello`` with those two addresses. The engine connects a DEALER (identity = the engine id) to
+  the frontend's ROUTER and sends ``EngineRegister`` on it (until then the ROUTER cannot route to
+  the engine), connects a PUSH to the frontend's PULL, and answers ``Ready`` with its identity,
+  the frontend's client index and the resolved ``EngineConfig``. Every frontend has its own pair
+  of connections, so each receives only its own outputs; request ids are namespaced by client
+  index inside the engine, so two frontends may use the same ids.
+
+Failure
+  Any exception from the executor (a worker died) or the busy loop is fatal: the engine sends
+  ``EngineDead(reason)`` to every frontend, shuts the executor down and exits with code 1.
+  SIGTERM (and SIGINT when run alone) shut down gracefully: frontends get ``EngineDead`` too, exit
+  code 0. A frontend that says ``Goodbye`` or whose connection drops is forgotten and its requests
+  are aborted; the engine keeps serving the others. A message that fails to decode is logged and
+  dropped (a request whose id can still be read fails alone). A spawned engine exits when its
+  parent process dies (the parent's multiprocessing sentinel).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import psutil
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tidal.engine_core import envs
+from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.core import EngineCore
+from tidal.engine_core.executor import Executor
+from tidal.engine_core.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    ControlRequest,
+    ControlResponse,
+    CoreOutputs,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineMessage,
+    EngineRegister,
+    FinishReason,
+    FrontendMessage,
+    Goodbye,
+    HandshakeFailed,
+    HandshakeMessage,
+    Heartbeat,
+    Hello,
+    Ready,
+)
+from tidal.engine_core.serial import Decoder, Encoder, SerialDecodeError
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+HEALTH_CHECK_INTERVAL_S = 1.0
+# A spawned engine that failed to start waits this long for its frontend's HELLO, to answer it
+# with the error instead of leaving the frontend to read only an exit code.
+_STARTUP_FAILURE_GRACE_S = 3.0
+# At exit, how long closing sockets may take to deliver the last messages (EngineDead).
+_LINGER_MS = 500
+# ZMTP-level heartbeats: a peer that stops answering (host gone, network cut) drops the
+# connection, which the engine treats like the frontend leaving.
+_ZMTP_HEARTBEAT_MS = 1000
+_ZMTP_HEARTBEAT_TIMEOUT_MS = 10_000
+# How long a frontend that said HELLO may take until the engine's connection to it is up.
+_CONNECT_BACK_S = 30.0
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+# --- addresses ---------------------------------------------------------------------------------
+
+
+def normalize_address(address: str) -> str:
+    """A ZeroMQ endpoint from what a user typed: ``5555`` and ``:5555`` mean
+    ``tcp://127.0.0.1:5555``; ``tcp://:5555`` binds loopback too (only an explicit host, ``*``
+    included, binds anything else); ``ipc://`` and ``tcp://`` pass through."""
+    address = address.strip()
+    if address.isdigit():
+        return f"tcp://127.0.0.1:{address}"
+    if address.startswith(":") and address[1:].isdigit():
+        return f"tcp://127.0.0.1{address}"
+    if address.startswith("tcp://:"):
+        return "tcp://127.0.0.1" + address[len("tcp://"):]
+    if not address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT, ipc://PATH or "
+                         "a port number")
+    return address
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind ``sock`` (port ``0`` or ``*`` picks a free port); returns the bound endpoint."""
+    address = normalize_address(address)
+    if address.startswith("tcp://") and address.rsplit(":", 1)[1] in ("0", "*"):
+        address = address.rsplit(":", 1)[0] + ":*"
+    sock.bind(address)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def tcp_host(address: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint (None for other transports)."""
+    if not address.startswith("tcp://"):
+        return None
+    return address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "*", "0.0.0.0", "::", "::1"):
+        return True
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def tune_socket(sock: zmq.Socket) -> None:
+    """Options every engine/frontend data socket gets: never drop or block on a high-water mark
+    (a request's outputs are bounded by the request itself), close without waiting."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_TIMEOUT_MS)
+
+
+def engine_request_id(client_index: int, request_id: str) -> str:
+    """The id a frontend's request has inside the engine: unique across frontends."""
+    return f"c{client_index}:{request_id}"
+
+
+# --- queue items between the threads -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _ClientGone:
+    index: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _Stop:
+    reason: str
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class _AddClient:
+    index: int
+    output_address: str
+
+
+@dataclass(slots=True)
+class _RemoveClient:
+    index: int
+
+
+@dataclass(slots=True)
+class _Broadcast:
+    message: EngineMessage
+
+
+_STOP_OUTPUT = object()
+
+
+@dataclass(slots=True, eq=False)
+class _Frontend:
+    """The input thread's view of one connected frontend."""
+
+    index: int
+    dealer: zmq.Socket
+    monitor: zmq.Socket
+    pid: int
+    # Until the DEALER has connected: a frontend that vanished right after its HELLO would
+    # otherwise be retried (and heartbeated) forever.
+    connect_deadline: float | None
+
+
+@dataclass(slots=True, eq=False)
+class _Push:
+    """The output thread's view of one connected frontend."""
+
+    sock: zmq.Socket
+    last_sent: float = field(default_factory=time.monotonic)
+
+
+# --- the process -------------------------------------------------------------------------------
+
+
+class EngineCoreProc:
+    """Runs an initialised ``EngineCore`` behind its sockets until shut down or failed."""
+
+    def __init__(self, core: EngineCore, ctx: zmq.Context, handshake: zmq.Socket) -> None:
+        self.core = core
+        self.ctx = ctx
+        self.handshake = handshake  # bound; the input thread owns it once ``run`` starts
+        self.identity = b"tidal-engine-" + secrets.token_hex(4).encode()
+        self._inputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # engine request id -> (client index, the id that client uses)
+        self._owners: dict[str, tuple[int, str]] = {}
+        self._wake_address = f"inproc://tidal-wake-{self.identity.decode()}"
+        self._next_client = 0
+
+    def request_shutdown(self, reason: str) -> None:
+        """Ask the busy loop to stop after the current step. Safe in a signal handler
+        (``SimpleQueue.put`` is reentrant)."""
+        self._inputs.put(_Stop(reason))
+
+    def run(self) -> int:
+        """Serve until shut down (returns 0) or failed (returns 1)."""
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.bind(self._wake_address)
+        threads = [
+            threading.Thread(target=self._guard, args=(self._input_loop,), name="engine-input",
+                             daemon=True),
+            threading.Thread(target=self._guard, args=(self._output_loop,), name="engine-output",
+                             daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        code = EXIT_OK
+        farewell = "the EngineCore exited"
+        try:
+            stop = self._busy_loop()
+            if stop.failed:
+                code = EXIT_FAILED
+                logger.error("EngineCore failed: %s", stop.reason)
+                farewell = stop.reason
+            else:
+                logger.info("EngineCore shutting down: %s", stop.reason)
+                farewell = f"the EngineCore shut down ({stop.reason})"
+        except Exception as exc:  # noqa: BLE001 - a worker died, or a bug: fatal, reported
+            code = EXIT_FAILED
+            logger.exception("EngineCore failed")
+            farewell = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._outputs.put(_Broadcast(EngineDead(farewell)))
+            self._outputs.put(_STOP_OUTPUT)
+            wake.send(b"")
+            for t in threads:
+                t.join(timeout=5)
+            wake.close(linger=0)
+            try:
+                self.core.shutdown()
+            except Exception:  # noqa: BLE001 - already exiting; say so and carry on
+                logger.exception("executor shutdown failed")
+                code = EXIT_FAILED
+        return code
+
+    def _guard(self, loop: Any) -> None:
+        """A thread that dies takes the engine down with it (never a silent half-engine)."""
+        try:
+            loop()
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("%s thread failed", threading.current_thread().name)
+            self._inputs.put(_Stop(f"the {threading.current_thread().name} thread failed: {exc}",
+                                   failed=True))
+
+    # --- main thread: the busy loop ------------------------------------------------------------
+
+    def _busy_loop(self) -> _Stop:
+        core = self.core
+        inputs = self._inputs
+        while True:
+            if not core.has_unfinished_requests():
+                try:
+                    item = inputs.get(timeout=HEALTH_CHECK_INTERVAL_S)
+                except queue.Empty:
+                    # Idle: the only way to notice a worker that died meanwhile.
+                    core.executor.check_health()
+                    continue
+                if (stop := self._handle(item)) is not None:
+                    return stop
+            while True:
+                try:
+                    item = inputs.get_nowait()
+                except queue.Empty:
+                    break
+                if (stop := self._handle(item)) is not None:
+                    return stop
+            if core.has_unfinished_requests():
+                self._publish(core.step())
+
+    def _handle(self, item: Any) -> _Stop | None:
+        match item:
+            case (int() as client, AddRequest(request=req)):
+                self._add(client, req)
+            case (int() as client, AbortRequests(request_ids=ids)):
+                keys = [engine_request_id(client, rid) for rid in ids]
+                self.core.abort_requests(keys)
+                for key in keys:
+                    self._owners.pop(key, None)
+            case (int() as client, _Rejected(request_id=rid, error=error)):
+                self._reject(client, rid, error)
+            case (int() as client, ControlRequest() as req):
+                try:
+                    resp = ControlResponse(req.call_id, self.core.handle_control(req.call))
+                except Exception as exc:  # noqa: BLE001 - the caller gets the error
+                    resp = ControlResponse(req.call_id, error=f"{type(exc).__name__}: {exc}")
+                self._outputs.put((client, resp))
+            case _ClientGone(index=index, reason=reason):
+                keys = [k for k, (c, _) in self._owners.items() if c == index]
+                self.core.abort_requests(keys)
+                for key in keys:
+                    del self._owners[key]
+                logger.info("frontend %d left (%s); aborted its %d unfinished request(s)",
+                            index, reason, len(keys))
+                self._outputs.put(_RemoveClient(index))
+            case _Stop():
+                return item
+            case _:
+                logger.error("ignoring an unexpected input %r", item)
+        return None
+
+    def _add(self, client: int, req: EngineCoreRequest) -> None:
+        rid = req.request_id
+        key = engine_request_id(client, rid)
+        req.request_id = key
+        req.client_index = client
+        try:
+            self.core.add_request(req)
+        except ValueError as exc:  # invalid or duplicate: fails this request alone
+            self._reject(client, rid, str(exc).replace(key, rid))
+            return
+        self._owners[key] = (client, rid)
+
+    def _reject(self, client: int, request_id: str, error: str) -> None:
+        logger.warning("rejected request %s of frontend %d: %s", request_id, client, error)
+        out = EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR, error=error)
+        batch = EngineCoreOutputs(outputs=[out], timestamp=time.monotonic())
+        self._outputs.put((client, CoreOutputs(batch)))
+
+    def _publish(self, outs: EngineCoreOutputs) -> None:
+        if not outs.outputs:
+            return
+        owners = self._owners
+        groups: dict[int, list[EngineCoreOutput]] = {}
+        for out in outs.outputs:
+            owner = owners.get(out.request_id)
+            if owner is None:
+                continue  # its frontend left
+            if out.finish_reason is not None:
+                del owners[out.request_id]
+            client, out.request_id = owner
+            group = groups.get(client)
+            if group is None:
+                groups[client] = [out]
+            else:
+                group.append(out)
+        for client, group in groups.items():
+            batch = EngineCoreOutputs(outputs=group, timestamp=outs.timestamp,
+                                      scheduler_stats=outs.scheduler_stats,
+                                      engine_index=outs.engine_index)
+            self._outputs.put((client, CoreOutputs(batch)))
+
+    # --- input thread ---------------------------------------------------------------------------
+
+    def _input_loop(self) -> None:
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_address)
+        poller = zmq.Poller()
+        poller.register(self.handshake, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        by_dealer: dict[zmq.Socket, _Frontend] = {}
+        by_monitor: dict[zmq.Socket, _Frontend] = {}
+        decoder: Decoder[FrontendMessage] = Decoder(FrontendMessage)
+        hs_decoder: Decoder[HandshakeMessage] = Decoder(HandshakeMessage)
+        encoder = Encoder()
+
+        def drop(fe: _Frontend, reason: str) -> None:
+            if by_dealer.pop(fe.dealer, None) is None:
+                return  # already dropped
+            by_monitor.pop(fe.monitor, None)
+            poller.unregister(fe.dealer)
+            poller.unregister(fe.monitor)
+            fe.dealer.disable_monitor()
+            fe.monitor.close(linger=0)
+            fe.dealer.close(linger=0)
+            self._inputs.put(_ClientGone(fe.index, reason))
+
+        try:
+            while True:
+                deadlines = [fe.connect_deadline for fe in by_dealer.values()
+                             if fe.connect_deadline is not None]
+                timeout = None
+                if deadlines:
+                    timeout = max(0.0, min(deadlines) - time.monotonic()) * 1000
+                events = poller.poll(timeout)
+                now = time.monotonic()
+                for fe in list(by_dealer.values()):
+                    if fe.connect_deadline is not None and now >= fe.connect_deadline:
+                        drop(fe, f"never connected back within {_CONNECT_BACK_S:.0f} s")
+                for sock, _ in events:
+                    if sock is wake:
+                        return
+                    if sock is self.handshake:
+                        fe = self._on_hello(hs_decoder, encoder)
+                        if fe is not None:
+                            by_dealer[fe.dealer] = fe
+                            by_monitor[fe.monitor] = fe
+                            poller.register(fe.dealer, zmq.POLLIN)
+                            poller.register(fe.monitor, zmq.POLLIN)
+                    elif (fe := by_dealer.get(sock)) is not None:
+                        if self._on_frontend_input(fe, decoder):
+                            drop(fe, "said goodbye")
+                    elif (fe := by_monitor.get(sock)) is not None:
+                        event = recv_monitor_message(fe.monitor)["event"]
+                        if event == zmq.EVENT_CONNECTED:
+                            fe.connect_deadline = None
+                        elif event == zmq.EVENT_DISCONNECTED:
+                            drop(fe, "connection lost")
+        finally:
+            for fe in list(by_dealer.values()):
+                fe.dealer.disable_monitor()
+                fe.monitor.close(linger=0)
+                fe.dealer.close(linger=0)
+            wake.close(linger=0)
+            self.handshake.close(linger=0)
+
+    def _on_hello(self, decoder: Decoder[HandshakeMessage], encoder: Encoder) -> _Frontend | None:
+        frames = self.handshake.recv_multipart()
+        if len(frames) != 2:
+            logger.warning("dropped a handshake message of %d frames", len(frames))
+            return None
+        peer, payload = frames
+        try:
+            hello = decoder.decode([payload])
+        except SerialDecodeError as exc:
+            logger.warning("dropped an undecodable handshake message: %s", exc)
+            return None
+        if not isinstance(hello, Hello):
+            logger.warning("dropped an unexpected %s on the handshake socket",
+                           type(hello).__name__)
+            return None
+
+        def refuse(why: str) -> None:
+            logger.warning("refused a frontend (pid %d): %s", hello.pid, why)
+            self.handshake.send_multipart([peer, encoder.encode(HandshakeFailed(why))[0]])
+
+        if hello.protocol_version != PROTOCOL_VERSION:
+            refuse(f"protocol version {hello.protocol_version} does not match the engine's "
+                   f"{PROTOCOL_VERSION}")
+            return None
+        addresses = (hello.input_address, hello.output_address)
+        if not all(a.startswith(("tcp://", "ipc://")) for a in addresses):
+            refuse(f"frontend addresses must be tcp:// or ipc://, got {addresses}")
+            return None
+        index = self._next_client
+        self._next_client += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        tune_socket(dealer)
+        dealer.setsockopt(zmq.IDENTITY, self.identity)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        dealer.connect(hello.input_address)
+        dealer.send(encoder.encode(EngineRegister(self.identity))[0])
+        # Queued before READY goes out, so the output thread knows the frontend before any of
+        # its outputs can exist.
+        self._outputs.put(_AddClient(index, hello.output_address))
+        ready = Ready(self.identity, index, self.core.config, os.getpid(), HEARTBEAT_INTERVAL_S)
+        self.handshake.send_multipart([peer, encoder.encode(ready)[0]])
+        logger.info("frontend %d connected (pid %d, input %s, output %s)", index, hello.pid,
+                    hello.input_address, hello.output_address)
+        return _Frontend(index, dealer, monitor, hello.pid, time.monotonic() + _CONNECT_BACK_S)
+
+    def _on_frontend_input(self, fe: _Frontend, decoder: Decoder[FrontendMessage]) -> bool:
+        """Drain one frontend's DEALER; True if it said goodbye."""
+        while True:
+            try:
+                frames = fe.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            try:
+                msg = decoder.decode(frames)
+            except SerialDecodeError as exc:
+                rid = _salvage_request_id(frames[0])
+                logger.warning("dropped an undecodable message from frontend %d%s: %s", fe.index,
+                               f" (request {rid})" if rid else "", exc)
+                if rid is not None:
+                    self._inputs.put((fe.index, _Rejected(rid, f"malformed request: {exc}")))
+                continue
+            if isinstance(msg, Goodbye):
+                return True
+            self._inputs.put((fe.index, msg))
+
+    # --- output thread --------------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        encoder = Encoder()
+        pushes: dict[int, _Push] = {}
+        heartbeat = encoder.encode(Heartbeat())
+        next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+
+        def send(index: int, frames: list[Any]) -> None:
+            push = pushes.get(index)
+            if push is None:
+                return  # that frontend left
+            try:
+                push.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # only with a high-water mark, which is off; never silently
+                logger.error("frontend %d is not reading; dropped a message", index)
+            push.last_sent = time.monotonic()
+
+        try:
+            while True:
+                try:
+                    item = self._outputs.get(timeout=max(0.0, next_beat - time.monotonic()))
+                except queue.Empty:
+                    item = None
+                if item is _STOP_OUTPUT:
+                    return
+                match item:
+                    case (int() as index, msg):
+                        send(index, encoder.encode(msg))
+                    case _AddClient(index=index, output_address=address):
+                        sock = self.ctx.socket(zmq.PUSH)
+                        tune_socket(sock)
+                        sock.connect(address)
+                        pushes[index] = _Push(sock)
+                    case _RemoveClient(index=index):
+                        push = pushes.pop(index, None)
+                        if push is not None:
+                            push.sock.close(linger=0)
+                    case _Broadcast(message=msg):
+                        frames = encoder.encode(msg)
+                        for index in list(pushes):
+                            send(index, frames)
+                now = time.monotonic()
+                if now >= next_beat:
+                    for index, push in pushes.items():
+                        if now - push.last_sent >= HEARTBEAT_INTERVAL_S:
+                            send(index, heartbeat)
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+        finally:
+            for push in pushes.values():
+                push.sock.close(linger=_LINGER_MS)
+
+
+@dataclass(slots=True)
+class _Rejected:
+    """A request the input thread could not decode but whose id it could read."""
+
+    request_id: str
+    error: str
+
+
+def _salvage_request_id(payload: bytes) -> str | None:
+    """The request id of an ``AddRequest`` that failed validation, if it can be read at all,
+    so that request fails visibly instead of hanging its caller."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if (isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add"
+            and isinstance(raw[1], list) and raw[1] and isinstance(raw[1][0], str)):
+        return raw[1][0]
+    return None
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+
+def serve(config: EngineConfig, listen: str, *, executor: Executor | None = None,
+          spawned: bool = False) -> int:
+    """Bind the handshake socket at ``listen``, start the EngineCore and serve until shut down.
+
+    Returns the process exit code. Installs SIGTERM (and SIGINT unless ``spawned``) handlers:
+    the first signal shuts down gracefully, a second one exits at once.
+    """
+    start = time.perf_counter()
+    signals = [signal.SIGTERM] if spawned else [signal.SIGTERM, signal.SIGINT]
+    ctx = zmq.Context()
+    handshake = ctx.socket(zmq.ROUTER)
+    # No ROUTER_MANDATORY here: an answer to a frontend that already left is dropped instead
+    # of raising in the input thread.
+    handshake.setsockopt(zmq.LINGER, _LINGER_MS)
+    try:
+        try:
+            address = bind(handshake, listen)
+        except zmq.ZMQError as exc:
+            logger.error("start-up: cannot listen at %s: %s", listen, exc)
+            return EXIT_FAILED
+        logger.info("start-up: handshake socket bound at %s in %.2f s", address,
+                    time.perf_counter() - start)
+
+        def abort_startup(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        if threading.current_thread() is not threading.main_thread():
+            signals = []  # only the main thread may handle signals
+        for sig in signals:
+            signal.signal(sig, abort_startup)
+        phase = time.perf_counter()
+        try:
+            core = EngineCore(config, executor)
+        except Exception as exc:  # noqa: BLE001 - reported to the frontend, then exit 1
+            logger.exception("start-up: the EngineCore failed to start")
+            if spawned:
+                _refuse_pending_hellos(handshake, "".join(
+                    traceback.format_exception_only(type(exc), exc)).strip())
+            handshake.close()
+            return EXIT_FAILED
+        logger.info("start-up: EngineCore initialised in %.2f s (%d KV blocks of %d tokens, "
+                    "max_model_len %d)", time.perf_counter() - phase, core.config.cache.num_blocks,
+                    core.config.cache.block_size, core.config.model.max_model_len)
+        proc = EngineCoreProc(core, ctx, handshake)
+        received: list[int] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            received.append(signum)
+            if len(received) > 1:  # a second signal: die of it now
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            proc.request_shutdown(f"received {signal.Signals(signum).name}")
+
+        for sig in signals:
+            signal.signal(sig, on_signal)
+        logger.info("EngineCore serving at %s (pid %d; %.2f s since the process started)",
+                    address, os.getpid(), time.time() - psutil.Process().create_time())
+        return proc.run()
+    finally:
+        # Cleanup must not be cut short by an exception from a handler: a signal now ends the
+        # process the default way (the frontend that sends it is not waiting for more).
+        for sig in signals:
+            signal.signal(sig, signal.SIG_DFL)
+        if not handshake.closed:
+            handshake.close(linger=0)
+        ctx.term()
+
+
+def _refuse_pending_hellos(handshake: zmq.Socket, error: str) -> None:
+    """Answer the spawning frontend's HELLO (sent as soon as it started us) with the error."""
+    decoder: Decoder[HandshakeMessage] = Decoder(HandshakeMessage)
+    payload = Encoder().encode(HandshakeFailed(error))[0]
+    if not handshake.poll(_STARTUP_FAILURE_GRACE_S * 1000):
+        return
+    while handshake.poll(0):
+        frames = handshake.recv_multipart()
+        try:
+            if len(frames) == 2 and isinstance(decoder.decode(frames[1:]), Hello):
+                handshake.send_multipart([frames[0], payload])
+        except (SerialDecodeError, zmq.ZMQError):
+            continue
+
+
+def setup_logging(name: str) -> None:
+    """Log lines of an engine process: level from ``TIDAL_LOG_LEVEL``, process name and pid."""
+    logging.basicConfig(
+        level=envs.log_level(),
+        format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _watch_parent() -> None:
+    """A spawned engine outlives no frontend: when the parent's end of multiprocessing's sentinel
+    pipe closes (the parent died, however), shut down as if sent SIGTERM."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.error("the frontend process (pid %s) died; shutting down", parent.pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_engine_core(config_bytes: bytes, listen: str) -> None:
+    """Entry point of an EngineCore process spawned by a frontend (``multiprocessing`` target).
+
+    ``config_bytes`` is the msgpack encoding of the resolved ``EngineConfig``. SIGINT is ignored:
+    on Ctrl-C the frontend, which got it too, shuts this process down.
+    """
+    setup_logging("EngineCore")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent()
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    sys.exit(serve(config, listen, spawned=True))
