@@ -1,22 +1,88 @@
 """One worker: a device, a model replica (or shard) and its KV cache, driven step by step.
 
-The in-process executor calls it directly; worker processes wrap it in a loop that reads the
-broadcast queue.
+The in-process executor calls it directly; worker processes (``worker_proc``) and Ray actors wrap
+it in a loop that reads the executor's messages.
+
+Pipeline parallelism: every stage gets every step's scheduler output. A stage after the first
+first receives the previous stage's hidden states and residuals (`PipeReceiver`), runs its
+layers, and a stage before the last sends its own on (`PipeSender`). Sends are asynchronous, so
+a stage moves on to the next step while the transfer completes, which is what keeps several
+steps in flight through the pipeline.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from tidal.engine_core.config import EngineConfig
-from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
+from tidal.engine_core.protocol import SchedulerOutput
 from tidal.worker.distributed.parallel_state import ParallelGroup
-from tidal.worker.model_runner import ModelRunner
+from tidal.worker.model_runner import IntermediateTensors, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class PipeSender:
+    """Sends a stage's ``IntermediateTensors`` to the same tensor-parallel rank of the next
+    stage: a 2-int header on the CPU group (row count, residual or not; 0 rows: nothing follows,
+    the step had no tokens here), then the tensors on the device group."""
+
+    def __init__(self, pp: ParallelGroup) -> None:
+        self.pp = pp
+        # Work handles and the tensors they read, kept alive until the transfer completes.
+        self._inflight: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, inter: IntermediateTensors | None) -> None:
+        self.wait()
+        dst = self.pp.rank + 1
+        rows = 0 if inter is None else int(inter.hidden.shape[0])
+        has_residual = int(inter is not None and inter.residual is not None)
+        header = torch.tensor([rows, has_residual], dtype=torch.int64)
+        self._inflight.append((self.pp.send(header, dst, cpu=True), header))
+        if inter is None or rows == 0:
+            return
+        tensors = [inter.hidden] + ([inter.residual] if inter.residual is not None else [])
+        for t in tensors:
+            t = t.contiguous()
+            work = self.pp.send(t, dst)
+            if t.is_cuda:
+                # NCCL: wait() only orders this stream after the send (the CPU goes on), so the
+                # next step cannot overwrite a buffer still being sent (static graph outputs).
+                work.wait()
+            else:
+                self._inflight.append((work, t))
+
+    def wait(self) -> None:
+        for work, _ in self._inflight:
+            work.wait()
+        self._inflight.clear()
+
+
+class PipeReceiver:
+    def __init__(self, pp: ParallelGroup, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.pp = pp
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+
+    def recv(self) -> IntermediateTensors | None:
+        src = self.pp.rank - 1
+        header = self.pp.recv(torch.empty(2, dtype=torch.int64), src, cpu=True)
+        rows, has_residual = (int(v) for v in header.tolist())
+        if rows == 0:
+            return None
+        shape = (rows, self.hidden_size)
+        hidden = self.pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device), src)
+        residual = None
+        if has_residual:
+            residual = self.pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                    src)
+        return IntermediateTensors(hidden, residual)
 
 
 class Worker:
@@ -38,11 +104,22 @@ class Worker:
                 torch.set_num_threads(config.runner.cpu_threads)
         torch.manual_seed(config.model.seed)
         if config.model.task == "embed":
+            if (tp is not None and tp.world_size > 1) or (pp is not None and pp.world_size > 1):
+                raise ValueError("embedding models run on a single worker (no tensor or "
+                                 "pipeline parallelism)")
             from tidal.worker.pooling_runner import PoolingRunner
 
             self.runner = PoolingRunner(config, self.device)
         else:
             self.runner = ModelRunner(config, self.device, tp, pp)
+        multi_stage = pp is not None and pp.world_size > 1
+        self._sender = PipeSender(pp) if multi_stage and not pp.is_last else None
+        self._receiver: PipeReceiver | None = None
+        if multi_stage and not pp.is_first:
+            from tidal.worker.loader.model_loader import torch_dtype
+
+            self._receiver = PipeReceiver(pp, config.model.arch.hidden_size,
+                                          torch_dtype(config.model.dtype), self.device)
 
     @property
     def is_output_rank(self) -> bool:
@@ -52,7 +129,9 @@ class Worker:
         return tp_first and pp_last
 
     def load_model(self) -> None:
+        start = time.perf_counter()
         self.runner.load_model()
+        logger.info("rank %d: model loaded in %.2f s", self.rank, time.perf_counter() - start)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -63,10 +142,27 @@ class Worker:
         logger.info("rank %d: allocated %d KV blocks in %.2f s", self.rank, num_blocks,
                     time.perf_counter() - start)
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        out = self.runner.execute_model(so)
+    def execute_model(self, so: SchedulerOutput) -> Any:
+        """Run one step. Returns the runner's output on the output rank (a ``ModelRunnerOutput``
+        or an object whose ``get_output()`` gives it), None on every other rank."""
+        if self._receiver is not None:
+            inter = self._receiver.recv()
+            out = self.runner.execute_model(so, inter) if inter is not None else \
+                self.runner.execute_model(so)
+        else:
+            out = self.runner.execute_model(so)
+        if self._sender is not None:
+            # A stage with no tokens this step (nothing scheduled it could run) returns a plain
+            # output; the next stage is still told, so it never waits for tensors.
+            self._sender.send(out if isinstance(out, IntermediateTensors) else None)
+            return None
         return out if self.is_output_rank else None
 
     def shutdown(self) -> None:
+        if self._sender is not None:
+            try:
+                self._sender.wait()
+            except Exception:  # noqa: BLE001 - the next stage may be gone already
+                logger.debug("rank %d: pending pipeline send failed at shutdown", self.rank)
         self.runner.kv_caches = []
         self.runner.model = None

@@ -1,12 +1,35 @@
 """Process groups of one parallel dimension (tensor or pipeline), passed to the layers that need
-them. A single-process group does nothing; multi-process groups wrap torch.distributed."""
+them. A single-process group does nothing; multi-process groups wrap torch.distributed.
+
+Every worker joins one torch.distributed world (NCCL on GPUs, gloo on CPU) and, per parallel
+dimension, a *device group* (the world's backend: collectives on model tensors) and a *CPU group*
+(always gloo: small control tensors such as the pipeline's shape headers, and barriers, without
+a device round trip). Ranks are laid out tensor-parallel first::
+
+    global rank = pp_rank * tp_size + tp_rank
+
+so a tensor-parallel group is ``tp_size`` consecutive ranks (one pipeline stage) and a
+pipeline group is the ranks with the same ``tp_rank``, one per stage.
+
+Rendezvous: rank 0 hosts a ``TCPStore`` on port 0 of its host (the kernel picks a free port, so
+there is never a fixed port and two engines can share a host) and reports the port to the
+executor, which hands it to the other ranks (`serve_store`, `init_distributed`).
+"""
 
 from __future__ import annotations
 
+import datetime
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# How long a rank waits for the others at start-up (store connect, group creation). Steps
+# themselves are never waited on with this: a rank that dies is noticed by the executor.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclass(slots=True)
@@ -25,19 +48,141 @@ class ParallelGroup:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
+    @property
+    def next_rank(self) -> int:
+        """Group rank of the next member (wraps around)."""
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def prev_rank(self) -> int:
+        """Group rank of the previous member (wraps around)."""
+        return (self.rank - 1) % self.world_size
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place (returns ``x``)."""
         if self.world_size == 1:
             return x
         torch.distributed.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in group-rank order."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        x = x.contiguous()
+        dim = dim % x.dim()
+        # One flat gather into a single buffer (no list of per-rank tensors), then, unless the
+        # gathered dimension is the first, one copy into place.
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        _all_gather_flat(out, x, group=self.device_group)
+        if dim == 0:
+            return out
+        return (out.view(self.world_size, *x.shape).movedim(0, dim)
+                .reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:]))
+
+    def broadcast(self, x: torch.Tensor, src: int = 0, cpu: bool = False) -> torch.Tensor:
+        """``x`` of group rank ``src`` copied into ``x`` on every rank (returns ``x``)."""
+        if self.world_size == 1:
+            return x
+        torch.distributed.broadcast(x, src=self.ranks[src], group=self._group(cpu))
+        return x
+
+    def send(self, x: torch.Tensor, dst: int, cpu: bool = False) -> Any:
+        """Start sending ``x`` to group rank ``dst``; returns the work handle. Keep ``x`` alive
+        and unchanged until ``wait()`` on it returns."""
+        return torch.distributed.isend(x, dst=self.ranks[dst], group=self._group(cpu))
+
+    def recv(self, x: torch.Tensor, src: int, cpu: bool = False) -> torch.Tensor:
+        """Receive into ``x`` from group rank ``src`` (blocks until it arrived; on NCCL, until
+        the receive is ordered on the current stream). Returns ``x``."""
+        torch.distributed.recv(x, src=self.ranks[src], group=self._group(cpu))
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier(group=self.cpu_group)
+
+    def _group(self, cpu: bool) -> Any:
+        group = self.cpu_group if cpu else self.device_group
+        if group is None:
+            raise RuntimeError("this parallel group has no process group (world size "
+                               f"{self.world_size}, ranks {self.ranks})")
+        return group
+
+
+# torch 2.13 renamed all_gather_into_tensor (same arguments); older ones only have the old name.
+_all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or \
+    torch.distributed.all_gather_into_tensor
 
 
 def single_group() -> ParallelGroup:
     return ParallelGroup()
+
+
+def rank_layout(rank: int, tp_size: int) -> tuple[int, int]:
+    """(tp_rank, pp_rank) of a global rank."""
+    return rank % tp_size, rank // tp_size
+
+
+def serve_store(host: str) -> Any:
+    """Rank 0: host the rendezvous store on a free port of ``host`` (read it from ``.port``).
+    Keep the returned object alive for as long as the process group is in use."""
+    return torch.distributed.TCPStore(host, 0, None, True, timeout=RENDEZVOUS_TIMEOUT,
+                                      wait_for_workers=False)
+
+
+def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: int,
+                     device: torch.device, store: Any = None) -> tuple[ParallelGroup,
+                                                                      ParallelGroup]:
+    """Join the world (rank 0 passes the store it serves; others connect to ``host:port``) and
+    build the tensor- and pipeline-parallel groups of ``rank``. Collective: every rank calls it
+    with the same sizes."""
+    world = tp_size * pp_size
+    dist = torch.distributed
+    if store is None:
+        store = dist.TCPStore(host, port, None, False, timeout=RENDEZVOUS_TIMEOUT)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # binds the communicator to this GPU up front
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=RENDEZVOUS_TIMEOUT, **kwargs)
+    tp_rank, pp_rank = rank_layout(rank, tp_size)
+    tp_ranks = [[s * tp_size + t for t in range(tp_size)] for s in range(pp_size)]
+    pp_ranks = [[s * tp_size + t for s in range(pp_size)] for t in range(tp_size)]
+    # new_group is collective over the whole world: every rank creates every group, in the same
+    # order, and keeps only its own.
+    tp = _make_groups(tp_ranks, rank, backend, world)
+    pp = _make_groups(pp_ranks, rank, backend, world)
+    logger.info("rank %d joined the %s world of %d (tp rank %d/%d, pp rank %d/%d)", rank,
+                backend, world, tp_rank, tp_size, pp_rank, pp_size)
+    return tp, pp
+
+
+def _make_groups(all_ranks: list[list[int]], rank: int, backend: str,
+                 world: int) -> ParallelGroup:
+    mine = ParallelGroup(rank=0, world_size=1, ranks=(rank,))
+    for ranks in all_ranks:
+        if len(ranks) == 1:
+            continue  # a group of one never communicates: no process group to create
+        if len(ranks) == world:
+            # The whole world: reuse the default group for the device, and for the CPU too when
+            # the default group already is gloo.
+            device_group = torch.distributed.group.WORLD
+            cpu_group = (device_group if backend == "gloo"
+                         else torch.distributed.new_group(ranks, backend="gloo"))
+        else:
+            device_group = torch.distributed.new_group(ranks, backend=backend)
+            cpu_group = (device_group if backend == "gloo"
+                         else torch.distributed.new_group(ranks, backend="gloo"))
+        if rank in ranks:
+            mine = ParallelGroup(rank=ranks.index(rank), world_size=len(ranks),
+                                 device_group=device_group, cpu_group=cpu_group,
+                                 ranks=tuple(ranks))
+    return mine
+
+
+def destroy_distributed() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

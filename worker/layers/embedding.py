@@ -35,7 +35,9 @@ class VocabParallelEmbedding(nn.Module):
             )
         end = min(self.start + self.shard_size, self.vocab_size)
         n = max(0, end - self.start)
-        param.data[:n].copy_(loaded[self.start:end])
+        if n:
+            # narrow, not indexing: a lazy checkpoint tensor then reads only this rank's rows.
+            param.data[:n].copy_(loaded.narrow(0, self.start, n))
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

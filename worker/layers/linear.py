@@ -4,11 +4,16 @@ Column-parallel layers split the output features across tensor-parallel ranks; r
 layers split the input features and all-reduce the result. Fused layers (q/k/v, gate/up) stack
 several checkpoint tensors; each parameter's ``weight_loader`` puts a tensor (or one shard of a
 fused tensor) in its place and checks the shape, naming what did not fit.
+
+The loaded tensor may be a lazy checkpoint tensor (``loader.safetensors_weights.LazyTensor``:
+``shape``, ``narrow``, ``materialize``): loaders only ever ``narrow`` it to their shard or
+``as_tensor`` it whole, so a tensor-parallel rank reads just its own slice from the file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +30,18 @@ def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
     param.weight_loader = loader  # type: ignore[attr-defined]
 
 
+def as_tensor(t: Any) -> torch.Tensor:
+    """A real tensor from a loaded one (reads a lazy checkpoint tensor whole)."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise WeightShapeError(
             f"shape mismatch: the model expects {tuple(param.shape)}, the checkpoint has "
             f"{tuple(loaded.shape)}"
         )
-    param.data.copy_(loaded)
+    param.data.copy_(as_tensor(loaded))
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -40,7 +50,7 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
             f"shape mismatch for {what}: the model expects {tuple(dst.shape)}, the checkpoint "
             f"gives {tuple(src.shape)}"
         )
-    dst.copy_(src)
+    dst.copy_(as_tensor(src))
 
 
 def _shard(t: torch.Tensor, dim: int, index: int, count: int, what: str) -> torch.Tensor:

@@ -57,7 +57,9 @@ def _load_checkpoint(model: nn.Module, config: ModelConfig) -> None:
         else:
             from tidal.worker.loader.safetensors_weights import iter_safetensors
 
-            for name, tensor, path in iter_safetensors(config.path):
+            # Models whose weight loaders take lazy tensors read only their own shards.
+            lazy = bool(getattr(model, "supports_lazy_weights", False))
+            for name, tensor, path in iter_safetensors(config.path, lazy=lazy):
                 current["file"] = path
                 yield name, tensor
 

@@ -1,4 +1,9 @@
-"""Stream tensors out of an HF folder's ``*.safetensors`` files (single or sharded)."""
+"""Stream tensors out of an HF folder's ``*.safetensors`` files (single or sharded).
+
+With ``lazy=True`` each tensor comes as a `LazyTensor`: nothing is read until the weight loader
+asks, and a tensor-parallel rank that narrows it to its shard reads only that shard's bytes from
+the (memory-mapped) file, never the whole tensor.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,6 +19,40 @@ from safetensors import safe_open
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``shape``, ``narrow`` (reads just that slice) and
+    ``materialize`` (reads it all). Valid only while the iterator that produced it has not
+    moved on to the next file."""
+
+    __slots__ = ("_slice", "_handle", "name", "shape")
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        index = tuple(slice(None) if d != dim else slice(start, start + length)
+                      for d in range(len(self.shape)))
+        return self._slice[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.name!r}, shape={tuple(self.shape)})"
+
+
+def materialize(t: torch.Tensor | LazyTensor) -> torch.Tensor:
+    """The whole tensor, reading it if it is lazy."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
 
 
 def safetensors_files(folder: str) -> list[Path]:
@@ -36,9 +76,11 @@ def safetensors_files(folder: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yields ``(tensor name, tensor on the CPU, file it came from)`` one tensor at a time."""
+def iter_safetensors(folder: str, lazy: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | LazyTensor, str]]:
+    """Yields ``(tensor name, tensor, file it came from)`` one tensor at a time: a CPU tensor,
+    or with ``lazy`` a `LazyTensor` to be consumed before the next one is asked for."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name), str(path)
+                yield name, (LazyTensor(f, name) if lazy else f.get_tensor(name)), str(path)

@@ -116,6 +116,10 @@ def layer_range(num_layers: int, pp: ParallelGroup) -> tuple[int, int]:
 
 
 class DecoderForCausalLM(nn.Module):
+    # Every weight loader below only narrows or materialises what it is given, so the checkpoint
+    # reader may hand over lazy tensors (a tensor-parallel rank then reads just its shard).
+    supports_lazy_weights = True
+
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                  tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
         super().__init__()
@@ -153,6 +157,13 @@ class DecoderForCausalLM(nn.Module):
         if self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
             residual = None
+        elif hidden is None:
+            # A later stage run without the previous stage's tensors: the memory-profiling
+            # pass, which only needs activations of the right size.
+            hidden = torch.zeros(input_ids.shape[0], self.arch.hidden_size,
+                                 dtype=self.layers[str(self.start_layer)].input_layernorm
+                                 .weight.dtype, device=input_ids.device)
+            residual = torch.zeros_like(hidden)
         for layer in self.layers.values():
             hidden, residual = layer(positions, hidden, residual, meta)
         if not self.pp.is_last:
