@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
+from tidal.frontend.client import AsyncClient
 from tidal.frontend.llm import LLM
 from tidal.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "OutputKind", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncClient", "LLM", "CompletionOutput", "Logprob", "OutputKind", "RequestOutput",
+           "SamplingParams"]

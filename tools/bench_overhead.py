@@ -7,7 +7,10 @@ without running anything, so what is measured is tidal itself: scheduling, the E
     python tools/bench_overhead.py [--requests 300] [--tokens 500] [--batch 64]
 
 Reported, for the EngineCore alone (``core``), ``AsyncLLM`` with the engine in a thread
-(``thread``) and in its own process over ZeroMQ (``process``):
+(``thread``) and in its own process over ZeroMQ (``process``); modes suffixed ``-uni`` / ``-mp``
+run a tiny 2-layer random-weight model in-process / in a worker process fed by the shared-memory
+ring instead of the no-op executor, so ``core-mp`` minus ``core-uni`` is the worker hop and
+``process-mp`` is the whole frontend -> core -> worker path:
 
 * round trip: one request of one token after another (add -> schedule -> execute -> output ->
   frontend), mean and percentiles;
@@ -46,9 +49,13 @@ _TINY_CONFIG = {
 }
 
 
-def _engine_args(model_dir: str, batch: int) -> EngineArgs:
-    return EngineArgs(model=model_dir, distributed_executor_backend="noop", num_kv_blocks=8192,
-                      max_num_seqs=max(batch, 1), enable_prefix_caching=False)
+def _engine_args(model_dir: str, batch: int, executor: str = "noop") -> EngineArgs:
+    """``executor``: "noop" (no model, no worker), or "uni"/"mp" running the tiny 2-layer model
+    with random weights in-process or in a worker process behind the shared-memory ring (their
+    difference is the cost of the worker hop)."""
+    return EngineArgs(model=model_dir, distributed_executor_backend=executor, num_kv_blocks=8192,
+                      max_num_seqs=max(batch, 1), enable_prefix_caching=False,
+                      load_format="auto" if executor == "noop" else "dummy", cpu_threads=1)
 
 
 def _params(tokens: int, kind: OutputKind = OutputKind.DELTA) -> SamplingParams:
@@ -128,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(_TINY_CONFIG))
-        args = _engine_args(tmp, ns.batch)
-        config = args.create_config()
         results: dict[str, dict] = {}
         for mode in ns.modes.split(","):
-            if mode == "core":
-                results[mode] = bench_core(config, ns.requests, ns.tokens, ns.batch)
+            # "core-uni"/"core-mp"/"process-mp": the tiny model in-process / in a worker process.
+            base, _, executor = mode.partition("-")
+            args = _engine_args(tmp, ns.batch, executor or "noop")
+            if base == "core":
+                results[mode] = bench_core(args.create_config(), ns.requests, ns.tokens,
+                                           ns.batch)
                 continue
-            llm = AsyncLLM.from_engine_args(args, mode=mode, skip_tokenizer_init=True)
+            llm = AsyncLLM.from_engine_args(args, mode=base, skip_tokenizer_init=True)
             try:
                 runner = asyncio.run
                 if ns.uvloop:

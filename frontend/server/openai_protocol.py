@@ -1,0 +1,320 @@
+"""Request and response bodies of the OpenAI-compatible API, as msgspec structs.
+
+Requests are decoded strictly (wrong types are a 400 naming the field; no silent coercion);
+fields this server does not know are ignored, with a debug log, as OpenAI's clients send newer
+fields freely. Responses are encoded with ``msgspec.json.encode``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from tidal.frontend.server.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+# A prompt: text, token ids, or a batch of either (checked further in ``normalize_prompts``).
+PromptInput = str | list[str | int | list[int]]
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields the completion and chat APIs share (OpenAI's and vLLM's extensions)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    user: str | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: PromptInput | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: PromptInput | None = None
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# --- responses -----------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    """A whole response, or (``object="text_completion"`` too, as OpenAI does) one stream
+    chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: Usage | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "tidal"
+    root: str | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+_PATH_IN_ERROR = re.compile(r" - at `\$(.*)`$")
+_KNOWN_FIELDS: dict[type, frozenset[str]] = {}
+
+
+def decode_request(body: bytes, cls: type[T]) -> T:
+    """Decode a JSON request body into ``cls``; every failure is a 400 that says what is wrong
+    (and, for a field, names it in ``param``)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not valid UTF-8 (bad byte at offset "
+                          f"{exc.start}); send JSON encoded as UTF-8",
+                          code="invalid_json") from None
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON ({exc}); send a JSON object",
+                          code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise bad_request(f"the request body must be a JSON object, got a JSON "
+                          f"{_json_type(raw)}", code="invalid_json")
+    known = _KNOWN_FIELDS.get(cls)
+    if known is None:
+        known = _KNOWN_FIELDS[cls] = frozenset(f.encode_name for f in msgspec.structs.fields(cls))
+    unknown = [k for k in raw if k not in known]
+    if unknown:
+        logger.debug("ignoring unknown request field(s) of %s: %s", cls.__name__,
+                     ", ".join(sorted(unknown)[:20]))
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: msgspec.ValidationError) -> APIError:
+    text = str(exc)
+    match = _PATH_IN_ERROR.search(text)
+    param = None
+    if match:
+        # "$.messages[0].content" -> "messages[0].content"; "$.logit_bias[...]" -> "logit_bias"
+        param = match.group(1).lstrip(".").replace("[...]", "") or None
+        text = text[: match.start()]
+    if text.startswith("Object missing required field"):
+        field = text.split("`")[1] if "`" in text else None
+        if field is not None:
+            param = f"{param}.{field}" if param else field
+        return bad_request(f"{param or 'a field'} is required", param)
+    where = f"{param}: " if param else ""
+    return bad_request(f"{where}{text[0].lower() + text[1:] if text else 'invalid value'}",
+                       param)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "null" if value is None else type(value).__name__
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)

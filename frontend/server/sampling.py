@@ -1,0 +1,147 @@
+"""From an API request to engine ``SamplingParams``, with the server's bounds checked first.
+
+The engine's own ceilings (``sampling_params.MAX_*``) hold whatever the deployment; the server
+enforces these tighter ones at the edge, before anything is tokenized or queued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tidal.engine_core.sampling_params import OutputKind, SamplingParamError, SamplingParams
+from tidal.frontend.server.errors import bad_request
+from tidal.frontend.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(slots=True, frozen=True)
+class ServerLimits:
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_prompts: int = 64  # prompts in one completion / embedding request
+    max_body_bytes: int = 4 << 20
+    max_temperature: float = 100.0
+
+
+def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)",
+                          "best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.logprobs is not None:
+        _range("logprobs", req.logprobs, 0, limits.max_logprobs)
+    if req.max_tokens is not None:
+        _range("max_tokens", req.max_tokens, 1, _INT64_MAX)
+    return _build(req, limits, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                  prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
+                  else None)
+
+
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
+    logprobs = None
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        _range("top_logprobs", req.top_logprobs, 0, limits.max_logprobs)
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
+    if max_tokens is not None:
+        _range(name, max_tokens, 1, _INT64_MAX)
+    return _build(req, limits, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None)
+
+
+def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, *,
+           max_tokens: int | None, logprobs: int | None,
+           prompt_logprobs: int | None) -> SamplingParams:
+    _range("n", req.n, 1, limits.max_n)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop_strings:
+        raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}",
+                          "stop")
+    for s in stop:
+        if not s:
+            raise bad_request("stop strings must be non-empty", "stop")
+        if len(s) > limits.max_stop_string_chars:
+            raise bad_request(f"a stop string has {len(s)} characters; the limit is "
+                              f"{limits.max_stop_string_chars}", "stop")
+    stop_ids = list(req.stop_token_ids or [])
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"at most {limits.max_stop_token_ids} stop_token_ids, got "
+                          f"{len(stop_ids)}", "stop_token_ids")
+    for t in stop_ids:
+        _range("stop_token_ids", t, 0, _INT64_MAX)
+    bias = _logit_bias(req.logit_bias, limits)
+    if req.seed is not None:
+        _range("seed", req.seed, -(1 << 63), _INT64_MAX)
+    if req.top_k is not None:
+        _range("top_k", req.top_k, -1, 1 << 31)
+    _range("min_tokens", req.min_tokens, 0, 1 << 31)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number", name)
+    if req.temperature is not None and req.temperature > limits.max_temperature:
+        raise bad_request(f"temperature must be <= {limits.max_temperature}, got "
+                          f"{req.temperature}", "temperature")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            output_kind=OutputKind.DELTA,
+        )
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def _logit_bias(raw: dict[str, float] | None, limits: ServerLimits) -> dict[int, float] | None:
+    if not raw:
+        return None
+    if len(raw) > limits.max_logit_bias:
+        raise bad_request(f"logit_bias has {len(raw)} entries; the limit is "
+                          f"{limits.max_logit_bias}", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:32]!r}",
+                              "logit_bias") from None
+        if not 0 <= tok <= _INT64_MAX:
+            raise bad_request(f"logit_bias token id {tok} is out of range", "logit_bias")
+        if not math.isfinite(value):
+            raise bad_request("logit_bias values must be finite numbers", "logit_bias")
+        bias[tok] = value
+    return bias
+
+
+def _range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)

@@ -1,0 +1,47 @@
+"""Server-sent events in OpenAI's streaming format: ``data: {json}\\n\\n`` per chunk, then
+``data: [DONE]\\n\\n``. An error after the stream began is sent as one chunk holding the error
+envelope, followed by ``[DONE]``, since the status line has already gone out."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tidal.frontend.server.errors import APIError
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class SSEWriter:
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                # Proxies (nginx) would otherwise buffer the stream and break token timing.
+                "X-Accel-Buffering": "no",
+            },
+        )
+        self.started = False
+        self.finished = False
+
+    async def start(self) -> None:
+        if not self.started:
+            await self.response.prepare(self.request)
+            self.started = True
+
+    async def send(self, payload: bytes) -> None:
+        await self.start()
+        await self.response.write(b"data: " + payload + b"\n\n")
+
+    async def send_error(self, err: APIError) -> None:
+        await self.send(err.body())
+
+    async def finish(self) -> web.StreamResponse:
+        await self.start()
+        if not self.finished:
+            self.finished = True
+            await self.response.write(_DONE)
+            await self.response.write_eof()
+        return self.response

