@@ -293,8 +293,16 @@ class EngineCoreProc:
     def _busy_loop(self) -> _Stop:
         core = self.core
         inputs = self._inputs
+        busy = False
         while True:
             if not core.has_unfinished_requests():
+                if busy:
+                    # Going idle (often by an abort, which produces no output): tell every
+                    # frontend, so gauges such as KV usage do not keep their last busy value.
+                    busy = False
+                    idle = EngineCoreOutputs(timestamp=time.monotonic(),
+                                             scheduler_stats=core.scheduler.make_stats(0))
+                    self._outputs.put(_Broadcast(CoreOutputs(idle)))
                 try:
                     item = inputs.get(timeout=HEALTH_CHECK_INTERVAL_S)
                 except queue.Empty:
@@ -311,6 +319,7 @@ class EngineCoreProc:
                 if (stop := self._handle(item)) is not None:
                     return stop
             if core.has_unfinished_requests():
+                busy = True
                 self._publish(core.step())
 
     def _handle(self, item: Any) -> _Stop | None:

@@ -26,7 +26,8 @@ def validate_request(
     n = len(prompt_token_ids)
     if n == 0:
         raise RequestValidationError("the prompt is empty: give at least one token", "prompt")
-    if n >= max_len:
+    # Generation needs one free position for its first new token; an encoder's does not.
+    if n > max_len or (n == max_len and config.model.task == "generate"):
         raise RequestValidationError(
             f"the prompt has {n} tokens but the model's context (max_model_len) is {max_len} "
             "tokens, which leaves no room to generate: shorten the prompt",

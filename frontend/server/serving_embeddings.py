@@ -41,10 +41,9 @@ async def create_embedding(request: web.Request) -> web.Response:
     state.admission.check_available()
     prompts = await tokenize_prompts(state, raw, "input")
     for p in prompts:
-        # The engine keeps one position free in every request, embeddings included.
-        if len(p.token_ids) >= state.max_model_len:
+        if len(p.token_ids) > state.max_model_len:
             raise bad_request(f"an input has {len(p.token_ids)} tokens but this model takes at "
-                              f"most {state.max_model_len - 1}; shorten it", "input",
+                              f"most {state.max_model_len}; shorten it", "input",
                               code="context_length_exceeded")
 
     request_id = new_id("embd")

@@ -83,7 +83,19 @@ def test_embedding_input_too_long(server):
             return err.value
 
     err = run(go())
-    assert err.body["param"] == "input" and "511" in err.body["message"]
+    assert err.body["param"] == "input" and "at most 512" in err.body["message"]
+
+
+def test_embedding_input_of_exactly_the_context_length(server):
+    """An encoder needs no free position to generate into: max_model_len tokens are fine."""
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            return await c.embeddings.create(model="model", input=[101] + [2773] * 510 + [102])
+
+    out = run(go())
+    assert len(out.data) == 1 and len(out.data[0].embedding) == 384
+    assert out.usage.prompt_tokens == 512
 
 
 def run(coro):
