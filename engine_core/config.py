@@ -133,7 +133,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA generation, 1 stage (H100: faster)
     max_queued_requests: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -283,7 +283,7 @@ class EngineArgs:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             enable_chunked_prefill=chunked,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=(device == "cuda" and task == "generate" and self.pipeline_parallel_size == 1) if self.async_scheduling is None else self.async_scheduling,  # noqa: E501
             max_queued_requests=self.max_queued_requests,
         )
 

@@ -28,6 +28,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the cache.
         self._num_cached: dict[str, int] = {}
+        # request id -> the most tokens (computed + new) its current blocks cover with nothing
+        # to allocate and no block to register: ``allocate_slots`` up to there is a no-op, so
+        # the scheduler's per-request hot loop can skip the call (most decode steps).
+        self.noop_limit: dict[str, int] = {}
         # Prefix-cache lookups since the last report, in tokens.
         self.queries = 0
         self.hits = 0
@@ -88,6 +92,11 @@ class KVCacheManager:
         blocks.extend(new)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, total)
+        limit = len(blocks) * self.block_size
+        if self.enable_caching:
+            limit = min(limit, (self._num_cached.get(request.request_id, 0) + 1)
+                        * self.block_size - 1)
+        self.noop_limit[request.request_id] = limit
         return [b.block_id for b in new]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
@@ -106,6 +115,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self._num_cached.pop(request.request_id, None)
+        self.noop_limit.pop(request.request_id, None)
         blocks = self.req_blocks.pop(request.request_id, None)
         if blocks:
             # Tail first: the end of a sequence is the least likely to be shared.

@@ -98,31 +98,69 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted_now = False
 
+        # Hot loop (every running request, every step): locals instead of attribute lookups,
+        # the pending-token count inlined, and each request's counters advanced as soon as it is
+        # scheduled (a request scheduled earlier in this loop is never a preemption victim:
+        # victims come from the end of ``running``, past the current index).
+        running = self.running
+        allocate = self.kv.allocate_slots
+        noop_limit = self.kv.noop_limit
+        c_ids, c_blocks, c_computed = (cached.req_ids, cached.new_block_ids,
+                                       cached.num_computed_tokens)
+        forward = self.forward_tokens
+        async_ok = self.async_scheduling
+        max_len = self.max_model_len
+        prompt_tokens = 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(self._num_pending(req), budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n_tokens = len(req.all_token_ids)
+            placeholders = req.num_placeholders
+            if placeholders and (
+                not async_ok  # its next input token is still being sampled
+                # stop once the tokens in flight already reach a known limit
+                or n_tokens - len(req.prompt_token_ids) + placeholders >= req.max_tokens
+                or n_tokens + placeholders >= max_len
+            ):
+                i += 1
+                continue
+            computed = req.num_computed_tokens
+            num_new = n_tokens + placeholders - computed
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            if num_new > budget:
+                num_new = budget
+            rid = req.request_id
+            if computed + num_new <= noop_limit.get(rid, -1):
+                new_blocks = []  # what allocate_slots would return: its blocks suffice
+            else:
+                new_blocks = allocate(req, num_new)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
-                new_blocks = self.kv.allocate_slots(req, num_new)
+                new_blocks = allocate(req, num_new)
             if new_blocks is None:
                 break  # ``req`` itself was preempted; everything after it too
-            cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append(new_blocks)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            if self.forward_tokens:
+            c_ids.append(rid)
+            c_blocks.append(new_blocks)
+            c_computed.append(computed)
+            if forward:
                 cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
-                req.num_tokens_sent = req.num_tokens
-            num_scheduled[req.request_id] = num_new
+                req.num_tokens_sent = n_tokens
+            num_scheduled[rid] = num_new
             budget -= num_new
+            # What the post-scheduling pass below does for admitted requests.
+            n_prompt = len(req.prompt_token_ids)
+            if computed < n_prompt:
+                prompt_tokens += min(n_prompt - computed, num_new)
+            computed += num_new
+            req.num_computed_tokens = computed
+            if computed >= n_tokens + placeholders:
+                req.num_placeholders = placeholders + 1
             i += 1
 
         # Admitting while preempting would only thrash: the pool is already short.
@@ -182,9 +220,10 @@ class Scheduler:
         self._step_id += 1
         # Computed counts advance when scheduled, so the next step can be planned before this
         # one's results are back; a request that reaches its end samples a token this step.
-        prompt_tokens = 0
-        for rid, n in num_scheduled.items():
-            req = self.requests[rid]
+        # (Running requests were advanced in the loop above; these are the admitted ones.)
+        for new in new_reqs:
+            req = self.requests[new.req_id]
+            n = num_scheduled[new.req_id]
             prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_placeholders:
@@ -192,38 +231,39 @@ class Scheduler:
         self._prompt_tokens_step = prompt_tokens
         return out
 
-    def _num_pending(self, req: Request) -> int:
-        """Tokens ``req`` could compute now (0: it must wait)."""
-        if req.num_placeholders:
-            if not self.async_scheduling:
-                return 0  # its next input token is still being sampled
-            # Stop scheduling once the tokens in flight already reach a known limit.
-            if (req.num_output_tokens + req.num_placeholders >= req.max_tokens
-                    or req.num_tokens + req.num_placeholders >= self.max_model_len):
-                return 0
-        return req.num_tokens + req.num_placeholders - req.num_computed_tokens
-
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         logprobs = result.logprobs
+        has_prompt_lp = bool(result.prompt_logprobs)
+        requests = self.requests
+        max_len = self.max_model_len
+        finished = RequestStatus.FINISHED
         for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
-            req = self.requests.get(rid)
-            if req is None or req.is_finished:
+            req = requests.get(rid)
+            if req is None or req.status == finished:
                 continue  # aborted while the step ran
-            req.num_placeholders = max(0, req.num_placeholders - 1)
-            accepted = []
-            for token in tokens:
-                req.append_token(token)
-                accepted.append(token)
-                if req.check_stop(token, self.max_model_len):
-                    break
+            if req.num_placeholders:
+                req.num_placeholders -= 1
+            if len(tokens) == 1:  # the common case, without the per-token loop
+                token = tokens[0]
+                req.all_token_ids.append(token)
+                accepted = [token]
+                req.check_stop(token, max_len)
+            else:
+                accepted = []
+                for token in tokens:
+                    req.append_token(token)
+                    accepted.append(token)
+                    if req.check_stop(token, max_len):
+                        break
             out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
             if logprobs is not None:
                 out.new_logprobs = logprobs.slice(row, row + len(accepted))
-            self._attach_prompt_logprobs(req, result, out)
-            if req.is_finished:
+            if has_prompt_lp:
+                self._attach_prompt_logprobs(req, result, out)
+            if req.status == finished:
                 self._finish_output(req, out)
             outputs.append(out)
 

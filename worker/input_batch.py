@@ -1,19 +1,30 @@
 """The worker's persistent state of the requests it is running.
 
-Each request owns one row of fixed-size numpy arrays (token ids, block table, sampling
-parameters), kept across steps: the EngineCore sends a request once, then only diffs (new blocks,
-computed-token counts), and the worker appends the tokens it samples itself. Per-step inputs are
-then gathered from these rows with vectorised indexing, never rebuilt request by request.
+Each request owns one row of fixed-size numpy arrays (token ids, sampling parameters), kept across
+steps: the EngineCore sends a request once, then only diffs (new blocks, computed-token counts),
+and the worker appends the tokens it samples itself. Per-step inputs are then gathered from these
+rows with vectorised indexing, never rebuilt request by request.
+
+A token sampled by a step whose output has not reached the CPU yet (async scheduling) is a
+*placeholder*: it is counted in ``num_tokens`` and stored as ``PLACEHOLDER`` until the output
+arrives; the model runner takes such input tokens from the previous step's sampled ids on the
+device instead.
+
+The block table itself lives on the device (the runner owns it); rows here only log the block ids
+they gained since the last step (``take_block_updates``), so each step ships only what changed.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from tidal.engine_core.protocol import NewRequestData
 from tidal.engine_core.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # token id not known on the CPU yet (sampled by a step still in flight)
 
 
 @dataclass(slots=True)
@@ -32,17 +43,22 @@ class InputBatch:
                  eos_token_ids: tuple[int, ...]) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
+        self.max_blocks_per_req = max_blocks_per_req
         self.eos_token_ids = np.asarray(eos_token_ids, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         self.extras: list[RowExtras | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # Bumped whenever a row changes hands, so late outputs of a step (async scheduling) are
+        # never written into a row that a new request took meanwhile.
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # placeholders included
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # (row, first column, block ids) written since the last ``take_block_updates``.
+        self._block_updates: list[tuple[int, int, list[int]]] = []
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -55,6 +71,14 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        # Rows whose sampling needs more than temperature (top-k/p, min-p, penalties, bias,
+        # min_tokens, seeds, logprobs): a batch without any skips those metadata builders.
+        self.special = np.zeros(max_num_reqs, dtype=bool)
+        # Live rows using penalties (which read every generated token) / prompt logprobs:
+        # while zero, a step skips those checks altogether.
+        self.num_penalized = 0
+        self.num_prompt_logprobs_rows = 0
+        self._penalized = np.zeros(max_num_reqs, dtype=bool)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -70,7 +94,7 @@ class InputBatch:
         if n_prompt + n_out > self.max_model_len:
             raise ValueError(f"{n_prompt + n_out} tokens exceed max_model_len "
                              f"{self.max_model_len}")
-        if len(new.block_ids) > self.block_table.shape[1]:
+        if len(new.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"{len(new.block_ids)} blocks exceed the block table")
         bias = None
         if p.logit_bias:
@@ -86,6 +110,7 @@ class InputBatch:
             raise ValueError(f"more than {self.max_num_reqs} concurrent requests")
         row = self._free_rows.pop()
         self.row_of[new.req_id] = row
+        self.generation[row] += 1
         self.extras[row] = RowExtras(new.req_id, p, new.prompt_logprobs_from, bias, stop_ids)
 
         self.token_ids[row, :n_prompt] = new.prompt_token_ids
@@ -93,8 +118,8 @@ class InputBatch:
         self.num_tokens[row] = n_prompt + n_out
         self.num_prompt_tokens[row] = n_prompt
         self.num_computed[row] = new.num_computed_tokens
-        self.block_table[row, :len(new.block_ids)] = new.block_ids
-        self.num_blocks[row] = len(new.block_ids)
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
 
         self.temperature[row] = p.temperature
         self.top_k[row] = p.top_k
@@ -107,23 +132,84 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        penalized = (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                     or p.repetition_penalty != 1.0)
+        self._penalized[row] = penalized
+        self.num_penalized += penalized
+        self.num_prompt_logprobs_rows += p.prompt_logprobs is not None
+        self.special[row] = bool(
+            (0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            or p.repetition_penalty != 1.0 or bias is not None or p.min_tokens > 0
+            or (p.seed is not None and p.temperature > 0) or p.logprobs is not None
+        )
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
         self.extras[row] = None
+        self.special[row] = False
+        self.num_penalized -= bool(self._penalized[row])
+        self._penalized[row] = False
+        self.num_prompt_logprobs_rows -= bool(self.num_prompt_logprobs[row] >= 0)
+        self.num_prompt_logprobs[row] = -1
         self._free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
             return
         n = int(self.num_blocks[row])
-        self.block_table[row, n:n + len(block_ids)] = block_ids
+        if n + len(block_ids) > self.max_blocks_per_req:
+            raise ValueError(f"{n + len(block_ids)} blocks exceed the block table")
+        self._block_updates.append((row, n, block_ids))
         self.num_blocks[row] = n + len(block_ids)
+
+    def take_block_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Block-table entries written since the last call: (flat index row * width + column,
+        block id), or None when nothing changed."""
+        ups = self._block_updates
+        if not ups:
+            return None
+        self._block_updates = []
+        width = self.max_blocks_per_req
+        if all(len(u[2]) == 1 for u in ups):  # decode steps: one new block per request
+            flat = np.array([u[0] * width + u[1] for u in ups], dtype=np.int64)
+            return flat, np.array([u[2][0] for u in ups], dtype=np.int32)
+        if len(ups) == 1:
+            row, col, ids = ups[0]
+            flat = np.arange(row * width + col, row * width + col + len(ids), dtype=np.int64)
+            return flat, np.asarray(ids, dtype=np.int32)
+        lens = np.fromiter((len(u[2]) for u in ups), np.int64, len(ups))
+        starts = np.fromiter((u[0] * width + u[1] for u in ups), np.int64, len(ups))
+        # start of each run, repeated over the run, plus the offset inside the run
+        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens,
+                                                                         lens)
+        flat = np.repeat(starts, lens) + offsets
+        vals = np.fromiter(itertools.chain.from_iterable(u[2] for u in ups), np.int32,
+                           int(lens.sum()))
+        return flat, vals
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])
         if n < self.token_ids.shape[1]:
             self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
+        """Count one token of each row as sampled with its value still unknown; returns the
+        positions those tokens take."""
+        pos = self.num_tokens[rows]
+        inside = pos < self.token_ids.shape[1]
+        self.token_ids[rows[inside], pos[inside]] = PLACEHOLDER
+        self.num_tokens[rows] = pos + 1
+        return pos
+
+    def fill_placeholders(self, rows: np.ndarray, positions: np.ndarray,
+                          generations: np.ndarray, tokens: np.ndarray) -> None:
+        """Write sampled values over their placeholders, skipping rows that changed hands."""
+        ok = (self.generation[rows] == generations) & (positions < self.token_ids.shape[1])
+        if ok.all():
+            self.token_ids[rows, positions] = tokens
+        else:
+            self.token_ids[rows[ok], positions[ok]] = tokens[ok]

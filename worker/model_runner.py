@@ -1,9 +1,17 @@
 """Runs one scheduler step on one worker: applies the step's diffs to the persistent batch,
-prepares inputs with vectorised numpy, runs the model, samples, and reports the new tokens."""
+prepares inputs with vectorised numpy into pinned buffers, runs the model (a CUDA graph for
+decode batches), samples on the device, and reports the new tokens.
+
+With async scheduling the step's output is handed back unfinished (``PendingStep``): the sampled
+ids travel to the host on a side stream while the CPU already prepares the next step, and a
+request whose next input is a token still in flight gets it straight from this step's sampled
+ids on the device (a placeholder fill), never through the host.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,24 +20,24 @@ import torch
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.protocol import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
+from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.loader.model_loader import load_model, torch_dtype
-from tidal.worker.sample.metadata import SamplingMetadata
+from tidal.worker.sample.metadata import (
+    SamplingMetadata,
+    SamplingMetadataBuilder,
+    needs_token_history,
+    position_seed,
+)
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
+from tidal.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["IntermediateTensors", "ModelRunner", "PendingStep", "position_seed"]
+
 DEFAULT_CPU_KV_BYTES = 2 << 30
-_SEED_MIX = 0x9E3779B97F4A7C15
-_INT63 = (1 << 63) - 1
-
-
-def position_seed(seed: int, position: int) -> int:
-    """Seed of one sampled position: a pure function of the request's seed and how many tokens it
-    has generated, so a seeded request draws the same numbers whatever the batch around it and
-    after a preemption."""
-    return ((seed ^ ((position + 1) * _SEED_MIX)) & _INT63) or 1
 
 
 @dataclass(slots=True)
@@ -50,7 +58,58 @@ class StepInputs:
     cu: np.ndarray  # query_start_loc on the host
     seq_lens: np.ndarray
     sample_mask: np.ndarray  # which requests sample this step
-    logits_indices: torch.Tensor
+    all_sample: bool
+    logits_indices: torch.Tensor | None  # None: every token samples, in order
+    sampling: SamplingMetadata | None
+    graph_size: int | None  # the captured batch size this step replays, if any
+
+
+@dataclass(slots=True, eq=False)
+class PendingStep:
+    """A step whose sampled tokens may still be on their way to the host. ``get_output()``
+    waits for them (only for them), writes them into the persistent batch and returns the
+    step's ``ModelRunnerOutput``."""
+
+    runner: ModelRunner
+    result: ModelRunnerOutput
+    req_ids: list[str]  # requests that sampled (kept ones only)
+    rows: np.ndarray
+    positions: np.ndarray  # where each sampled token goes in its row
+    generations: np.ndarray
+    tokens_dev: torch.Tensor  # sampled ids on the device, all sampling rows (placeholder fill)
+    tokens_host: torch.Tensor | None  # kept rows' ids, copied on the side stream
+    logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    copied: torch.cuda.Event | None
+    done: bool = False
+
+    def get_output(self) -> ModelRunnerOutput:
+        if not self.done:
+            self.runner._resolve_through(self)
+        return self.result
+
+    def _resolve(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        result = self.result
+        if self.tokens_host is not None:
+            tokens = self.tokens_host.numpy()
+            self.runner.batch.fill_placeholders(self.rows, self.positions, self.generations,
+                                                tokens)
+            result.req_ids = self.req_ids
+            result.sampled_token_ids = [[t] for t in tokens.tolist()]
+        if self.logprobs_host is not None:
+            ids, vals, ranks = self.logprobs_host
+            result.logprobs = LogprobsArrays(ids.numpy(), vals.numpy(), ranks.numpy())
+        self.tokens_host = self.logprobs_host = None
+        self.done = True
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory on the current stream. The caching
+    host allocator keeps the block from reuse until the copy has completed."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _select_attention(name: str | None, device: torch.device):
@@ -70,6 +129,7 @@ class ModelRunner:
                  tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
         self.config = config
         self.device = device
+        self.on_gpu = device.type == "cuda"
         self.tp = tp or single_group()
         self.pp = pp or single_group()
         self.arch = config.model.arch
@@ -77,17 +137,66 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.dtype = torch_dtype(config.model.dtype)
         self.attn_impl = _select_attention(config.runner.attention_backend, device)
-        self.batch = InputBatch(config.scheduler.max_num_seqs, config.model.max_model_len,
-                                config.max_blocks_per_seq, config.model.eos_token_ids)
+        max_reqs = config.scheduler.max_num_seqs
+        self.max_num_reqs = max_reqs
+        self.batch = InputBatch(max_reqs, config.model.max_model_len, config.max_blocks_per_seq,
+                                config.model.eos_token_ids)
+        # A step holds at most the token budget, but never fewer rows than a padded graph batch.
+        self.max_num_tokens = max(config.scheduler.max_num_batched_tokens, max_reqs)
+        self.bufs = StepBuffers(max_reqs, self.max_num_tokens, config.max_blocks_per_seq,
+                                self.block_size, device)
         self.sampler = Sampler()
+        self.sampling_builder = SamplingMetadataBuilder(self.vocab_size, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self._generators: dict[int, torch.Generator] = {}
+        self.graphs: CudaGraphRunner | None = None
+        # Hand outputs back before their tokens reach the host only when the EngineCore will
+        # schedule the next step meanwhile; otherwise a step returns its output directly.
+        self.defer_output = config.scheduler.async_scheduling
+        self._inflight: deque[PendingStep] = deque()  # steps whose tokens are not applied yet
+        self._copy_stream = torch.cuda.Stream(device) if self.on_gpu else None
+        # For the newest launched step: batch row -> index into its sampled ids (-1: none), and
+        # the position that token takes.
+        self._index_of_row = np.full(max_reqs, -1, dtype=np.int64)
+        self._pos_of_row = np.full(max_reqs, -1, dtype=np.int64)
+        self._last_sampled_rows = np.zeros(0, dtype=np.int64)
+        self._arange32 = np.arange(self.max_num_tokens + 1, dtype=np.int32)
+        self._arange64 = np.arange(self.max_num_tokens + 1, dtype=np.int64)
 
     # --- start-up -----------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        if self.on_gpu:
+            self._check_weights_fit()
         self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp)
+
+    def _check_weights_fit(self) -> None:
+        """Fail before loading, with the shortfall, when the weights alone cannot fit."""
+        from tidal.worker.models.registry import build_model
+
+        try:
+            with torch.device("meta"):
+                shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp)
+        except Exception as exc:  # noqa: BLE001 - the estimate is a courtesy, loading decides
+            logger.debug("could not size the model before loading: %s", exc)
+            return
+        seen: set[int] = set()
+        need = 0
+        for p in shell.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                need += p.numel() * p.element_size()
+        free, total = torch.cuda.mem_get_info(self.device)
+        util = self.config.cache.gpu_memory_utilization
+        room = int(total * util) - (total - free)
+        if need > room:
+            raise RuntimeError(
+                f"the model's weights need {need / 2**30:.2f} GiB but only {room / 2**30:.2f} "
+                f"GiB of this GPU may be used (gpu_memory_utilization={util}, "
+                f"{(total - free) / 2**30:.2f} GiB already in use): short by "
+                f"{(need - room) / 2**30:.2f} GiB; use more GPUs (tensor parallelism), a "
+                "smaller dtype, or raise --gpu-memory-utilization"
+            )
 
     def kv_bytes_per_block(self) -> int:
         assert self.model is not None
@@ -103,20 +212,28 @@ class ModelRunner:
         if self.config.cache.num_blocks is not None:
             return self.config.cache.num_blocks
         per_block = self.kv_bytes_per_block()
-        if self.device.type == "cpu":
+        if not self.on_gpu:
             budget = self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             return max(1, budget // per_block)
         return self._profile_gpu_blocks(per_block)
 
     def _profile_gpu_blocks(self, per_block: int) -> int:
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        scratch_kv = self._profile_run()
+        torch.cuda.synchronize(dev)
+        # Peak of weights + activations + sampler temporaries, without the scratch KV cache.
+        peak = torch.cuda.max_memory_allocated(dev) - scratch_kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = total - free - torch.cuda.memory_reserved(dev)  # context, NCCL, others
+        activations = max(0, peak - weights)
+        graph_reserve = self._graph_memory_estimate(activations)
+        util = self.config.cache.gpu_memory_utilization
+        budget = int(total * util) - non_torch - peak - graph_reserve
         if self.config.cache.kv_cache_memory_bytes is not None:
             budget = self.config.cache.kv_cache_memory_bytes
         blocks = budget // per_block
@@ -127,31 +244,55 @@ class ModelRunner:
                 f"the model leaves room for {max(blocks, 0)} KV blocks but one sequence of "
                 f"max_model_len={self.config.model.max_model_len} needs {need}: short by "
                 f"{short / 2**30:.2f} GiB; raise --gpu-memory-utilization (now "
-                f"{self.config.cache.gpu_memory_utilization}), lower --max-model-len, or use "
-                "more GPUs (tensor parallelism)"
+                f"{util}), lower --max-model-len, or use more GPUs (tensor parallelism)"
             )
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); peak activations %.2f GiB",
-                    blocks, self.block_size, blocks * per_block / 2**30, peak / 2**30)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); weights %.2f GiB, peak "
+            "activations %.2f GiB, CUDA graphs reserve %.2f GiB, other %.2f GiB of %.2f GiB "
+            "(gpu_memory_utilization %.2f)", blocks, self.block_size, blocks * per_block / 2**30,
+            blocks * self.block_size, weights / 2**30, activations / 2**30,
+            graph_reserve / 2**30, non_torch / 2**30, total / 2**30, util)
         return int(blocks)
 
+    def _graph_memory_estimate(self, activations: int) -> int:
+        """Room to keep for the decode graphs' private pool: the activations of the largest
+        captured batch (scaled from the profiled token budget), doubled, plus slack."""
+        if not self._graphs_enabled():
+            return 0
+        largest = capture_sizes(self._max_graph_batch())[-1]
+        share = activations * largest / max(1, self.config.scheduler.max_num_batched_tokens)
+        return int(2 * share) + (64 << 20)
+
     @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """One forward pass at the largest token budget, on a throwaway cache, to measure the
-        activation peak."""
+    def _profile_run(self) -> int:
+        """One forward pass at the largest token budget on a scratch cache, then the sampler on
+        the largest batch with every truncation on, to measure the peak; returns the scratch
+        cache's size."""
         assert self.model is not None
         n = self.config.scheduler.max_num_batched_tokens
         n_blocks = -(-n // self.block_size)
-        self.init_kv_cache(n_blocks)
+        self._allocate_kv(n_blocks)
+        scratch = sum(c.numel() * c.element_size() for c in self.kv_caches)
         meta = self._dummy_meta(n, n_blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device) % self.config.model.max_model_len
         hidden, _ = self.model(ids, pos, meta)
         if self.pp.is_last:
-            rows = min(self.config.scheduler.max_num_seqs, n)
-            self.model.compute_logits(hidden[:rows]).float().softmax(-1)
-        self.kv_caches = []
+            rows = min(self.max_num_reqs, n)
+            logits = self.model.compute_logits(hidden[:rows])
+            dev = self.device
+            sampling = SamplingMetadata(
+                temperature=torch.full((rows,), 0.7, device=dev), all_greedy=False,
+                all_random=True,
+                top_k=torch.full((rows,), 50, dtype=torch.int64, device=dev),
+                top_p=torch.full((rows,), 0.9, device=dev),
+                min_p=torch.full((rows,), 0.05, device=dev),
+                max_num_logprobs=self.config.runner.max_logprobs)
+            self.sampler(logits, sampling)
+            del logits
         del hidden
-        torch.cuda.empty_cache()
+        self._release_kv()
+        return scratch
 
     def _dummy_meta(self, n: int, n_blocks: int) -> AttentionMetadata:
         qsl = np.array([0, n], dtype=np.int32)
@@ -166,7 +307,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=seq,
         )
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def _allocate_kv(self, num_blocks: int) -> None:
         assert self.model is not None
         self.kv_caches = []
         for layer in self.model.attention_layers():
@@ -176,10 +317,81 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def _release_kv(self) -> None:
+        assert self.model is not None
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        self.kv_caches = []
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._allocate_kv(num_blocks)
+        if self._graphs_enabled():
+            self.capture_graphs()
+
+    # --- CUDA graphs ----------------------------------------------------------------------------
+
+    def _max_graph_batch(self) -> int:
+        return min(self.config.runner.max_cudagraph_batch, self.max_num_reqs)
+
+    def _graphs_enabled(self) -> bool:
+        # The torch backend plans on the host (per-request loops over host metadata), so its
+        # launches are not replayable; pipeline/tensor parallel steps are left eager for now.
+        return (self.on_gpu and not self.config.runner.enforce_eager
+                and self.attn_impl.name in ("triton", "cuda")
+                and self.tp.world_size == 1 and self.pp.world_size == 1
+                and self._max_graph_batch() >= 1)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        from tidal.worker import ops
+
+        ops.prepare_ops(self.device)  # build / pick the fused ops before any capture
+        graphs = CudaGraphRunner(capture_sizes(self._max_graph_batch()))
+        bufs = self.bufs
+        r = self.max_num_reqs
+
+        def prepare(size: int) -> None:
+            # A dummy decode batch: one context token per request, nothing written to the cache.
+            bufs.meta32[: size + 1] = torch.arange(size + 1, dtype=torch.int32,
+                                                   device=self.device)
+            bufs.meta32[r + 1:r + 1 + size] = 1
+            bufs.slot_mapping[:size] = -1
+            bufs.step_block_table[:size] = 0
+
+        def forward(size: int) -> torch.Tensor:
+            assert self.model is not None
+            meta = self._graph_meta(size)
+            hidden, _ = self.model(bufs.input_ids[:size], bufs.positions[:size], meta)
+            return hidden
+
+        graphs.capture(prepare, forward)
+        self.graphs = graphs
+
+    def _graph_meta(self, size: int) -> AttentionMetadata:
+        bufs = self.bufs
+        host = np.zeros(0, dtype=np.int32)  # graph-capable backends never read host metadata
+        return AttentionMetadata(
+            num_actual_tokens=size, num_reqs=size, max_query_len=1,
+            max_seq_len=self.config.model.max_model_len,
+            query_start_loc=bufs.query_start_loc(size), seq_lens=bufs.seq_lens(size),
+            block_table=bufs.step_block_table[:size], slot_mapping=bufs.slot_mapping[:size],
+            query_start_loc_cpu=host, seq_lens_cpu=host, num_decodes=size,
+        )
+
     # --- one step -----------------------------------------------------------------------------
 
     def apply_diffs(self, so: SchedulerOutput) -> dict[str, str]:
         """Bring the persistent batch up to date; returns requests that could not be taken."""
+        failed = self._apply_new_and_finished(so)
+        cr = so.cached_reqs
+        if cr.req_ids:
+            rows = [self.batch.row_of.get(rid, -1) for rid in cr.req_ids]
+            self._apply_cached(so, rows)
+        return failed
+
+    def _apply_new_and_finished(self, so: SchedulerOutput) -> dict[str, str]:
         b = self.batch
         for rid in so.finished_req_ids:
             b.remove(rid)
@@ -189,230 +401,322 @@ class ModelRunner:
                 b.add(new, self.vocab_size)
             except ValueError as exc:
                 failed[new.req_id] = str(exc)
+        return failed
+
+    def _apply_cached(self, so: SchedulerOutput, rows: list[int]) -> None:
+        """Diffs of requests the batch holds (``rows``: their rows, -1 for unknown ids)."""
+        b = self.batch
         cr = so.cached_reqs
-        for i, (rid, blocks, computed) in enumerate(
-                zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens)):
-            row = b.row_of.get(rid)
-            if row is None:
-                continue
-            b.append_blocks(row, blocks)
-            b.num_computed[row] = computed
-            if cr.new_token_ids and cr.new_token_ids[i]:
+        rows_np = np.array(rows, dtype=np.int64)
+        computed = np.array(cr.num_computed_tokens, dtype=np.int32)
+        if (rows_np < 0).any():  # a request this worker refused earlier
+            keep = rows_np >= 0
+            b.num_computed[rows_np[keep]] = computed[keep]
+        else:
+            b.num_computed[rows_np] = computed
+        for i in [i for i, blocks in enumerate(cr.new_block_ids) if blocks]:
+            if rows[i] >= 0:
+                b.append_blocks(rows[i], cr.new_block_ids[i])
+        forwarded = cr.new_token_ids
+        if forwarded:
+            for i, rid in enumerate(cr.req_ids):
+                new = forwarded[i]
+                if not new or rows[i] < 0:
+                    continue
                 # Pipeline parallelism: tokens sampled on the last stage, ending at this step's
                 # last scheduled position (the sampling stage already holds them).
-                new = cr.new_token_ids[i]
-                end = computed + so.num_scheduled_tokens.get(rid, 0)
+                row = rows[i]
+                end = cr.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
                 b.token_ids[row, end - len(new):end] = new
                 b.num_tokens[row] = max(int(b.num_tokens[row]), end)
-        return failed
 
     @torch.inference_mode()
     def execute_model(
         self, so: SchedulerOutput, intermediate: IntermediateTensors | None = None
-    ) -> ModelRunnerOutput | IntermediateTensors:
+    ) -> ModelRunnerOutput | PendingStep | IntermediateTensors:
         """Run one step. With pipeline parallelism, stages after the first take the previous
         stage's ``intermediate`` tensors, and stages before the last return theirs instead of
-        sampling."""
-        failed = self.apply_diffs(so)
+        sampling. With async scheduling the output comes back as a ``PendingStep``."""
+        # Only the newest step's tokens may stay unknown on the host: its sampled ids on the
+        # device fill the inputs that need them.
+        while len(self._inflight) > 1:
+            self._resolve_through(self._inflight[0])
+        failed = self._apply_new_and_finished(so)
         b = self.batch
-        req_ids = [rid for rid in so.num_scheduled_tokens if rid in b.row_of]
+        row_of = b.row_of
+        nst = so.num_scheduled_tokens
+        req_ids = list(nst)
+        rows_l = [row_of.get(r, -1) for r in req_ids]
+        cr = so.cached_reqs
+        n_cached = len(cr.req_ids)
+        if n_cached:
+            # Scheduled requests list the cached ones first, in the same order (one lookup
+            # serves both); anything else is looked up on its own.
+            same = req_ids[:n_cached] == cr.req_ids
+            self._apply_cached(so, rows_l[:n_cached] if same
+                               else [row_of.get(r, -1) for r in cr.req_ids])
+        rows = np.array(rows_l, dtype=np.int64)
+        n_sched = np.fromiter(nst.values(), dtype=np.int32, count=len(req_ids))
+        if failed or (rows < 0).any():
+            keep = rows >= 0
+            req_ids = [r for r, k in zip(req_ids, keep) if k]
+            rows, n_sched = rows[keep], n_sched[keep]
         if not req_ids:
             return ModelRunnerOutput(failed=failed)
-        rows = np.fromiter((b.row_of[r] for r in req_ids), np.int64, len(req_ids))
-        n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int32,
-                              len(req_ids))
+        if self._inflight and needs_token_history(b, rows):
+            self._resolve_through(self._inflight[-1])  # penalties count every output token
         inputs = self.prepare_inputs(rows, n_sched)
         assert self.model is not None
-        hidden, residual = self.model(
-            inputs.input_ids, inputs.positions, inputs.meta,
-            None if intermediate is None else intermediate.hidden,
-            None if intermediate is None else intermediate.residual)
-        if not self.pp.is_last:
-            b.num_computed[rows] = inputs.seq_lens
-            return IntermediateTensors(hidden, residual)
-        prompt_lp = self._prompt_logprobs(req_ids, inputs, hidden)
-        sample_rows = rows[inputs.sample_mask]
-        sampled_ids = [rid for rid, m in zip(req_ids, inputs.sample_mask) if m]
-        result = ModelRunnerOutput(failed=failed, prompt_logprobs=prompt_lp)
+        num_tokens = inputs.meta.num_actual_tokens
+        if inputs.graph_size is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.replay(inputs.graph_size)[:num_tokens]
+            residual = None
+        else:
+            hidden, residual = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta,
+                None if intermediate is None else intermediate.hidden,
+                None if intermediate is None else intermediate.residual)
         b.num_computed[rows] = inputs.seq_lens
-        if len(sample_rows):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            out, bad = self._sample(logits, sample_rows, sampled_ids)
-            for rid, why in bad.items():
-                failed[rid] = why
-            tokens = out.token_ids.tolist()
-            keep = [i for i, rid in enumerate(sampled_ids) if rid not in bad]
-            for i in keep:
-                b.append_token(int(sample_rows[i]), tokens[i])
-            result.req_ids = [sampled_ids[i] for i in keep]
-            result.sampled_token_ids = [[tokens[i]] for i in keep]
-            if out.logprobs is not None:
-                lp = out.logprobs
-                idx = torch.tensor(keep, dtype=torch.long, device=lp.token_ids.device)
-                result.logprobs = LogprobsArrays(
-                    lp.token_ids.index_select(0, idx).to(torch.int32).cpu().numpy(),
-                    lp.logprobs.index_select(0, idx).cpu().numpy(),
-                    lp.ranks.index_select(0, idx).to(torch.int32).cpu().numpy(),
-                )
-        return result
+        if not self.pp.is_last:
+            return IntermediateTensors(hidden, residual)
+        prompt_lp = (self._prompt_logprobs(req_ids, inputs, hidden)
+                     if b.num_prompt_logprobs_rows else {})
+        result = ModelRunnerOutput(failed=failed, prompt_logprobs=prompt_lp)
+        if inputs.sampling is None:
+            return result
+        mask = inputs.sample_mask
+        if inputs.all_sample:
+            sample_rows, sampled_ids = rows, req_ids
+        else:
+            sample_rows = rows[mask]
+            sampled_ids = [r for r, m in zip(req_ids, mask) if m]
+        picked = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(picked)
+        out, bad = self._sample(logits, inputs.sampling, sample_rows, sampled_ids)
+        for rid, why in bad.items():
+            failed[rid] = why
+        pending = self._launch_output(result, out, sample_rows, sampled_ids, bad)
+        if self.defer_output:
+            return pending
+        self._resolve_through(pending)
+        return pending.result
 
     def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray) -> StepInputs:
+        """Gather this step's inputs from the persistent batch (numpy), stage them in pinned
+        memory, copy them over in a few transfers, and finish on the device: block-table
+        updates, slot mapping, the step's block table, placeholder fills."""
         b = self.batch
+        bufs = self.bufs
         bs = self.block_size
+        hs = bufs.begin()
         num_reqs = len(rows)
         computed = b.num_computed[rows]
-        cu = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(n_sched, out=cu[1:])
-        total = int(cu[-1])
-        token_rows = np.repeat(rows, n_sched)
-        positions = np.repeat(computed - cu[:-1], n_sched) + np.arange(total, dtype=np.int32)
-        input_ids = b.token_ids[token_rows, positions]
-        slots = (b.block_table[token_rows, positions // bs].astype(np.int64) * bs
-                 + positions % bs)
         seq_lens = computed + n_sched
-        max_seq = int(seq_lens.max())
-        block_table = b.block_table[rows, : -(-max_seq // bs)]
-        sample_mask = seq_lens >= b.num_tokens[rows]
-        logits_indices = cu[1:][sample_mask] - 1
-        leading_decodes = int(np.argmin(n_sched == 1)) if (n_sched != 1).any() else num_reqs
+        total = int(n_sched.sum())
+        decode_only = total == num_reqs
+        if decode_only:
+            cu = self._arange32[:num_reqs + 1]
+            token_rows = rows
+            positions = computed.astype(np.int64)
+        else:
+            cu = np.zeros(num_reqs + 1, dtype=np.int32)
+            np.cumsum(n_sched, out=cu[1:])
+            token_rows = np.repeat(rows, n_sched)
+            positions = (np.repeat((computed - cu[:-1]).astype(np.int64), n_sched)
+                         + self._arange64[:total])
+        ids = b.token_ids[token_rows, positions]
+        graph_size = None
+        if decode_only and self.graphs is not None:
+            graph_size = self.graphs.size_for(num_reqs)
+        padded_reqs = graph_size or num_reqs
+        padded_tokens = graph_size or total
 
-        dev = self.device
+        hs.ids_np[:total] = ids
+        hs.pos_np[:total] = positions
+        m = hs.meta32_np
+        r = self.max_num_reqs
+        m[:num_reqs + 1] = cu
+        m[r + 1:r + 1 + num_reqs] = seq_lens
+        if padded_reqs > num_reqs:
+            # Padding requests: no query (empty range at the end), no context.
+            m[num_reqs + 1:padded_reqs + 1] = total
+            m[r + 1 + num_reqs:r + 1 + padded_reqs] = 0
+
+        put = bufs.put
+        # Slot inputs: index of the token's block-table entry, and its offset in the block.
+        # Padding tokens point at the table's trailing -1 with offset bs - 1 (slot -1).
+        flat = np.empty(2 * padded_tokens, dtype=np.int64)
+        np.floor_divide(positions, bs, out=flat[:total])
+        flat[:total] += token_rows * bufs.width
+        np.remainder(positions, bs, out=flat[padded_tokens:padded_tokens + total])
+        if padded_tokens > total:
+            flat[total:padded_tokens] = bufs.pad_index
+            flat[padded_tokens + total:] = bs - 1
+        slot_in = put(flat, torch.int64)
+        rows_d = put(rows, torch.int64)
+        updates = b.take_block_updates()
+        upd_d = None
+        if updates is not None:
+            upd_d = (put(updates[0], torch.int64), put(updates[1], torch.int32))
+
+        sample_mask = seq_lens >= b.num_tokens[rows]
+        all_sample = bool(sample_mask.all())
+        logits_d = None
+        if not (decode_only and all_sample):
+            logits_d = put((cu[1:][sample_mask] - 1).astype(np.int64), torch.int64)
+        fill = self._placeholder_fill(ids, token_rows, positions, put)
+        sampling = None
+        if self.pp.is_last and (all_sample or sample_mask.any()):
+            sample_rows = rows if all_sample else rows[sample_mask]
+            sampling = self.sampling_builder.build(b, sample_rows, put)
+        bufs.flush(total, padded_reqs)
+
+        # On the device, in stream order after the copies.
+        if upd_d is not None:
+            bufs.apply_block_updates(*upd_d)
+        bufs.compute_slots(slot_in[:padded_tokens], slot_in[padded_tokens:], padded_tokens)
+        block_table = bufs.gather_block_table(rows_d, num_reqs)
+        if fill is not None:
+            dst, src, tokens = fill
+            bufs.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+        if decode_only:
+            leading_decodes, max_query = num_reqs, 1
+        else:
+            ones = n_sched == 1
+            leading_decodes = int(np.argmin(ones)) if not ones.all() else num_reqs
+            max_query = int(n_sched.max())
         meta = AttentionMetadata(
             num_actual_tokens=total,
             num_reqs=num_reqs,
-            max_query_len=int(n_sched.max()),
-            max_seq_len=max_seq,
-            query_start_loc=_to(cu, dev),
-            seq_lens=_to(seq_lens.astype(np.int32), dev),
-            block_table=_to(np.ascontiguousarray(block_table), dev),
-            slot_mapping=_to(slots, dev),
+            max_query_len=max_query,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=bufs.query_start_loc(num_reqs),
+            seq_lens=bufs.seq_lens(num_reqs),
+            block_table=block_table,
+            slot_mapping=bufs.slot_mapping[:total],
             query_start_loc_cpu=cu,
             seq_lens_cpu=seq_lens,
             num_decodes=leading_decodes,
         )
         return StepInputs(
-            input_ids=_to(input_ids.astype(np.int64), dev),
-            positions=_to(positions.astype(np.int64), dev),
+            input_ids=bufs.input_ids[:total],
+            positions=bufs.positions[:total],
             meta=meta,
             rows=rows,
             cu=cu,
             seq_lens=seq_lens,
             sample_mask=sample_mask,
-            logits_indices=_to(logits_indices.astype(np.int64), dev),
+            all_sample=all_sample,
+            logits_indices=logits_d,
+            sampling=sampling,
+            graph_size=graph_size,
         )
 
-    # --- sampling -----------------------------------------------------------------------------
+    def _placeholder_fill(self, ids: np.ndarray, token_rows: np.ndarray,
+                          positions: np.ndarray, put) -> tuple | None:
+        """Inputs whose token the host doesn't know yet come from the newest in-flight step's
+        sampled ids on the device: returns (destinations, sources, that step's ids)."""
+        unknown = np.flatnonzero(ids < 0)
+        if not unknown.size:
+            return None
+        if not self._inflight:
+            raise RuntimeError("an input token is unknown but no step is in flight")
+        rows_u = token_rows[unknown]
+        src = self._index_of_row[rows_u]
+        if (src < 0).any() or (self._pos_of_row[rows_u] != positions[unknown]).any():
+            raise RuntimeError("an input token is unknown and not sampled by the previous step")
+        tokens = self._inflight[-1].tokens_dev
+        return put(unknown.astype(np.int64), torch.int64), put(src, torch.int64), tokens
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray,
+    # --- sampling and outputs ---------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray,
                 req_ids: list[str]) -> tuple[SamplerOutput, dict[str, str]]:
         """Sample the batch; if that raises, sample row by row so only the rows that fail are
         dropped (one bad request never takes the step down)."""
         try:
-            return self.sampler(logits, self.sampling_metadata(rows)), {}
+            return self.sampler(logits, meta), {}
         except Exception as exc:  # noqa: BLE001 - isolated below, row by row
             logger.warning("batched sampling failed (%s); isolating the failing request(s)", exc)
         tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
         bad: dict[str, str] = {}
+        dev = self.device
+
+        def direct(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(arr)).to(dev, dtype=dtype)
+
         for i, rid in enumerate(req_ids):
             try:
-                out = self.sampler(logits[i:i + 1], self.sampling_metadata(rows[i:i + 1]))
+                one = self.sampling_builder.build(self.batch, rows[i:i + 1], direct)
+                out = self.sampler(logits[i:i + 1], one)
                 tokens[i] = out.token_ids[0]
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 bad[rid] = f"sampling failed: {exc}"
         # Logprobs are dropped for this step rather than recomputed row by row.
         return SamplerOutput(tokens, None), bad
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _launch_output(self, result: ModelRunnerOutput, out: SamplerOutput,
+                       sample_rows: np.ndarray, sampled_ids: list[str],
+                       bad: dict[str, str]) -> PendingStep:
+        """Record the sampled tokens as placeholders and start their copy to the host."""
         b = self.batch
-        dev = self.device
-        vocab = self.vocab_size
-        temp = b.temperature[rows]
-        meta = SamplingMetadata(
-            temperature=_to(temp, dev),
-            all_greedy=bool((temp == 0).all()),
-            all_random=bool((temp > 0).all()),
-        )
-        if not meta.all_greedy:
-            top_k = b.top_k[rows]
-            top_k = np.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-            if (top_k < vocab).any():
-                meta.top_k = _to(top_k, dev)
-            top_p = b.top_p[rows]
-            if (top_p < 1.0).any():
-                meta.top_p = _to(top_p, dev)
-            min_p = b.min_p[rows]
-            if (min_p > 0).any():
-                meta.min_p = _to(min_p, dev)
-            n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-            for i in np.nonzero((b.seed[rows] >= 0) & (temp > 0))[0]:
-                row = int(rows[i])
-                gen = self._generators.get(row)
-                if gen is None:
-                    gen = self._generators[row] = torch.Generator(device=dev)
-                gen.manual_seed(position_seed(int(b.seed[row]), int(n_out[i])))
-                meta.generators[int(i)] = gen
-        n_lp = b.num_logprobs[rows]
-        if (n_lp >= 0).any():
-            meta.max_num_logprobs = int(n_lp.max())
-        self._penalty_metadata(rows, meta)
-        self._sparse_metadata(rows, meta)
-        return meta
+        tokens = out.token_ids
+        positions = b.append_placeholders(sample_rows)
+        self._index_of_row[self._last_sampled_rows] = -1
+        self._index_of_row[sample_rows] = np.arange(len(sample_rows), dtype=np.int64)
+        self._pos_of_row[sample_rows] = positions
+        self._last_sampled_rows = sample_rows
+        keep = None
+        if bad:
+            keep = np.array([i for i, rid in enumerate(sampled_ids) if rid not in bad],
+                            dtype=np.int64)
+        kept_ids = sampled_ids if keep is None else [sampled_ids[i] for i in keep]
+        rows_k = sample_rows if keep is None else sample_rows[keep]
+        pos_k = positions if keep is None else positions[keep]
+        lp = out.logprobs
+        copied = None
+        if self.on_gpu:
+            main = torch.cuda.current_stream(self.device)
+            stream = self._copy_stream
+            assert stream is not None
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                sel = tokens if keep is None else tokens[torch.from_numpy(keep).to(self.device)]
+                tokens_host = _to_pinned(sel)
+                lp_host = None
+                if lp is not None:
+                    lp_host = self._logprobs_to_host(lp, keep)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+        else:
+            sel = tokens if keep is None else tokens[torch.from_numpy(keep)]
+            tokens_host = sel
+            lp_host = None if lp is None else self._logprobs_to_host(lp, keep)
+        pending = PendingStep(
+            runner=self, result=result, req_ids=kept_ids, rows=rows_k, positions=pos_k,
+            generations=b.generation[rows_k], tokens_dev=tokens, tokens_host=tokens_host,
+            logprobs_host=lp_host, copied=copied)
+        self._inflight.append(pending)
+        return pending
 
-    def _penalty_metadata(self, rows: np.ndarray, meta: SamplingMetadata) -> None:
-        b = self.batch
-        pres, freq, rep = b.presence[rows], b.frequency[rows], b.repetition[rows]
-        if not ((pres != 0).any() or (freq != 0).any() or (rep != 1).any()):
-            return
-        dev, vocab = self.device, self.vocab_size
-        n_tok = b.num_tokens[rows]
-        n_prompt = b.num_prompt_tokens[rows]
-        width = int(n_tok.max())
-        toks = torch.from_numpy(b.token_ids[rows, :width].astype(np.int64)).to(dev)
-        pos = torch.arange(width, device=dev).unsqueeze(0)
-        n_prompt_t = _to(n_prompt.astype(np.int64), dev).unsqueeze(1)
-        n_tok_t = _to(n_tok.astype(np.int64), dev).unsqueeze(1)
-        is_out = (pos >= n_prompt_t) & (pos < n_tok_t)
-        out_idx = torch.where(is_out, toks, vocab)
-        counts = torch.zeros(len(rows), vocab + 1, device=dev)
-        counts.scatter_add_(1, out_idx, torch.ones_like(out_idx, dtype=counts.dtype))
-        prompt_idx = torch.where(pos < n_prompt_t, toks, vocab)
-        mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
-        mask.scatter_(1, prompt_idx, True)
-        meta.output_counts = counts[:, :vocab]
-        meta.prompt_mask = mask[:, :vocab]
-        if (pres != 0).any():
-            meta.presence_penalty = _to(pres, dev)
-        if (freq != 0).any():
-            meta.frequency_penalty = _to(freq, dev)
-        if (rep != 1).any():
-            meta.repetition_penalty = _to(rep, dev)
+    def _logprobs_to_host(self, lp, keep: np.ndarray | None):
+        ids, vals, ranks = lp.token_ids, lp.logprobs, lp.ranks
+        if keep is not None:
+            idx = torch.from_numpy(keep).to(ids.device)
+            ids, vals, ranks = ids[idx], vals[idx], ranks[idx]
+        move = _to_pinned if self.on_gpu else (lambda t: t)
+        return move(ids.to(torch.int32)), move(vals), move(ranks.to(torch.int32))
 
-    def _sparse_metadata(self, rows: np.ndarray, meta: SamplingMetadata) -> None:
-        b = self.batch
-        bias_r, bias_c, bias_v, ban_r, ban_c = [], [], [], [], []
-        n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        for i, row in enumerate(rows):
-            extra = b.extras[int(row)]
-            assert extra is not None
-            if extra.logit_bias is not None:
-                ids, vals = extra.logit_bias
-                bias_r.append(np.full(len(ids), i, dtype=np.int64))
-                bias_c.append(ids)
-                bias_v.append(vals)
-            if n_out[i] < b.min_tokens[row]:
-                stops = extra.stop_ids
-                if extra.params.ignore_eos:
-                    stops = np.asarray(extra.params.stop_token_ids, dtype=np.int64)
-                ban_r.append(np.full(len(stops), i, dtype=np.int64))
-                ban_c.append(stops)
-        dev = self.device
-        if bias_r:
-            meta.bias_rows = _to(np.concatenate(bias_r), dev)
-            meta.bias_cols = _to(np.concatenate(bias_c), dev)
-            meta.bias_vals = _to(np.concatenate(bias_v), dev)
-        if ban_r and sum(len(r) for r in ban_r):
-            meta.ban_rows = _to(np.concatenate(ban_r), dev)
-            meta.ban_cols = _to(np.concatenate(ban_c), dev)
+    def _resolve_through(self, step: PendingStep) -> None:
+        """Apply every in-flight step's tokens up to and including ``step``, in order."""
+        while self._inflight:
+            head = self._inflight.popleft()
+            head._resolve()
+            if head is step:
+                return
+        if not step.done:
+            step._resolve()
 
     # --- prompt logprobs ------------------------------------------------------------------------
 
@@ -450,10 +754,3 @@ class ModelRunner:
                 ids.to(torch.int32).cpu().numpy(), vals.cpu().numpy(),
                 ranks.to(torch.int32).cpu().numpy()))
         return out
-
-
-def _to(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -1,10 +1,24 @@
-"""Per-step sampling inputs, one row per request that samples this step, already on the device."""
+"""Per-step sampling inputs, one row per request that samples this step, already on the device,
+and the builder that gathers them from the persistent batch with vectorised numpy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tidal.worker.input_batch import InputBatch
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_INT63 = (1 << 63) - 1
+
+# Copies a host array to the device (through the runner's pinned staging); the dtype is the
+# device tensor's.
+Stage = Callable[[np.ndarray, torch.dtype], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -30,3 +44,122 @@ class SamplingMetadata:
     bias_vals: torch.Tensor | None = None
     ban_rows: torch.Tensor | None = None  # min_tokens: stop tokens banned until reached
     ban_cols: torch.Tensor | None = None
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Seed of one sampled position: a pure function of the request's seed and how many tokens it
+    has generated, so a seeded request draws the same numbers whatever the batch around it and
+    after a preemption."""
+    return ((seed ^ ((position + 1) * _SEED_MIX)) & _INT63) or 1
+
+
+def needs_token_history(b: InputBatch, rows: np.ndarray) -> bool:
+    """Whether sampling these rows reads their generated tokens (penalties)."""
+    if not b.num_penalized:
+        return False
+    return bool(((b.presence[rows] != 0) | (b.frequency[rows] != 0)
+                 | (b.repetition[rows] != 1)).any())
+
+
+class SamplingMetadataBuilder:
+    """Gathers the sampling rows' parameters from the persistent batch. Requests with nothing
+    but a temperature (the common case) cost three numpy operations and one staged array."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        # Seeded rows: one generator per batch row, reseeded for every position.
+        self._generators: dict[int, torch.Generator] = {}
+
+    def build(self, b: InputBatch, rows: np.ndarray, stage: Stage) -> SamplingMetadata:
+        temp = b.temperature[rows]
+        meta = SamplingMetadata(
+            temperature=stage(temp, torch.float32),
+            all_greedy=bool((temp == 0).all()),
+            all_random=bool((temp > 0).all()),
+        )
+        if not b.special[rows].any():
+            return meta
+        vocab = self.vocab_size
+        if not meta.all_greedy:
+            top_k = b.top_k[rows]
+            top_k = np.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+            if (top_k < vocab).any():
+                meta.top_k = stage(top_k, torch.int64)
+            top_p = b.top_p[rows]
+            if (top_p < 1.0).any():
+                meta.top_p = stage(top_p, torch.float32)
+            min_p = b.min_p[rows]
+            if (min_p > 0).any():
+                meta.min_p = stage(min_p, torch.float32)
+            n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+            for i in np.nonzero((b.seed[rows] >= 0) & (temp > 0))[0]:
+                row = int(rows[i])
+                gen = self._generators.get(row)
+                if gen is None:
+                    gen = self._generators[row] = torch.Generator(device=self.device)
+                gen.manual_seed(position_seed(int(b.seed[row]), int(n_out[i])))
+                meta.generators[int(i)] = gen
+        n_lp = b.num_logprobs[rows]
+        if (n_lp >= 0).any():
+            meta.max_num_logprobs = int(n_lp.max())
+        self._penalties(b, rows, meta, stage)
+        self._sparse(b, rows, meta, stage)
+        return meta
+
+    def _penalties(self, b: InputBatch, rows: np.ndarray, meta: SamplingMetadata,
+                   stage: Stage) -> None:
+        pres, freq, rep = b.presence[rows], b.frequency[rows], b.repetition[rows]
+        if not ((pres != 0).any() or (freq != 0).any() or (rep != 1).any()):
+            return
+        dev, vocab = self.device, self.vocab_size
+        n_tok = b.num_tokens[rows]
+        n_prompt = b.num_prompt_tokens[rows]
+        width = int(n_tok.max())
+        # Rare and large ([B, longest sequence]): a plain copy rather than the staging.
+        toks = torch.from_numpy(b.token_ids[rows, :width].astype(np.int64)).to(dev)
+        pos = torch.arange(width, device=dev).unsqueeze(0)
+        n_prompt_t = stage(n_prompt.astype(np.int64), torch.int64).unsqueeze(1)
+        n_tok_t = stage(n_tok.astype(np.int64), torch.int64).unsqueeze(1)
+        is_out = (pos >= n_prompt_t) & (pos < n_tok_t)
+        out_idx = torch.where(is_out, toks, vocab)
+        counts = torch.zeros(len(rows), vocab + 1, device=dev)
+        counts.scatter_add_(1, out_idx, torch.ones_like(out_idx, dtype=counts.dtype))
+        prompt_idx = torch.where(pos < n_prompt_t, toks, vocab)
+        mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+        mask.scatter_(1, prompt_idx, True)
+        meta.output_counts = counts[:, :vocab]
+        meta.prompt_mask = mask[:, :vocab]
+        if (pres != 0).any():
+            meta.presence_penalty = stage(pres, torch.float32)
+        if (freq != 0).any():
+            meta.frequency_penalty = stage(freq, torch.float32)
+        if (rep != 1).any():
+            meta.repetition_penalty = stage(rep, torch.float32)
+
+    def _sparse(self, b: InputBatch, rows: np.ndarray, meta: SamplingMetadata,
+                stage: Stage) -> None:
+        bias_r, bias_c, bias_v, ban_r, ban_c = [], [], [], [], []
+        n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        for i in np.nonzero(b.special[rows])[0]:
+            row = int(rows[i])
+            extra = b.extras[row]
+            assert extra is not None
+            if extra.logit_bias is not None:
+                ids, vals = extra.logit_bias
+                bias_r.append(np.full(len(ids), i, dtype=np.int64))
+                bias_c.append(ids)
+                bias_v.append(vals)
+            if n_out[i] < b.min_tokens[row]:
+                stops = extra.stop_ids
+                if extra.params.ignore_eos:
+                    stops = np.asarray(extra.params.stop_token_ids, dtype=np.int64)
+                ban_r.append(np.full(len(stops), i, dtype=np.int64))
+                ban_c.append(stops)
+        if bias_r:
+            meta.bias_rows = stage(np.concatenate(bias_r), torch.int64)
+            meta.bias_cols = stage(np.concatenate(bias_c), torch.int64)
+            meta.bias_vals = stage(np.concatenate(bias_v), torch.float32)
+        if ban_r and sum(len(r) for r in ban_r):
+            meta.ban_rows = stage(np.concatenate(ban_r), torch.int64)
+            meta.ban_cols = stage(np.concatenate(ban_c), torch.int64)

@@ -95,17 +95,27 @@ def compute_logprobs(
     return LogprobsTensors(ids, vals, ranks)
 
 
+def _plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, and nothing that changes or reports the distribution."""
+    return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
+            and meta.ban_rows is None and meta.output_counts is None)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if _plain_greedy(meta):
+            # Converting bf16/fp16 to float32 is exact, so the argmax (first maximum) is the
+            # same without the [B, V] float copy.
+            return SamplerOutput(logits.argmax(dim=-1), None)
         logits = logits.float()
         if meta.bias_rows is not None:
             logits = logits.index_put(
                 (meta.bias_rows, meta.bias_cols), meta.bias_vals, accumulate=True
             )
         if meta.ban_rows is not None:
+            # A device-side fill value: a host scalar tensor would cost a synchronous copy.
             logits = logits.index_put(
-                (meta.ban_rows, meta.ban_cols),
-                torch.tensor(_NEG_INF, device=logits.device),
+                (meta.ban_rows, meta.ban_cols), logits.new_full((), _NEG_INF)
             )
         if meta.output_counts is not None:
             logits = apply_penalties(logits, meta)

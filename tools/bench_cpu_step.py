@@ -1,0 +1,279 @@
+"""The CPU side of one decode step at batch 256, with the GPU work removed.
+
+    python tools/bench_cpu_step.py [--batch 256] [--steps 300] [--tokenizer .bench_assets/qwen3]
+
+An in-process EngineCore with the real scheduler, KV cache manager and model runner on the CPU,
+whose model forward, LM head and sampler are replaced by stubs returning preallocated tensors:
+what remains is what the host does every step on any device — schedule, apply the step's diffs,
+prepare inputs (numpy gathers, staging, slot mapping and block-table lookups as torch ops),
+build the output, update the scheduler. Reported per step (median of ``--repeats`` windows):
+wall time, this thread's CPU time (robust to other processes sharing the cores), and the split
+by phase. The frontend's output processing (``OutputProcessor``: incremental detokenization
+when a tokenizer is given) is timed separately: in serving it runs in another process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import dump, summary, write_model_dir  # noqa: E402
+from tidal.engine_core.config import EngineArgs  # noqa: E402
+from tidal.engine_core.core import EngineCore  # noqa: E402
+from tidal.engine_core.protocol import EngineCoreRequest  # noqa: E402
+from tidal.engine_core.sampling_params import OutputKind, SamplingParams  # noqa: E402
+from tidal.worker.sample.sampler import SamplerOutput  # noqa: E402
+
+# The Qwen3 vocabulary (so detokenization sees real ids) on a two-layer toy body.
+_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "eos_token_id": 151645,
+}
+
+
+class StubModel(torch.nn.Module):
+    """Stands in for the forward pass and LM head: preallocated outputs, no compute."""
+
+    def __init__(self, real: torch.nn.Module, max_tokens: int, hidden: int) -> None:
+        super().__init__()
+        self._real = real
+        self._hidden = torch.zeros(max_tokens, hidden)
+        self._logits = torch.zeros(max_tokens, 8)
+
+    def attention_layers(self):
+        return self._real.attention_layers()
+
+    def forward(self, input_ids, positions, meta, hidden=None, residual=None):
+        return self._hidden[: input_ids.shape[0]], None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._logits[: hidden.shape[0]]
+
+
+class StubSampler:
+    def __init__(self, vocab: int, n: int) -> None:
+        self._tokens = torch.randint(1, vocab - 1, (n,), dtype=torch.int64)
+
+    def __call__(self, logits, meta) -> SamplerOutput:
+        return SamplerOutput(self._tokens[: logits.shape[0]], None)
+
+
+class GcTimer:
+    """Time spent in the cyclic garbage collector, by generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = defaultdict(float)
+        self._start = 0.0
+        self.on = False
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.on:
+            self.seconds[f"gen{info['generation']}"] += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._cb)
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            if not self.on:
+                return fn(*a, **kw)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.total[label] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+
+def calibration_us(reps: int = 200) -> float:
+    """Median time of a fixed pure-Python loop (256 objects, a few attribute reads, appends
+    and a dict store each: the shape of the scheduler's per-request work). On a shared or
+    throttled machine it moves with everything else; compare runs by it."""
+
+    class Obj:
+        __slots__ = ("a", "b", "c")
+
+        def __init__(self, i: int) -> None:
+            self.a, self.b, self.c = list(range(64)), i, f"r{i}"
+
+    objs = [Obj(i) for i in range(256)]
+
+    def loop() -> None:
+        out, d = [], {}
+        for o in objs:
+            n = len(o.a) + o.b
+            if n > 0:
+                out.append(o.c)
+                d[o.c] = n
+                o.b = o.b
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        loop()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return round(times[len(times) // 2] * 1e6, 2)
+
+
+def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[str, Any]:
+    budget = 8192  # the GPU default token budget
+    # Early requests decode while later ones still prefill: room for all of those steps.
+    new_tokens = ns.steps * ns.repeats + 100 + ns.batch * ns.prompt // budget
+    args = EngineArgs(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
+                      max_model_len=4096, max_num_seqs=ns.batch, max_num_batched_tokens=budget,
+                      num_kv_blocks=ns.batch * (ns.prompt + new_tokens + 32) // 16,
+                      async_scheduling=async_scheduling)
+    core = EngineCore(args.create_config())
+    runner = core.executor.worker.runner
+    cfg = core.config
+    runner.model = StubModel(runner.model, runner.max_num_tokens, cfg.model.arch.hidden_size)
+    runner.sampler = StubSampler(cfg.model.arch.vocab_size, runner.max_num_tokens)
+
+    timers = Timers()
+    timers.wrap(core.scheduler, "schedule", "schedule")
+    timers.wrap(core.scheduler, "update_from_output", "update_from_output")
+    timers.wrap(runner, "execute_model", "runner.execute_model")
+    timers.wrap(runner, "prepare_inputs", "  of which prepare_inputs")
+    timers.wrap(runner, "_resolve_through", "runner output (tokens to host, build output)")
+
+    processor = None
+    if ns.tokenizer:
+        from tidal.frontend.output_processor import OutputProcessor
+        from tidal.frontend.tokenizer import load_tokenizer
+
+        processor = OutputProcessor(load_tokenizer(cfg.model))
+    rng = random.Random(0)
+    vocab = cfg.model.arch.vocab_size
+    for i in range(ns.batch):
+        prompt = [rng.randrange(vocab) for _ in range(ns.prompt)]
+        params = SamplingParams(temperature=0.6, max_tokens=new_tokens, ignore_eos=True,
+                                output_kind=OutputKind.DELTA)
+        req = EngineCoreRequest(f"r{i}", prompt, params)
+        if processor is not None:
+            for r in processor.add_request(f"r{i}", None, prompt, params):
+                core.add_request(r)
+        else:
+            core.add_request(req)
+    seen: set[str] = set()
+    while len(seen) < ns.batch:  # prefill everything
+        seen.update(o.request_id for o in core.step().outputs)
+    for _ in range(20):
+        core.step()
+    if ns.gc_freeze:
+        gc.collect()
+        gc.freeze()  # what a long-running engine process does after start-up
+    gct = GcTimer()
+    windows, cpu_windows, detok = [], [], []
+    for _ in range(ns.repeats):
+        timers.on = gct.on = True
+        sizes = []
+        wall = cpu = detok_s = 0.0
+        for _ in range(ns.steps):
+            t, c = time.perf_counter(), time.thread_time()
+            step = core.step()
+            wall += time.perf_counter() - t
+            cpu += time.thread_time() - c
+            sizes.append(len(step.outputs))
+            if processor is not None:  # the frontend's share, timed apart
+                gct.on = timers.on = False
+                t = time.perf_counter()
+                processor.process_outputs(step.outputs)
+                detok_s += time.perf_counter() - t
+                gct.on = timers.on = True
+        timers.on = gct.on = False
+        windows.append(wall / ns.steps * 1e3)
+        cpu_windows.append(cpu / ns.steps * 1e3)
+        if processor is not None:
+            detok.append(detok_s / ns.steps * 1e3)
+        assert min(sizes[2:]) == ns.batch, f"not a full decode batch: {sizes}"
+    total_steps = ns.steps * ns.repeats
+    out: dict[str, Any] = {
+        "async_scheduling": async_scheduling,
+        "ms_per_step_wall": summary(windows, 4),
+        "ms_per_step_thread_cpu": summary(cpu_windows, 4),
+        "breakdown_ms_per_step": {k: round(v / total_steps * 1e3, 4)
+                                  for k, v in timers.total.items()},
+        "gc_ms_per_step": {k: round(v / total_steps * 1e3, 4) for k, v in gct.seconds.items()},
+        "gc_frozen": ns.gc_freeze,
+    }
+    gct.close()
+    if ns.gc_freeze:
+        gc.unfreeze()
+    if detok:
+        out["frontend_output_processing_ms_per_step"] = summary(detok, 4)
+    core.shutdown()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after warm-up (long-lived objects leave the collector)")
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    # The tokenizer's thread pool would compete for the same few cores.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result: dict[str, Any] = {
+        "benchmark": "cpu_step", "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_before": [round(x, 2) for x in os.getloadavg()], "batch": ns.batch,
+        "prompt": ns.prompt, "target_ms": 0.5, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="tidal-cpu-step-") as tmp:
+        folder = Path(tmp) / "m"
+        write_model_dir("tiny", folder, ns.tokenizer)
+        (folder / "config.json").write_text(json.dumps(_CONFIG))
+        result["calibration_loop_us_before"] = calibration_us()
+        for mode in ns.modes.split(","):
+            result["runs"].append(run(ns, mode == "async", str(folder)))
+        result["calibration_loop_us_after"] = calibration_us()
+    result["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    dump(result, ns.out)
+    print(f"calibration loop: {result['calibration_loop_us_before']} / "
+          f"{result['calibration_loop_us_after']} us (before / after)")
+    for r in result["runs"]:
+        print(f"{'async' if r['async_scheduling'] else 'sync ':>5}: "
+              f"{r['ms_per_step_wall']['median']:.3f} ms/step wall "
+              f"(min {r['ms_per_step_wall']['min']:.3f}), "
+              f"{r['ms_per_step_thread_cpu']['median']:.3f} ms CPU; {r['breakdown_ms_per_step']}; "
+              f"gc {r['gc_ms_per_step']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Persistent per-step buffers: pinned host staging and the device tensors the model reads.
+
+Per step the model runner writes its numpy-prepared inputs into pinned host memory and ships each
+kind in one ``non_blocking`` copy; nothing is allocated or pinned per step. Host buffers come in
+two sets used on alternate steps: a set is rewritten only after the copies that last read it have
+finished (an event per set), so the CPU can prepare step N+1 while the copies of step N are still
+queued behind the GPU's work.
+
+Device tensors that CUDA graphs read (token ids, positions, slot mapping, query start locations,
+sequence lengths, the step's block table) have fixed addresses for the life of the runner; a
+captured graph is replayed after these are refreshed in place. Everything else travels through
+a device staging buffer per dtype and is used through views.
+
+On a CPU device the same code runs with the host buffers standing in for the device ones (no
+copies at all).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.int64, torch.int32, torch.float32)
+
+
+@dataclass(slots=True)
+class HostSet:
+    """One set of pinned host buffers (and their numpy views)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    meta32: torch.Tensor
+    stage: dict[torch.dtype, torch.Tensor]
+    ids_np: np.ndarray
+    pos_np: np.ndarray
+    meta32_np: np.ndarray
+    stage_np: dict[torch.dtype, np.ndarray]
+    done: torch.cuda.Event | None  # recorded after the copies that read this set (GPU only)
+    armed: bool = False  # ``done`` was recorded and not yet waited for
+
+
+def _host(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+
+class StepBuffers:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
+                 block_size: int, device: torch.device) -> None:
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.width = max_blocks_per_req
+        self.block_size = block_size
+        # Staging capacities: generous for every per-step array (tokens, requests, new blocks,
+        # sampling parameters); an oversized step falls back to a plain copy and grows them.
+        self._caps = {
+            torch.int64: 6 * max_num_tokens + 8 * max_num_reqs + 4096,
+            torch.int32: 4 * max_num_tokens + 4 * max_num_reqs + 4096,
+            torch.float32: 8 * max_num_reqs + 4096,
+        }
+        n_sets = 2 if self.on_gpu else 1
+        self._sets = [self._make_set() for _ in range(n_sets)]
+        self._cur = 0
+        self._used = {dt: 0 for dt in _DTYPES}
+        self._want = dict(self._caps)  # high-water mark, for growing after an overflow
+
+        dev = device
+        if self.on_gpu:
+            self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+            self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+            self.meta32 = torch.zeros(2 * max_num_reqs + 1, dtype=torch.int32, device=dev)
+            self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=dev) for dt in _DTYPES}
+        else:
+            s = self._sets[0]
+            self.input_ids, self.positions, self.meta32 = s.ids, s.pos, s.meta32
+            self.stage = s.stage
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
+        # The block table, row-indexed like the InputBatch, plus one trailing -1 entry: padding
+        # tokens look it up so that their slot comes out as -1 (see ``slot_inputs``).
+        self.block_table_flat = torch.zeros(max_num_reqs * self.width + 1, dtype=torch.int32,
+                                            device=dev)
+        self.block_table_flat[-1] = -1
+        self.block_table = self.block_table_flat[:-1].view(max_num_reqs, self.width)
+        # This step's block table, one row per request in batch order.
+        self.step_block_table = torch.zeros(max_num_reqs, self.width, dtype=torch.int32,
+                                            device=dev)
+
+    @property
+    def pad_index(self) -> int:
+        return self.max_num_reqs * self.width
+
+    def query_start_loc(self, n: int) -> torch.Tensor:
+        return self.meta32[: n + 1]
+
+    def seq_lens(self, n: int) -> torch.Tensor:
+        start = self.max_num_reqs + 1
+        return self.meta32[start:start + n]
+
+    def _make_set(self) -> HostSet:
+        pin = self.on_gpu
+        ids = _host(self.max_num_tokens, torch.int64, pin)
+        pos = _host(self.max_num_tokens, torch.int64, pin)
+        meta32 = _host(2 * self.max_num_reqs + 1, torch.int32, pin)
+        stage = {dt: _host(self._caps[dt], dt, pin) for dt in _DTYPES}
+        return HostSet(ids, pos, meta32, stage, ids.numpy(), pos.numpy(), meta32.numpy(),
+                       {dt: t.numpy() for dt, t in stage.items()},
+                       torch.cuda.Event() if pin else None)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def begin(self) -> HostSet:
+        """Start a step: pick the host set whose last copies are done (wait if needed)."""
+        if self.on_gpu:
+            self._cur ^= 1
+        hs = self._sets[self._cur]
+        if hs.armed:
+            hs.done.synchronize()
+            hs.armed = False
+        if any(self._want[dt] > self._caps[dt] for dt in _DTYPES):
+            self._grow()
+            hs = self._sets[self._cur]
+        for dt in _DTYPES:
+            self._used[dt] = 0
+        return hs
+
+    def put(self, arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """Stage ``arr`` for this step's copy; returns its device view (valid once flushed)."""
+        n = arr.shape[0]
+        off = self._used[dtype]
+        if off + n > self._caps[dtype]:
+            # Rare (a huge logit_bias, say): copy directly, remember to grow before next step.
+            self._want[dtype] = max(self._want[dtype], 2 * (off + n))
+            t = torch.from_numpy(np.ascontiguousarray(arr, dtype=_np_dtype(dtype)))
+            return t.to(self.device) if self.on_gpu else t.clone()
+        self._sets[self._cur].stage_np[dtype][off:off + n] = arr
+        self._used[dtype] = off + n
+        return self.stage[dtype][off:off + n]
+
+    def flush(self, num_tokens: int, num_meta_reqs: int) -> None:
+        """Issue this step's host-to-device copies: ``num_tokens`` ids/positions, the query
+        start locations and sequence lengths of ``num_meta_reqs`` (padded) requests, and the
+        staged arrays."""
+        if not self.on_gpu:
+            return
+        hs = self._sets[self._cur]
+        if num_tokens:
+            self.input_ids[:num_tokens].copy_(hs.ids[:num_tokens], non_blocking=True)
+            self.positions[:num_tokens].copy_(hs.pos[:num_tokens], non_blocking=True)
+        if num_meta_reqs:
+            # The whole (small) region: query start locations and sequence lengths together.
+            self.meta32.copy_(hs.meta32, non_blocking=True)
+        for dt in _DTYPES:
+            n = self._used[dt]
+            if n:
+                self.stage[dt][:n].copy_(hs.stage[dt][:n], non_blocking=True)
+        hs.done.record()
+        hs.armed = True
+
+    def _grow(self) -> None:
+        for hs in self._sets:
+            if hs.armed:
+                hs.done.synchronize()
+        logger.info("growing the step staging buffers to %s",
+                    {str(dt).removeprefix("torch."): n for dt, n in self._want.items()})
+        self._caps = dict(self._want)
+        self._sets = [self._make_set() for _ in self._sets]
+        if self.on_gpu:
+            # The old staging may still be read by queued kernels; the caching allocator keeps
+            # it alive until the stream has passed them.
+            self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=self.device)
+                          for dt in _DTYPES}
+        else:
+            s = self._sets[0]
+            self.input_ids, self.positions, self.meta32 = s.ids, s.pos, s.meta32
+            self.stage = s.stage
+
+    # --- device-side preparation ----------------------------------------------------------------
+
+    def apply_block_updates(self, flat: torch.Tensor, vals: torch.Tensor) -> None:
+        self.block_table_flat.index_copy_(0, flat, vals)
+
+    def compute_slots(self, flat_block_idx: torch.Tensor, offsets: torch.Tensor, n: int) -> None:
+        """slot_mapping[:n] = block_table[row, pos // bs] * bs + pos % bs, looked up on the
+        device (``flat_block_idx`` = row * width + pos // bs; padding tokens point at the -1
+        entry with offset bs - 1, which gives slot -1)."""
+        blocks = torch.take(self.block_table_flat, flat_block_idx)
+        torch.add(offsets, blocks, alpha=self.block_size, out=self.slot_mapping[:n])
+
+    def gather_block_table(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        out = self.step_block_table[:n]
+        torch.index_select(self.block_table, 0, rows, out=out)
+        return out
+
+
+def _np_dtype(dtype: torch.dtype) -> type:
+    return {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}[dtype]
