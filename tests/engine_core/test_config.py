@@ -38,6 +38,8 @@ def test_config_is_resolved_and_frozen(folder):
     (dict(num_kv_blocks=8, max_model_len=512), "KV cache holds"),
     (dict(attention_backend="magic"), "attention_backend"),
     (dict(device="tpu"), "device"),
+    (dict(async_scheduling=True, pipeline_parallel_size=2, distributed_executor_backend="mp"),
+     "pipeline parallelism"),
 ])
 def test_impossible_values_are_refused(folder, kwargs, match):
     with pytest.raises(ConfigError, match=match):

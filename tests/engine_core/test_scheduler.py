@@ -155,3 +155,27 @@ def test_abort_frees_blocks_and_tells_the_worker(base_config):
     so, _ = fake_step(s)
     assert "a" in so.finished_req_ids and "a" not in so.num_scheduled_tokens
     assert s.kv.num_free_blocks == s.config.cache.num_blocks - 3
+
+
+def test_pipeline_stages_each_get_a_share_of_the_requests(tiny_models):
+    """With 2 stages, two steps are in flight; a request whose step is in flight sits out, so
+    each step takes at most half the sequences and the second step gets the other half."""
+    cfg = EngineArgs(model=str(tiny_models["llama"][0]), num_kv_blocks=64, max_num_seqs=8,
+                     max_num_batched_tokens=256, pipeline_parallel_size=2,
+                     distributed_executor_backend="mp").create_config()
+    s = Scheduler(cfg)
+    for i in range(8):
+        add(s, f"r{i}", 5)
+    first = s.schedule()
+    second = s.schedule()  # step 1 still in flight: no outputs applied yet
+    assert len(first.num_scheduled_tokens) == 4 and len(second.num_scheduled_tokens) == 4
+    assert not set(first.num_scheduled_tokens) & set(second.num_scheduled_tokens)
+    third = s.schedule()  # both steps in flight: every request waits for its token
+    assert third.total_num_scheduled_tokens == 0
+    s.update_from_output(first, ModelRunnerOutput(
+        req_ids=list(first.num_scheduled_tokens),
+        sampled_token_ids=[[7]] * len(first.num_scheduled_tokens)))
+    fourth = s.schedule()
+    assert set(fourth.num_scheduled_tokens) == set(first.num_scheduled_tokens)
+    # The last stage's tokens travel to every stage with the next step.
+    assert all(t == [7] for t in fourth.cached_reqs.new_token_ids)
