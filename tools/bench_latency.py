@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -234,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else None,
                        "graph_pool_MiB": round(graphs.pool_bytes / 2**20, 1) if graphs else None,
                        "attention": runner.attn_impl.name, "ops": ops.prepare_ops(runner.device),
-                       "kv_blocks": core.config.cache.num_blocks, "startup_s": round(startup, 2)},
+                       "kv_blocks": core.config.cache.num_blocks, "startup_s": round(startup, 2),
+                       # Switches of the batch-1 decode kernels (unset: on, no GEMV size limit).
+                       "decode_kernel_env": {k: os.environ[k] for k in (
+                           "TIDAL_DECODE_KERNELS", "TIDAL_GEMV", "TIDAL_GEMV_MAX_MB",
+                           "TIDAL_ATTN_FUSED_MERGE", "TIDAL_PDL") if k in os.environ}},
             "decode": [], "prefill": None,
         }
         vocab = core.config.model.arch.vocab_size

@@ -341,6 +341,150 @@ def bench_ops(ceiling: float, shape: dict[str, int]) -> list[dict[str, Any]]:
     return rows
 
 
+# ----------------------------------------------------------------------------- batch-1 decode
+
+# (name, N, K, how the engine runs it at batch 1): every decode projection of the two shapes.
+DECODE1_GEMVS = [
+    ("qwen3/qkv", 4096, 1024, "norm"), ("qwen3/o", 1024, 2048, ""),
+    ("qwen3/gate_up", 6144, 1024, "silu"), ("qwen3/down", 1024, 3072, ""),
+    ("llama8b/qkv", 6144, 4096, "norm"), ("llama8b/o", 4096, 4096, ""),
+    ("llama8b/gate_up", 28672, 4096, "silu"), ("llama8b/down", 4096, 14336, ""),
+]  # fmt: skip
+GEMV_SWEEP = [(2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
+              (16, 512, 4), (16, 512, 8)]  # fmt: skip
+
+
+def bench_decode1(ceiling: float, sweep: bool = True) -> list[dict[str, Any]]:
+    """Batch-1 decode pieces: the one-row GEMV (cuBLAS vs the Triton kernel, plain and with the
+    fusions the engine uses, plus a launch-shape sweep), split-KV attention at batch 1 with the
+    fused merge on/off, the fused q/k-norm + rotary + K/V write against the four kernels it
+    replaces, and the two-stage argmax. Weights rotate over enough copies to stream >= 256 MiB
+    per replay (the L2 holds 50 MB), as consecutive layers do."""
+    import torch.nn.functional as F
+
+    from tidal.worker.ops import triton_decode as td
+    from tidal.worker.ops import triton_ops, torch_ops
+
+    rows: list[dict[str, Any]] = []
+    dt = torch.bfloat16
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def add(kernel: str, case: str, nbytes: int, t: dict[str, float], **extra: Any) -> None:
+        gbps = nbytes / t["ms"] / 1e6
+        rows.append({"kernel": kernel, "case": case, "bytes": nbytes, **t, "GBps": gbps,
+                     "frac_of_ceiling": gbps / ceiling, **extra})  # fmt: skip
+
+    for name, n, k, kind in DECODE1_GEMVS:
+        nbytes = n * k * 2
+        copies = max(2, min(48, math.ceil(256 * 2**20 / nbytes)))
+        ws = [torch.randn((n, k), device=dev, dtype=dt) for _ in range(copies)]
+        x = torch.randn((1, k), device=dev, dtype=dt)
+        r = torch.randn((1, k), device=dev, dtype=dt)
+        nw = torch.randn(k, device=dev, dtype=dt)
+        silu = kind == "silu"
+        add("gemv/cublas", name, nbytes, time_calls([(lambda w=w: F.linear(x, w)) for w in ws]))
+        if silu:  # what the engine ran before: norm, cuBLAS (split-K + reduce), SiLU
+            old = [(lambda w=w: triton_ops.silu_and_mul(F.linear(
+                triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))) for w in ws]
+        elif kind == "norm":
+            old = [(lambda w=w: F.linear(triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))
+                   for w in ws]  # fmt: skip
+        else:
+            old = None
+        if old is not None:
+            add("gemv/cublas+norm" + ("+silu" if silu else ""), name, nbytes, time_calls(old))
+        cfg = td.gemv_config(n // 2 if silu else n, k, silu, 2, sms)
+        add("gemv/triton" + ("_silu" if silu else ""), name, nbytes,
+            time_calls([(lambda w=w: td.gemv(x, w, silu=silu)) for w in ws]), config=cfg)
+        if kind:
+            add("gemv/triton_norm" + ("_silu" if silu else ""), name, nbytes, time_calls(
+                [(lambda w=w: td.gemv(x, w, norm_weight=nw, residual=r, eps=1e-6, silu=silu))
+                 for w in ws]), config=cfg)  # fmt: skip
+        if sweep:  # launch shapes of the variant the engine runs (with its norm / SiLU)
+            nwv, rv = (nw, r) if kind else (None, None)
+            for c in GEMV_SWEEP:
+                if c == cfg or c[1] > max(64, 1 << (k - 1).bit_length()):
+                    continue
+                try:
+                    t = time_calls([(lambda w=w, c=c: td.gemv(
+                        x, w, norm_weight=nwv, residual=rv, eps=1e-6, silu=silu, config=c))
+                        for w in ws])  # fmt: skip
+                except Exception as exc:  # a launch shape that does not compile
+                    rows.append({"kernel": "sweep/gemv", "case": name, "config": c,
+                                 "error": str(exc)[:200]})  # fmt: skip
+                    continue
+                add("sweep/gemv" + ("_norm" if kind else "") + ("_silu" if silu else ""), name,
+                    nbytes, t, config=c)
+        del ws
+        torch.cuda.empty_cache()
+
+    # Split-KV decode attention at batch 1, context 1024, both shapes' head layouts.
+    import dataclasses
+
+    from tidal.worker.ops import triton_attention_kernels as tk
+    from tidal.worker.ops.attention_plan import plan_triton_attention
+
+    for label, heads, kv_heads in (("qwen3", 16, 8), ("llama8b", 32, 8)):
+        shape = dict(QWEN3, num_heads=heads, num_kv_heads=kv_heads)
+        kv_bytes = 2 * 1024 * kv_heads * 128 * 2
+        query, kv, metas = _paged_sets(1, [1024], [1], 16, shape, dt, seed=5)
+        out = torch.empty_like(query)
+        base = plan_triton_attention(1, 1, 1, heads, kv_heads, 128, dt, query.device)
+        for fused, early_v in ((False, True), (True, True)):
+            plan = dataclasses.replace(base, early_v=early_v)
+            calls = [
+                (lambda m=m, p=plan, f=fused: tk.paged_attention(
+                    query, kv[0], kv[1], m.block_table, m.seq_lens, m.query_start_loc, 1,
+                    128**-0.5, out, p, fused_merge=f))
+                for m in metas
+            ]  # fmt: skip
+            add("decode1/attention", f"{label} fused_merge={int(fused)} early_v={int(early_v)}",
+                kv_bytes, time_calls(calls), splits=base.num_splits)  # fmt: skip
+        del kv
+        torch.cuda.empty_cache()
+
+    # q/k norm + rotary + K/V write for one token against the separate kernels.
+    from tidal.worker.layers.rotary import build_cos_sin_cache
+
+    for label, heads, kv_heads, norm in (("qwen3", 16, 8, True), ("llama8b", 32, 8, False)):
+        d = 128
+        cs = build_cos_sin_cache(d, 4096, 1e6, None).to(dev)
+        qkvs = [torch.randn((1, (heads + 2 * kv_heads) * d), device=dev, dtype=dt)
+                for _ in range(8)]  # fmt: skip
+        pos = torch.tensor([1000], device=dev)
+        qw = torch.randn(d, device=dev, dtype=dt)
+        kw = torch.randn(d, device=dev, dtype=dt)
+        cache = torch.zeros((2, 512, 16, kv_heads, d), device=dev, dtype=dt)
+        slots = torch.tensor([777], device=dev)
+        nbytes = (heads + 2 * kv_heads) * d * 2 + (heads + 2 * kv_heads) * d * 2
+
+        def unfused(qkv, heads=heads, kv_heads=kv_heads, norm=norm, cs=cs, cache=cache,
+                    slots=slots, qw=qw, kw=kw, pos=pos, d=d):
+            q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, k = q.reshape(1, heads, d), k.reshape(1, kv_heads, d)
+            if norm:
+                q, k = triton_ops.rms_norm(q, qw, 1e-6), triton_ops.rms_norm(k, kw, 1e-6)
+            q, k = triton_ops.rotary_embedding(pos, q, k, cs, True)
+            tk.write_kv(k, v.reshape(1, kv_heads, d), cache[0], cache[1], slots)
+
+        add("decode1/qk_norm_rope_kv", f"{label} unfused", nbytes,
+            time_calls([(lambda q=q: unfused(q)) for q in qkvs]))
+        add("decode1/qk_norm_rope_kv", f"{label} fused", nbytes, time_calls(
+            [(lambda q=q: td.qk_norm_rope_write_kv(q, pos, heads, kv_heads, d,
+                                                   qw if norm else None, kw if norm else None,
+                                                   1e-6, cs, cache, slots)) for q in qkvs]))  # fmt: skip
+
+    # Greedy argmax over one row of logits.
+    for label, vocab in (("qwen3", 151936), ("llama8b", 128256)):
+        logits = [torch.randn((1, vocab), device=dev, dtype=dt) for _ in range(8)]
+        add("decode1/argmax", f"{label} torch", vocab * 2,
+            time_calls([(lambda x=x: torch_ops.argmax(x)) for x in logits]))
+        add("decode1/argmax", f"{label} triton", vocab * 2,
+            time_calls([(lambda x=x: td.argmax(x)) for x in logits]))
+    return rows
+
+
 # ----------------------------------------------------------------------------- config sweeps
 
 
@@ -458,9 +602,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["hbm_copy"] = ceil
     print(f"device {props.name}: d2d copy {ceil['GBps']:.0f} GB/s (read+write of 2 GiB)")
     sections = [("decode", lambda: bench_decode(ceil["GBps"], QWEN3)), ("prefill", lambda: bench_prefill(QWEN3)),
-                ("ops", lambda: bench_ops(ceil["GBps"], QWEN3))]  # fmt: skip
+                ("ops", lambda: bench_ops(ceil["GBps"], QWEN3)),
+                ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep))]  # fmt: skip
     if args.sweep:
         sections.append(("sweep", lambda: bench_sweep(ceil["GBps"], QWEN3)))
+    if args.sections:
+        keep = args.sections.split(",")
+        sections = [sec for sec in sections if sec[0] in keep]
     for name, fn in sections:
         t0 = time.perf_counter()
         try:
@@ -485,7 +633,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"{r['kernel']:<31} {r}")
                 continue
             case = r.get("case") or f"b={r.get('batch', r.get('tokens'))}"
-            knobs = [f"{k}={r[k]}" for k in ("context", "splits", "block_m", "tile_n", "num_warps", "num_stages")
+            knobs = [f"{k}={r[k]}" for k in ("context", "splits", "block_m", "tile_n", "num_warps", "num_stages", "config")
                      if k in r and not (k == "context" and r[k] == 1024 and "splits" not in r)]  # fmt: skip
             if knobs:
                 case = f"{case} " + " ".join(knobs).replace("num_warps", "w").replace("num_stages", "st")
@@ -505,6 +653,8 @@ def main() -> int:
     c = sub.add_parser("bench")
     c.add_argument("--out")
     c.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    c.add_argument("--sections", default="",
+                   help="comma-separated subset of decode,prefill,ops,decode1,sweep (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)

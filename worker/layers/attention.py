@@ -1,4 +1,5 @@
-"""The attention layer: writes this step's K/V into its paged cache and attends through it."""
+"""The attention layer: writes this step's K/V into its paged cache and attends through it
+(``attend``: the K/V are already written, by the fused rotary kernel)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         self.impl.write_kv(k, v, self.kv_cache, meta)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache alone: this step's K/V must already be in it (the fused
+        q/k-norm + rotary + K/V-write kernel put them there)."""
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
         out = torch.empty_like(q)
         self.impl.forward(q, self.kv_cache, meta, self.scale, out)
         return out.view(n, self.num_heads * self.head_dim)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tidal.worker import ops
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 
 
@@ -88,7 +88,9 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # F.linear, except a single row on the GPU (batch-1 decode), which takes the GEMV
+        # kernel: cuBLAS runs such shapes on too few CTAs.
+        return ops.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -178,7 +180,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, part, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = ops.linear(x, self.weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
+from tidal.worker import ops
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.layers.activation import SiluAndMul
@@ -59,8 +60,24 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        n = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend_qkv(positions, self.qkv_proj(hidden), meta)
+
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the q/k/v projection: norms, rotary, K/V write, attention, o_proj.
+        On the GPU the first four are one kernel (``ops.qk_norm_rope_write_kv``)."""
+        n = qkv.shape[0]
+        rope = self.rotary_emb
+        kv_cache = self.attn.kv_cache
+        if ops.qk_norm_rope_applies(qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox,
+                                    kv_cache):
+            qn = self.q_norm
+            q = ops.qk_norm_rope_write_kv(
+                qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim,
+                None if qn is None else qn.weight,
+                None if qn is None else self.k_norm.weight,
+                0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache, meta.slot_mapping)
+            return self.o_proj(self.attn.attend(q.view(n, -1), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -97,6 +114,20 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp = self.self_attn, self.mlp
+        if ops.one_row_fusion_applies(hidden):
+            # One token on the GPU (batch-1 decode): each norm runs inside the GEMV after it,
+            # and SiLU-and-mul inside the gate/up GEMV (each falls back to the separate ops
+            # when its weight stays on cuBLAS).
+            ln = self.input_layernorm
+            qkv, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
+                                                attn.qkv_proj.weight, attn.qkv_proj.bias)
+            hidden = attn.attend_qkv(positions, qkv, meta)
+            ln = self.post_attention_layernorm
+            act, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
+                                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                                silu=True)
+            return mlp.down_proj(act), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -13,9 +13,14 @@ neither triton nor the extension.
 
 from __future__ import annotations
 
-import torch
+import os
 
+import torch
+import torch.nn.functional as F
+
+from tidal.worker.ops import torch_ops
 from tidal.worker.ops.dispatch import OpDispatch, OpImpl
+from tidal.worker.ops.gpu_info import triton_available
 
 # Process-wide, explicit: kernels are a per-process resource and the choice holds no engine
 # state, so two engines in one process share it safely.
@@ -67,13 +72,142 @@ def rotary_embedding(
     return DISPATCH.impl_for(query).rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
 
 
+# --- fused decode ops (Triton; ``triton_decode``) ----------------------------------------------
+#
+# They apply to CUDA tensors when the GPU ops are on (not ``set_op_impl("torch")``), triton
+# imports, and ``TIDAL_DECODE_KERNELS`` is not 0; ``TIDAL_GEMV=0`` turns off only the one-row
+# GEMV (and the norm / SiLU fusions built on it), ``TIDAL_GEMV_MAX_MB`` keeps larger weights on
+# cuBLAS. Everything else takes the unfused path.
+
+_DECODE_KERNELS = os.environ.get("TIDAL_DECODE_KERNELS", "1") != "0"
+_GEMV = _DECODE_KERNELS and os.environ.get("TIDAL_GEMV", "1") != "0"
+# Weights larger than this (MiB) stay on cuBLAS even for one row (default: no limit).
+_GEMV_MAX_BYTES = float(os.environ.get("TIDAL_GEMV_MAX_MB", "inf")) * 2**20
+GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
+ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
+
+
+def _decode_kernels_on(x: torch.Tensor) -> bool:
+    return (x.is_cuda and _DECODE_KERNELS and DISPATCH.choice != "torch"
+            and triton_available())
+
+
+def one_row_fusion_applies(x: torch.Tensor) -> bool:
+    """Whether a layer fed ``x`` (one row on the GPU, decode kernels on) should go through
+    ``rms_norm_linear``: it fuses where the GEMV applies and composes the plain ops elsewhere."""
+    return _GEMV and x.dim() >= 1 and x.numel() == x.shape[-1] and _decode_kernels_on(x)
+
+
+def gemv_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``linear`` / ``rms_norm_linear`` on ``x`` run the one-row GEMV kernel."""
+    if not (_GEMV and x.dim() >= 1 and x.numel() == x.shape[-1] and _decode_kernels_on(x)):
+        return False
+    from tidal.worker.ops import triton_decode
+
+    return all(triton_decode.gemv_supported(x, w)
+               and w.numel() * w.element_size() <= _GEMV_MAX_BYTES for w in weights)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; a single row on the GPU runs the GEMV kernel."""
+    if gemv_applies(x, weight) and (bias is None or bias.dtype == x.dtype):
+        from tidal.worker.ops import triton_decode
+
+        y, _ = triton_decode.gemv(x, weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
+    One row on the GPU: one kernel (norm prologue, GEMV, SiLU-and-mul epilogue)."""
+    if (gemv_applies(x, weight) and norm_weight.dtype == x.dtype
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+            and (bias is None or (bias.dtype == x.dtype and not silu))
+            and not (silu and weight.shape[0] % 2)):
+        from tidal.worker.ops import triton_decode
+
+        y, res = triton_decode.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
+                                    eps=eps, silu=silu)
+        n = weight.shape[0] // 2 if silu else weight.shape[0]
+        return y.view(*x.shape[:-1], n), res
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    y = F.linear(h, weight, bias)
+    return (silu_and_mul(y) if silu else y), residual
+
+
+def qk_norm_rope_applies(
+    qkv: torch.Tensor, head_dim: int, cos_sin_cache: torch.Tensor, is_neox: bool,
+    kv_cache: torch.Tensor,
+) -> bool:
+    """Whether ``qk_norm_rope_write_kv`` has a kernel for these tensors (else: the unfused ops)."""
+    if not _decode_kernels_on(qkv):
+        return False
+    from tidal.worker.ops import triton_decode
+
+    return triton_decode.qk_norm_rope_supported(qkv, head_dim, cos_sin_cache, is_neox, kv_cache)
+
+
+def qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """q/k RMSNorm (Qwen3), neox rotary and the K/V cache write in one pass; returns q
+    ``[T, H, D]``. Semantics: ``torch_ops.qk_norm_rope_write_kv``."""
+    args = (qkv, positions, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+            eps, cos_sin_cache, kv_cache, slot_mapping)
+    if qk_norm_rope_applies(qkv, head_dim, cos_sin_cache, True, kv_cache):
+        from tidal.worker.ops import triton_decode
+
+        return triton_decode.qk_norm_rope_write_kv(*args)
+    return torch_ops.qk_norm_rope_write_kv(*args)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of ``[rows, n]``; few rows on the GPU: a two-stage kernel that
+    spreads each row over many programs (torch reduces a row in one block)."""
+    if x.dim() == 2 and x.shape[0] <= ARGMAX_MAX_ROWS and _decode_kernels_on(x):
+        from tidal.worker.ops import triton_decode
+
+        if triton_decode.argmax_supported(x):
+            return triton_decode.argmax(x)
+    return x.argmax(dim=-1)
+
+
 __all__ = [
     "DISPATCH",
     "OpImpl",
+    "argmax",
     "fused_add_rms_norm",
+    "gemv_applies",
     "get_op_impl",
+    "linear",
+    "one_row_fusion_applies",
     "prepare_ops",
+    "qk_norm_rope_applies",
+    "qk_norm_rope_write_kv",
     "rms_norm",
+    "rms_norm_linear",
     "rotary_embedding",
     "set_op_impl",
     "silu_and_mul",

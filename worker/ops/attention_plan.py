@@ -53,6 +53,9 @@ class TritonAttentionPlan:
     num_warps: int
     num_stages: int
     grid0: int  # programs along the query axis
+    # Split decodes: issue each tile's V load with its K load (a split program owns one or two
+    # tiles, so there is no loop to pipeline the second round trip behind).
+    early_v: bool = True
 
 
 def plan_triton_attention(

@@ -68,3 +68,67 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     if x_pass.shape[-1] == 0:
         return out
     return torch.cat((out, x_pass), dim=-1)
+
+
+# --- fused decode ops (references of ``triton_decode``) ---------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(rms_norm(x + residual)), x + residual)`` (``residual`` None: no add, and the
+    second result is ``x``); with ``silu`` the projection is a fused [gate | up] one and the
+    result is ``silu(gate) * up``."""
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    y = F.linear(h, weight, bias)
+    return (silu_and_mul(y) if silu else y), residual
+
+
+def qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Split ``qkv [T, (H + 2 Hkv) D]``; per-head RMSNorm of q and k (when weights are given);
+    neox rotary; K and V written to ``kv_cache [2, blocks, page, Hkv, D]`` at ``slot_mapping``
+    (< 0: skipped). Returns q ``[T, H, D]``."""
+    from tidal.worker.attention.torch_backend import write_kv_reference
+
+    t = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(t, num_heads, head_dim)
+    k = k.reshape(t, num_kv_heads, head_dim)
+    v = v.reshape(t, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, eps)
+        k = rms_norm(k, k_norm_weight, eps)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, True)
+    n = min(t, slot_mapping.shape[0])
+    write_kv_reference(k[:n], v[:n], kv_cache, slot_mapping[:n])
+    return q
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)

@@ -13,6 +13,8 @@ This module imports triton at import time: import it only when a CUDA device and
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,21 @@ def _find_request(qsl_ptr, q_block_idx, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASKED:
+        v = tl.load(
+            v_cache_ptr + tok_off[:, None] + offs_d[None, :],
+            mask=pos_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+    elif EVEN_D:
+        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    return v
+
+
+@triton.jit
 def _attend_tile(
     q,
     acc,
@@ -66,11 +83,16 @@ def _attend_tile(
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
-    """One online-softmax step over context tile ``t``; returns the new (max, sum, acc)."""
+    """One online-softmax step over context tile ``t``; returns the new (max, sum, acc).
+
+    ``EARLY_V`` issues the V load together with K's (decode: a program often owns one or two
+    tiles, so the second memory round trip is latency nobody hides); prefill tiles keep V's
+    registers free during the QK^T product."""
     pos = t * TILE_N + tl.arange(0, TILE_N)
+    pos_ok = pos < kv_end  # used only when MASKED
     if MASKED:
-        pos_ok = pos < kv_end
         blk = tl.load(bt_row + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)
@@ -85,6 +107,8 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None])
     else:
         k = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+    if EARLY_V:
+        v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
     if IEEE_DOT:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -102,16 +126,8 @@ def _attend_tile(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v = tl.load(
-            v_cache_ptr + tok_off[:, None] + offs_d[None, :],
-            mask=pos_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-    elif EVEN_D:
-        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :])
-    else:
-        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+    if not EARLY_V:
+        v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -129,6 +145,7 @@ def _paged_attention_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    counter_ptr,
     block_table_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -154,6 +171,11 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    EARLY_V: tl.constexpr,
+    PDL: tl.constexpr,
+    QPK_P: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -166,9 +188,15 @@ def _paged_attention_kernel(
         q_block = pid_q - ((tl.load(qsl_ptr + req) - tl.load(qsl_ptr)) // BLOCK_Q + req)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    if PDL:
+        # Launched early (programmatic dependent launch): the step metadata above is the
+        # runner's, but the query and this step's K/V come from the previous kernel. Every
+        # program waits, padding ones too, so that this grid completes after its predecessor.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if q_block * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     ctx_before = seq_len - q_len  # context positions before the first query of this request
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -210,13 +238,13 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
             stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
-            PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT,
+            PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
         )  # fmt: skip
     for t in range(tl.maximum(n_full, tile_lo), tile_hi):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
             stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
-            PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT,
+            PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
         )  # fmt: skip
 
     # seq_len 0 (padding) or an empty split: acc and l are 0 and the output row is 0.
@@ -228,12 +256,120 @@ def _paged_attention_kernel(
         )
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # The last of this (request, KV head)'s split programs to finish merges them all,
+            # saving the merge kernel's launch. The barrier orders every thread's partial stores
+            # before the (single-thread, release) counter increment; the acquire side reads
+            # the other programs' partials through L2 (.cg). The merger re-arms the counter.
+            tl.debug_barrier()
+            cnt_ptr = counter_ptr + req * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                _merge_group(
+                    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, q_start, kv_head * QPK,
+                    num_splits, stride_o_tok, stride_o_head, NUM_HEADS, QPK,
+                    QPK_P, HEAD_DIM, HEAD_DIM_P, SPLITS_P,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt_ptr, 0)
     else:
         tl.store(
             out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+@triton.jit
+def _merge_group(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    tok,
+    head0,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    QPK: tl.constexpr,
+    QPK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    """``_merge_head`` for heads ``head0 .. head0 + QPK - 1`` at once (one round of loads,
+    through L2: the partials were written by other programs of this launch)."""
+    offs_h = tl.arange(0, QPK_P)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    h_ok = offs_h < QPK
+    s_ok = offs_s < num_splits
+    ok2 = h_ok[:, None] & s_ok[None, :]
+    rows = (tok.to(tl.int64) * NUM_HEADS + head0 + offs_h)[:, None] * num_splits + offs_s[None, :]
+    m = tl.load(part_max_ptr + rows, mask=ok2, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + rows, mask=ok2, other=0.0, cache_modifier=".cg")
+    o = tl.load(
+        part_out_ptr + rows[:, :, None] * HEAD_DIM_P + offs_d[None, None, :],
+        mask=ok2[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    m_all = tl.max(m, axis=1)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(l > 0.0, tl.exp2(m - m_use[:, None]) * l, 0.0)
+    den = tl.sum(w, axis=1)
+    res = tl.sum(o * w[:, :, None], axis=1) / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_o_tok + (head0 + offs_h)[:, None] * stride_o_head
+        + offs_d[None, :],
+        res.to(out_ptr.dtype.element_ty),
+        mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+@triton.jit
+def _merge_head(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    tok,
+    head,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    FROM_L2: tl.constexpr,
+):
+    """out[tok, head] = sum_s w_s * o_s / sum_s w_s with w_s = 2^(max_s - max) * sum_s."""
+    offs_s = tl.arange(0, SPLITS_P)
+    s_ok = offs_s < num_splits
+    base = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    o_ptrs = part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :]
+    if FROM_L2:
+        m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"),
+                    cache_modifier=".cg")
+        l = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(o_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+        l = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0)
+        o = tl.load(o_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(l > 0.0, tl.exp2(m - m_use) * l, 0.0)
+    den = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(
+        out_ptr + tok.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
 
 
 @triton.jit
@@ -250,36 +386,52 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(max_s - max) * sum_s; one program per
-    (decode request, head)."""
+    """The split merge as its own launch; one program per (decode request, head). With PDL it
+    is resident before the attention kernel ends and waits for it."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(qsl_ptr + req)
-    if tl.load(qsl_ptr + req + 1) - tok != 1:
+    q_len = tl.load(qsl_ptr + req + 1) - tok
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the partials come from the attention kernel
+    if q_len != 1:
         return
-    offs_s = tl.arange(0, SPLITS_P)
-    s_ok = offs_s < num_splits
-    base = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits
-    m = tl.load(part_max_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + base + offs_s, mask=s_ok, other=0.0)
-    m_all = tl.max(m, axis=0)
-    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.where(l > 0.0, tl.exp2(m - m_use) * l, 0.0)
-    den = tl.sum(w, axis=0)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_ok = offs_d < HEAD_DIM
-    o = tl.load(
-        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_P + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(
-        out_ptr + tok.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
-        res.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
-    )
+    _merge_head(
+        out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tok, head, num_splits, stride_o_tok,
+        stride_o_head, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, SPLITS_P, False,
+    )  # fmt: skip
+
+
+# Split counters of the fused merge, one int32 per (request, KV head), per device. Zero between
+# launches: each merging program re-arms its own. Allocated on first use outside a graph
+# capture (a capture's warm-up runs eagerly first) and kept for the process.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_COUNTERS = 8192
+# Off by default: on H100 (Qwen3 / Llama-8B heads, batch 1, context 1024) the attention kernel
+# followed by the merge kernel, both launched early (PDL), beat the in-kernel merge, whose
+# GPU-scope fence + counter atomic + partial reload sit on the critical path.
+FUSED_MERGE = os.environ.get("TIDAL_ATTN_FUSED_MERGE", "0") == "1"
+
+
+def _pdl_enabled(device: torch.device) -> bool:
+    from tidal.worker.ops.triton_decode import pdl_enabled
+
+    return pdl_enabled(device)
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    if needed > _MAX_COUNTERS:
+        return None
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def paged_attention(
@@ -293,8 +445,14 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,
     plan: TritonAttentionPlan,
+    fused_merge: bool | None = None,
 ) -> None:
-    """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``."""
+    """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``.
+
+    Split decodes are merged by a second kernel, or, with ``fused_merge`` (default:
+    ``FUSED_MERGE``, env ``TIDAL_ATTN_FUSED_MERGE=1``), inside the attention kernel by the last
+    split program of each request and KV head (not when no counter buffer can be had: first
+    use inside a graph capture)."""
     if num_reqs == 0 or query.shape[0] == 0:
         return
     num_tokens, num_heads, head_dim = query.shape
@@ -314,8 +472,14 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused by the kernel in this mode
+    counters = None
+    if split and (FUSED_MERGE if fused_merge is None else fused_merge):
+        counters = _split_counters(query.device, plan.grid0 * num_kv_heads)
+    # Decode steps launch early behind the previous kernel (see triton_decode.pdl_enabled);
+    # the merge kernel, when it runs, is an ordinary launch.
+    pdl = plan.decode_only and _pdl_enabled(query.device)
     grid = (plan.grid0, num_kv_heads, plan.num_splits)
-    _paged_attention_kernel[grid](
+    args = (
         out,
         query,
         key_cache,
@@ -323,6 +487,7 @@ def paged_attention(
         part_out,
         part_max,
         part_sum,
+        counters if counters is not None else seq_lens,
         block_table,
         seq_lens,
         query_start_loc,
@@ -337,6 +502,8 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+    )
+    consts = dict(
         NUM_HEADS=num_heads,
         QPK=qpk,
         HEAD_DIM=head_dim,
@@ -348,25 +515,31 @@ def paged_attention(
         DECODE_ONLY=plan.decode_only,
         SPLIT_KV=split,
         IEEE_DOT=query.dtype == torch.float32,
+        FUSED_MERGE=counters is not None,
+        EARLY_V=split and plan.decode_only and plan.early_v,
+        SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
+        QPK_P=max(2, next_pow2(qpk)),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    if split:
-        _merge_splits_kernel[(num_reqs, num_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            query_start_loc,
-            plan.num_splits,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P=head_dim_p,
-            SPLITS_P=max(2, next_pow2(MAX_SPLITS)),
-            num_warps=4,
-        )
+    if pdl:
+        from tidal.worker.ops.triton_decode import launch
+
+        launch(_paged_attention_kernel, grid, args, consts, True)
+    else:
+        _paged_attention_kernel[grid](*args, **consts, PDL=False)
+    if split and counters is None:
+        margs = (out, part_out, part_max, part_sum, query_start_loc, plan.num_splits,
+                 out.stride(0), out.stride(1))
+        mconsts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+                       SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
+                       num_warps=4)
+        if pdl:
+            from tidal.worker.ops.triton_decode import launch
+
+            launch(_merge_splits_kernel, (num_reqs, num_heads), margs, mconsts, True)
+        else:
+            _merge_splits_kernel[(num_reqs, num_heads)](*margs, **mconsts, PDL=False)
 
 
 @triton.jit

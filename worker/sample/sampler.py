@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.worker import ops
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -105,8 +106,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if _plain_greedy(meta):
             # Converting bf16/fp16 to float32 is exact, so the argmax (first maximum) is the
-            # same without the [B, V] float copy.
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            # same without the [B, V] float copy. A few rows on the GPU take a two-stage
+            # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
+            return SamplerOutput(ops.argmax(logits), None)
         logits = logits.float()
         if meta.bias_rows is not None:
             logits = logits.index_put(

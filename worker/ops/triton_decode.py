@@ -1,0 +1,531 @@
+"""Triton kernels for small decode steps, where launch count and latency, not bytes, set the time.
+
+- ``gemv``: ``y = x @ W^T (+ bias)`` for a single row ``x`` (batch-1 decode). cuBLAS picks
+  64-row tiles for these shapes, so a 1024-output projection runs on 16 CTAs; here every program
+  owns ``BLOCK_N`` output rows and streams their whole K extent, so the grid covers the chip.
+  Optional prologue: the RMSNorm of ``x`` (with the residual add before it) computed in every
+  program from the ``K``-wide input (a few KiB, L2-resident), replacing the separate norm kernel;
+  program 0 writes the new residual. Optional epilogue: SiLU(gate) * up over a fused
+  ``[gate | up]`` weight, replacing the split-K reduction and the activation kernel.
+- ``qk_norm_rope_write_kv``: per token, the Qwen3 per-head q/k RMSNorm, neox rotary on q and k,
+  and the K/V write into the paged cache, in one kernel (four launches before).
+- ``argmax``: a two-stage row argmax (many programs over vocabulary chunks, then one per row).
+
+Rounding follows ``torch_ops`` (normalise in float32, round to the dtype, scale by the weight,
+round; bf16 products accumulated in float32), so these match the unfused Triton path. Importing
+this module imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal.worker.ops.attention_plan import next_pow2
+from tidal.worker.ops.gpu_info import device_index, num_sms
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Programmatic dependent launch (Hopper and later): the decode kernels launch while their
+# predecessor in the stream finishes, prefetch what does not depend on it (weights, step
+# metadata), and wait (griddepcontrol.wait) before touching anything it writes or reads; CUDA
+# graphs keep the programmatic edges. TIDAL_PDL=0 turns it off.
+_PDL = os.environ.get("TIDAL_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_on_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    return _PDL and device.type == "cuda" and _pdl_on_device(device_index(device))
+
+
+def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
+    """``kernel[grid](*args, **kwargs, PDL=pdl)``, with the programmatic-dependent-launch
+    attribute when ``pdl``. Should that launch fail outside a graph capture (an old driver, a
+    compiler without griddepcontrol), PDL is switched off for the process and the kernel runs
+    without it."""
+    global _PDL
+    if pdl:
+        try:
+            kernel[grid](*args, **kwargs, PDL=True, launch_pdl=True)
+            return
+        except Exception as exc:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            logger.warning("programmatic dependent launch failed (%s: %s); launching without it "
+                           "from now on", type(exc).__name__, exc)
+            _PDL = False
+    kernel[grid](*args, **kwargs, PDL=False)
+
+# ----------------------------------------------------------------------------------------- gemv
+
+
+@triton.jit
+def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, NORM: tl.constexpr, ADD: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """Columns ``kk`` of the GEMV input in float32: ``x``, or ``rms_norm(x (+ res))`` rounded
+    to the dtype as torch_ops does (``inv``: the row's 1/RMS)."""
+    dt = x_ptr.dtype.element_ty
+    if EVEN_K:
+        xv = tl.load(x_ptr + kk)
+    else:
+        xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+    if NORM:
+        if ADD:
+            if EVEN_K:
+                rv = tl.load(res_ptr + kk)
+            else:
+                rv = tl.load(res_ptr + kk, mask=km, other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+        if EVEN_K:
+            nw = tl.load(nw_ptr + kk)
+        else:
+            nw = tl.load(nw_ptr + kk, mask=km, other=0.0)
+        xv = ((xv.to(tl.float32) * inv).to(dt).to(tl.float32) * nw.to(tl.float32)).to(dt)
+    return xv.to(tl.float32)
+
+
+@triton.jit
+def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr):
+    if EVEN_NK:
+        w = tl.load(w_rows + kk[None, :])
+    else:
+        w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _gemv_kernel(
+    out_ptr,
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    w_ptr,
+    b_ptr,
+    N,
+    K,
+    stride_w,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    # With SILU the weight is [gate; up]: the up row of output j is row N + j.
+    wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
+    cols = tl.arange(0, BLOCK_K)
+    dt = x_ptr.dtype.element_ty
+    even = EVEN_N and EVEN_K
+    # The first chunk of weights depends on nothing the previous kernel writes: with
+    # programmatic dependent launch it streams in while that kernel finishes.
+    km0 = cols < K
+    w0 = _w_chunk(w_rows, cols, row_ok, km0, even)
+    if SILU:
+        wu0 = _w_chunk(wu_rows, cols, row_ok, km0, even)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # x and the residual come from the previous kernel; our outputs may reuse memory it
+        # still reads: nothing past this point runs before it completes.
+        tl.extra.cuda.gdc_wait()
+    inv = 1.0
+    if NORM:
+        # Every program needs the whole row's RMS; the row is a few KiB and sits in L2. Read
+        # in chunks of ROW_CHUNK (the whole row, up to 8192 elements: one round trip).
+        rc = tl.arange(0, ROW_CHUNK)
+        ss = tl.zeros([ROW_CHUNK], tl.float32)
+        for k0 in range(0, K, ROW_CHUNK):
+            kk = k0 + rc
+            km = kk < K
+            xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+            if ADD:
+                rv = tl.load(res_ptr + kk, mask=km, other=0.0)
+                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+                tl.store(res_out_ptr + kk, xv, mask=km & (pid == 0))
+            xf = xv.to(tl.float32)
+            ss += xf * xf
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    xf = _x_chunk(x_ptr, res_ptr, nw_ptr, cols, km0, inv, NORM, ADD, EVEN_K)[None, :]
+    acc = w0.to(tl.float32) * xf
+    if SILU:
+        acc_up = wu0.to(tl.float32) * xf
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + cols
+        km = kk < K
+        xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, NORM, ADD, EVEN_K)[None, :]
+        acc += _w_chunk(w_rows, kk, row_ok, km, even).to(tl.float32) * xf
+        if SILU:
+            acc_up += _w_chunk(wu_rows, kk, row_ok, km, even).to(tl.float32) * xf
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if SILU:
+        # As torch: the projection rounds to the dtype, then silu(g) rounds, then the product.
+        g = y.to(dt).to(tl.float32)
+        u = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = s * u
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# Launch shapes (BLOCK_N, BLOCK_K, num_warps) per (N outputs, K, fused gate/up, element size),
+# from the H100 sweep of tools/gpu_kernel_check.py (section decode1, PDL on, each shape run as
+# the engine runs it: with its norm prologue / SiLU epilogue; us per call, default of the first
+# sweep -> this entry): Qwen3-0.6B qkv 4.4, o 2.2, gate/up 6.0 -> 5.7, down 3.3;
+# Llama-3.1-8B qkv 22.8 -> 20.1, o 12.3 -> 11.9, gate/up 87.8 -> 83.1, down 41.3 -> 40.9.
+# Few rows per program and long K chunks win: more programs, each with all its loads in flight.
+GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int]] = {
+    (4096, 1024, False, 2): (8, 1024, 4),
+    (1024, 2048, False, 2): (2, 2048, 4),
+    (3072, 1024, True, 2): (8, 512, 4),
+    (1024, 3072, False, 2): (2, 2048, 4),
+    (6144, 4096, False, 2): (2, 2048, 4),
+    (4096, 4096, False, 2): (2, 2048, 4),
+    (14336, 4096, True, 2): (4, 1024, 4),
+    (4096, 14336, False, 2): (4, 1024, 4),
+}
+
+
+@functools.cache
+def gemv_config(n: int, k: int, silu: bool, elem: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an ``n`` x ``k`` GEMV (``n``: output rows computed)."""
+    hit = GEMV_CONFIGS.get((n, k, silu, elem))
+    if hit is not None:
+        return hit
+    # The sweep's pattern: 2 rows x up to 4 KiB of K per program (4 x 2 KiB with the up half),
+    # 4 warps; more rows per program only when the grid would otherwise outrun 16 waves.
+    block_k = max(64, min(next_pow2(k), (2048 if silu else 4096) // elem))
+    block_n = 4 if silu else 2
+    while block_n < 16 and -(-n // block_n) > 16 * 4 * sms:
+        block_n *= 2
+    return block_n, block_k, 4
+
+
+def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype in _DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() == x.shape[-1]
+    )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One row ``x [1, K]`` times ``weight [N, K]``; see the module docstring for the fusions.
+
+    Returns ``(y, new_residual)``: ``y`` is ``[1, N]`` (``[1, N // 2]`` with ``silu``);
+    ``new_residual`` is ``x + residual`` when ``residual`` is given, ``x`` itself when only
+    ``norm_weight`` is, else None. The caller checks ``gemv_supported``.
+    """
+    k = x.shape[-1]
+    n_total = weight.shape[0]
+    n = n_total // 2 if silu else n_total
+    xr = x.reshape(k)
+    if xr.stride(0) != 1:
+        xr = xr.contiguous()
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    norm = norm_weight is not None
+    add = norm and residual is not None
+    res_in = residual.reshape(k).contiguous() if add else xr
+    res_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if add else out
+    block_n, block_k, warps = config or gemv_config(
+        n, k, silu, x.element_size(), num_sms(device_index(x.device))
+    )
+    pdl = pdl_enabled(x.device)
+    launch(
+        _gemv_kernel, (triton.cdiv(n, block_n),),
+        (out, xr, res_in, res_out, norm_weight if norm else xr, weight,
+         bias if bias is not None else xr, n, k, weight.stride(0), float(eps)),
+        dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, ADD=add, SILU=silu,
+             HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
+             ROW_CHUNK=min(next_pow2(k), 8192) if norm else 16, num_warps=warps),
+        pdl,
+    )  # fmt: skip
+    if add:
+        return out, res_out.view(x.shape)
+    return out, (x if norm else None)
+
+
+# ------------------------------------------------------------- q/k norm + rotary + K/V write
+
+
+@triton.jit
+def _norm_rope_heads(
+    src,
+    dst,
+    w1,
+    w2,
+    cos,
+    sin,
+    num_heads,
+    eps,
+    HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    DST_MASK,
+):
+    """RMSNorm (when ``NORM``; ``w1``/``w2``: the two halves of its weight, float32) and
+    neox-rotate ``num_heads`` heads of ``HEAD_DIM`` stored back to back at ``src``; store them
+    at ``dst`` (same layout) where ``DST_MASK`` holds."""
+    h = tl.arange(0, HEADS_P)
+    j = tl.arange(0, HALF)
+    hm = (h < num_heads)[:, None]
+    off = h[:, None] * HEAD_DIM + j[None, :]
+    dt = src.dtype.element_ty
+    x1 = tl.load(src + off, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + off + HALF, mask=hm, other=0.0).to(tl.float32)
+    if NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        inv = tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+        x1 = ((x1 * inv).to(dt).to(tl.float32) * w1[None, :]).to(dt).to(tl.float32)
+        x2 = ((x2 * inv).to(dt).to(tl.float32) * w2[None, :]).to(dt).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    m = hm & DST_MASK
+    tl.store(dst + off, o1.to(dst.dtype.element_ty), mask=m)
+    tl.store(dst + off + HALF, o2.to(dst.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["num_slots"])  # the token count: one compile serves all
+def _qk_norm_rope_kv_kernel(
+    q_out_ptr,
+    qkv_ptr,
+    pos_ptr,
+    cs_ptr,
+    qw_ptr,
+    kw_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_slots,
+    stride_qkv,
+    stride_qo,
+    stride_cs,
+    stride_c_blk,
+    stride_c_tok,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    KV_HEADS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    # Step metadata, the rotary table and the norm weights: none of it is written by the
+    # previous kernel (the runner fills the step buffers before the graph or forward starts).
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t, mask=t < num_slots, other=-1).to(tl.int64)
+    j = tl.arange(0, HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + j)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j)
+    if NORM:
+        qw1 = tl.load(qw_ptr + j).to(tl.float32)
+        qw2 = tl.load(qw_ptr + HALF + j).to(tl.float32)
+        kw1 = tl.load(kw_ptr + j).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + j).to(tl.float32)
+    else:  # unused
+        qw1 = cos
+        qw2 = cos
+        kw1 = cos
+        kw2 = cos
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
+    row = qkv_ptr + t * stride_qkv
+    _norm_rope_heads(
+        row, q_out_ptr + t * stride_qo, qw1, qw2, cos, sin, NUM_HEADS, eps,
+        HEADS_P, HEAD_DIM, HALF, NORM, True,
+    )  # fmt: skip
+    # K and V go straight to their cache slot (head stride HEAD_DIM: the cache is contiguous in
+    # [heads, head_dim] for one token); padding tokens (slot < 0) write nothing.
+    keep = slot >= 0
+    safe = tl.where(keep, slot, 0)
+    dst = (safe // PAGE_SIZE) * stride_c_blk + (safe % PAGE_SIZE) * stride_c_tok
+    _norm_rope_heads(
+        row + NUM_HEADS * HEAD_DIM, k_cache_ptr + dst, kw1, kw2, cos, sin, NUM_KV_HEADS, eps,
+        KV_HEADS_P, HEAD_DIM, HALF, NORM, keep,
+    )  # fmt: skip
+    h = tl.arange(0, KV_HEADS_P)
+    d = tl.arange(0, HEAD_DIM)
+    off = h[:, None] * HEAD_DIM + d[None, :]
+    vm = (h < NUM_KV_HEADS)[:, None] & keep
+    v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + off, mask=vm, other=0.0)
+    tl.store(v_cache_ptr + dst + off, v.to(v_cache_ptr.dtype.element_ty), mask=vm)
+
+
+def qk_norm_rope_supported(
+    qkv: torch.Tensor, head_dim: int, cos_sin_cache: torch.Tensor, is_neox: bool,
+    kv_cache: torch.Tensor,
+) -> bool:
+    return (
+        is_neox
+        and qkv.dim() == 2
+        and qkv.dtype in _DTYPES
+        and qkv.stride(1) == 1
+        and head_dim >= 16
+        and head_dim == next_pow2(head_dim)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.stride(-1) == 1
+        and cos_sin_cache.shape[-1] == head_dim
+        and kv_cache.dim() == 5
+        and kv_cache.shape[0] == 2
+        and kv_cache.shape[-1] == head_dim
+        and kv_cache.stride(-1) == 1
+        and kv_cache.stride(-2) == head_dim
+        and kv_cache.dtype == qkv.dtype
+        and kv_cache.device == qkv.device
+    )
+
+
+def qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``qkv [T, (H + 2 Hkv) D]`` -> rotated (normed) ``q [T, H, D]``; K (normed, rotated) and V
+    land in ``kv_cache`` at ``slot_mapping`` (< 0, or past its end: skipped). The caller checks
+    support."""
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    norm = q_norm_weight is not None
+    pos = positions.reshape(-1)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    heads_p = next_pow2(num_heads)
+    width = (heads_p + next_pow2(num_kv_heads)) * head_dim
+    pdl = pdl_enabled(qkv.device)
+    launch(
+        _qk_norm_rope_kv_kernel, (t,),
+        (q, qkv, pos, cos_sin_cache, q_norm_weight if norm else qkv,
+         k_norm_weight if norm else qkv, k_cache, v_cache, slot_mapping, slot_mapping.shape[0],
+         qkv.stride(0), q.stride(0), cos_sin_cache.stride(0), k_cache.stride(0),
+         k_cache.stride(1), float(eps)),
+        dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_P=heads_p,
+             KV_HEADS_P=next_pow2(num_kv_heads), HEAD_DIM=head_dim, HALF=head_dim // 2,
+             PAGE_SIZE=k_cache.shape[1], NORM=norm, num_warps=4 if width <= 4096 else 8),
+        pdl,
+    )  # fmt: skip
+    return q
+
+
+# --------------------------------------------------------------------------------------- argmax
+
+
+@triton.jit
+def _argmax_part_kernel(
+    x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < n_cols, other=float("-inf"))
+    x = x.to(tl.float32)
+    # torch.argmax counts NaN as the largest value: the first NaN wins.
+    nan = x != x
+    key = tl.where(nan, float("inf"), x)
+    m = tl.max(key, axis=0)
+    big = 2147483647
+    first_nan = tl.min(tl.where(nan, offs, big), axis=0)
+    first_max = tl.min(tl.where(key == m, offs, big), axis=0)
+    has_nan = first_nan < big
+    out = row * num_chunks + c
+    # A NaN chunk reports +inf (wins every non-NaN chunk) and a flag in the index's sign.
+    tl.store(val_ptr + out, tl.where(has_nan, float("inf"), m))
+    tl.store(idx_ptr + out, tl.where(has_nan, -1 - first_nan, first_max))
+
+
+@triton.jit
+def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, num_chunks, CHUNKS_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS_P)
+    ok = c < num_chunks
+    v = tl.load(val_ptr + row * num_chunks + c, mask=ok, other=float("-inf"))
+    i = tl.load(idx_ptr + row * num_chunks + c, mask=ok, other=2147483647)
+    big = 2147483647
+    nan_pos = tl.where(ok & (i < 0), -1 - i, big)
+    first_nan = tl.min(nan_pos, axis=0)
+    m = tl.max(v, axis=0)
+    # Chunks are in column order and each reports its first maximum: the smallest index of
+    # the chunks that reach the maximum is the row's first maximum.
+    first_max = tl.min(tl.where(ok & (v == m) & (i >= 0), i, big), axis=0)
+    res = tl.where(first_nan < big, first_nan, first_max)
+    # A row of all -inf (or all NaN-free -inf): torch returns 0.
+    res = tl.where(res == big, 0, res)
+    tl.store(out_ptr + row, res.to(tl.int64))
+
+
+ARGMAX_CHUNK = 2048
+
+
+def argmax_supported(x: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.dtype in _DTYPES
+        and x.stride(1) == 1
+        and 0 < x.shape[1] < 2**31 - 1
+        and x.shape[0] > 0
+    )
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor, as int64 (first maximum; NaN counts as largest)."""
+    rows, cols = x.shape
+    chunks = triton.cdiv(cols, ARGMAX_CHUNK)
+    vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _argmax_part_kernel[(rows, chunks)](
+        x, vals, idx, cols, x.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4
+    )
+    _argmax_final_kernel[(rows,)](
+        vals, idx, out, chunks, CHUNKS_P=max(16, next_pow2(chunks)), num_warps=1
+    )
+    return out
