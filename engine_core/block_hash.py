@@ -19,6 +19,7 @@ import numpy as np
 from tidal.engine_core.request import Request
 
 _EMPTY = b"\x00" * 32
+_LEN = struct.Struct("<I")
 
 
 class BlockHasher:
@@ -26,22 +27,27 @@ class BlockHasher:
         self.block_size = block_size
         self.seed = os.urandom(32) if seed is None else hashlib.sha256(
             b"tidal-prefix-seed" + str(seed).encode()).digest()
+        # Every hash starts with the seed: hash it once and copy that state per block. A full
+        # block's ids pack with one precompiled struct (the same bytes as int32 little-endian).
+        self._seeded = hashlib.sha256(self.seed)
+        self._pack_block = struct.Struct(f"<{block_size}i").pack
 
     def block_hash(self, parent: bytes | None, tokens: list[int], extra: bytes = b"") -> bytes:
-        h = hashlib.sha256(self.seed)
-        h.update(parent or _EMPTY)
-        h.update(np.asarray(tokens, dtype="<i4").tobytes())
-        h.update(struct.pack("<I", len(extra)))
-        h.update(extra)
+        h = self._seeded.copy()
+        if len(tokens) == self.block_size:
+            packed = self._pack_block(*tokens)
+        else:
+            packed = np.asarray(tokens, dtype="<i4").tobytes()
+        h.update(b"".join((parent or _EMPTY, packed, _LEN.pack(len(extra)), extra)))
         return h.digest()
 
     def update(self, req: Request, num_tokens: int | None = None) -> list[bytes]:
         """Extend ``req.block_hashes`` to cover every full block among its first ``num_tokens``
         known tokens (all of them by default); only new blocks are hashed."""
         hashes = req.block_hashes
-        limit = req.num_tokens if num_tokens is None else min(num_tokens, req.num_tokens)
-        bs = self.block_size
         tokens = req.all_token_ids
+        limit = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
+        bs = self.block_size
         for i in range(len(hashes), limit // bs):
             extra = b""
             if i == 0 and req.cache_salt:

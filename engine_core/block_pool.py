@@ -99,9 +99,11 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks with {self.num_free_blocks} free")
         out = []
+        popleft = self.free_queue.popleft
         for _ in range(n):
-            block = self.free_queue.popleft()
-            self._evict(block)
+            block = popleft()
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out

@@ -58,14 +58,14 @@ class NoopExecutor:
         lengths = self._lengths
         for rid in so.finished_req_ids:
             lengths.pop(rid, None)
-        computed = {r.req_id: r.num_computed_tokens for r in so.new_reqs}
         for r in so.new_reqs:
             lengths[r.req_id] = len(r.prompt_token_ids) + len(r.output_token_ids)
-        cached = so.cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        # Batch order: the cached requests, then the new ones.
+        computed = so.cached_reqs.num_computed_tokens + [r.num_computed_tokens
+                                                         for r in so.new_reqs]
         out = ModelRunnerOutput()
-        for rid, n in so.num_scheduled_tokens.items():
-            if computed.get(rid, 0) + n >= lengths.get(rid, 0):
+        for rid, c, n in zip(so.req_ids, computed, so.num_scheduled_tokens):
+            if c + n >= lengths.get(rid, 0):
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([self.token])
                 lengths[rid] = lengths.get(rid, 0) + 1
@@ -141,8 +141,7 @@ class EngineCore:
             sched, pending = self.batch_queue.popleft()
             result = pending.result() if self.max_inflight > 1 else pending
             outputs = self.scheduler.update_from_output(sched, result)
-        n_gen = sum(len(o.new_token_ids) for o in outputs)
-        stats = self.scheduler.make_stats(n_gen)
+        stats = self.scheduler.make_stats()  # counts the tokens update_from_output appended
         self.stats_logger.record(stats)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)

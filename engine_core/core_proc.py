@@ -137,6 +137,8 @@ def tcp_host(address: str) -> str | None:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether a frontend connecting to ``host`` reaches an engine on this machine through
+    loopback (wildcard hosts included), so the frontend's own sockets can stay on 127.0.0.1."""
     if host in ("localhost", "*", "0.0.0.0", "::", "::1"):
         return True
     try:

@@ -76,42 +76,55 @@ class KVCacheManager:
         Returns the ids of newly allocated blocks (possibly empty), or None if the pool cannot
         supply them, in which case nothing changes.
         """
-        blocks = self.req_blocks.get(request.request_id, [])
-        computed = computed or []
+        # Called for every request that outgrows its blocks (every block_size tokens, twice
+        # with prefix caching): kept to plain local arithmetic.
+        rid = request.request_id
+        bs = self.block_size
+        blocks = self.req_blocks.get(rid)
         total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks) - len(computed)
-        # Hits on blocks nobody holds come out of the free list too.
-        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
-        if max(need, 0) + reclaimed > self.pool.num_free_blocks:
-            return None
+        need = -(-total // bs) - (len(blocks) if blocks is not None else 0)
         if computed:
+            need -= len(computed)
+            # Hits on blocks nobody holds come out of the free list too.
+            reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+            if max(need, 0) + reclaimed > self.pool.free_queue.num_free:
+                return None
             self.pool.touch(computed)
-        new = self.pool.allocate(need) if need > 0 else []
-        blocks = self.req_blocks.setdefault(request.request_id, blocks)
-        blocks.extend(computed)
-        blocks.extend(new)
+        elif need > self.pool.free_queue.num_free:
+            return None
+        if blocks is None:
+            blocks = self.req_blocks[rid] = []
+        if computed:
+            blocks.extend(computed)
+        new_ids: list[int] = []
+        if need > 0:
+            new = self.pool.allocate(need)
+            blocks.extend(new)
+            new_ids = [b.block_id for b in new]
+        limit = len(blocks) * bs
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total)
-        limit = len(blocks) * self.block_size
-        if self.enable_caching:
-            limit = min(limit, (self._num_cached.get(request.request_id, 0) + 1)
-                        * self.block_size - 1)
-        self.noop_limit[request.request_id] = limit
-        return [b.block_id for b in new]
+            num_cached = self._num_cached.get(rid, 0)
+            # Full blocks whose tokens are all known (with async scheduling the last token may
+            # still be being sampled; its block is registered on a later call).
+            full = min(total, len(request.all_token_ids)) // bs
+            if full > num_cached:
+                self._cache_blocks(request, blocks, num_cached, full)
+                num_cached = full
+            limit = min(limit, (num_cached + 1) * bs - 1)
+        self.noop_limit[rid] = limit
+        return new_ids
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
-                           num_tokens: int) -> None:
-        start = self._num_cached.get(request.request_id, 0)
-        end = num_tokens // self.block_size
-        if end <= start:
-            return
-        # Blocks holding tokens still being sampled (async scheduling) are cached later, once
-        # their values are known.
-        hashes = self.hasher.update(request, num_tokens)
-        end = min(end, len(hashes))
+    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], start: int,
+                      end: int) -> None:
+        """Register ``request``'s blocks [start, end) (full, their tokens known) under their
+        hashes; the first ``start`` are registered already."""
+        hashes = request.block_hashes
+        if len(hashes) < end:
+            self.hasher.update(request, end * self.block_size)
+        cache_block = self.pool.cache_block
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], hashes[i])
-        self._num_cached[request.request_id] = max(start, end)
+            cache_block(blocks[i], hashes[i])
+        self._num_cached[request.request_id] = end
 
     def free(self, request: Request) -> None:
         self._num_cached.pop(request.request_id, None)

@@ -115,11 +115,14 @@ class NewRequestData(msgspec.Struct, **_WIRE):
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
-    """Requests the worker already holds: only what changed (parallel lists, one entry each)."""
+    """Requests the worker already holds: only what changed (parallel lists, one entry each,
+    except the block lists: most steps give new blocks to few requests)."""
 
     req_ids: list[str] = []
-    new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    # New blocks, sparse: request ``req_ids[new_block_index[k]]`` gained ``new_block_ids[k]``.
+    new_block_index: list[int] = []
+    new_block_ids: list[list[int]] = []
     # Only with pipeline parallelism (stages that do not sample never see the sampled tokens):
     # tokens sampled since the request was last scheduled; they end at the last position
     # scheduled this step. Empty lists otherwise.
@@ -130,11 +133,22 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     step_id: int
     new_reqs: list[NewRequestData] = []
     cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
-    # req_id -> tokens to compute this step, in batch order (new requests after cached ones).
-    num_scheduled_tokens: dict[str, int] = {}
+    # Tokens to compute this step (at least 1), one entry per request in batch order: the
+    # cached requests first (as in ``cached_reqs.req_ids``), then the new ones (``new_reqs``).
+    num_scheduled_tokens: list[int] = []
     total_num_scheduled_tokens: int = 0
     # The worker drops these (finished, aborted or preempted since the last step).
     finished_req_ids: list[str] = []
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The scheduled requests in batch order (parallel to ``num_scheduled_tokens``)."""
+        ids = self.cached_reqs.req_ids
+        return ids + [r.req_id for r in self.new_reqs] if self.new_reqs else list(ids)
+
+    def scheduled(self) -> dict[str, int]:
+        """req_id -> tokens to compute this step, in batch order."""
+        return dict(zip(self.req_ids, self.num_scheduled_tokens))
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

@@ -41,6 +41,18 @@ class Request:
     stop_reason: int | str | None = None
     # Prefix-cache hashes of this request's full blocks, filled incrementally (see block_hash).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Derived once, for the scheduler's cheap pre-test of ``check_stop``: the token ids that can
+    # end this request (``min_tokens``/``ignore_eos`` may still keep it running), and the token
+    # count at which it ends for length (``max_tokens`` reached; the scheduler lowers it to the
+    # model's context length on intake).
+    stop_candidates: frozenset[int] = field(init=False)
+    length_limit: int = field(init=False)
+    num_prompt_tokens: int = field(init=False)  # a plain attribute: read in hot loops
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.stop_candidates = self.eos_token_ids.union(self.sampling_params.stop_token_ids)
+        self.length_limit = self.num_prompt_tokens + self.max_tokens
 
     @classmethod
     def from_engine_request(
@@ -62,20 +74,16 @@ class Request:
         )
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

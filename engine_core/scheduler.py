@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
+    # Schedule plain decodes through ``_schedule_decodes`` (tests turn it off to compare).
+    decode_fast_path = True
+
     def __init__(self, config: EngineConfig) -> None:
         if config.cache.num_blocks is None:
             raise ValueError("the scheduler needs the resolved number of KV blocks")
@@ -59,12 +62,15 @@ class Scheduler:
         self._step_id = 0
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
+        self._generation_tokens_step = 0
 
     # --- intake -----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        # Its one length limit: max_tokens or the model's context, whichever comes first.
+        request.length_limit = min(request.length_limit, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -96,8 +102,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.token_budget
-        num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
+        # Tokens per scheduled request, in batch order (the cached requests, then new ones).
+        num_scheduled: list[int] = []
         new_reqs: list[NewRequestData] = []
         preempted_now = False
 
@@ -108,64 +115,65 @@ class Scheduler:
         running = self.running
         allocate = self.kv.allocate_slots
         noop_limit = self.kv.noop_limit
-        c_ids, c_blocks, c_computed = (cached.req_ids, cached.new_block_ids,
-                                       cached.num_computed_tokens)
+        c_ids, c_computed = cached.req_ids, cached.num_computed_tokens
+        c_block_index, c_block_ids = cached.new_block_index, cached.new_block_ids
         forward = self.forward_tokens
         async_ok = self.async_scheduling
-        max_len = self.max_model_len
         prompt_tokens = 0
         cap = self.max_reqs_per_step
         i = 0
+        if self.decode_fast_path and not forward and min(budget, cap) >= len(running):
+            i, prompt_tokens = self._schedule_decodes(cached, num_scheduled)
+            budget -= len(num_scheduled)
+        # The general loop: from the first request the fast path left (or the first of all).
         while i < len(running) and budget > 0 and len(num_scheduled) < cap:
             req = running[i]
+            i += 1
             n_tokens = len(req.all_token_ids)
             placeholders = req.num_placeholders
             if placeholders and (
                 not async_ok  # its next input token is still being sampled
-                # stop once the tokens in flight already reach a known limit
-                or n_tokens - len(req.prompt_token_ids) + placeholders >= req.max_tokens
-                or n_tokens + placeholders >= max_len
+                # stop once the tokens in flight already reach the length limit
+                or n_tokens + placeholders >= req.length_limit
             ):
-                i += 1
                 continue
             computed = req.num_computed_tokens
             num_new = n_tokens + placeholders - computed
             if num_new <= 0:
-                i += 1
                 continue
             if num_new > budget:
                 num_new = budget
             rid = req.request_id
-            if computed + num_new <= noop_limit.get(rid, -1):
-                new_blocks = []  # what allocate_slots would return: its blocks suffice
-            else:
+            # Most steps the request's blocks suffice and allocate_slots would be a no-op.
+            if computed + num_new > noop_limit.get(rid, -1):
                 new_blocks = allocate(req, num_new)
-            while new_blocks is None:
-                victim = running.pop()
-                self._preempt(victim)
-                preempted_now = True
-                if victim is req:
-                    break
-                new_blocks = allocate(req, num_new)
-            if new_blocks is None:
-                break  # ``req`` itself was preempted; everything after it too
+                while new_blocks is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted_now = True
+                    if victim is req:
+                        break
+                    new_blocks = allocate(req, num_new)
+                if new_blocks is None:
+                    break  # ``req`` itself was preempted; everything after it too
+                if new_blocks:
+                    c_block_index.append(len(c_ids))
+                    c_block_ids.append(new_blocks)
             c_ids.append(rid)
-            c_blocks.append(new_blocks)
             c_computed.append(computed)
+            num_scheduled.append(num_new)
             if forward:
                 cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
                 req.num_tokens_sent = n_tokens
-            num_scheduled[rid] = num_new
             budget -= num_new
             # What the post-scheduling pass below does for admitted requests.
-            n_prompt = len(req.prompt_token_ids)
+            n_prompt = req.num_prompt_tokens
             if computed < n_prompt:
                 prompt_tokens += min(n_prompt - computed, num_new)
             computed += num_new
             req.num_computed_tokens = computed
             if computed >= n_tokens + placeholders:
                 req.num_placeholders = placeholders + 1
-            i += 1
 
         # Admitting while preempting would only thrash: the pool is already short.
         while (
@@ -207,7 +215,7 @@ class Scheduler:
                     prompt_logprobs_from=req.prompt_logprobs_sent,
                 )
             )
-            num_scheduled[req.request_id] = num_new
+            num_scheduled.append(num_new)
             budget -= num_new
 
         total = self.token_budget - budget
@@ -226,9 +234,8 @@ class Scheduler:
         # Computed counts advance when scheduled, so the next step can be planned before this
         # one's results are back; a request that reaches its end samples a token this step.
         # (Running requests were advanced in the loop above; these are the admitted ones.)
-        for new in new_reqs:
+        for new, n in zip(new_reqs, num_scheduled[len(c_ids):]):
             req = self.requests[new.req_id]
-            n = num_scheduled[new.req_id]
             prompt_tokens += max(0, min(req.num_prompt_tokens - req.num_computed_tokens, n))
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_placeholders:
@@ -236,51 +243,67 @@ class Scheduler:
         self._prompt_tokens_step = prompt_tokens
         return out
 
+    def _schedule_decodes(self, cached: CachedRequestData,
+                          num_scheduled: list[int]) -> tuple[int, int]:
+        """Decode fast path: the leading running requests that take exactly one token each (a
+        decode batch's steady state), scheduled exactly as the general loop in ``schedule``
+        would, with less work per request. The caller guarantees the budget and the request cap
+        cover every running request. Stops at the first request that needs the general loop (a
+        prompt chunk, nothing to compute, a preemption); returns (running requests consumed,
+        prompt tokens scheduled)."""
+        running = self.running
+        noop_limit = self.kv.noop_limit
+        allocate = self.kv.allocate_slots
+        async_ok = self.async_scheduling
+        c_ids, c_computed = cached.req_ids, cached.num_computed_tokens
+        c_block_index, c_block_ids = cached.new_block_index, cached.new_block_ids
+        skipped = prompt_tokens = 0
+        for req in running:
+            n_tokens = len(req.all_token_ids)
+            placeholders = req.num_placeholders
+            if placeholders and (not async_ok or n_tokens + placeholders >= req.length_limit):
+                skipped += 1  # as in the general loop: its tokens in flight come first
+                continue
+            computed = req.num_computed_tokens
+            if n_tokens + placeholders - computed != 1:
+                break
+            rid = req.request_id
+            if computed >= noop_limit[rid]:  # a running request always has a limit
+                new_blocks = allocate(req, 1)
+                if new_blocks is None:
+                    break  # the general loop preempts (a failed allocation changed nothing)
+                if new_blocks:
+                    c_block_index.append(len(c_ids))
+                    c_block_ids.append(new_blocks)
+            c_ids.append(rid)
+            c_computed.append(computed)
+            if computed < req.num_prompt_tokens:
+                prompt_tokens += 1
+            req.num_computed_tokens = computed + 1
+            # computed + 1 == n_tokens + placeholders: this step samples its next token.
+            req.num_placeholders = placeholders + 1
+        num_scheduled.extend([1] * len(c_ids))
+        return len(c_ids) + skipped, prompt_tokens
+
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        logprobs = result.logprobs
-        has_prompt_lp = bool(result.prompt_logprobs)
-        requests = self.requests
-        max_len = self.max_model_len
-        finished = RequestStatus.FINISHED
-        for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
-            req = requests.get(rid)
-            if req is None or req.status == finished:
-                continue  # aborted while the step ran
-            if req.num_placeholders:
-                req.num_placeholders -= 1
-            if len(tokens) == 1:  # the common case, without the per-token loop
-                token = tokens[0]
-                req.all_token_ids.append(token)
-                accepted = [token]
-                req.check_stop(token, max_len)
-            else:
-                accepted = []
-                for token in tokens:
-                    req.append_token(token)
-                    accepted.append(token)
-                    if req.check_stop(token, max_len):
-                        break
-            out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
-            if logprobs is not None:
-                out.new_logprobs = logprobs.slice(row, row + len(accepted))
-            if has_prompt_lp:
-                self._attach_prompt_logprobs(req, result, out)
-            if req.status == finished:
-                self._finish_output(req, out)
-            outputs.append(out)
+        if result.logprobs is None and not result.prompt_logprobs:
+            self._generation_tokens_step += self._apply_plain_tokens(result, outputs)
+        else:
+            self._generation_tokens_step += self._apply_tokens(result, outputs)
 
-        sampled = set(result.req_ids)
-        for rid in result.prompt_logprobs:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished or rid in sampled:
-                continue
-            out = EngineCoreOutput(request_id=rid)
-            self._attach_prompt_logprobs(req, result, out)
-            if out.new_prompt_logprobs is not None:
-                outputs.append(out)
+        if result.prompt_logprobs:
+            sampled = set(result.req_ids)
+            for rid in result.prompt_logprobs:
+                req = self.requests.get(rid)
+                if req is None or req.is_finished or rid in sampled:
+                    continue
+                out = EngineCoreOutput(request_id=rid)
+                self._attach_prompt_logprobs(req, result, out)
+                if out.new_prompt_logprobs is not None:
+                    outputs.append(out)
 
         for rid, vector in result.pooled.items():
             req = self.requests.get(rid)
@@ -302,7 +325,79 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def make_stats(self, num_generation_tokens: int) -> SchedulerStats:
+    def _apply_plain_tokens(self, result: ModelRunnerOutput,
+                            outputs: list[EngineCoreOutput]) -> int:
+        """The sampled tokens of a step without logprobs (every decode step, as a rule): one
+        output per request, built as cheaply as possible. Returns the number of new tokens."""
+        requests = self.requests
+        max_len = self.max_model_len
+        finished = RequestStatus.FINISHED
+        generated = 0
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            req = requests.get(rid)
+            if req is None or req.status is finished:
+                continue  # aborted while the step ran
+            if req.num_placeholders:
+                req.num_placeholders -= 1
+            if len(tokens) != 1:
+                out = EngineCoreOutput(rid, self._append_tokens(req, tokens))
+                generated += len(out.new_token_ids)
+            else:
+                token = tokens[0]
+                all_ids = req.all_token_ids
+                all_ids.append(token)
+                # The runner's one-token list goes out as is (nothing mutates either).
+                out = EngineCoreOutput(rid, tokens)
+                generated += 1
+                # ``check_stop`` only when it could stop the request: a stop token (before
+                # min_tokens and ignore_eos are weighed) or the length limit reached.
+                if (token in req.stop_candidates or len(all_ids) >= req.length_limit) \
+                        and req.check_stop(token, max_len):
+                    self._finish_output(req, out)
+            outputs.append(out)
+        return generated
+
+    def _apply_tokens(self, result: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> int:
+        """The sampled tokens of a step, with their logprobs and prompt logprobs."""
+        logprobs = result.logprobs
+        has_prompt_lp = bool(result.prompt_logprobs)
+        requests = self.requests
+        finished = RequestStatus.FINISHED
+        generated = 0
+        for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+            req = requests.get(rid)
+            if req is None or req.status is finished:
+                continue  # aborted while the step ran
+            if req.num_placeholders:
+                req.num_placeholders -= 1
+            accepted = self._append_tokens(req, tokens)
+            generated += len(accepted)
+            out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
+            if logprobs is not None:
+                out.new_logprobs = logprobs.slice(row, row + len(accepted))
+            if has_prompt_lp:
+                self._attach_prompt_logprobs(req, result, out)
+            if req.status is finished:
+                self._finish_output(req, out)
+            outputs.append(out)
+        return generated
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append sampled tokens up to the first that finishes the request; returns those."""
+        max_len = self.max_model_len
+        accepted = []
+        for token in tokens:
+            req.append_token(token)
+            accepted.append(token)
+            if req.check_stop(token, max_len):
+                break
+        return accepted
+
+    def make_stats(self, num_generation_tokens: int | None = None) -> SchedulerStats:
+        """Stats since the previous call. ``num_generation_tokens``: by default the tokens that
+        ``update_from_output`` appended meanwhile."""
+        if num_generation_tokens is None:
+            num_generation_tokens = self._generation_tokens_step
         queries, hits = self.kv.take_stats()
         stats = SchedulerStats(
             prefix_cache_queries=queries,
@@ -316,6 +411,7 @@ class Scheduler:
         )
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
+        self._generation_tokens_step = 0
         return stats
 
     # --- internals --------------------------------------------------------------------------
@@ -339,10 +435,12 @@ class Scheduler:
         out.finish_reason = req.finish_reason
         out.stop_reason = req.stop_reason
         out.num_cached_tokens = max(req.num_cached_tokens, 0)
-        if req.status == RequestStatus.PREEMPTED:
-            self.waiting.remove(req)  # its in-flight step finished it after preemption
-        elif req in self.running:
+        # By membership, not status: ``req`` is FINISHED already, also when it was preempted
+        # with a step in flight and that step's token finished it (it waits then).
+        if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self._release(req)
 
     def _release(self, req: Request) -> None:

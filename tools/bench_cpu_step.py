@@ -1,6 +1,7 @@
 """The CPU side of one decode step at batch 256, with the GPU work removed.
 
     python tools/bench_cpu_step.py [--batch 256] [--steps 300] [--tokenizer .bench_assets/qwen3]
+    python tools/bench_cpu_step.py --modes sync --steps 300 --repeats 1 --profile 40
 
 An in-process EngineCore with the real scheduler, KV cache manager and model runner on the CPU,
 whose model forward, LM head and sampler are replaced by stubs returning preallocated tensors:
@@ -144,10 +145,37 @@ def calibration_us(reps: int = 200) -> float:
     return round(times[len(times) // 2] * 1e6, 2)
 
 
+def profile_steps(core: EngineCore, ns: argparse.Namespace, label: str) -> None:
+    """Run ``--steps`` steps under a profiler and print where they went: cProfile (exact call
+    counts, but its per-call overhead inflates small Python functions) or pyinstrument (a
+    sampling profiler, ``pip install pyinstrument``: little overhead, a call tree)."""
+    print(f"--- {ns.profiler}, {label}, {ns.steps} steps")
+    if ns.profiler == "pyinstrument":
+        from pyinstrument import Profiler
+
+        prof = Profiler(interval=0.0001)
+        prof.start()
+        for _ in range(ns.steps):
+            core.step()
+        prof.stop()
+        print(prof.output_text(unicode=True, show_all=False, color=False))
+        return
+    import cProfile
+    import pstats
+
+    cprof = cProfile.Profile()
+    cprof.enable()
+    for _ in range(ns.steps):
+        core.step()
+    cprof.disable()
+    pstats.Stats(cprof).sort_stats("tottime").print_stats(ns.profile)
+
+
 def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[str, Any]:
     budget = 8192  # the GPU default token budget
     # Early requests decode while later ones still prefill: room for all of those steps.
-    new_tokens = ns.steps * ns.repeats + 100 + ns.batch * ns.prompt // budget
+    new_tokens = (ns.steps * (ns.repeats + bool(ns.profile)) + 100
+                  + ns.batch * ns.prompt // budget)
     args = EngineArgs(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                       max_model_len=4096, max_num_seqs=ns.batch, max_num_batched_tokens=budget,
                       num_kv_blocks=ns.batch * (ns.prompt + new_tokens + 32) // 16,
@@ -191,6 +219,8 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
     if ns.gc_freeze:
         gc.collect()
         gc.freeze()  # what a long-running engine process does after start-up
+    if ns.profile:
+        profile_steps(core, ns, "async" if async_scheduling else "sync")
     gct = GcTimer()
     windows, cpu_windows, detok = [], [], []
     for _ in range(ns.repeats):
@@ -245,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after warm-up (long-lived objects leave the collector)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="before timing, run --steps steps under a profiler and print where "
+                         "they went (cProfile: the top N functions by own time)")
+    ap.add_argument("--profiler", choices=("cprofile", "pyinstrument"), default="cprofile",
+                    help="pyinstrument prints a call tree (pip install pyinstrument)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
     torch.set_num_threads(ns.threads)

@@ -10,8 +10,9 @@ A token sampled by a step whose output has not reached the CPU yet (async schedu
 arrives; the model runner takes such input tokens from the previous step's sampled ids on the
 device instead.
 
-The block table itself lives on the device (the runner owns it); rows here only log the block ids
-they gained since the last step (``take_block_updates``), so each step ships only what changed.
+The block table lives on the device (the runner owns it), for attention; rows here log the block
+ids they gained since the last step (``take_block_updates``), so each step ships only what
+changed. A host copy (``block_table``) serves the slot mapping, which is computed on the host.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class InputBatch:
         self.max_blocks_per_req = max_blocks_per_req
         self.eos_token_ids = np.asarray(eos_token_ids, dtype=np.int64)
         self.row_of: dict[str, int] = {}
+        # Bumped whenever a request joins or leaves, so ``rows_of`` knows when its last answer
+        # still holds.
+        self._membership = 0
+        self._rows_for: tuple[list[str], int, np.ndarray, bool] = (
+            [], -1, np.zeros(0, np.int64), True)
         self.extras: list[RowExtras | None] = [None] * max_num_reqs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         # Bumped whenever a row changes hands, so late outputs of a step (async scheduling) are
@@ -59,6 +65,8 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         # (row, first column, block ids) written since the last ``take_block_updates``.
         self._block_updates: list[tuple[int, int, list[int]]] = []
+        # Host copy of the block table, as of the last ``take_block_updates``.
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -110,6 +118,7 @@ class InputBatch:
             raise ValueError(f"more than {self.max_num_reqs} concurrent requests")
         row = self._free_rows.pop()
         self.row_of[new.req_id] = row
+        self._membership += 1
         self.generation[row] += 1
         self.extras[row] = RowExtras(new.req_id, p, new.prompt_logprobs_from, bias, stop_ids)
 
@@ -148,6 +157,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
+        self._membership += 1
         self.extras[row] = None
         self.special[row] = False
         self.num_penalized -= bool(self._penalized[row])
@@ -155,6 +165,21 @@ class InputBatch:
         self.num_prompt_logprobs_rows -= bool(self.num_prompt_logprobs[row] >= 0)
         self.num_prompt_logprobs[row] = -1
         self._free_rows.append(row)
+
+    def rows_of(self, req_ids: list[str]) -> tuple[np.ndarray, bool]:
+        """The rows of ``req_ids`` (-1 for ids the batch does not hold; int64, read-only) and
+        whether the batch holds them all. Decode steps schedule the same requests in the same
+        order step after step, so the last answer is kept and reused while neither the list
+        nor the membership changed."""
+        last_ids, membership, rows, all_known = self._rows_for
+        if membership == self._membership and req_ids == last_ids:
+            return rows, all_known
+        row_of = self.row_of
+        rows = np.array([row_of.get(r, -1) for r in req_ids], dtype=np.int64)
+        rows.flags.writeable = False  # shared by the steps that reuse it
+        all_known = not (rows < 0).any()
+        self._rows_for = (list(req_ids), self._membership, rows, all_known)
+        return rows, all_known
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -166,8 +191,9 @@ class InputBatch:
         self.num_blocks[row] = n + len(block_ids)
 
     def take_block_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Block-table entries written since the last call: (flat index row * width + column,
-        block id), or None when nothing changed."""
+        """Block-table entries written since the last call, applied to the host copy and
+        returned for the device's: (flat index row * width + column, block id), or None when
+        nothing changed."""
         ups = self._block_updates
         if not ups:
             return None
@@ -175,19 +201,21 @@ class InputBatch:
         width = self.max_blocks_per_req
         if all(len(u[2]) == 1 for u in ups):  # decode steps: one new block per request
             flat = np.array([u[0] * width + u[1] for u in ups], dtype=np.int64)
-            return flat, np.array([u[2][0] for u in ups], dtype=np.int32)
-        if len(ups) == 1:
+            vals = np.array([u[2][0] for u in ups], dtype=np.int32)
+        elif len(ups) == 1:
             row, col, ids = ups[0]
             flat = np.arange(row * width + col, row * width + col + len(ids), dtype=np.int64)
-            return flat, np.asarray(ids, dtype=np.int32)
-        lens = np.fromiter((len(u[2]) for u in ups), np.int64, len(ups))
-        starts = np.fromiter((u[0] * width + u[1] for u in ups), np.int64, len(ups))
-        # start of each run, repeated over the run, plus the offset inside the run
-        offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens,
-                                                                         lens)
-        flat = np.repeat(starts, lens) + offsets
-        vals = np.fromiter(itertools.chain.from_iterable(u[2] for u in ups), np.int32,
-                           int(lens.sum()))
+            vals = np.asarray(ids, dtype=np.int32)
+        else:
+            lens = np.fromiter((len(u[2]) for u in ups), np.int64, len(ups))
+            starts = np.fromiter((u[0] * width + u[1] for u in ups), np.int64, len(ups))
+            # start of each run, repeated over the run, plus the offset inside the run
+            offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(lens) - lens, lens)
+            flat = np.repeat(starts, lens) + offsets
+            vals = np.fromiter(itertools.chain.from_iterable(u[2] for u in ups), np.int32,
+                               int(lens.sum()))
+        self.block_table.reshape(-1)[flat] = vals
         return flat, vals
 
     def append_token(self, row: int, token_id: int) -> None:
@@ -200,15 +228,30 @@ class InputBatch:
         """Count one token of each row as sampled with its value still unknown; returns the
         positions those tokens take."""
         pos = self.num_tokens[rows]
-        inside = pos < self.token_ids.shape[1]
-        self.token_ids[rows[inside], pos[inside]] = PLACEHOLDER
+        if pos.max(initial=0) < self.token_ids.shape[1]:
+            self.token_ids[rows, pos] = PLACEHOLDER
+        else:
+            inside = pos < self.token_ids.shape[1]
+            self.token_ids[rows[inside], pos[inside]] = PLACEHOLDER
         self.num_tokens[rows] = pos + 1
         return pos
 
+    @property
+    def membership(self) -> int:
+        """Changes whenever a request joins or leaves (rows change hands only then)."""
+        return self._membership
+
     def fill_placeholders(self, rows: np.ndarray, positions: np.ndarray,
-                          generations: np.ndarray, tokens: np.ndarray) -> None:
-        """Write sampled values over their placeholders, skipping rows that changed hands."""
-        ok = (self.generation[rows] == generations) & (positions < self.token_ids.shape[1])
+                          generations: np.ndarray, tokens: np.ndarray,
+                          membership: int | None = None) -> None:
+        """Write sampled values over their placeholders, skipping rows that changed hands
+        (``generations``: the rows' generations when they sampled; ``membership``: the batch's
+        then, if known: unchanged since, no row changed hands)."""
+        width = self.token_ids.shape[1]
+        if membership == self._membership and positions.max(initial=0) < width:
+            self.token_ids[rows, positions] = tokens
+            return
+        ok = (self.generation[rows] == generations) & (positions < width)
         if ok.all():
             self.token_ids[rows, positions] = tokens
         else:

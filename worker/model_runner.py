@@ -76,6 +76,7 @@ class PendingStep:
     rows: np.ndarray
     positions: np.ndarray  # where each sampled token goes in its row
     generations: np.ndarray
+    membership: int  # the batch's when the step was launched
     tokens_dev: torch.Tensor  # sampled ids on the device, all sampling rows (placeholder fill)
     tokens_host: torch.Tensor | None  # kept rows' ids, copied on the side stream
     logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -94,7 +95,7 @@ class PendingStep:
         if self.tokens_host is not None:
             tokens = self.tokens_host.numpy()
             self.runner.batch.fill_placeholders(self.rows, self.positions, self.generations,
-                                                tokens)
+                                                tokens, self.membership)
             result.req_ids = self.req_ids
             result.sampled_token_ids = [[t] for t in tokens.tolist()]
         if self.logprobs_host is not None:
@@ -162,6 +163,8 @@ class ModelRunner:
         self._last_sampled_rows = np.zeros(0, dtype=np.int64)
         self._arange32 = np.arange(self.max_num_tokens + 1, dtype=np.int32)
         self._arange64 = np.arange(self.max_num_tokens + 1, dtype=np.int64)
+        self._ones32 = np.ones(max_reqs, dtype=np.int32)
+        self._ones32.flags.writeable = False
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -388,8 +391,7 @@ class ModelRunner:
         failed = self._apply_new_and_finished(so)
         cr = so.cached_reqs
         if cr.req_ids:
-            rows = [self.batch.row_of.get(rid, -1) for rid in cr.req_ids]
-            self._apply_cached(so, rows)
+            self._apply_cached(so, *self.batch.rows_of(cr.req_ids))
         return failed
 
     def _apply_new_and_finished(self, so: SchedulerOutput) -> dict[str, str]:
@@ -404,30 +406,30 @@ class ModelRunner:
                 failed[new.req_id] = str(exc)
         return failed
 
-    def _apply_cached(self, so: SchedulerOutput, rows: list[int]) -> None:
+    def _apply_cached(self, so: SchedulerOutput, rows: np.ndarray, all_known: bool) -> None:
         """Diffs of requests the batch holds (``rows``: their rows, -1 for unknown ids)."""
         b = self.batch
         cr = so.cached_reqs
-        rows_np = np.array(rows, dtype=np.int64)
         computed = np.array(cr.num_computed_tokens, dtype=np.int32)
-        if (rows_np < 0).any():  # a request this worker refused earlier
-            keep = rows_np >= 0
-            b.num_computed[rows_np[keep]] = computed[keep]
-        else:
-            b.num_computed[rows_np] = computed
-        for i in [i for i, blocks in enumerate(cr.new_block_ids) if blocks]:
-            if rows[i] >= 0:
-                b.append_blocks(rows[i], cr.new_block_ids[i])
+        if all_known:
+            b.num_computed[rows] = computed
+        else:  # a request this worker refused earlier
+            keep = rows >= 0
+            b.num_computed[rows[keep]] = computed[keep]
+        for i, blocks in zip(cr.new_block_index, cr.new_block_ids):
+            row = int(rows[i])
+            if row >= 0:
+                b.append_blocks(row, blocks)
         forwarded = cr.new_token_ids
         if forwarded:
-            for i, rid in enumerate(cr.req_ids):
-                new = forwarded[i]
-                if not new or rows[i] < 0:
+            for i, new in enumerate(forwarded):
+                row = int(rows[i])
+                if not new or row < 0:
                     continue
                 # Pipeline parallelism: tokens sampled on the last stage, ending at this step's
-                # last scheduled position (the sampling stage already holds them).
-                row = rows[i]
-                end = cr.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+                # last scheduled position (the sampling stage already holds them). Cached
+                # requests come first in ``num_scheduled_tokens``.
+                end = cr.num_computed_tokens[i] + so.num_scheduled_tokens[i]
                 b.token_ids[row, end - len(new):end] = new
                 b.num_tokens[row] = max(int(b.num_tokens[row]), end)
 
@@ -444,29 +446,26 @@ class ModelRunner:
             self._resolve_through(self._inflight[0])
         failed = self._apply_new_and_finished(so)
         b = self.batch
-        row_of = b.row_of
-        nst = so.num_scheduled_tokens
-        req_ids = list(nst)
-        rows_l = [row_of.get(r, -1) for r in req_ids]
-        cr = so.cached_reqs
-        n_cached = len(cr.req_ids)
-        if n_cached:
-            # Scheduled requests list the cached ones first, in the same order (one lookup
-            # serves both); anything else is looked up on its own.
-            same = req_ids[:n_cached] == cr.req_ids
-            self._apply_cached(so, rows_l[:n_cached] if same
-                               else [row_of.get(r, -1) for r in cr.req_ids])
-        rows = np.array(rows_l, dtype=np.int64)
-        n_sched = np.fromiter(nst.values(), dtype=np.int32, count=len(req_ids))
-        if failed or (rows < 0).any():
+        req_ids = so.req_ids
+        rows, all_known = b.rows_of(req_ids)
+        n_cached = len(so.cached_reqs.req_ids)
+        if n_cached:  # the cached requests come first
+            self._apply_cached(so, rows[:n_cached], all_known)
+        if so.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode batch
+            n_sched = self._ones32[:len(req_ids)]
+        else:
+            n_sched = np.array(so.num_scheduled_tokens, dtype=np.int32)
+        total: int | None = so.total_num_scheduled_tokens
+        if failed or not all_known:
             keep = rows >= 0
             req_ids = [r for r, k in zip(req_ids, keep) if k]
             rows, n_sched = rows[keep], n_sched[keep]
+            total = None
         if not req_ids:
             return ModelRunnerOutput(failed=failed)
         if self._inflight and needs_token_history(b, rows):
             self._resolve_through(self._inflight[-1])  # penalties count every output token
-        inputs = self.prepare_inputs(rows, n_sched)
+        inputs = self.prepare_inputs(rows, n_sched, total)
         assert self.model is not None
         num_tokens = inputs.meta.num_actual_tokens
         if inputs.graph_size is not None:
@@ -503,10 +502,12 @@ class ModelRunner:
         self._resolve_through(pending)
         return pending.result
 
-    def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray) -> StepInputs:
-        """Gather this step's inputs from the persistent batch (numpy), stage them in pinned
-        memory, copy them over in a few transfers, and finish on the device: block-table
-        updates, slot mapping, the step's block table, placeholder fills."""
+    def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray,
+                       total: int | None = None) -> StepInputs:
+        """Gather this step's inputs from the persistent batch (numpy: token ids, positions,
+        slot mapping, metadata), stage them in pinned memory, copy them over in a few transfers,
+        and finish on the device: block-table updates, the step's block table, placeholder
+        fills. ``total``: the sum of ``n_sched``, if known."""
         b = self.batch
         bufs = self.bufs
         bs = self.block_size
@@ -514,12 +515,13 @@ class ModelRunner:
         num_reqs = len(rows)
         computed = b.num_computed[rows]
         seq_lens = computed + n_sched
-        total = int(n_sched.sum())
+        if total is None:
+            total = int(n_sched.sum())
         decode_only = total == num_reqs
         if decode_only:
             cu = self._arange32[:num_reqs + 1]
             token_rows = rows
-            positions = computed.astype(np.int64)
+            positions = computed  # int32 here; the staging buffer widens it
         else:
             cu = np.zeros(num_reqs + 1, dtype=np.int32)
             np.cumsum(n_sched, out=cu[1:])
@@ -545,21 +547,19 @@ class ModelRunner:
             m[r + 1 + num_reqs:r + 1 + padded_reqs] = 0
 
         put = bufs.put
-        # Slot inputs: index of the token's block-table entry, and its offset in the block.
-        # Padding tokens point at the table's trailing -1 with offset bs - 1 (slot -1).
-        flat = np.empty(2 * padded_tokens, dtype=np.int64)
-        np.floor_divide(positions, bs, out=flat[:total])
-        flat[:total] += token_rows * bufs.width
-        np.remainder(positions, bs, out=flat[padded_tokens:padded_tokens + total])
-        if padded_tokens > total:
-            flat[total:padded_tokens] = bufs.pad_index
-            flat[padded_tokens + total:] = bs - 1
-        slot_in = put(flat, torch.int64)
-        rows_d = put(rows, torch.int64)
-        updates = b.take_block_updates()
+        updates = b.take_block_updates()  # also brings the host block table up to date
         upd_d = None
         if updates is not None:
             upd_d = (put(updates[0], torch.int64), put(updates[1], torch.int32))
+        # Slot of each token: its block (from the host copy of the block table) * block size +
+        # its offset in the block. Padding tokens get -1: nothing is written for them.
+        block_col, offset = np.divmod(positions, bs)
+        slots = hs.slots_np[:padded_tokens]
+        np.multiply(b.block_table[token_rows, block_col], bs, out=slots[:total], dtype=np.int64)
+        slots[:total] += offset
+        if padded_tokens > total:
+            slots[total:] = -1
+        rows_d = put(rows, torch.int64)
 
         sample_mask = seq_lens >= b.num_tokens[rows]
         all_sample = bool(sample_mask.all())
@@ -571,16 +571,19 @@ class ModelRunner:
         if self.pp.is_last and (all_sample or sample_mask.any()):
             sample_rows = rows if all_sample else rows[sample_mask]
             sampling = self.sampling_builder.build(b, sample_rows, put)
-        bufs.flush(total, padded_reqs)
+        bufs.flush(total, padded_tokens, padded_reqs)
 
         # On the device, in stream order after the copies.
         if upd_d is not None:
             bufs.apply_block_updates(*upd_d)
-        bufs.compute_slots(slot_in[:padded_tokens], slot_in[padded_tokens:], padded_tokens)
-        block_table = bufs.gather_block_table(rows_d, num_reqs)
+        views = bufs.views(total, num_reqs)
+        block_table = bufs.gather_block_table(rows_d, views.block_table)
         if fill is not None:
             dst, src, tokens = fill
-            bufs.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+            if dst is None:
+                views.input_ids.copy_(tokens)
+            else:
+                bufs.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
         if decode_only:
             leading_decodes, max_query = num_reqs, 1
         else:
@@ -592,17 +595,17 @@ class ModelRunner:
             num_reqs=num_reqs,
             max_query_len=max_query,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=bufs.query_start_loc(num_reqs),
-            seq_lens=bufs.seq_lens(num_reqs),
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
             block_table=block_table,
-            slot_mapping=bufs.slot_mapping[:total],
+            slot_mapping=views.slot_mapping,
             query_start_loc_cpu=cu,
             seq_lens_cpu=seq_lens,
             num_decodes=leading_decodes,
         )
         return StepInputs(
-            input_ids=bufs.input_ids[:total],
-            positions=bufs.positions[:total],
+            input_ids=views.input_ids,
+            positions=views.positions,
             meta=meta,
             rows=rows,
             cu=cu,
@@ -617,17 +620,25 @@ class ModelRunner:
     def _placeholder_fill(self, ids: np.ndarray, token_rows: np.ndarray,
                           positions: np.ndarray, put) -> tuple | None:
         """Inputs whose token the host doesn't know yet come from the newest in-flight step's
-        sampled ids on the device: returns (destinations, sources, that step's ids)."""
+        sampled ids on the device: returns (destinations, sources, that step's ids), with
+        destinations and sources None when every input is the sample of the same request in
+        that step, in the same order (a steady decode batch: one plain copy)."""
+        if not self._inflight:
+            if ids.min(initial=0) < 0:
+                raise RuntimeError("an input token is unknown but no step is in flight")
+            return None
+        tokens = self._inflight[-1].tokens_dev
+        if token_rows is self._last_sampled_rows and ids.max() < 0:
+            # Every input is unknown, and these are the very rows that step sampled, in its
+            # order: each at its sampled position (only the newest step's can be unknown).
+            return None, None, tokens
         unknown = np.flatnonzero(ids < 0)
         if not unknown.size:
             return None
-        if not self._inflight:
-            raise RuntimeError("an input token is unknown but no step is in flight")
         rows_u = token_rows[unknown]
         src = self._index_of_row[rows_u]
         if (src < 0).any() or (self._pos_of_row[rows_u] != positions[unknown]).any():
             raise RuntimeError("an input token is unknown and not sampled by the previous step")
-        tokens = self._inflight[-1].tokens_dev
         return put(unknown.astype(np.int64), torch.int64), put(src, torch.int64), tokens
 
     # --- sampling and outputs ---------------------------------------------------------------------
@@ -664,8 +675,9 @@ class ModelRunner:
         b = self.batch
         tokens = out.token_ids
         positions = b.append_placeholders(sample_rows)
-        self._index_of_row[self._last_sampled_rows] = -1
-        self._index_of_row[sample_rows] = np.arange(len(sample_rows), dtype=np.int64)
+        if sample_rows is not self._last_sampled_rows:  # else the indices stand as they are
+            self._index_of_row[self._last_sampled_rows] = -1
+            self._index_of_row[sample_rows] = np.arange(len(sample_rows), dtype=np.int64)
         self._pos_of_row[sample_rows] = positions
         self._last_sampled_rows = sample_rows
         keep = None
@@ -696,7 +708,8 @@ class ModelRunner:
             lp_host = None if lp is None else self._logprobs_to_host(lp, keep)
         pending = PendingStep(
             runner=self, result=result, req_ids=kept_ids, rows=rows_k, positions=pos_k,
-            generations=b.generation[rows_k], tokens_dev=tokens, tokens_host=tokens_host,
+            generations=b.generation[rows_k], membership=b.membership, tokens_dev=tokens,
+            tokens_host=tokens_host,
             logprobs_host=lp_host, copied=copied)
         self._inflight.append(pending)
         return pending

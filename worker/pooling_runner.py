@@ -57,7 +57,7 @@ class PoolingRunner:
             self._prompts[new.req_id] = _Prompt(list(new.prompt_token_ids), 0)
         ready: list[str] = []
         failed: dict[str, str] = {}
-        for rid, n in so.num_scheduled_tokens.items():
+        for rid, n in zip(so.req_ids, so.num_scheduled_tokens):
             prompt = self._prompts.get(rid)
             if prompt is None:
                 failed[rid] = "the pooling runner does not know this request"

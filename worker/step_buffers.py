@@ -8,7 +8,8 @@ queued behind the GPU's work.
 
 Device tensors that CUDA graphs read (token ids, positions, slot mapping, query start locations,
 sequence lengths, the step's block table) have fixed addresses for the life of the runner; a
-captured graph is replayed after these are refreshed in place. Everything else travels through
+captured graph is replayed after these are refreshed in place (the block table on the device,
+from the persistent one; the rest by copies from the host set). Everything else travels through
 a device staging buffer per dtype and is used through views.
 
 On a CPU device the same code runs with the host buffers standing in for the device ones (no
@@ -26,6 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.int64, torch.int32, torch.float32)
+_MAX_CACHED_VIEWS = 256
 
 
 @dataclass(slots=True)
@@ -34,14 +36,28 @@ class HostSet:
 
     ids: torch.Tensor
     pos: torch.Tensor
+    slots: torch.Tensor
     meta32: torch.Tensor
     stage: dict[torch.dtype, torch.Tensor]
     ids_np: np.ndarray
     pos_np: np.ndarray
+    slots_np: np.ndarray
     meta32_np: np.ndarray
     stage_np: dict[torch.dtype, np.ndarray]
     done: torch.cuda.Event | None  # recorded after the copies that read this set (GPU only)
     armed: bool = False  # ``done`` was recorded and not yet waited for
+
+
+@dataclass(slots=True, frozen=True)
+class StepViews:
+    """The fixed buffers the model reads, cut to one step's size."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor  # the step's block table (filled by ``gather_block_table``)
 
 
 def _host(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -69,31 +85,34 @@ class StepBuffers:
         self._cur = 0
         self._used = {dt: 0 for dt in _DTYPES}
         self._want = dict(self._caps)  # high-water mark, for growing after an overflow
+        # Tensor views, made once and kept: cutting a tensor costs a couple of microseconds of
+        # host time, and decode steps cut the same ones step after step (``views``, ``put``).
+        self._views: dict[tuple[int, int], StepViews] = {}
+        self._stage_views: dict[tuple[torch.dtype, int, int], torch.Tensor] = {}
 
         dev = device
         if self.on_gpu:
             self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
             self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+            self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
             self.meta32 = torch.zeros(2 * max_num_reqs + 1, dtype=torch.int32, device=dev)
             self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=dev) for dt in _DTYPES}
         else:
-            s = self._sets[0]
-            self.input_ids, self.positions, self.meta32 = s.ids, s.pos, s.meta32
-            self.stage = s.stage
-        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
-        # The block table, row-indexed like the InputBatch, plus one trailing -1 entry: padding
-        # tokens look it up so that their slot comes out as -1 (see ``slot_inputs``).
-        self.block_table_flat = torch.zeros(max_num_reqs * self.width + 1, dtype=torch.int32,
+            self._use_host_set_as_device()
+        # The block table, row-indexed like the InputBatch.
+        self.block_table_flat = torch.zeros(max_num_reqs * self.width, dtype=torch.int32,
                                             device=dev)
-        self.block_table_flat[-1] = -1
-        self.block_table = self.block_table_flat[:-1].view(max_num_reqs, self.width)
+        self.block_table = self.block_table_flat.view(max_num_reqs, self.width)
         # This step's block table, one row per request in batch order.
         self.step_block_table = torch.zeros(max_num_reqs, self.width, dtype=torch.int32,
                                             device=dev)
 
-    @property
-    def pad_index(self) -> int:
-        return self.max_num_reqs * self.width
+    def _use_host_set_as_device(self) -> None:
+        """CPU device: the (single) host set is what the model reads."""
+        s = self._sets[0]
+        self.input_ids, self.positions, self.slot_mapping = s.ids, s.pos, s.slots
+        self.meta32 = s.meta32
+        self.stage = s.stage
 
     def query_start_loc(self, n: int) -> torch.Tensor:
         return self.meta32[: n + 1]
@@ -102,14 +121,29 @@ class StepBuffers:
         start = self.max_num_reqs + 1
         return self.meta32[start:start + n]
 
+    def views(self, num_tokens: int, num_reqs: int) -> StepViews:
+        """Views of the fixed buffers for a step of ``num_tokens`` tokens (padding included
+        where a graph runs) and ``num_reqs`` requests."""
+        key = (num_tokens, num_reqs)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:  # prefill sizes vary without end
+                self._views.clear()
+            v = self._views[key] = StepViews(
+                self.input_ids[:num_tokens], self.positions[:num_tokens],
+                self.slot_mapping[:num_tokens], self.query_start_loc(num_reqs),
+                self.seq_lens(num_reqs), self.step_block_table[:num_reqs])
+        return v
+
     def _make_set(self) -> HostSet:
         pin = self.on_gpu
         ids = _host(self.max_num_tokens, torch.int64, pin)
         pos = _host(self.max_num_tokens, torch.int64, pin)
+        slots = _host(self.max_num_tokens, torch.int64, pin)
         meta32 = _host(2 * self.max_num_reqs + 1, torch.int32, pin)
         stage = {dt: _host(self._caps[dt], dt, pin) for dt in _DTYPES}
-        return HostSet(ids, pos, meta32, stage, ids.numpy(), pos.numpy(), meta32.numpy(),
-                       {dt: t.numpy() for dt, t in stage.items()},
+        return HostSet(ids, pos, slots, meta32, stage, ids.numpy(), pos.numpy(), slots.numpy(),
+                       meta32.numpy(), {dt: t.numpy() for dt, t in stage.items()},
                        torch.cuda.Event() if pin else None)
 
     # --- one step -----------------------------------------------------------------------------
@@ -140,18 +174,26 @@ class StepBuffers:
             return t.to(self.device) if self.on_gpu else t.clone()
         self._sets[self._cur].stage_np[dtype][off:off + n] = arr
         self._used[dtype] = off + n
-        return self.stage[dtype][off:off + n]
+        key = (dtype, off, n)
+        view = self._stage_views.get(key)
+        if view is None:
+            if len(self._stage_views) >= _MAX_CACHED_VIEWS:
+                self._stage_views.clear()
+            view = self._stage_views[key] = self.stage[dtype][off:off + n]
+        return view
 
-    def flush(self, num_tokens: int, num_meta_reqs: int) -> None:
-        """Issue this step's host-to-device copies: ``num_tokens`` ids/positions, the query
-        start locations and sequence lengths of ``num_meta_reqs`` (padded) requests, and the
-        staged arrays."""
+    def flush(self, num_tokens: int, num_slots: int, num_meta_reqs: int) -> None:
+        """Issue this step's host-to-device copies: ``num_tokens`` ids/positions, ``num_slots``
+        slots (padding included), the query start locations and sequence lengths of
+        ``num_meta_reqs`` (padded) requests, and the staged arrays."""
         if not self.on_gpu:
             return
         hs = self._sets[self._cur]
         if num_tokens:
             self.input_ids[:num_tokens].copy_(hs.ids[:num_tokens], non_blocking=True)
             self.positions[:num_tokens].copy_(hs.pos[:num_tokens], non_blocking=True)
+        if num_slots:
+            self.slot_mapping[:num_slots].copy_(hs.slots[:num_slots], non_blocking=True)
         if num_meta_reqs:
             # The whole (small) region: query start locations and sequence lengths together.
             self.meta32.copy_(hs.meta32, non_blocking=True)
@@ -170,30 +212,23 @@ class StepBuffers:
                     {str(dt).removeprefix("torch."): n for dt, n in self._want.items()})
         self._caps = dict(self._want)
         self._sets = [self._make_set() for _ in self._sets]
+        self._views.clear()
+        self._stage_views.clear()
         if self.on_gpu:
             # The old staging may still be read by queued kernels; the caching allocator keeps
             # it alive until the stream has passed them.
             self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=self.device)
                           for dt in _DTYPES}
         else:
-            s = self._sets[0]
-            self.input_ids, self.positions, self.meta32 = s.ids, s.pos, s.meta32
-            self.stage = s.stage
+            self._use_host_set_as_device()
 
     # --- device-side preparation ----------------------------------------------------------------
 
     def apply_block_updates(self, flat: torch.Tensor, vals: torch.Tensor) -> None:
         self.block_table_flat.index_copy_(0, flat, vals)
 
-    def compute_slots(self, flat_block_idx: torch.Tensor, offsets: torch.Tensor, n: int) -> None:
-        """slot_mapping[:n] = block_table[row, pos // bs] * bs + pos % bs, looked up on the
-        device (``flat_block_idx`` = row * width + pos // bs; padding tokens point at the -1
-        entry with offset bs - 1, which gives slot -1)."""
-        blocks = torch.take(self.block_table_flat, flat_block_idx)
-        torch.add(offsets, blocks, alpha=self.block_size, out=self.slot_mapping[:n])
-
-    def gather_block_table(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        out = self.step_block_table[:n]
+    def gather_block_table(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The step's block table (``out``: ``views(...).block_table``): the rows' entries."""
         torch.index_select(self.block_table, 0, rows, out=out)
         return out
 

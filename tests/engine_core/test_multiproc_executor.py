@@ -164,7 +164,7 @@ def test_step_failure_in_a_worker_is_fatal_and_reported(tiny_models):
         bad = NewRequestData(req_id="bad", prompt_token_ids=[1, 2, 3], output_token_ids=[],
                              sampling_params=SamplingParams(max_tokens=2),
                              block_ids=[10**7], num_computed_tokens=0)
-        so = SchedulerOutput(step_id=0, new_reqs=[bad], num_scheduled_tokens={"bad": 3},
+        so = SchedulerOutput(step_id=0, new_reqs=[bad], num_scheduled_tokens=[3],
                              total_num_scheduled_tokens=3)
         with pytest.raises(WorkerError, match="rank 0") as info:
             executor.execute_model(so)

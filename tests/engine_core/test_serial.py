@@ -124,7 +124,7 @@ def config(tmp_path_factory) -> EngineConfig:
                        SchedulerStats(1, 2, 0.5, 3, 4, 5, 6, 7), engine_index=1),
      EngineCoreOutputs),
     (SchedulerOutput(7, [NewRequestData("a", [1, 2], [3], PARAMS, [0, 1], 2, 1)],
-                     CachedRequestData(["b"], [[4]], [9]), {"a": 2, "b": 1}, 3, ["z"]),
+                     CachedRequestData(["b"], [9], [0], [[4]]), [1, 2], 3, ["z"]),
      SchedulerOutput),
     (ModelRunnerOutput(["a", "b"], [[1], [2, 3]], _logprobs(3, 2),
                        {"a": (1, _logprobs(40, 2))}, {"c": "sampling failed"},

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tidal.engine_core.config import EngineArgs
-from tidal.engine_core.protocol import NewRequestData, SchedulerOutput
+from tidal.engine_core.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.worker.loader.model_loader import load_model
 from tidal.worker.models.bert import BertEmbeddingModel, BertWeightError
@@ -85,7 +85,7 @@ def test_pooling_runner(config, reference):
         config.scheduler.max_num_seqs * config.model.max_model_len)
     runner.init_kv_cache(runner.determine_num_blocks())
     so = SchedulerOutput(step_id=0, new_reqs=[_new(f"r{i}", seq) for i, seq in enumerate(ids)],
-                         num_scheduled_tokens={f"r{i}": len(s) for i, s in enumerate(ids)},
+                         num_scheduled_tokens=[len(s) for s in ids],
                          total_num_scheduled_tokens=sum(len(s) for s in ids))
     out = runner.execute_model(so)
     assert sorted(out.pooled) == ["r0", "r1", "r2"] and not out.failed
@@ -102,16 +102,18 @@ def test_pooling_runner_waits_for_the_whole_prompt(config, reference):
     runner.load_model()
     half = len(seq) // 2
     first = runner.execute_model(SchedulerOutput(
-        step_id=0, new_reqs=[_new("a", seq)], num_scheduled_tokens={"a": half},
+        step_id=0, new_reqs=[_new("a", seq)], num_scheduled_tokens=[half],
         total_num_scheduled_tokens=half))
     assert not first.pooled
     second = runner.execute_model(SchedulerOutput(
-        step_id=1, num_scheduled_tokens={"a": len(seq) - half},
+        step_id=1, cached_reqs=CachedRequestData(["a"], [half]),
+        num_scheduled_tokens=[len(seq) - half],
         total_num_scheduled_tokens=len(seq) - half))
     assert list(second.pooled) == ["a"]
     # A request the runner never saw fails alone.
-    stray = runner.execute_model(SchedulerOutput(step_id=2, num_scheduled_tokens={"zz": 3},
-                                                 total_num_scheduled_tokens=3))
+    stray = runner.execute_model(SchedulerOutput(
+        step_id=2, cached_reqs=CachedRequestData(["zz"], [0]), num_scheduled_tokens=[3],
+        total_num_scheduled_tokens=3))
     assert "zz" in stray.failed
 
 

@@ -70,15 +70,26 @@ class SamplingMetadataBuilder:
         self.device = device
         # Seeded rows: one generator per batch row, reseeded for every position.
         self._generators: dict[int, torch.Generator] = {}
+        # What the rows of the last call gave (a decode batch samples the same rows step after
+        # step; their parameters change only when the batch's membership does):
+        # (rows, membership, temperatures, all greedy, all random, any special row).
+        self._last: tuple | None = None
 
     def build(self, b: InputBatch, rows: np.ndarray, stage: Stage) -> SamplingMetadata:
-        temp = b.temperature[rows]
+        last = self._last
+        if last is not None and last[0] is rows and last[1] == b.membership:
+            _, _, temp, all_greedy, all_random, special = last
+        else:
+            temp = b.temperature[rows]
+            all_greedy, all_random = bool((temp == 0).all()), bool((temp > 0).all())
+            special = bool(b.special[rows].any())
+            self._last = (rows, b.membership, temp, all_greedy, all_random, special)
         meta = SamplingMetadata(
             temperature=stage(temp, torch.float32),
-            all_greedy=bool((temp == 0).all()),
-            all_random=bool((temp > 0).all()),
+            all_greedy=all_greedy,
+            all_random=all_random,
         )
-        if not b.special[rows].any():
+        if not special:
             return meta
         vocab = self.vocab_size
         if not meta.all_greedy:
