@@ -5,6 +5,7 @@ the others keep working, and a killed engine fails every remote frontend's reque
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -266,8 +267,11 @@ def test_engine_core_sigterm_is_graceful(tmp_path):
     try:
         async def main():
             async def consume():
-                async for _ in llm.generate([1, 2], _params(None), "r"):
-                    streaming.set()
+                # The no-op executor runs a request to the context limit in milliseconds: keep
+                # requests coming, so the signal lands while one streams.
+                for i in itertools.count():
+                    async for _ in llm.generate([1, 2], _params(None), f"r{i}"):
+                        streaming.set()
 
             streaming = asyncio.Event()
             task = asyncio.create_task(consume())
