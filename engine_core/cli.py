@@ -62,8 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=helptext or None)
         else:
+            # The parsers use ArgumentDefaultsHelpFormatter: it appends the default to a help
+            # text (and skips a flag without one).
             group.add_argument(flag, dest=f.name, type=_parser_type(annotation), default=default,
-                               help=f"{helptext} (default: {default})".strip())
+                               help=helptext or "default: %(default)s")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -10,9 +10,8 @@ A token sampled by a step whose output has not reached the CPU yet (async schedu
 arrives; the model runner takes such input tokens from the previous step's sampled ids on the
 device instead.
 
-The block table lives on the device (the runner owns it), for attention; rows here log the block
-ids they gained since the last step (``take_block_updates``), so each step ships only what
-changed. A host copy (``block_table``) serves the slot mapping, which is computed on the host.
+The block table itself lives on the device (the runner owns it); rows here only log the block ids
+they gained since the last step (``take_block_updates``), so each step ships only what changed.
 """
 
 from __future__ import annotations
@@ -65,8 +64,6 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         # (row, first column, block ids) written since the last ``take_block_updates``.
         self._block_updates: list[tuple[int, int, list[int]]] = []
-        # Host copy of the block table, as of the last ``take_block_updates``.
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -191,9 +188,8 @@ class InputBatch:
         self.num_blocks[row] = n + len(block_ids)
 
     def take_block_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Block-table entries written since the last call, applied to the host copy and
-        returned for the device's: (flat index row * width + column, block id), or None when
-        nothing changed."""
+        """Block-table entries written since the last call: (flat index row * width + column,
+        block id), or None when nothing changed."""
         ups = self._block_updates
         if not ups:
             return None
@@ -215,7 +211,6 @@ class InputBatch:
             flat = np.repeat(starts, lens) + offsets
             vals = np.fromiter(itertools.chain.from_iterable(u[2] for u in ups), np.int32,
                                int(lens.sum()))
-        self.block_table.reshape(-1)[flat] = vals
         return flat, vals
 
     def append_token(self, row: int, token_id: int) -> None:

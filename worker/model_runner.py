@@ -504,10 +504,9 @@ class ModelRunner:
 
     def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray,
                        total: int | None = None) -> StepInputs:
-        """Gather this step's inputs from the persistent batch (numpy: token ids, positions,
-        slot mapping, metadata), stage them in pinned memory, copy them over in a few transfers,
-        and finish on the device: block-table updates, the step's block table, placeholder
-        fills. ``total``: the sum of ``n_sched``, if known."""
+        """Gather this step's inputs from the persistent batch (numpy), stage them in pinned
+        memory, copy them over in a few transfers, and finish on the device: block-table
+        updates, slot mapping, the step's block table, placeholder fills. ``total``: the sum of ``n_sched``, if known."""
         b = self.batch
         bufs = self.bufs
         bs = self.block_size
@@ -547,19 +546,22 @@ class ModelRunner:
             m[r + 1 + num_reqs:r + 1 + padded_reqs] = 0
 
         put = bufs.put
-        updates = b.take_block_updates()  # also brings the host block table up to date
+        # Slot inputs: index of the token's block-table entry, and its offset in the block; the
+        # slot itself is looked up on the device. Padding tokens point at the table's trailing
+        # -1 with offset bs - 1 (slot -1: nothing is written for them).
+        flat = np.empty(2 * padded_tokens, dtype=np.int64)
+        np.floor_divide(positions, bs, out=flat[:total])
+        flat[:total] += token_rows * bufs.width
+        np.remainder(positions, bs, out=flat[padded_tokens:padded_tokens + total])
+        if padded_tokens > total:
+            flat[total:padded_tokens] = bufs.pad_index
+            flat[padded_tokens + total:] = bs - 1
+        slot_in = put(flat, torch.int64)
+        rows_d = put(rows, torch.int64)
+        updates = b.take_block_updates()
         upd_d = None
         if updates is not None:
             upd_d = (put(updates[0], torch.int64), put(updates[1], torch.int32))
-        # Slot of each token: its block (from the host copy of the block table) * block size +
-        # its offset in the block. Padding tokens get -1: nothing is written for them.
-        block_col, offset = np.divmod(positions, bs)
-        slots = hs.slots_np[:padded_tokens]
-        np.multiply(b.block_table[token_rows, block_col], bs, out=slots[:total], dtype=np.int64)
-        slots[:total] += offset
-        if padded_tokens > total:
-            slots[total:] = -1
-        rows_d = put(rows, torch.int64)
 
         sample_mask = seq_lens >= b.num_tokens[rows]
         all_sample = bool(sample_mask.all())
@@ -571,11 +573,12 @@ class ModelRunner:
         if self.pp.is_last and (all_sample or sample_mask.any()):
             sample_rows = rows if all_sample else rows[sample_mask]
             sampling = self.sampling_builder.build(b, sample_rows, put)
-        bufs.flush(total, padded_tokens, padded_reqs)
+        bufs.flush(total, padded_reqs)
 
         # On the device, in stream order after the copies.
         if upd_d is not None:
             bufs.apply_block_updates(*upd_d)
+        bufs.compute_slots(slot_in[:padded_tokens], slot_in[padded_tokens:], padded_tokens)
         views = bufs.views(total, num_reqs)
         block_table = bufs.gather_block_table(rows_d, views.block_table)
         if fill is not None:

@@ -8,8 +8,8 @@ queued behind the GPU's work.
 
 Device tensors that CUDA graphs read (token ids, positions, slot mapping, query start locations,
 sequence lengths, the step's block table) have fixed addresses for the life of the runner; a
-captured graph is replayed after these are refreshed in place (the block table on the device,
-from the persistent one; the rest by copies from the host set). Everything else travels through
+captured graph is replayed after these are refreshed in place (the slot mapping and the step's
+block table computed on the device, the rest copied from the host set). Everything else travels through
 a device staging buffer per dtype and is used through views.
 
 On a CPU device the same code runs with the host buffers standing in for the device ones (no
@@ -36,12 +36,10 @@ class HostSet:
 
     ids: torch.Tensor
     pos: torch.Tensor
-    slots: torch.Tensor
     meta32: torch.Tensor
     stage: dict[torch.dtype, torch.Tensor]
     ids_np: np.ndarray
     pos_np: np.ndarray
-    slots_np: np.ndarray
     meta32_np: np.ndarray
     stage_np: dict[torch.dtype, np.ndarray]
     done: torch.cuda.Event | None  # recorded after the copies that read this set (GPU only)
@@ -94,15 +92,18 @@ class StepBuffers:
         if self.on_gpu:
             self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
             self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
-            self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
             self.meta32 = torch.zeros(2 * max_num_reqs + 1, dtype=torch.int32, device=dev)
             self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=dev) for dt in _DTYPES}
         else:
             self._use_host_set_as_device()
-        # The block table, row-indexed like the InputBatch.
-        self.block_table_flat = torch.zeros(max_num_reqs * self.width, dtype=torch.int32,
+        # Computed on the device from the block table (``compute_slots``).
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
+        # The block table, row-indexed like the InputBatch, plus one trailing -1 entry: padding
+        # tokens look it up so that their slot comes out as -1 (see ``compute_slots``).
+        self.block_table_flat = torch.zeros(max_num_reqs * self.width + 1, dtype=torch.int32,
                                             device=dev)
-        self.block_table = self.block_table_flat.view(max_num_reqs, self.width)
+        self.block_table_flat[-1] = -1
+        self.block_table = self.block_table_flat[:-1].view(max_num_reqs, self.width)
         # This step's block table, one row per request in batch order.
         self.step_block_table = torch.zeros(max_num_reqs, self.width, dtype=torch.int32,
                                             device=dev)
@@ -110,9 +111,13 @@ class StepBuffers:
     def _use_host_set_as_device(self) -> None:
         """CPU device: the (single) host set is what the model reads."""
         s = self._sets[0]
-        self.input_ids, self.positions, self.slot_mapping = s.ids, s.pos, s.slots
-        self.meta32 = s.meta32
+        self.input_ids, self.positions, self.meta32 = s.ids, s.pos, s.meta32
         self.stage = s.stage
+
+    @property
+    def pad_index(self) -> int:
+        """The block table's trailing -1 entry (flat index), for padding tokens."""
+        return self.max_num_reqs * self.width
 
     def query_start_loc(self, n: int) -> torch.Tensor:
         return self.meta32[: n + 1]
@@ -139,11 +144,9 @@ class StepBuffers:
         pin = self.on_gpu
         ids = _host(self.max_num_tokens, torch.int64, pin)
         pos = _host(self.max_num_tokens, torch.int64, pin)
-        slots = _host(self.max_num_tokens, torch.int64, pin)
         meta32 = _host(2 * self.max_num_reqs + 1, torch.int32, pin)
         stage = {dt: _host(self._caps[dt], dt, pin) for dt in _DTYPES}
-        return HostSet(ids, pos, slots, meta32, stage, ids.numpy(), pos.numpy(), slots.numpy(),
-                       meta32.numpy(), {dt: t.numpy() for dt, t in stage.items()},
+        return HostSet(ids, pos, meta32, stage, ids.numpy(), pos.numpy(), meta32.numpy(), {dt: t.numpy() for dt, t in stage.items()},
                        torch.cuda.Event() if pin else None)
 
     # --- one step -----------------------------------------------------------------------------
@@ -182,18 +185,16 @@ class StepBuffers:
             view = self._stage_views[key] = self.stage[dtype][off:off + n]
         return view
 
-    def flush(self, num_tokens: int, num_slots: int, num_meta_reqs: int) -> None:
-        """Issue this step's host-to-device copies: ``num_tokens`` ids/positions, ``num_slots``
-        slots (padding included), the query start locations and sequence lengths of
-        ``num_meta_reqs`` (padded) requests, and the staged arrays."""
+    def flush(self, num_tokens: int, num_meta_reqs: int) -> None:
+        """Issue this step's host-to-device copies: ``num_tokens`` ids/positions, the query
+        start locations and sequence lengths of ``num_meta_reqs`` (padded) requests, and the
+        staged arrays."""
         if not self.on_gpu:
             return
         hs = self._sets[self._cur]
         if num_tokens:
             self.input_ids[:num_tokens].copy_(hs.ids[:num_tokens], non_blocking=True)
             self.positions[:num_tokens].copy_(hs.pos[:num_tokens], non_blocking=True)
-        if num_slots:
-            self.slot_mapping[:num_slots].copy_(hs.slots[:num_slots], non_blocking=True)
         if num_meta_reqs:
             # The whole (small) region: query start locations and sequence lengths together.
             self.meta32.copy_(hs.meta32, non_blocking=True)
@@ -226,6 +227,13 @@ class StepBuffers:
 
     def apply_block_updates(self, flat: torch.Tensor, vals: torch.Tensor) -> None:
         self.block_table_flat.index_copy_(0, flat, vals)
+
+    def compute_slots(self, flat_block_idx: torch.Tensor, offsets: torch.Tensor, n: int) -> None:
+        """slot_mapping[:n] = block_table[row, pos // bs] * bs + pos % bs, looked up on the
+        device (``flat_block_idx`` = row * width + pos // bs; padding tokens point at the -1
+        entry with offset bs - 1, which gives slot -1)."""
+        blocks = torch.take(self.block_table_flat, flat_block_idx)
+        torch.add(offsets, blocks, alpha=self.block_size, out=self.slot_mapping[:n])
 
     def gather_block_table(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The step's block table (``out``: ``views(...).block_table``): the rows' entries."""

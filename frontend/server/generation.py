@@ -42,6 +42,13 @@ class Generation:
         self.failed = False  # a prompt's engine request raised (the error goes to the client)
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        # Prompt tokens served from the prefix cache, per prompt (known once it finishes).
+        self._cached: dict[int, int] = {}
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens of all prompts that the prefix cache supplied (for usage)."""
+        return sum(self._cached.values())
 
     def engine_id(self, prompt_index: int) -> str:
         return f"{self.request_id}-{prompt_index}"
@@ -92,6 +99,8 @@ class Generation:
                     if c.index not in seen:
                         seen.add(c.index)
                         self.admission.started(self.ticket, 1)
+                if out.num_cached_tokens:
+                    self._cached[index] = max(self._cached.get(index, 0), out.num_cached_tokens)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise

@@ -31,6 +31,7 @@ from tidal.frontend.server.openai_protocol import (
     Usage,
     decode_request,
     encode,
+    make_usage,
 )
 from tidal.frontend.server.prompts import check_context
 from tidal.frontend.server.sampling import chat_params
@@ -149,10 +150,8 @@ def _apply(choices: list[_Choice], c: CompletionOutput, want_logprobs: bool,
     return entries
 
 
-def _usage(choices: list[_Choice], n_prompt: int) -> Usage:
-    completion = sum(c.num_tokens for c in choices)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=completion,
-                 total_tokens=n_prompt + completion)
+def _usage(choices: list[_Choice], n_prompt: int, gen: Generation) -> Usage:
+    return make_usage(n_prompt, sum(c.num_tokens for c in choices), gen.num_cached_tokens)
 
 
 async def _whole(gen: Generation, choices: list[_Choice], n_prompt: int, model: str,
@@ -170,7 +169,7 @@ async def _whole(gen: Generation, choices: list[_Choice], n_prompt: int, model: 
         for c in choices:
             c.finish_reason = c.finish_reason or "abort"
     body = ChatCompletionResponse(
-        id=request_id, created=int(time.time()), model=model, usage=_usage(choices, n_prompt),
+        id=request_id, created=int(time.time()), model=model, usage=_usage(choices, n_prompt, gen),
         choices=[ChatChoice(
             index=c.index,
             message=ChatResponseMessage(role=ROLE, content=echo + "".join(c.text)),
@@ -205,7 +204,7 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
                     await writer.send(chunk([ChatChunkChoice(c.index, ChatDelta(),
                                                              finish_reason="abort")]))
         if req.stream_options is not None and req.stream_options.include_usage:
-            await writer.send(chunk([], _usage(choices, n_prompt)))
+            await writer.send(chunk([], _usage(choices, n_prompt, gen)))
         return await writer.finish()
     except asyncio.CancelledError:
         raise

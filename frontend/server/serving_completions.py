@@ -29,6 +29,7 @@ from tidal.frontend.server.openai_protocol import (
     Usage,
     decode_request,
     encode,
+    make_usage,
 )
 from tidal.frontend.server.prompts import Prompt, check_context, split_prompts, tokenize_prompts
 from tidal.frontend.server.sampling import completion_params
@@ -119,11 +120,9 @@ class _Completion:
     def num_open(self) -> int:
         return sum(1 for c in self.choices if c.finish_reason is None)
 
-    def usage(self) -> Usage:
+    def usage(self, cached_tokens: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(c.num_tokens for c in self.choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+        return make_usage(prompt, sum(c.num_tokens for c in self.choices), cached_tokens)
 
 
 def _merge(into: CompletionLogprobs, part: CompletionLogprobs) -> None:
@@ -178,7 +177,8 @@ async def _whole(state: ServerState, gen: Generation, folded: _Completion, model
         for c in folded.choices
     ]
     return json_response(CompletionResponse(id=request_id, created=int(time.time()), model=model,
-                                            choices=choices, usage=folded.usage()))
+                                            choices=choices,
+                                            usage=folded.usage(gen.num_cached_tokens)))
 
 
 async def _stream(request: web.Request, state: ServerState, req: CompletionRequest,
@@ -203,7 +203,7 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
             for choice in folded.abort_open():
                 await writer.send(chunk([choice]))
         if req.stream_options is not None and req.stream_options.include_usage:
-            await writer.send(chunk([], folded.usage()))
+            await writer.send(chunk([], folded.usage(gen.num_cached_tokens)))
         return await writer.finish()
     except asyncio.CancelledError:
         raise

@@ -112,3 +112,20 @@ def test_missing_weights_and_shape_mismatch_name_file_and_tensor(tmp_path, tiny_
     # Random weights of the right shape need no weight files at all.
     llm = LLM(str(empty), skip_tokenizer_init=True, num_kv_blocks=64, load_format="dummy")
     assert llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cli_flags_map_to_engine_args():
+    from tidal.engine_core.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    default = engine_args_from(parser.parse_args(["--model", "m"]))
+    assert default.enable_prefix_caching is True
+    assert default.max_num_seqs == EngineArgs().max_num_seqs
+    off = engine_args_from(parser.parse_args(
+        ["--model", "m", "--no-enable-prefix-caching", "--max-num-seqs", "7",
+         "--prefix-hash-seed", "3"]))
+    assert off.enable_prefix_caching is False and off.max_num_seqs == 7
+    assert off.prefix_hash_seed == 3
+    text = " ".join(parser.format_help().split())
+    assert f"--max-num-seqs MAX_NUM_SEQS default: {default.max_num_seqs}" in text
+    assert "(default: None) (default: None)" not in text  # each default shown once

@@ -232,6 +232,18 @@ def test_tokenize_detokenize(server):
     assert chat["count"] > tok["count"]
 
 
+def metric_values(server) -> dict[str, float]:
+    values = {}
+    for line in get_text(server, "/metrics").splitlines():
+        if line.startswith("tidal:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+MODEL_LABEL = 'model_name="SmolLM2-135M-Instruct"'
+
+
 def test_metrics(server):
     async def go():
         async with client(server) as c:
@@ -239,13 +251,8 @@ def test_metrics(server):
                                        max_tokens=3, temperature=0)
 
     run(go())
-    text = get_text(server, "/metrics")
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("tidal:") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    model = 'model_name="SmolLM2-135M-Instruct"'
+    values = metric_values(server)
+    model = MODEL_LABEL
     assert values[f"tidal:prompt_tokens_total{{{model}}}"] > 0
     assert values[f"tidal:generation_tokens_total{{{model}}}"] >= 3
     assert values[f'tidal:request_success_total{{finished_reason="length",{model}}}'] >= 1
@@ -255,3 +262,43 @@ def test_metrics(server):
     assert f"tidal:kv_cache_usage_perc{{{model}}}" in values
     assert f"tidal:num_requests_waiting{{{model}}}" in values
     assert f"tidal:num_preemptions_total{{{model}}}" in values
+
+
+def test_prefix_cache_usage_salt_and_counters(server):
+    # A prompt no other test sends (token ids), long enough for several 16-token blocks.
+    ids = [1000 + (i * 37) % 5000 for i in range(83)]
+    hits_name = f"tidal:prefix_cache_hits_total{{{MODEL_LABEL}}}"
+    queries_name = f"tidal:prefix_cache_queries_total{{{MODEL_LABEL}}}"
+    before = metric_values(server)
+
+    async def go():
+        async with client(server) as c:
+            async def cached(**extra) -> int:
+                out = await c.completions.create(model="SmolLM2-135M-Instruct", prompt=ids,
+                                                 max_tokens=2, temperature=0, **extra)
+                assert out.usage.prompt_tokens == len(ids)
+                return out.usage.prompt_tokens_details.cached_tokens
+
+            first = await cached()
+            second = await cached()
+            salted = await cached(extra_body={"cache_salt": "tenant-b"})
+            salted_again = await cached(extra_body={"cache_salt": "tenant-b"})
+            chat = dict(model="SmolLM2-135M-Instruct", max_tokens=2, temperature=0,
+                        messages=[{"role": "user", "content": "Tell me about tides. " * 12}])
+            await c.chat.completions.create(**chat)
+            stream = await c.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **chat)
+            usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+            return first, second, salted, salted_again, usage
+
+    first, second, salted, salted_again, usage = run(go())
+    assert first == 0
+    # Whole blocks only, and the last prompt token is always computed.
+    assert second == 80 and second % 16 == 0
+    assert salted == 0  # another salt shares nothing, even for the same prompt
+    assert salted_again == 80
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens > 0
+    after = metric_values(server)
+    assert after[queries_name] - before.get(queries_name, 0) >= 4 * len(ids)
+    assert after[hits_name] - before.get(hits_name, 0) >= 160 + \
+        usage[0].prompt_tokens_details.cached_tokens
