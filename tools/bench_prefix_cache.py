@@ -17,12 +17,17 @@ import logging
 import platform
 import random
 import statistics
+import sys
 import time
 
 from tidal.engine_core.config import EngineArgs
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.protocol import EngineCoreRequest
 from tidal.engine_core.sampling_params import SamplingParams
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def make_core(args: argparse.Namespace, caching: bool) -> EngineCore:
@@ -52,6 +57,8 @@ def shared_prefix(args: argparse.Namespace, vocab: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1)
     result = {}
     for caching in (False, True):
+        progress(f"shared prefix, caching {'on' if caching else 'off'}: "
+                 f"{args.repeats} requests of {args.prefix_len}+{args.suffix_len} tokens")
         core = make_core(args, caching)
         ttft(core, EngineCoreRequest("warm", prefix + [1, 2, 3], params))
         rows = [ttft(core, EngineCoreRequest(
@@ -75,6 +82,8 @@ def zero_hit_throughput(args: argparse.Namespace, vocab: int) -> dict:
     n_tokens = 0
     for run in range(args.runs):
         for caching in ((False, True) if run % 2 == 0 else (True, False)):
+            progress(f"zero hit rate, run {run + 1}/{args.runs}, caching "
+                     f"{'on' if caching else 'off'}")
             core = cores[caching]
             rng = random.Random(1000 + run)  # same prompts for both settings in a run
             reqs = [EngineCoreRequest(

@@ -67,6 +67,7 @@ def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
             _PDL = False
     kernel[grid](*args, **kwargs, PDL=False)
 
+
 # ----------------------------------------------------------------------------------------- gemv
 
 
