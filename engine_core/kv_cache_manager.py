@@ -28,9 +28,8 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the cache.
         self._num_cached: dict[str, int] = {}
-        # request id -> the most tokens (computed + new) its current blocks cover with nothing
-        # to allocate and no block to register: ``allocate_slots`` up to there is a no-op, so
-        # the scheduler's per-request hot loop can skip the call (most decode steps).
+        # request id -> the most tokens (computed + new) its current blocks cover: up to there
+        # the scheduler's per-request hot loop skips ``allocate_slots`` (most decode steps).
         self.noop_limit: dict[str, int] = {}
         # Prefix-cache lookups since the last report, in tokens.
         self.queries = 0
@@ -101,17 +100,17 @@ class KVCacheManager:
             new = self.pool.allocate(need)
             blocks.extend(new)
             new_ids = [b.block_id for b in new]
-        limit = len(blocks) * bs
         if self.enable_caching:
+            # Register the full blocks whose tokens are all known (with async scheduling the
+            # last token may still be being sampled). A decode block that fills is registered
+            # by the call that allocates the next one: one call per block, not two, at the
+            # price of a block registered a step later (and the last block of a request that
+            # ends exactly on a block boundary staying unregistered).
             num_cached = self._num_cached.get(rid, 0)
-            # Full blocks whose tokens are all known (with async scheduling the last token may
-            # still be being sampled; its block is registered on a later call).
             full = min(total, len(request.all_token_ids)) // bs
             if full > num_cached:
                 self._cache_blocks(request, blocks, num_cached, full)
-                num_cached = full
-            limit = min(limit, (num_cached + 1) * bs - 1)
-        self.noop_limit[rid] = limit
+        self.noop_limit[rid] = len(blocks) * bs
         return new_ids
 
     def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], start: int,

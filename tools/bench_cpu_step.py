@@ -179,7 +179,8 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
     args = EngineArgs(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                       max_model_len=4096, max_num_seqs=ns.batch, max_num_batched_tokens=budget,
                       num_kv_blocks=ns.batch * (ns.prompt + new_tokens + 32) // 16,
-                      async_scheduling=async_scheduling)
+                      async_scheduling=async_scheduling,
+                      enable_prefix_caching=not ns.no_prefix_caching)
     core = EngineCore(args.create_config())
     runner = core.executor.worker.runner
     cfg = core.config
@@ -254,6 +255,7 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
                                   for k, v in timers.total.items()},
         "gc_ms_per_step": {k: round(v / total_steps * 1e3, 4) for k, v in gct.seconds.items()},
         "gc_frozen": ns.gc_freeze,
+        "prefix_caching": not ns.no_prefix_caching,
     }
     gct.close()
     if ns.gc_freeze:
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="turn prefix caching off (it hashes and registers every block that "
+                         "fills: its share of the step)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after warm-up (long-lived objects leave the collector)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
