@@ -46,6 +46,12 @@ SMALL = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
              num_attention_heads=8, num_key_value_heads=4, vocab_size=4096)
 
 
+def _is_allreduce_kernel(name: str) -> bool:
+    """NCCL's collectives, or the one-shot symmetric-memory reduction."""
+    low = name.lower()
+    return "nccl" in low or "all_reduce" in low
+
+
 def _engine_kwargs(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     eager, attention = args.eager, args.attention
     kw: dict[str, Any] = dict(skip_tokenizer_init=True, tensor_parallel_size=tp,
@@ -146,7 +152,7 @@ def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
             if us > 0:
                 dev += us
                 kernels.append((ev.key[:120], us, int(ev.count)))
-                if "nccl" in ev.key.lower():
+                if _is_allreduce_kernel(ev.key):
                     comm += us
         kernels.sort(key=lambda k: -k[1])
         ranks = [dict(rank=0, device_us=dev, comm_us=comm, cpu_comm_us=0.0, top=kernels[:8])]

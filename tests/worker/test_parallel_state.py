@@ -150,3 +150,35 @@ def test_single_process_group_is_a_no_op():
     assert g.all_reduce(x) is x and g.all_gather(x) is x and g.broadcast(x) is x
     assert g.is_first and g.is_last and g.world_size == 1
     g.barrier()
+
+
+def test_small_tensors_take_the_fast_all_reduce_when_one_is_set():
+    """``all_reduce`` hands tensors the fast path accepts to it and uses its result; others go
+    to torch.distributed (not initialised here: reaching it would raise). On a CPU device no
+    fast path is ever built."""
+    import torch
+
+    from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
+
+    class Doubling:
+        calls = 0
+
+        def applies(self, x):
+            return x.numel() <= 4
+
+        def __call__(self, x):
+            Doubling.calls += 1
+            return x * 2
+
+    group = ParallelGroup(rank=0, world_size=2, fast_all_reduce=Doubling())
+    x = torch.ones(4)
+    out = group.all_reduce(x)
+    assert Doubling.calls == 1 and torch.equal(out, torch.full((4,), 2.0))
+    assert torch.equal(x, torch.ones(4))  # the fast path returns a new tensor
+    try:
+        group.all_reduce(torch.ones(8))
+        raise AssertionError("a large tensor must not take the fast path")
+    except (RuntimeError, ValueError):
+        pass  # torch.distributed is not initialised: the NCCL/gloo path was taken
+    assert Doubling.calls == 1
+    assert make_symm_allreduce(None, None, 2, torch.device("cpu")) is None

@@ -39,6 +39,8 @@ class ParallelGroup:
     device_group: Any = None  # torch.distributed ProcessGroup (NCCL on GPUs, gloo on CPU)
     cpu_group: Any = None  # gloo, for control messages and CPU tensors
     ranks: tuple[int, ...] = (0,)  # global ranks in this group, by group rank
+    # One-shot all-reduce for small CUDA tensors (``symm_allreduce``); None: NCCL only.
+    fast_all_reduce: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -59,9 +61,13 @@ class ParallelGroup:
         return (self.rank - 1) % self.world_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place (returns ``x``)."""
+        """Sum over the group: in place (returns ``x``), or, for a small CUDA tensor with the
+        one-shot path on, a new tensor. Use the return value."""
         if self.world_size == 1:
             return x
+        fast = self.fast_all_reduce
+        if fast is not None and fast.applies(x):
+            return fast(x)
         torch.distributed.all_reduce(x, group=self.device_group)
         return x
 
@@ -155,6 +161,11 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     # order, and keeps only its own.
     tp = _make_groups(tp_ranks, rank, backend, world)
     pp = _make_groups(pp_ranks, rank, backend, world)
+    if tp.world_size > 1:
+        from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
+
+        tp.fast_all_reduce = make_symm_allreduce(tp.device_group, tp.cpu_group, tp.world_size,
+                                                 device)
     logger.info("rank %d joined the %s world of %d (tp rank %d/%d, pp rank %d/%d)", rank,
                 backend, world, tp_rank, tp_size, pp_rank, pp_size)
     return tp, pp
