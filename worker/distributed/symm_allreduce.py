@@ -8,8 +8,10 @@ It uses plain peer-to-peer loads: no NVLink multicast (which shared hosts must k
 
 Larger tensors (prefill) keep NCCL: a one-shot reduction reads every peer's whole input, so its
 cost grows with the tensor where NCCL's ring does not. Two buffers are used in turn, so a rank
-that starts its next all-reduce can never overwrite a buffer a slower peer is still reading
-(the next call's barrier needs that peer to have finished the previous one).
+that starts its next all-reduce cannot overwrite a buffer a slower peer is still reading (the
+next call's barrier needs that peer to have finished the previous one). The one exception is a
+captured graph with an odd number of all-reduces, whose replays meet the same buffer twice in a
+row across the step boundary; the LM head, sampling and the next step's inputs lie between.
 
 It is used only where it wins: at start-up every rank times both paths on a decode-sized
 tensor, and the ranks agree (over the CPU group) to use the one-shot path only if it was faster
