@@ -77,6 +77,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def output_rank(self) -> int:
+        """The global rank that samples and replies: tensor rank 0 of the last stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
 
 class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str  # "cpu" | "cuda"
@@ -105,6 +110,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         cache = msgspec.structs.replace(self.cache, num_blocks=num_blocks)
         return msgspec.structs.replace(self, cache=cache)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the EngineCore keeps in flight: one per pipeline stage keeps every stage busy;
+        async scheduling needs one more step than the one running."""
+        return max(self.parallel.pipeline_parallel_size,
+                   2 if self.scheduler.async_scheduling else 1)
 
     @property
     def max_blocks_per_seq(self) -> int:

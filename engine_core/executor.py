@@ -56,7 +56,7 @@ class UniprocExecutor:
 
         self.worker = Worker(config)
         self.worker.load_model()
-        self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
+        self.max_concurrent_batches = config.max_concurrent_batches
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

@@ -153,9 +153,8 @@ class RayExecutor:
         self.world_size = par.world_size
         self.tp_size = par.tensor_parallel_size
         self.pp_size = par.pipeline_parallel_size
-        self.max_concurrent_batches = max(self.pp_size,
-                                          2 if config.scheduler.async_scheduling else 1)
-        self.output_rank = (self.pp_size - 1) * self.tp_size
+        self.max_concurrent_batches = config.max_concurrent_batches
+        self.output_rank = par.output_rank
         self._encoder = Encoder()
         self._decoder: Decoder[WorkerReply] = Decoder(WorkerReply)
         self._actors: list[Any] = []

@@ -18,17 +18,22 @@ def _text(lp: Logprob | None, fallback: str = "") -> str:
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else fallback
 
 
+def _append(out: CompletionLogprobs, tok: int, pos: PositionLogprobs, offset: int) -> int:
+    """Append one position holding log-probabilities; returns the text offset after it."""
+    chosen = pos.get(tok)
+    text = _text(chosen)
+    out.tokens.append(text)
+    out.token_logprobs.append(None if chosen is None else chosen.logprob)
+    out.top_logprobs.append({_text(lp): lp.logprob for lp in pos.values()})
+    out.text_offset.append(offset)
+    return offset + len(text)
+
+
 def extend_completion_logprobs(out: CompletionLogprobs, positions: list[PositionLogprobs],
                                token_ids: list[int], offset: int) -> int:
     """Append generated positions to ``out``; returns the text offset after them."""
     for tok, pos in zip(token_ids, positions):
-        chosen = pos.get(tok)
-        text = _text(chosen)
-        out.tokens.append(text)
-        out.token_logprobs.append(None if chosen is None else chosen.logprob)
-        out.top_logprobs.append({_text(lp): lp.logprob for lp in pos.values()})
-        out.text_offset.append(offset)
-        offset += len(text)
+        offset = _append(out, tok, pos, offset)
     return offset
 
 
@@ -38,17 +43,13 @@ def extend_prompt_logprobs(out: CompletionLogprobs, positions: list[PositionLogp
     offset = 0
     for k, tok in enumerate(token_ids):
         pos = positions[k] if k < len(positions) else None
-        if pos is None:
-            text = first_token_text if k == 0 else ""
-            out.tokens.append(text)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-        else:
-            chosen = pos.get(tok)
-            text = _text(chosen)
-            out.tokens.append(text)
-            out.token_logprobs.append(None if chosen is None else chosen.logprob)
-            out.top_logprobs.append({_text(lp): lp.logprob for lp in pos.values()})
+        if pos is not None:
+            offset = _append(out, tok, pos, offset)
+            continue
+        text = first_token_text if k == 0 else ""
+        out.tokens.append(text)
+        out.token_logprobs.append(None)
+        out.top_logprobs.append(None)
         out.text_offset.append(offset)
         offset += len(text)
     return offset

@@ -35,8 +35,7 @@ from tidal.frontend.server.openai_protocol import (
 )
 from tidal.frontend.server.prompts import check_context
 from tidal.frontend.server.sampling import chat_params
-from tidal.frontend.server.serving_completions import DISCONNECTS
-from tidal.frontend.server.sse import SSEWriter
+from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
@@ -214,11 +213,7 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
     except Exception as exc:  # noqa: BLE001 - the status line is out: report in the stream
         err = from_exception(exc, request_id)
         state.metrics.error(err.status)
-        try:
-            await writer.send_error(err)
-            return await writer.finish()
-        except DISCONNECTS:
-            return writer.response
+        return await writer.fail(err)
 
 
 async def _send_outputs(writer: SSEWriter, chunk: Any, choices: list[_Choice],

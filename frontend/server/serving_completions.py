@@ -33,13 +33,10 @@ from tidal.frontend.server.openai_protocol import (
 )
 from tidal.frontend.server.prompts import Prompt, check_context, split_prompts, tokenize_prompts
 from tidal.frontend.server.sampling import completion_params
-from tidal.frontend.server.sse import SSEWriter
+from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
-
-DISCONNECTS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
-
 
 @dataclass(slots=True)
 class _Choice:
@@ -213,8 +210,4 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
     except Exception as exc:  # noqa: BLE001 - the status line is out: report in the stream
         err = from_exception(exc, request_id)
         state.metrics.error(err.status)
-        try:
-            await writer.send_error(err)
-            return await writer.finish()
-        except DISCONNECTS:
-            return writer.response
+        return await writer.fail(err)

