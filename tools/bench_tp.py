@@ -75,6 +75,7 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
     from tidal.frontend import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    solo = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 100))] for _ in range(16)]
     out: dict[str, Any] = {}
@@ -90,6 +91,10 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 tokens[tp] = [o.outputs[0].token_ids
                               for o in llm.generate(prompts, params, use_tqdm=False)]
+                # Alone, each decode step is one row: the batch-1 kernels (and, with tensor
+                # parallelism, the all-reduce fused into them) produce every token.
+                tokens[tp] += [llm.generate([p], solo, use_tqdm=False)[0].outputs[0].token_ids
+                               for p in prompts[:3]]
             finally:
                 llm.shutdown()
             print(f"{family} tp={tp}: {time.perf_counter() - start:.1f} s", flush=True)
@@ -213,6 +218,10 @@ def cmd_perf(args: argparse.Namespace) -> dict[str, Any]:
         if args.requests:
             prompts = [[rng.randrange(100, 4000) for _ in range(args.input_len)]
                        for _ in range(args.requests)]
+            # Untimed first pass over the same shapes: the prefill kernels compile here (several
+            # seconds on a cold Triton cache, a third of the timed run otherwise).
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
             params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -485,6 +485,90 @@ def bench_decode1(ceiling: float, sweep: bool = True) -> list[dict[str, Any]]:
     return rows
 
 
+# Llama-3.1-8B per-rank GEMV shapes under tensor parallelism (n outputs, k, kind): q/k/v and
+# gate/up split their outputs, o and down their inputs.
+LLAMA8B_TP_GEMVS = {
+    tp: [("qkv", (4096 + 2 * 1024) // tp, 4096, "norm"), ("o", 4096, 4096 // tp, ""),
+         ("gate_up", 2 * 14336 // tp, 4096, "silu"), ("down", 4096, 14336 // tp, "")]
+    for tp in (1, 2, 4)
+}  # fmt: skip
+TP_GEMV_SWEEP = [(bn, bk, w) for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048, 4096)
+                 for w in (4, 8) if bn * bk <= 8192 and not (w == 8 and bn * bk < 2048)]
+
+
+def bench_decode1_tp(ceiling: float) -> list[dict[str, Any]]:
+    """Batch-1 GEMVs of one tensor-parallel rank of Llama-3.1-8B (TP 1/2/4): each shape with the
+    launch shape the engine picks and a sweep of others, then a whole decode step's GEMV chain
+    (32 layers x q/k/v with its norm, o, gate/up with norm + SiLU, down; weights of every layer
+    resident) in one graph, with the engine's launch shapes and with the sweep's best ones. The
+    chain is the GEMV floor of a rank's decode step: what tensor parallelism can divide."""
+    from tidal.worker.ops import triton_decode as td
+
+    rows: list[dict[str, Any]] = []
+    dt, dev = torch.bfloat16, "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn((1, 14336), device=dev, dtype=dt)
+    r = torch.randn((1, 4096), device=dev, dtype=dt)
+    nw = torch.randn(4096, device=dev, dtype=dt)
+
+    def call(w, kind, k, cfg):
+        silu = kind == "silu"
+        if kind:
+            return lambda: td.gemv(x[:, :k], w, norm_weight=nw, residual=r, eps=1e-6, silu=silu,
+                                   config=cfg)
+        return lambda: td.gemv(x[:, :k], w, config=cfg)
+
+    for tp, shapes in LLAMA8B_TP_GEMVS.items():
+        best: dict[str, tuple[int, int, int]] = {}
+        for name, n, k, kind in shapes:
+            nbytes = n * k * 2
+            copies = max(2, min(48, math.ceil(256 * 2**20 / nbytes)))
+            ws = [torch.randn((n, k), device=dev, dtype=dt) for _ in range(copies)]
+            n_out = n // 2 if kind == "silu" else n
+            engine_cfg = td.gemv_config(n_out, k, kind == "silu", 2, sms)
+            timed = []
+            # TP=1's shapes were tuned with bench_decode1's sweep: only the engine's pick here.
+            sweep = [c for c in TP_GEMV_SWEEP if c != engine_cfg] if tp > 1 else []
+            for c in [engine_cfg] + sweep:
+                if c[1] > max(64, 1 << (k - 1).bit_length()):
+                    continue
+                try:
+                    t = time_calls([call(w, kind, k, c) for w in ws])
+                except Exception as exc:  # a launch shape that does not compile
+                    rows.append({"kernel": "tp/gemv", "case": f"tp{tp}/{name}", "config": c,
+                                 "error": str(exc)[:200]})  # fmt: skip
+                    continue
+                timed.append((t["ms"], c))
+                rows.append({"kernel": "tp/gemv" + ("/engine" if c == engine_cfg else ""),
+                             "case": f"tp{tp}/{name}", "config": c, "bytes": nbytes, **t,
+                             "GBps": nbytes / t["ms"] / 1e6,
+                             "frac_of_ceiling": nbytes / t["ms"] / 1e6 / ceiling})  # fmt: skip
+            best[name] = min(timed)[1]
+            print(f"tp{tp} {name} {n}x{k}: engine {engine_cfg} {timed[0][0] * 1e3:.1f} us, "
+                  f"best {best[name]} {min(timed)[0] * 1e3:.1f} us")
+            del ws
+            torch.cuda.empty_cache()
+        layers = [{name: torch.randn((n, k), device=dev, dtype=dt) for name, n, k, _ in shapes}
+                  for _ in range(32)]
+        step_bytes = sum(n * k * 2 for _, n, k, _ in shapes) * 32
+        for label, pick in (("engine", None), ("best", best)):
+            calls = []
+            for lw in layers:
+                for name, n, k, kind in shapes:
+                    calls.append(call(lw[name], kind, k, pick[name] if pick else None))
+            t = time_calls(calls, reps=20)
+            ms = t["ms"] * len(calls)
+            rows.append({"kernel": "tp/gemv_chain", "case": f"tp{tp} {label}", "bytes": step_bytes,
+                         "ms": ms, "ms_min": t["ms_min"] * len(calls),
+                         "ms_max": t["ms_max"] * len(calls), "GBps": step_bytes / ms / 1e6,
+                         "frac_of_ceiling": step_bytes / ms / 1e6 / ceiling,
+                         "configs": pick or "engine"})  # fmt: skip
+            print(f"tp{tp} chain ({label}): {ms:.3f} ms per step, {step_bytes / ms / 1e6:.0f} GB/s")
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------- config sweeps
 
 
@@ -603,7 +687,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"device {props.name}: d2d copy {ceil['GBps']:.0f} GB/s (read+write of 2 GiB)")
     sections = [("decode", lambda: bench_decode(ceil["GBps"], QWEN3)), ("prefill", lambda: bench_prefill(QWEN3)),
                 ("ops", lambda: bench_ops(ceil["GBps"], QWEN3)),
-                ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep))]  # fmt: skip
+                ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep)),
+                ("decode1_tp", lambda: bench_decode1_tp(ceil["GBps"]))]  # fmt: skip
     if args.sweep:
         sections.append(("sweep", lambda: bench_sweep(ceil["GBps"], QWEN3)))
     if args.sections:
@@ -654,7 +739,7 @@ def main() -> int:
     c.add_argument("--out")
     c.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     c.add_argument("--sections", default="",
-                   help="comma-separated subset of decode,prefill,ops,decode1,sweep (default: all)")
+                   help="comma-separated subset of decode,prefill,ops,decode1,decode1_tp,sweep (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)

@@ -24,6 +24,7 @@ from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.loader.model_loader import load_model, torch_dtype
+from tidal.worker.models.decoder import DecoderForCausalLM
 from tidal.worker.sample.metadata import (
     SamplingMetadata,
     SamplingMetadataBuilder,
@@ -172,6 +173,13 @@ class ModelRunner:
         if self.on_gpu:
             self._check_weights_fit()
         self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp)
+        if self.on_gpu and self.tp.world_size > 1 and isinstance(self.model, DecoderForCausalLM):
+            from tidal.worker.distributed.push_allreduce import make_push_all_reduce
+
+            # Two row-parallel all-reduces per decoder layer of this stage.
+            self.tp.push_all_reduce = make_push_all_reduce(
+                self.tp, self.device, self.dtype, self.arch.hidden_size,
+                2 * len(self.model.layers))
 
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""

@@ -10,6 +10,9 @@ paged attention, against plain-torch references.
 - split-context decode attention with the merge done by the last split program, repeated (the
   split counters must re-arm) and inside a CUDA graph, against the merge-kernel path and the
   float64 reference.
+- the all-reduce fused into the GEMVs (rows pushed to every rank, summed by the next GEMV), with
+  the ranks simulated by buffers on one GPU, eagerly and in a CUDA graph: bit-exact against the
+  plain GEMVs' rows summed in rank order. ``test_push_allreduce_gpu.py`` runs it across GPUs.
 
 Outputs are poisoned (NaN in the memory the allocator hands back) so unwritten elements fail.
 """
@@ -364,3 +367,96 @@ def test_decode_chain_in_cuda_graph() -> None:
     for a, b in zip(graph_kv, eager_kv):  # (NaN marks the cache slots outside the context)
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
                                    msg="K/V written differently in the graph")
+
+
+# ------------------------------------- all-reduce fused into the GEMVs (push / partial sums)
+
+
+def _simulated_ranks(world: int, slots: int, hidden: int, dtype: torch.dtype):
+    """Every rank's partial-sum buffer, flags, counters and expected counts, on one GPU: the
+    kernels only see addresses, so ``world`` ranks can share a device (and one stream)."""
+    data = torch.full((world, slots, world, hidden), float("nan"), device=DEVICE, dtype=dtype)
+    flags = torch.zeros((world, 1024), dtype=torch.int32, device=DEVICE)
+    counts = torch.zeros((world, slots), dtype=torch.int32, device=DEVICE)
+    expect = torch.zeros((world, slots), dtype=torch.int32, device=DEVICE)
+    data_ptrs = torch.tensor([data[r].data_ptr() for r in range(world)], device=DEVICE)
+    flag_ptrs = torch.tensor([flags[r].data_ptr() for r in range(world)], device=DEVICE)
+
+    def push(rank: int, slot: int) -> td.PushArgs:
+        return td.PushArgs(data_ptrs, flag_ptrs, counts[rank, slot:slot + 1],
+                           expect[rank, slot:slot + 1], (slot * world + rank) * hidden, slot,
+                           rank, world)
+
+    def parts(rank: int, slot: int) -> td.PartsArgs:
+        return td.PartsArgs(data[rank, slot], flags[rank, slot:slot + 1],
+                            expect[rank, slot:slot + 1])
+
+    return data, flags, counts, expect, push, parts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pushed_rows_summed_by_the_next_gemv(world: int, dtype: torch.dtype) -> None:
+    """Each simulated rank's row-parallel GEMV pushes its rows to every rank; then each rank's
+    consumers (``sum_parts`` and the norm + residual GEMV with ``parts``) see exactly the sum of
+    the plain GEMVs' rows, summed in rank order. Three rounds over three slots: the counters
+    re-arm and the flags keep step with the expected counts."""
+    gen = torch.Generator(device=DEVICE).manual_seed(world)
+    hidden, k_in, n_next, slots = 1000, 384, 768, 3  # ragged against every block size
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(shape, device=DEVICE, generator=gen) * scale).to(dtype)
+
+    data, flags, counts, expect, push, parts = _simulated_ranks(world, slots, hidden, dtype)
+    w_next, nw = rnd(n_next, hidden, scale=0.05), rnd(hidden) + 1
+    for rnd_no in range(3):
+        for slot in range(slots):
+            xs = [rnd(1, k_in) for _ in range(world)]
+            ws = [rnd(hidden, k_in, scale=0.05) for _ in range(world)]
+            for r in range(world):
+                td.gemv(xs[r], ws[r], push=push(r, slot))
+            torch.cuda.synchronize()
+            rows = torch.cat([td.gemv(xs[r], ws[r])[0] for r in range(world)])
+            label = f"round {rnd_no} slot {slot}"
+            want = (rnd_no + 1) * (world - 1)
+            # Checked on the host first: a consumer launched short of its signal would spin.
+            assert flags[:, slot].tolist() == [want] * world, label
+            assert expect[:, slot].tolist() == [want] * world, label
+            assert counts[:, slot].tolist() == [0] * world, f"{label}: counters not re-armed"
+            total = rows.float().sum(0, keepdim=True).to(dtype)
+            residual = rnd(1, hidden)
+            ref_y, ref_res = td.gemv(total, w_next, norm_weight=nw, residual=residual, eps=1e-6)
+            for r in range(world):
+                assert torch.equal(data[r, slot], rows), f"{label}: rank {r}'s pushed rows"
+                assert torch.equal(td.sum_parts(parts(r, slot)), total), f"{label}: sum, rank {r}"
+                y, res = td.gemv(total, w_next, norm_weight=nw, residual=residual, eps=1e-6,
+                                 parts=parts(r, slot))
+                assert torch.equal(res, ref_res) and torch.equal(y, ref_y), f"{label}: rank {r}"
+
+
+def test_pushed_rows_in_cuda_graph() -> None:
+    """The same protocol captured once and replayed: each replay signals and waits anew."""
+    world, hidden, k_in, dtype = 2, 512, 256, torch.bfloat16
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    xs = [torch.randn((1, k_in), device=DEVICE, generator=gen).to(dtype) for _ in range(world)]
+    ws = [(torch.randn((hidden, k_in), device=DEVICE, generator=gen) * 0.05).to(dtype)
+          for _ in range(world)]
+    data, flags, counts, expect, push, parts = _simulated_ranks(world, 1, hidden, dtype)
+    for r in range(world):  # compile outside the capture
+        td.gemv(xs[r], ws[r], push=push(r, 0))
+    outs = [td.sum_parts(parts(r, 0)) for r in range(world)]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(world):
+            td.gemv(xs[r], ws[r], push=push(r, 0))
+        outs = [td.sum_parts(parts(r, 0)) for r in range(world)]
+    for i in range(4):
+        for x in xs:
+            x.copy_(torch.randn((1, k_in), device=DEVICE, generator=gen).to(dtype))
+        want = sum(td.gemv(xs[r], ws[r])[0].float() for r in range(world)).to(dtype)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert flags[:, 0].tolist() == [i + 2] * world and expect[:, 0].tolist() == [i + 2] * 2
+        for r in range(world):
+            assert torch.equal(outs[r], want), f"replay {i}, rank {r}"

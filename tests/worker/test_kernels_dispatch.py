@@ -73,3 +73,39 @@ def test_extension_unavailable_warns_once(caplog: pytest.LogCaptureFixture) -> N
     warned = [r for r in caplog.records if "CUDA kernels unavailable" in r.getMessage()]
     assert len(warned) == 1
     assert "no CUDA device" in (loader.result().error or "")
+
+
+def test_pending_sum_is_completed_where_no_kernel_takes_it() -> None:
+    """A tensor-parallel ``PendingSum`` reaching ``rms_norm_linear`` where the fused GEMV does
+    not apply (here: CPU tensors) is summed first (``wait``) and then takes the plain path, so
+    the result equals that of the finished sum; the layer routing always sends one there."""
+    from tidal.worker.distributed.push_allreduce import PendingSum
+
+    total = torch.randn(1, 64)
+    waited = []
+
+    class Finished(PendingSum):
+        __slots__ = ()
+
+        def wait(self) -> torch.Tensor:
+            waited.append(self.slot)
+            return total
+
+    pending = Finished(comm=None, slot=3, like=torch.empty(1, 64))
+    res, nw, w = torch.randn(1, 64), torch.randn(64) + 1, torch.randn(96, 64)
+    assert ops.one_row_fusion_applies(pending)
+    y, new_res = ops.rms_norm_linear(pending, res, nw, 1e-6, w, silu=True)
+    ref_y, ref_res = torch_ops.rms_norm_linear(total, res, nw, 1e-6, w, silu=True)
+    assert waited == [3]
+    assert torch.equal(y, ref_y) and torch.equal(new_res, ref_res)
+
+
+def test_fused_allreduce_needs_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked for in a group of one, the fused all-reduce is simply absent (no collective)."""
+    from tidal.worker.distributed.parallel_state import single_group
+    from tidal.worker.distributed.push_allreduce import make_push_all_reduce
+
+    monkeypatch.setenv("TIDAL_PUSH_ALLREDUCE", "1")
+    group = single_group()
+    assert make_push_all_reduce(group, torch.device("cpu"), torch.float32, 64, 8) is None
+    group.begin_step()  # no fused all-reduce: nothing to reset

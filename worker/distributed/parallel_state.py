@@ -41,6 +41,8 @@ class ParallelGroup:
     ranks: tuple[int, ...] = (0,)  # global ranks in this group, by group rank
     # One-shot all-reduce for small CUDA tensors (``symm_allreduce``); None: NCCL only.
     fast_all_reduce: Any = None
+    # All-reduce fused into batch-1 decode GEMVs (``push_allreduce``), set after the model loads.
+    push_all_reduce: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -70,6 +72,11 @@ class ParallelGroup:
             return fast(x)
         torch.distributed.all_reduce(x, group=self.device_group)
         return x
+
+    def begin_step(self) -> None:
+        """A forward pass starts: the fused all-reduce hands out its slots from the first."""
+        if self.push_all_reduce is not None:
+            self.push_all_reduce.begin_step()
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``x`` concatenated along ``dim``, in group-rank order."""

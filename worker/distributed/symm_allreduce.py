@@ -78,7 +78,7 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
         comm = SymmAllReduce(device_group, device)
     except Exception as exc:  # noqa: BLE001 - any failure means NCCL, agreed below
         error = f"{type(exc).__name__}: {exc}"
-    if not _agree(comm is not None, cpu_group):
+    if not agree(comm is not None, cpu_group):
         if error:
             logger.warning("symmetric-memory all-reduce unavailable (%s); using NCCL only", error)
         return None
@@ -86,7 +86,7 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
     # Where peers are reached over PCIe rather than NVLink the one-shot path can lose to NCCL:
     # time both on a decode-sized tensor and keep the one-shot path only if it wins everywhere.
     one_shot_us, nccl_us = _time_both(comm, device_group, device)
-    if not _agree(one_shot_us < nccl_us, cpu_group):
+    if not agree(one_shot_us < nccl_us, cpu_group):
         logger.info("tensor-parallel all-reduce: NCCL (one-shot %.1f us vs NCCL %.1f us on "
                     "this rank)", one_shot_us, nccl_us)
         return None
@@ -96,7 +96,7 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
     return comm
 
 
-def _agree(mine: bool, cpu_group: Any) -> bool:
+def agree(mine: bool, cpu_group: Any) -> bool:
     """True on every rank if ``mine`` is true on every rank."""
     flag = torch.tensor([int(mine)], dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=cpu_group)

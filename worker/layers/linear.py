@@ -20,6 +20,7 @@ from torch import nn
 
 from tidal.worker import ops
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.distributed.push_allreduce import PendingSum
 
 
 class WeightShapeError(ValueError):
@@ -179,7 +180,13 @@ class RowParallelLinear(LinearBase):
         part = _shard(loaded, 1, self.tp.rank, self.tp.world_size, "row-parallel weight")
         _copy_checked(param.data, part, "row-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | PendingSum:
+        """``defer_reduce``: the caller takes a ``PendingSum`` (a batch-1 decode step feeding
+        ``ops.rms_norm_linear``), letting the all-reduce fuse into the GEMVs where it can."""
+        if defer_reduce and self.reduce_results and self.bias is None:
+            push = self.tp.push_all_reduce
+            if push is not None and push.applies(x, self.weight):
+                return push.gemv(x, self.weight)
         y = ops.linear(x, self.weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)

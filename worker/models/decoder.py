@@ -17,6 +17,7 @@ from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker import ops
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.distributed.push_allreduce import PendingSum
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -62,10 +63,11 @@ class DecoderAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         return self.attend_qkv(positions, self.qkv_proj(hidden), meta)
 
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
+                   defer_reduce: bool = False) -> torch.Tensor | PendingSum:
         """Everything after the q/k/v projection: norms, rotary, K/V write, attention, o_proj.
-        On the GPU the first four are one kernel (``ops.qk_norm_rope_write_kv``)."""
+        On the GPU the first four are one kernel (``ops.qk_norm_rope_write_kv``).
+        ``defer_reduce``: see ``RowParallelLinear.forward``."""
         n = qkv.shape[0]
         rope = self.rotary_emb
         kv_cache = self.attn.kv_cache
@@ -77,7 +79,7 @@ class DecoderAttention(nn.Module):
                 None if qn is None else qn.weight,
                 None if qn is None else self.k_norm.weight,
                 0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache, meta.slot_mapping)
-            return self.o_proj(self.attn.attend(q.view(n, -1), meta))
+            return self.o_proj(self.attn.attend(q.view(n, -1), meta), defer_reduce)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -86,7 +88,7 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, meta)
-        return self.o_proj(out)
+        return self.o_proj(out, defer_reduce)
 
 
 class DecoderMLP(nn.Module):
@@ -111,23 +113,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
                 residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
         if ops.one_row_fusion_applies(hidden):
             # One token on the GPU (batch-1 decode): each norm runs inside the GEMV after it,
             # and SiLU-and-mul inside the gate/up GEMV (each falls back to the separate ops
-            # when its weight stays on cuBLAS).
+            # when its weight stays on cuBLAS). Under tensor parallelism the row-parallel
+            # outputs may come back as PendingSum: their all-reduce then completes inside the
+            # next norm + GEMV.
             ln = self.input_layernorm
             qkv, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
                                                 attn.qkv_proj.weight, attn.qkv_proj.bias)
-            hidden = attn.attend_qkv(positions, qkv, meta)
+            hidden = attn.attend_qkv(positions, qkv, meta, defer_reduce=True)
             ln = self.post_attention_layernorm
             act, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
                                                 mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                                                 silu=True)
-            return mlp.down_proj(act), residual
+            return mlp.down_proj(act, defer_reduce=True), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -185,6 +189,7 @@ class DecoderForCausalLM(nn.Module):
         """Runs this stage's layers. The first stage embeds ``input_ids``; later stages take
         ``hidden``/``residual`` from the previous one. The last stage returns the final normed
         hidden states (and None); others return (hidden, residual) to send on."""
+        self.tp.begin_step()
         if self.pp.is_first:
             hidden = self.embed_tokens(input_ids)
             residual = None
@@ -197,6 +202,8 @@ class DecoderForCausalLM(nn.Module):
             residual = torch.zeros_like(hidden)
         for layer in self.layers.values():
             hidden, residual = layer(positions, hidden, residual, meta)
+        if isinstance(hidden, PendingSum):
+            hidden = hidden.wait()
         if not self.pp.is_last:
             return hidden, residual
         if residual is None:

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tidal.worker.distributed.push_allreduce import PendingSum
 from tidal.worker.ops import torch_ops
 from tidal.worker.ops.dispatch import OpDispatch, OpImpl
 from tidal.worker.ops.gpu_info import triton_available
@@ -92,9 +93,12 @@ def _decode_kernels_on(x: torch.Tensor) -> bool:
             and triton_available())
 
 
-def one_row_fusion_applies(x: torch.Tensor) -> bool:
+def one_row_fusion_applies(x: torch.Tensor | PendingSum) -> bool:
     """Whether a layer fed ``x`` (one row on the GPU, decode kernels on) should go through
-    ``rms_norm_linear``: it fuses where the GEMV applies and composes the plain ops elsewhere."""
+    ``rms_norm_linear``: it fuses where the GEMV applies and composes the plain ops elsewhere.
+    A ``PendingSum`` (only ever made for such rows) always does."""
+    if isinstance(x, PendingSum):
+        return True
     return _GEMV and x.dim() >= 1 and x.numel() == x.shape[-1] and _decode_kernels_on(x)
 
 
@@ -119,7 +123,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | PendingSum,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
@@ -128,15 +132,25 @@ def rms_norm_linear(
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
-    One row on the GPU: one kernel (norm prologue, GEMV, SiLU-and-mul epilogue)."""
-    if (gemv_applies(x, weight) and norm_weight.dtype == x.dtype
-            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
-            and (bias is None or (bias.dtype == x.dtype and not silu))
-            and not (silu and weight.shape[0] % 2)):
+    One row on the GPU: one kernel (norm prologue, GEMV, SiLU-and-mul epilogue). ``x`` may be a
+    tensor-parallel ``PendingSum``: the kernel then sums the ranks' rows as it reads them."""
+    parts = None
+    if isinstance(x, PendingSum):
+        parts, x = x, x.like
+    fused = (gemv_applies(x, weight) and norm_weight.dtype == x.dtype
+             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+             and (bias is None or (bias.dtype == x.dtype and not silu))
+             and not (silu and weight.shape[0] % 2))
+    if parts is not None and (not fused or residual is None):
+        # The pushed rows cannot be summed inside this kernel (or, with no residual, the sum
+        # itself would be returned as one): complete the all-reduce first.
+        x, parts = parts.wait(), None
+    if fused:
         from tidal.worker.ops import triton_decode
 
         y, res = triton_decode.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
-                                    eps=eps, silu=silu)
+                                    eps=eps, silu=silu,
+                                    parts=parts.parts() if parts is not None else None)
         n = weight.shape[0] // 2 if silu else weight.shape[0]
         return y.view(*x.shape[:-1], n), res
     if residual is None:

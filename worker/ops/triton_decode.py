@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,15 +73,37 @@ def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
 
 
 @triton.jit
-def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, NORM: tl.constexpr, ADD: tl.constexpr,
-             EVEN_K: tl.constexpr):
+def _load_x(x_ptr, kk, km, K, PARTS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns ``kk`` of the GEMV input, in its dtype. With ``PARTS`` > 0, ``x_ptr`` holds that
+    many partial rows of ``K`` (one per tensor-parallel rank, pushed by ``_push_rows``) and the
+    input is their sum, taken in float32 in rank order (so every rank gets the same bits) and
+    rounded once. Those rows were written by other GPUs; the acquire in ``_wait_parts`` makes
+    them visible to the whole program, so ordinary (L1-cached) loads are correct, and they
+    matter: every program reads the whole row, and L1 serves the programs after the first on
+    each SM."""
+    if PARTS > 0:
+        if EVEN_K:
+            xs = tl.load(x_ptr + kk).to(tl.float32)
+        else:
+            xs = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, PARTS):
+            if EVEN_K:
+                xs += tl.load(x_ptr + j * K + kk).to(tl.float32)
+            else:
+                xs += tl.load(x_ptr + j * K + kk, mask=km, other=0.0).to(tl.float32)
+        return xs.to(x_ptr.dtype.element_ty)
+    if EVEN_K:
+        return tl.load(x_ptr + kk)
+    return tl.load(x_ptr + kk, mask=km, other=0.0)
+
+
+@triton.jit
+def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM: tl.constexpr, ADD: tl.constexpr,
+             EVEN_K: tl.constexpr, PARTS: tl.constexpr):
     """Columns ``kk`` of the GEMV input in float32: ``x``, or ``rms_norm(x (+ res))`` rounded
     to the dtype as torch_ops does (``inv``: the row's 1/RMS)."""
     dt = x_ptr.dtype.element_ty
-    if EVEN_K:
-        xv = tl.load(x_ptr + kk)
-    else:
-        xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+    xv = _load_x(x_ptr, kk, km, K, PARTS, EVEN_K)
     if NORM:
         if ADD:
             if EVEN_K:
@@ -96,6 +119,47 @@ def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, NORM: tl.constexpr, ADD: tl.co
     return xv.to(tl.float32)
 
 
+# --- cross-GPU signalling for the all-reduce fused into the GEMVs (``PushArgs``, ``PartsArgs``)
+
+
+@triton.jit
+def _wait_parts(flag_ptr, expect_ptr):
+    """Spin until every peer has signalled this slot: its flag (bumped once per peer per use,
+    over NVLink) reaches the count this rank's own producer recorded in ``expect``. Both only
+    grow; the difference is taken in wrapping int32, so neither overflows. The poll is a scalar
+    atomic, which one thread of the program issues (the others get its result through shared
+    memory after a barrier, which also orders their later reads after its acquire): a plain
+    load would be issued by every thread, and a thousand programs' warps polling one L2 line
+    delay the very increment they wait for."""
+    want = tl.load(expect_ptr)
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    while seen - want < 0:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _push_rows(y, rows, row_ok, push_ptrs, flag_ptrs, cnt_ptr, expect_ptr, push_off, slot, rank,
+               WORLD: tl.constexpr):
+    """Store this program's output rows into slot ``slot`` / row ``rank`` of every rank's
+    partial-sum buffer, then count the program done; the last program of the grid tells each
+    peer (a release increment of its flag) and records the count this rank's consumer waits
+    for. Nothing here waits, so producers never block one another."""
+    for j in tl.static_range(WORLD):
+        base = tl.load(push_ptrs + j).to(tl.pointer_type(y.dtype))
+        tl.store(base + push_off + rows, y, mask=row_ok)
+    # Every thread's stores before the one thread's release below (it is cumulative over what
+    # the barrier made it observe), which reaches the peers at system scope.
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="sys")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        for j in tl.static_range(WORLD):
+            if j != rank:
+                peer_flags = tl.load(flag_ptrs + j).to(tl.pointer_type(tl.int32))
+                tl.atomic_add(peer_flags + slot, 1, sem="release", scope="sys")
+        tl.store(expect_ptr, tl.load(expect_ptr) + (WORLD - 1))
+
+
 @triton.jit
 def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr):
     if EVEN_NK:
@@ -105,7 +169,7 @@ def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr):
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["push_off", "slot", "rank"])  # one compile for every slot
 def _gemv_kernel(
     out_ptr,
     x_ptr,
@@ -128,6 +192,19 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
+    # Consumer of pushed partial sums (PARTS ranks): x_ptr holds them; wait on the flag first.
+    wait_flag_ptr,
+    wait_expect_ptr,
+    PARTS: tl.constexpr,
+    # Producer: push the output rows to every rank instead of storing them to out_ptr.
+    push_ptrs,
+    flag_ptrs,
+    cnt_ptr,
+    expect_ptr,
+    push_off,
+    slot,
+    rank,
+    PUSH_WORLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,6 +226,8 @@ def _gemv_kernel(
         # x and the residual come from the previous kernel; our outputs may reuse memory it
         # still reads: nothing past this point runs before it completes.
         tl.extra.cuda.gdc_wait()
+    if PARTS > 0:
+        _wait_parts(wait_flag_ptr, wait_expect_ptr)
     inv = 1.0
     if NORM:
         # Every program needs the whole row's RMS; the row is a few KiB and sits in L2. Read
@@ -158,7 +237,7 @@ def _gemv_kernel(
         for k0 in range(0, K, ROW_CHUNK):
             kk = k0 + rc
             km = kk < K
-            xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+            xv = _load_x(x_ptr, kk, km, K, PARTS, False)
             if ADD:
                 rv = tl.load(res_ptr + kk, mask=km, other=0.0)
                 xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
@@ -166,14 +245,14 @@ def _gemv_kernel(
             xf = xv.to(tl.float32)
             ss += xf * xf
         inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    xf = _x_chunk(x_ptr, res_ptr, nw_ptr, cols, km0, inv, NORM, ADD, EVEN_K)[None, :]
+    xf = _x_chunk(x_ptr, res_ptr, nw_ptr, cols, km0, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
     acc = w0.to(tl.float32) * xf
     if SILU:
         acc_up = wu0.to(tl.float32) * xf
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         km = kk < K
-        xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, NORM, ADD, EVEN_K)[None, :]
+        xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
         acc += _w_chunk(w_rows, kk, row_ok, km, even).to(tl.float32) * xf
         if SILU:
             acc_up += _w_chunk(wu_rows, kk, row_ok, km, even).to(tl.float32) * xf
@@ -186,7 +265,24 @@ def _gemv_kernel(
         u = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         y = s * u
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if PUSH_WORLD > 0:
+        _push_rows(y.to(out_ptr.dtype.element_ty), rows, row_ok, push_ptrs, flag_ptrs, cnt_ptr,
+                   expect_ptr, push_off, slot, rank, PUSH_WORLD)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _sum_parts_kernel(out_ptr, parts_ptr, flag_ptr, expect_ptr, K, PARTS: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out = the sum of the pushed partial rows, once every peer has signalled."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    _wait_parts(flag_ptr, expect_ptr)
+    kk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    km = kk < K
+    tl.store(out_ptr + kk, _load_x(parts_ptr, kk, km, K, PARTS, False), mask=km)
 
 
 # Launch shapes (BLOCK_N, BLOCK_K, num_warps) per (N outputs, K, fused gate/up, element size),
@@ -204,6 +300,15 @@ GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int]] = {
     (4096, 4096, False, 2): (2, 2048, 4),
     (14336, 4096, True, 2): (4, 1024, 4),
     (4096, 14336, False, 2): (4, 1024, 4),
+    # One rank of Llama-3.1-8B at TP=2 and TP=4 (H200 sweep, tools/gpu_kernel_check.py section
+    # decode1_tp): TP2 qkv 9.7 -> 8.5, o 5.4 -> 4.6, gate/up 35.4 -> 33.1, down 18.1 -> 15.5;
+    # TP4 qkv 6.6 -> 5.1, down 9.5 -> 8.1 (its o and gate/up keep the defaults).
+    (3072, 4096, False, 2): (8, 1024, 8),
+    (4096, 2048, False, 2): (4, 1024, 4),
+    (7168, 4096, True, 2): (4, 1024, 8),
+    (4096, 7168, False, 2): (4, 1024, 4),
+    (1536, 4096, False, 2): (4, 2048, 4),
+    (4096, 3584, False, 2): (4, 2048, 4),
 }
 
 
@@ -233,6 +338,38 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PushArgs:
+    """Where a producer GEMV pushes its output rows (``worker/distributed/push_allreduce.py``
+    owns the buffers): the rows go to ``offset`` (elements) past every rank's partial-sum base
+    in ``data_ptrs``; the grid's last program bumps flag ``slot`` behind each peer's base in
+    ``flag_ptrs`` and adds ``world - 1`` to ``expect``. ``count`` (one int32, zero between
+    calls) is the grid's done-counter."""
+
+    data_ptrs: torch.Tensor  # int64 [world]: each rank's partial-sum buffer, this dtype
+    flag_ptrs: torch.Tensor  # int64 [world]: each rank's int32 flags
+    count: torch.Tensor
+    expect: torch.Tensor
+    offset: int
+    slot: int
+    rank: int
+    world: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartsArgs:
+    """Pushed partial rows a consumer sums: ``data [world, K]`` (this rank's buffer for the
+    slot), ready once ``flag`` (one int32) reaches ``expect``."""
+
+    data: torch.Tensor
+    flag: torch.Tensor
+    expect: torch.Tensor
+
+    @property
+    def world(self) -> int:
+        return self.data.shape[0]
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -243,20 +380,29 @@ def gemv(
     eps: float = 0.0,
     silu: bool = False,
     config: tuple[int, int, int] | None = None,
+    parts: PartsArgs | None = None,
+    push: PushArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row ``x [1, K]`` times ``weight [N, K]``; see the module docstring for the fusions.
 
     Returns ``(y, new_residual)``: ``y`` is ``[1, N]`` (``[1, N // 2]`` with ``silu``);
     ``new_residual`` is ``x + residual`` when ``residual`` is given, ``x`` itself when only
     ``norm_weight`` is, else None. The caller checks ``gemv_supported``.
+
+    With ``parts`` the input is the sum of the pushed partial rows (``x`` only gives the shape,
+    dtype and device); with ``push`` the output goes to every rank's buffer instead, and ``y``
+    is not written (the returned tensor is ``x``'s row buffer, not a result).
     """
     k = x.shape[-1]
     n_total = weight.shape[0]
     n = n_total // 2 if silu else n_total
-    xr = x.reshape(k)
-    if xr.stride(0) != 1:
-        xr = xr.contiguous()
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if parts is not None:
+        xr = parts.data.view(-1)
+    else:
+        xr = x.reshape(k)
+        if xr.stride(0) != 1:
+            xr = xr.contiguous()
+    out = xr if push is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm = norm_weight is not None
     add = norm and residual is not None
     res_in = residual.reshape(k).contiguous() if add else xr
@@ -265,18 +411,40 @@ def gemv(
         n, k, silu, x.element_size(), num_sms(device_index(x.device))
     )
     pdl = pdl_enabled(x.device)
+    wait = (parts.flag, parts.expect) if parts is not None else (xr, xr)
+    if push is not None:
+        pa = (push.data_ptrs, push.flag_ptrs, push.count, push.expect, push.offset, push.slot,
+              push.rank)
+    else:
+        pa = (xr, xr, xr, xr, 0, 0, 0)
     launch(
         _gemv_kernel, (triton.cdiv(n, block_n),),
         (out, xr, res_in, res_out, norm_weight if norm else xr, weight,
          bias if bias is not None else xr, n, k, weight.stride(0), float(eps)),
         dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, ADD=add, SILU=silu,
              HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-             ROW_CHUNK=min(next_pow2(k), 8192) if norm else 16, num_warps=warps),
+             ROW_CHUNK=min(next_pow2(k), 8192) if norm else 16, num_warps=warps,
+             wait_flag_ptr=wait[0], wait_expect_ptr=wait[1],
+             PARTS=parts.world if parts is not None else 0,
+             push_ptrs=pa[0], flag_ptrs=pa[1], cnt_ptr=pa[2], expect_ptr=pa[3], push_off=pa[4],
+             slot=pa[5], rank=pa[6], PUSH_WORLD=push.world if push is not None else 0),
         pdl,
     )  # fmt: skip
     if add:
         return out, res_out.view(x.shape)
     return out, (x if norm else None)
+
+
+def sum_parts(parts: PartsArgs) -> torch.Tensor:
+    """``[1, K]``: the sum of pushed partial rows, once every peer has signalled (for a consumer
+    that cannot take ``gemv(parts=...)``)."""
+    k = parts.data.shape[-1]
+    out = torch.empty((1, k), dtype=parts.data.dtype, device=parts.data.device)
+    block = min(next_pow2(k), 1024)
+    launch(_sum_parts_kernel, (triton.cdiv(k, block),),
+           (out, parts.data, parts.flag, parts.expect, k),
+           dict(PARTS=parts.world, BLOCK=block, num_warps=4), pdl_enabled(out.device))
+    return out
 
 
 # ------------------------------------------------------------- q/k norm + rotary + K/V write
