@@ -10,6 +10,10 @@
 - ``qk_norm_rope_write_kv``: per token, the Qwen3 per-head q/k RMSNorm, neox rotary on q and k,
   and the K/V write into the paged cache, in one kernel (four launches before).
 - ``argmax``: a two-stage row argmax (many programs over vocabulary chunks, then one per row).
+- the tensor-parallel all-reduce fused into the GEMV (opt-in, ``distributed/push_allreduce.py``):
+  a producer GEMV (``push``) stores its rows into every rank's buffer and signals the peers; a
+  consumer GEMV (``parts``) or ``sum_parts`` waits for their signals and sums the ranks' rows as
+  it reads its input.
 
 Rounding follows ``torch_ops`` (normalise in float32, round to the dtype, scale by the weight,
 round; bf16 products accumulated in float32), so these match the unfused Triton path. Importing
