@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -47,7 +48,7 @@ SMALL = dict(LLAMA_8B, hidden_size=256, intermediate_size=512, num_hidden_layers
 
 
 def _is_allreduce_kernel(name: str) -> bool:
-    """NCCL's collectives, or the one-shot symmetric-memory reduction."""
+    """NCCL's collectives, the one-shot symmetric-memory reduction or the signal-free one."""
     low = name.lower()
     return "nccl" in low or "all_reduce" in low
 
@@ -100,13 +101,30 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{family} tp={tp}: {time.perf_counter() - start:.1f} s", flush=True)
         base = tokens[args.tp[0]]
         out[family] = {f"tp{tp}": tokens[tp] == base for tp in args.tp[1:]}
+        if 2 in args.tp and args.device == "cuda":
+            # bf16 at TP=2: the signal-free all-reduce (forced on) against the one-shot one.
+            # Both round the float32 sum of two bf16 partials once, so the tokens must match.
+            paths = {}
+            for name, env in (("lamport", "force"), ("one_shot", "0")):
+                os.environ["TIDAL_LAMPORT_ALLREDUCE"] = env
+                llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=512,
+                          **_engine_kwargs(args, 2))
+                try:
+                    paths[name] = [o.outputs[0].token_ids
+                                   for o in llm.generate(prompts, params, use_tqdm=False)]
+                    paths[name] += [llm.generate([p], solo, use_tqdm=False)[0].outputs[0]
+                                    .token_ids for p in prompts[:3]]
+                finally:
+                    llm.shutdown()
+                    os.environ.pop("TIDAL_LAMPORT_ALLREDUCE")
+            out[family]["bf16_tp2_lamport_equals_one_shot"] = paths["lamport"] == paths["one_shot"]
         for tp in args.tp[1:]:
             if tokens[tp] != base:
                 bad = [i for i, (a, b) in enumerate(zip(base, tokens[tp])) if a != b]
                 out[family][f"tp{tp}_mismatched_prompts"] = bad
         print(f"{family}: {out[family]}", flush=True)
     out["all_equal"] = all(v for fam in ("llama", "qwen3") for k, v in out[fam].items()
-                           if k.startswith("tp") and "_" not in k)
+                           if (k.startswith("tp") and "_" not in k) or k.startswith("bf16"))
     return out
 
 
@@ -200,7 +218,9 @@ def cmd_perf(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(tp)
     prompt = [rng.randrange(100, 4000) for _ in range(32)]
     try:
-        _decode_steps(core, prompt, 32, "warm")
+        # Warm over the same context lengths as the timed steps: a Triton specialisation first
+        # met inside the timed window costs a compile (seconds) in one of its steps.
+        _decode_steps(core, prompt, args.decode_steps, "warm")
         times = _decode_steps(core, prompt, args.decode_steps, "decode")
         result["decode_batch1_ms_median"] = statistics.median(times) * 1e3
         result["decode_batch1_ms_mean"] = statistics.fmean(times) * 1e3
@@ -218,10 +238,11 @@ def cmd_perf(args: argparse.Namespace) -> dict[str, Any]:
         if args.requests:
             prompts = [[rng.randrange(100, 4000) for _ in range(args.input_len)]
                        for _ in range(args.requests)]
-            # Untimed first pass over the same shapes: the prefill kernels compile here (several
-            # seconds on a cold Triton cache, a third of the timed run otherwise).
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                         use_tqdm=False)
+            # Untimed first pass over the same shapes and context lengths: the prefill and the
+            # long-context decode kernels compile here (seconds on a cold Triton cache, up to
+            # 12 % of the timed run otherwise, in the first process of a call).
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len,
+                                                 ignore_eos=True), use_tqdm=False)
             params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -11,7 +11,8 @@
 #    (torch profiler), output tok/s on the fixed-length 1024/1024 workload;
 # 4. allreduce: latency of one NCCL all-reduce of decode hidden states, eager and in a graph;
 #    push: TP>1 perf with the all-reduce fused into the batch-1 GEMVs (TIDAL_PUSH_ALLREDUCE=1,
-#    off by default); tests: the GPU tests of that fusion (2 GPUs and one);
+#    off by default); nolamport: TP>1 perf without the signal-free all-reduce
+#    (TIDAL_LAMPORT_ALLREDUCE=0); tests: the GPU tests of the all-reduce kernels (2 GPUs and one);
 # 5. a summary with the TP=2 / TP=1 decode ratio (target <= 0.6) in $OUT/tp_summary.json.
 # TIDAL_CHECK_TPS overrides the TP sizes (default: 1 2, and 4 with 4 GPUs).
 # If a run fails with the defaults it is retried once with enforce_eager and triton attention
@@ -92,16 +93,24 @@ for phase in $PHASES; do
                   TIDAL_PUSH_ALLREDUCE=1 run "perf_tp${tp}_push$TAG" 110 perf --tp "$tp" \
                       --requests "$REQUESTS" || status=1
               done ;;
+        # TP>1 with the signal-free all-reduce off (the one-shot or NCCL path instead).
+        nolamport) for tp in $TPS; do
+                  (( tp > 1 )) || continue
+                  TIDAL_LAMPORT_ALLREDUCE=0 run "perf_tp${tp}_nolamport$TAG" 110 perf --tp "$tp" \
+                      --requests "$REQUESTS" || status=1
+              done ;;
         tests) l=$(left); (( l > 240 )) && l=240
-               echo "== tests (limit ${l}s): the fused all-reduce across GPUs and simulated"
-               timeout -k 5 "$l" "$PY" -m pytest -p no:cacheprovider -q -x \
+               echo "== tests (limit ${l}s): the all-reduce kernels across GPUs and simulated"
+               timeout -k 5 "$l" "$PY" -m pytest -p no:cacheprovider -q -rs -s \
+                   tests/worker/test_lamport_allreduce_gpu.py tests/worker/test_kernels_allreduce.py \
                    tests/worker/test_push_allreduce_gpu.py tests/worker/test_kernels_decode.py \
-                   -k "push or pushed" > "$OUT/tests$TAG.log" 2>&1 || status=1
+                   -k "lamport or rank_order or push or pushed" > "$OUT/tests$TAG.log" 2>&1 || status=1
+               grep -i "start-up choice" "$OUT/tests$TAG.log"
                tail -n 15 "$OUT/tests$TAG.log" ;;
         allreduce) multi=$(echo "$TPS" | tr ' ' '\n' | awk '$1 > 1' | tr '\n' ' ')
                    # shellcheck disable=SC2086
                    [ -n "$multi" ] && { run "allreduce$TAG" 60 allreduce --tp $multi || status=1; } ;;
-        *) echo "unknown phase $phase (equal, perf, push, tests, allreduce)"; status=1 ;;
+        *) echo "unknown phase $phase (equal, perf, push, nolamport, tests, allreduce)"; status=1 ;;
     esac
 done
 

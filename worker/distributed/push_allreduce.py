@@ -22,7 +22,9 @@ measured slower than the separate one-shot all-reduce, 3.43 vs 3.25 ms per step 
 2.55 vs 2.36 ms at TP=4 (``tools/results/tp_h200x4_decode_kernels.json``). The likely cost is
 the system-scope fence every producer program pays before it counts itself done, on the
 critical path of each of the 64 all-reduces; per-program flags that the consumer checks (one
-release per program, no counter) are the next thing to try. When on, it applies where the
+release per program, no counter) are the next thing to try. Since then the default for these
+sizes became the signal-free all-reduce (``lamport_allreduce``, 2.9 ms per TP=2 step on
+2×H200), which has neither fence nor flag; this fusion was not re-measured against it. When on, it applies where the
 one-shot symmetric-memory all-reduce was chosen (peers reachable by fast P2P), for one-row
 inputs of the GEMV kernel. Everything else, and any consumer that cannot take pushed rows
 (``PendingSum.wait``), keeps working.

@@ -13,10 +13,15 @@ next call's barrier needs that peer to have finished the previous one). The one 
 captured graph with an odd number of all-reduces, whose replays meet the same buffer twice in a
 row across the step boundary; the LM head, sampling and the next step's inputs lie between.
 
-It is used only where it wins: at start-up every rank times both paths on a decode-sized
-tensor, and the ranks agree (over the CPU group) to use the one-shot path only if it was faster
-on all of them. ``TIDAL_SYMM_ALLREDUCE=0`` turns it off; any failure to set it up on any rank
-falls back to NCCL on every rank, with one warning.
+For 16-bit tensors up to 256 Ki elements (64 rows of 4096) a third path comes first: the all-reduce in which each
+value is its own signal (``lamport_allreduce``; one NVLink crossing, no barrier).
+
+Each path is used only where it wins: at start-up every rank times all of them on a
+decode-sized tensor, and the ranks agree (over the CPU group) to keep a path only if it was
+faster on all of them. ``TIDAL_SYMM_ALLREDUCE=0`` turns both off (NCCL only),
+``TIDAL_LAMPORT_ALLREDUCE=0`` only the signal-free one (``force`` keeps it without timing, for
+tests); any failure to set one up on any rank
+drops it on every rank, with one warning.
 """
 
 from __future__ import annotations
@@ -49,13 +54,26 @@ class SymmAllReduce:
             self._buffers.append(buf)
         self._next = 0
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        # Set by make_symm_allreduce: the signal-free path for small 16-bit tensors (tried
+        # first), and whether the one-shot path is used at all (it can lose to NCCL where the
+        # signal-free one does not).
+        self.lamport: Any = None
+        self.one_shot = True
 
     def applies(self, x: torch.Tensor) -> bool:
-        return (x.dtype in _DTYPES and x.is_contiguous()
+        if self.lamport is not None and self.lamport.applies(x):
+            return True
+        return (self.one_shot and x.dtype in _DTYPES and x.is_contiguous()
                 and x.numel() * x.element_size() <= self.max_bytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the group, as a new tensor."""
+        """The sum of ``x`` over the group, as a new tensor (check ``applies`` first)."""
+        lamport = self.lamport
+        if lamport is not None and lamport.applies(x):
+            return lamport(x)
+        return self.one_shot_sum(x)
+
+    def one_shot_sum(self, x: torch.Tensor) -> torch.Tensor:
         nbytes = x.numel() * x.element_size()
         buf = self._buffers[self._next]
         # Alternate at capture time too: the graph records both buffers in turn.
@@ -83,16 +101,31 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
             logger.warning("symmetric-memory all-reduce unavailable (%s); using NCCL only", error)
         return None
     assert comm is not None
-    # Where peers are reached over PCIe rather than NVLink the one-shot path can lose to NCCL:
-    # time both on a decode-sized tensor and keep the one-shot path only if it wins everywhere.
-    one_shot_us, nccl_us = _time_both(comm, device_group, device)
-    if not agree(one_shot_us < nccl_us, cpu_group):
-        logger.info("tensor-parallel all-reduce: NCCL (one-shot %.1f us vs NCCL %.1f us on "
-                    "this rank)", one_shot_us, nccl_us)
+    lamport_env = os.environ.get("TIDAL_LAMPORT_ALLREDUCE", "1")
+    if lamport_env != "0":
+        from tidal.worker.distributed.lamport_allreduce import make_lamport
+
+        lamport, error = make_lamport(device_group, torch.distributed.get_rank(device_group),
+                                      world_size, device)
+        if agree(lamport is not None, cpu_group):
+            comm.lamport = lamport
+        elif error:
+            logger.warning("signal-free all-reduce unavailable (%s); not using it", error)
+    # Where peers are reached over PCIe rather than NVLink these paths can lose to NCCL: time
+    # them on a decode-sized tensor and keep each only if it wins everywhere.
+    us = _time_paths(comm, device_group, device)
+    if (comm.lamport is not None and lamport_env != "force"
+            and not agree(us["lamport"] < min(us["one_shot"], us["nccl"]), cpu_group)):
+        comm.lamport = None
+    comm.one_shot = agree(us["one_shot"] < us["nccl"], cpu_group)
+    timing = ", ".join(f"{k} {v:.1f}" for k, v in us.items())
+    if comm.lamport is None and not comm.one_shot:
+        logger.info("tensor-parallel all-reduce: NCCL (us for 8 KiB on this rank: %s)", timing)
         return None
-    logger.info("tensor-parallel all-reduce: one-shot over symmetric memory up to %d KiB "
-                "(%.1f us vs NCCL %.1f us for 8 KiB on this rank), NCCL above",
-                comm.max_bytes >> 10, one_shot_us, nccl_us)
+    logger.info("tensor-parallel all-reduce: %s%s, NCCL above (us for 8 KiB on this rank: %s)",
+                "signal-free up to 512 KiB of 16-bit values, " if comm.lamport is not None else "",
+                f"one-shot symmetric memory up to {comm.max_bytes >> 10} KiB" if comm.one_shot
+                else "no one-shot", timing)
     return comm
 
 
@@ -103,24 +136,44 @@ def agree(mine: bool, cpu_group: Any) -> bool:
     return bool(flag.item())
 
 
-def _time_both(comm: SymmAllReduce, device_group: Any, device: torch.device,
-               iters: int = 50) -> tuple[float, float]:
-    """Microseconds per all-reduce of a [1, 4096] bf16 tensor: one-shot, NCCL (eager, after a
-    warm-up; every rank runs the same sequence)."""
+def _time_paths(comm: SymmAllReduce, device_group: Any, device: torch.device,
+                iters: int = 32) -> dict[str, float]:
+    """Microseconds per all-reduce of a [1, 4096] bf16 tensor on each path, replayed from a
+    CUDA graph as decode steps run (eagerly, a Triton launch's host cost would hide the GPU
+    time), or eagerly if capture fails. Every rank runs the same sequence."""
     x = torch.ones(1, 4096, dtype=torch.bfloat16, device=device)
 
     def timed(fn) -> float:
-        for _ in range(5):
-            fn()
+        for _ in range(3):
+            fn()  # compiles, and NCCL's communicator must exist before a capture
+        torch.cuda.synchronize(device)
+        graph = None
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(iters):
+                    fn()
+            run = graph.replay
+        except Exception as exc:  # noqa: BLE001 - eager timing is still a comparison
+            logger.debug("all-reduce timing without a graph (%s)", exc)
+            graph = None
+
+            def run() -> None:
+                for _ in range(iters):
+                    fn()
+        run()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            fn()
+        run()
         end.record()
         end.synchronize()
+        del graph
         return start.elapsed_time(end) * 1000 / iters
 
-    one_shot = timed(lambda: comm(x))
-    nccl = timed(lambda: torch.distributed.all_reduce(x, group=device_group))
-    return one_shot, nccl
+    us = {}
+    if comm.lamport is not None:
+        us["lamport"] = timed(lambda: comm.lamport(x))
+    us["one_shot"] = timed(lambda: comm.one_shot_sum(x))
+    us["nccl"] = timed(lambda: torch.distributed.all_reduce(x, group=device_group))
+    return us

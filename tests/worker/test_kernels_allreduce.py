@@ -1,0 +1,63 @@
+"""The signal-free all-reduce kernel (``ops.triton_allreduce``) with the ranks simulated on one
+GPU: each rank's receive buffer is plain device memory, and each rank's kernel runs on its own
+stream so they run at once (every rank waits for the others' values). The result must be, on
+every rank, exactly the float32 sum in rank order rounded once, over ragged sizes, inputs of
+negative zero and many rounds (the buffers must come back re-armed, the parities alternate).
+``test_lamport_allreduce_gpu.py`` runs it across real GPUs against NCCL, in CUDA graphs too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: the all-reduce kernel runs only on one",
+                allow_module_level=True)
+pytest.importorskip("triton", reason="needs triton: the all-reduce kernel is written in it")
+
+from tidal.worker.ops import triton_allreduce as ta  # noqa: E402
+
+DEVICE = torch.device("cuda")
+ROW = 4096 * 64  # elements per rank row in the simulated buffers (the kernel's limit)
+
+
+def reference(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Negative zeros sent as positive, summed in float32 in rank order, rounded once."""
+    acc = torch.zeros(xs[0].shape, dtype=torch.float32, device=DEVICE)
+    for x in xs:
+        acc = acc + torch.where(x == 0, torch.zeros_like(x), x).float()
+    return acc.to(xs[0].dtype)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_rank_gets_the_rank_order_sum(world: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(world)
+    bufs = torch.full((world, 2, world, ROW), ta.SENTINEL, dtype=torch.int16, device=DEVICE)
+    ptrs = torch.tensor([bufs[r].data_ptr() for r in range(world)], device=DEVICE)
+    counts = torch.zeros((world, ta.MAX_PROGRAMS), dtype=torch.int32, device=DEVICE)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    sizes = [4096, 1, 1000, ROW, 513, 4096, 7]  # odd count: the parities drift per program
+    for rnd in range(3):
+        for n in sizes:
+            xs = [(torch.randn(n, generator=gen, device=DEVICE) * (r + 1)).to(dtype)
+                  for r in range(world)]
+            xs[0][: n // 3] = -0.0  # sent as +0.0
+            if n > 3:
+                for x in xs:
+                    x[1] = -0.0  # all negative zeros: the sum comes out +0.0
+            outs = [torch.full_like(x, float("nan")) for x in xs]
+            torch.cuda.synchronize()
+            for r in range(world):
+                with torch.cuda.stream(streams[r]):
+                    ta.lamport_all_reduce(xs[r], outs[r], ptrs, counts[r], r, world, ROW)
+            torch.cuda.synchronize()
+            want = reference(xs)
+            label = f"round {rnd}, {n} elements"
+            for r in range(world):
+                assert torch.equal(outs[r].view(torch.int16), want.view(torch.int16)), \
+                    f"{label}: rank {r}"
+            assert bool((bufs == ta.SENTINEL).all()), f"{label}: buffers not re-armed"
+    programs = -(-max(sizes) // ta.CHUNK)
+    calls = [sum(1 for n in sizes if n > p * ta.CHUNK) * 3 for p in range(programs)]
+    assert counts[:, :programs].tolist() == [calls] * world
