@@ -5,11 +5,11 @@ and replayed with new inputs. Also runs the start-up choice between the paths an
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
+from gpu_ranks import join_world, run_ranks
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs: the all-reduce runs between GPUs", allow_module_level=True)
@@ -18,23 +18,13 @@ pytest.importorskip("triton", reason="needs triton: the all-reduce kernel is wri
 SIZES = [4096, 1, 4095, 65536, 12288, 512, 4096 * 64, 4096 * 3]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from tidal.worker.distributed.lamport_allreduce import LamportAllReduce
     from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=device)
-    cpu = dist.new_group(backend="gloo")
+    device, cpu = join_world(rank, world, port)
     failures: list[str] = []
     lam = LamportAllReduce(dist.group.WORLD.group_name, rank, world, device)
     dist.barrier(group=cpu)  # every buffer armed before anyone writes
@@ -86,28 +76,13 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         x = torch.randn(4096, generator=gen, device=device).to(torch.bfloat16)
         if not torch.equal(comm(x), nccl(x)):
             failures.append(f"chosen path {chosen}: wrong sum")
-    results.put((rank, failures, chosen))
+    results.put((rank, (failures, chosen)))
     dist.barrier(group=cpu)
     dist.destroy_process_group()
 
 
 def test_lamport_allreduce_across_two_gpus(monkeypatch) -> None:
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-        monkeypatch.setenv(name, value)  # NVLink multicast stays off on shared hosts
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {r: (f, c) for r, f, c in (results.get(timeout=300) for _ in procs)}
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_ranks(_rank, 2, monkeypatch)
     print("start-up choice per rank:", {r: c for r, (_, c) in got.items()})
     assert {r: f for r, (f, _) in got.items()} == {0: [], 1: []}, got
     assert got[0][1] == got[1][1], "the ranks chose different all-reduce paths"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

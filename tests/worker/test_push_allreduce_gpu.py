@@ -6,11 +6,11 @@ many steps, eagerly and replayed from a CUDA graph, with the ranks deliberately 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
+from gpu_ranks import join_world, run_ranks
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs: the fused all-reduce runs between GPUs",
@@ -18,12 +18,6 @@ if torch.cuda.device_count() < 2:
 pytest.importorskip("triton", reason="needs triton: the fused all-reduce kernels are written in it")
 
 HIDDEN, K_IN, N_NEXT, SLOTS, STEPS = 4096, 2048, 1536, 6, 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, results) -> None:
@@ -35,11 +29,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     from tidal.worker.distributed.symm_allreduce import SymmAllReduce
     from tidal.worker.ops import triton_decode as td
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=device)
-    cpu = dist.new_group(backend="gloo")
+    device, cpu = join_world(rank, world, port)
     tp = ParallelGroup(rank=rank, world_size=world, device_group=dist.group.WORLD,
                        cpu_group=cpu, ranks=tuple(range(world)))
     # Forced on: whether P2P beats NCCL on this host is the start-up check's business.
@@ -110,22 +100,6 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
 
 def test_fused_allreduce_across_two_gpus(monkeypatch) -> None:
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    # The children inherit these: the fusion is opt-in; NVLink multicast stays off (shared hosts).
-    for name, value in (("TIDAL_PUSH_ALLREDUCE", "1"), ("NCCL_NVLS_ENABLE", "0"),
-                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
-        monkeypatch.setenv(name, value)
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    # The fusion is opt-in: the children inherit the switch.
+    got = run_ranks(_rank, 2, monkeypatch, env={"TIDAL_PUSH_ALLREDUCE": "1"})
     assert got == {0: [], 1: []}, got
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
