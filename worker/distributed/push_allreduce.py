@@ -24,8 +24,9 @@ the system-scope fence every producer program pays before it counts itself done,
 critical path of each of the 64 all-reduces; per-program flags that the consumer checks (one
 release per program, no counter) are the next thing to try. Since then the default for these
 sizes became the signal-free all-reduce (``lamport_allreduce``, 2.9 ms per TP=2 step on
-2×H200), which has neither fence nor flag; this fusion was not re-measured against it. When on, it applies where the
-one-shot symmetric-memory all-reduce was chosen (peers reachable by fast P2P), for one-row
+2×H200), which has neither fence nor flag; this fusion was not re-measured against it.
+
+When on, it applies where the one-shot symmetric-memory all-reduce was chosen (peers reachable by fast P2P), for one-row
 inputs of the GEMV kernel. Everything else, and any consumer that cannot take pushed rows
 (``PendingSum.wait``), keeps working.
 """

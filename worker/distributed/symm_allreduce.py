@@ -13,15 +13,15 @@ next call's barrier needs that peer to have finished the previous one). The one 
 captured graph with an odd number of all-reduces, whose replays meet the same buffer twice in a
 row across the step boundary; the LM head, sampling and the next step's inputs lie between.
 
-For 16-bit tensors up to 256 Ki elements (64 rows of 4096) a third path comes first: the all-reduce in which each
-value is its own signal (``lamport_allreduce``; one NVLink crossing, no barrier).
+For 16-bit tensors up to 256 Ki elements (64 rows of 4096) a third path comes first: the
+all-reduce in which each value is its own signal (``lamport_allreduce``; one NVLink crossing,
+no barrier).
 
 Each path is used only where it wins: at start-up every rank times all of them on a
 decode-sized tensor, and the ranks agree (over the CPU group) to keep a path only if it was
 faster on all of them. ``TIDAL_SYMM_ALLREDUCE=0`` turns both off (NCCL only),
 ``TIDAL_LAMPORT_ALLREDUCE=0`` only the signal-free one (``force`` keeps it without timing, for
-tests); any failure to set one up on any rank
-drops it on every rank, with one warning.
+tests); any failure to set one up on any rank drops it on every rank, with one warning.
 """
 
 from __future__ import annotations

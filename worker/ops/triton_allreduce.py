@@ -1,5 +1,6 @@
-"""Triton all-reduce for the 16-bit hidden states of decode steps (up to 256 Ki elements), in which every element is its
-own ready flag (the buffers are owned by ``distributed/lamport_allreduce.py``).
+"""Triton all-reduce for the 16-bit hidden states of decode steps (up to 256 Ki elements), in
+which every element is its own ready flag (the buffers are owned by
+``distributed/lamport_allreduce.py``).
 
 Each rank has a receive buffer per parity with a row per rank. A row element holds a sentinel
 bit pattern, negative zero, until the peer's value for it lands. A rank stores its input into
