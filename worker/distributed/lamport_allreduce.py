@@ -3,15 +3,15 @@ signal (the kernel and its protocol: ``worker/ops/triton_allreduce.py``).
 
 A batch-1 decode step of Llama-3.1-8B at TP=2 makes 64 all-reduces of 8 KiB. The one-shot
 symmetric-memory reduction (``symm_allreduce``, ~6.5 µs each on 2×H200) runs a barrier round
-trip and then loads from its peers. Here a rank writes its input straight into its peers' buffers and
-reads only its own, so one NVLink crossing remains. The kernel also launches behind the GEMV
-before it and lets the GEMV after it launch early (programmatic dependent launch), which the
-PyTorch one-shot kernel does not.
+trip and then loads from its peers. Here a rank writes its input straight into its peers'
+buffers and reads only its own, so one NVLink crossing remains. The kernel also launches behind
+the GEMV before it and lets the GEMV after it launch early (programmatic dependent launch),
+which the PyTorch one-shot kernel does not.
 
 Owned by ``SymmAllReduce``, which tries it first and keeps it only where it is faster than
 both other paths on every rank (``TIDAL_LAMPORT_ALLREDUCE=0`` turns it off; 2.2 µs per 8 KiB
-on 2×H200). It covers up to 256 Ki elements per call, a decode step of 64 sequences of a 4096-wide model;
-the buffers take 2 x world x 512 KiB per rank.
+on 2×H200). It covers up to 256 Ki elements per call, a decode step of 64 sequences of a
+4096-wide model; the buffers take 2 x world x 512 KiB per rank.
 """
 
 from __future__ import annotations
