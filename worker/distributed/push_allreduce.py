@@ -26,9 +26,9 @@ release per program, no counter) are the next thing to try. Since then the defau
 sizes became the signal-free all-reduce (``lamport_allreduce``, 2.9 ms per TP=2 step on
 2×H200), which has neither fence nor flag; this fusion was not re-measured against it.
 
-When on, it applies where the one-shot symmetric-memory all-reduce was chosen (peers reachable by fast P2P), for one-row
-inputs of the GEMV kernel. Everything else, and any consumer that cannot take pushed rows
-(``PendingSum.wait``), keeps working.
+When on, it applies where the one-shot symmetric-memory all-reduce was chosen (peers reachable
+by fast P2P), for one-row inputs of the GEMV kernel. Everything else, and any consumer that
+cannot take pushed rows (``PendingSum.wait``), keeps working.
 """
 
 from __future__ import annotations
