@@ -106,9 +106,12 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
             # Both round the float32 sum of two bf16 partials once, so the tokens must match.
             paths = {}
             for name, env in (("lamport", "force"), ("one_shot", "0")):
-                os.environ["TIDAL_LAMPORT_ALLREDUCE"] = env
-                llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=512,
-                          **_engine_kwargs(args, 2))
+                os.environ["TIDAL_LAMPORT_ALLREDUCE"] = env  # the workers read it at start-up
+                try:
+                    llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=512,
+                              **_engine_kwargs(args, 2))
+                finally:
+                    os.environ.pop("TIDAL_LAMPORT_ALLREDUCE")
                 try:
                     paths[name] = [o.outputs[0].token_ids
                                    for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -116,7 +119,6 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
                                     .token_ids for p in prompts[:3]]
                 finally:
                     llm.shutdown()
-                    os.environ.pop("TIDAL_LAMPORT_ALLREDUCE")
             out[family]["bf16_tp2_lamport_equals_one_shot"] = paths["lamport"] == paths["one_shot"]
         for tp in args.tp[1:]:
             if tokens[tp] != base:

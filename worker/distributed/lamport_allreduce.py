@@ -16,12 +16,9 @@ on 2×H200). It covers up to 256 Ki elements per call, a decode step of 64 seque
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 # The sentinel is a 16-bit pattern: 32-bit tensors take the other paths.
 DTYPES = (torch.bfloat16, torch.float16)
