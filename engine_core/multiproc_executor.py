@@ -58,6 +58,7 @@ from tidal.worker.worker_proc import (
     Done,
     ExecuteModel,
     Failed,
+    FlushStep,
     GetNumBlocks,
     InitKVCache,
     NumBlocks,
@@ -142,6 +143,11 @@ class MultiprocExecutor:
         self._lock = threading.Lock()
         self._sent = 0  # model steps broadcast so far
         self._received = 0  # model step replies read so far
+        # The output rank holds each step's reply until the next step is launched (async
+        # scheduling keeps one step queued ahead): ``_flushed`` is ``_sent`` as of the last
+        # `FlushStep`, which asks for a held reply when no newer step is coming.
+        self._defer = config.scheduler.async_scheduling
+        self._flushed = 0
         self._results: dict[int, ModelRunnerOutput] = {}
         start = time.perf_counter()
         atexit.register(self.shutdown)
@@ -167,7 +173,8 @@ class MultiprocExecutor:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: gloo's CPU groups stay on loopback
         for rank in range(self.world_size):
             args = WorkerArgs(config=cfg, rank=rank, local_rank=rank, store_host="127.0.0.1",
-                              ring=self._ring.handle, env=env)
+                              ring=self._ring.handle, env=env,
+                              defer_step_replies=self._defer)
             parent, child = ctx.Pipe(duplex=True)
             # Daemonic: multiprocessing terminates it if this process exits without shutdown().
             proc = ctx.Process(target=worker_main, args=(msgspec.msgpack.encode(args), child),
@@ -286,6 +293,10 @@ class MultiprocExecutor:
 
     def _collect_step(self, seq: int) -> ModelRunnerOutput:
         out = self._results.pop(seq, None)
+        if out is None and self._defer and seq == self._sent - 1 and self._flushed < self._sent:
+            # The newest step: its reply is held until a next step that is not coming yet.
+            self._broadcast(FlushStep())
+            self._flushed = self._sent
         while out is None:
             if seq < self._received:
                 raise WorkerError(f"step {seq} was already collected")
@@ -302,6 +313,11 @@ class MultiprocExecutor:
 
     def _expect(self, r: _Rank, kind: type) -> Any:
         reply = self._next_reply(r)
+        while isinstance(reply, StepResult) and r.rank == self.output_rank:
+            # A step launched before this request answered first: keep it for its collector.
+            self._results[self._received] = reply.output
+            self._received += 1
+            reply = self._next_reply(r)
         if not isinstance(reply, kind):
             raise WorkerError(f"{r.describe()}: expected {kind.__name__}, got "
                               f"{type(reply).__name__}")

@@ -102,16 +102,21 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
         base = tokens[args.tp[0]]
         out[family] = {f"tp{tp}": tokens[tp] == base for tp in args.tp[1:]}
         if 2 in args.tp and args.device == "cuda":
-            # bf16 at TP=2: the signal-free all-reduce (forced on) against the one-shot one.
-            # Both round the float32 sum of two bf16 partials once, so the tokens must match.
+            # bf16 at TP=2: the signal-free all-reduce (forced on), the batch-1 all-reduces
+            # fused into the GEMVs (opt-in), and the one-shot all-reduce. All round the float32
+            # sum of two bf16 partials once, so the tokens must match.
             paths = {}
-            for name, env in (("lamport", "force"), ("one_shot", "0")):
-                os.environ["TIDAL_LAMPORT_ALLREDUCE"] = env  # the workers read it at start-up
+            for name, lamport, push in (("fused", "force", "1"), ("lamport", "force", "0"),
+                                        ("one_shot", "0", "0")):
+                # The workers read these at start-up.
+                os.environ["TIDAL_LAMPORT_ALLREDUCE"] = lamport
+                os.environ["TIDAL_PUSH_ALLREDUCE"] = push
                 try:
                     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=512,
                               **_engine_kwargs(args, 2))
                 finally:
                     os.environ.pop("TIDAL_LAMPORT_ALLREDUCE")
+                    os.environ.pop("TIDAL_PUSH_ALLREDUCE")
                 try:
                     paths[name] = [o.outputs[0].token_ids
                                    for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -120,6 +125,7 @@ def cmd_equal(args: argparse.Namespace) -> dict[str, Any]:
                 finally:
                     llm.shutdown()
             out[family]["bf16_tp2_lamport_equals_one_shot"] = paths["lamport"] == paths["one_shot"]
+            out[family]["bf16_tp2_fused_equals_one_shot"] = paths["fused"] == paths["one_shot"]
         for tp in args.tp[1:]:
             if tokens[tp] != base:
                 bad = [i for i, (a, b) in enumerate(zip(base, tokens[tp])) if a != b]
@@ -147,8 +153,10 @@ def _decode_steps(core: Any, prompt: list[int], n: int, rid: str) -> list[float]
     return times[1:]  # the first step is the prefill
 
 
-def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
-    """All-reduce share of a batch-1 decode step, from the torch profiler on every rank."""
+def _profile_decode(core: Any, prompt: list[int], n: int, trace_dir: str = "") -> dict[str, Any]:
+    """All-reduce share of a batch-1 decode step, from the torch profiler on every rank; with
+    ``trace_dir``, Chrome traces of every rank go there and ``tools/trace_steps.py`` breaks the
+    step down along the device timeline (the kernel sums overlap under dependent launch)."""
     import torch
 
     executor = core.executor
@@ -157,7 +165,7 @@ def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         times = _decode_steps(core, prompt, n, "prof")
         wall = time.perf_counter() - t0
-        summaries = executor.profile(False)
+        summaries = executor.profile(False, trace_dir)
         ranks = [dict(rank=s.rank, device_us=s.device_us, comm_us=s.comm_us,
                       cpu_comm_us=s.cpu_comm_us, top=s.top[:8]) for s in summaries]
     else:  # in-process worker (TP=1): profile this process
@@ -170,6 +178,9 @@ def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(trace_dir, "trace_rank0.json"))
         dev = comm = 0.0
         kernels = []
         for ev in prof.key_averages():
@@ -181,6 +192,16 @@ def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
                     comm += us
         kernels.sort(key=lambda k: -k[1])
         ranks = [dict(rank=0, device_us=dev, comm_us=comm, cpu_comm_us=0.0, top=kernels[:8])]
+    timelines = []
+    if trace_dir:
+        sys.path.insert(0, str(REPO / "tools"))
+        from trace_steps import analyse
+
+        # The trace starts with the prefill: analyse the last steps' worth of the timeline.
+        tail = len(times) - 2
+        window = tail * statistics.median(times) * 1e6
+        for path in sorted(Path(trace_dir).glob("trace_rank*.json")):
+            timelines.append(analyse(path, tail, window))
     steps = len(times) + 1
     step_ms = statistics.median(times) * 1e3
     # An all-reduce kernel runs from its launch until the last rank joins, so ranks that run
@@ -196,7 +217,7 @@ def _profile_decode(core: Any, prompt: list[int], n: int) -> dict[str, Any]:
                 device_kernel_ms_per_step=dev_ms, critical_rank=slowest["rank"],
                 allreduce_share_of_step=comm_ms / step_ms if step_ms else None,
                 allreduce_share_of_kernel_time=comm_ms / dev_ms if dev_ms else None,
-                ranks=ranks)
+                ranks=ranks, timelines=timelines)
 
 
 def cmd_perf(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,8 +251,16 @@ def cmd_perf(args: argparse.Namespace) -> dict[str, Any]:
         print(f"tp={tp}: decode batch 1: {result['decode_batch1_ms_median']:.3f} ms/step "
               "(median)", flush=True)
         try:
-            result["profile"] = _profile_decode(core, prompt, args.profile_steps)
+            trace_dir = (os.path.join(args.trace_dir, Path(args.out).stem) if args.trace_dir
+                         else "")
+            result["profile"] = _profile_decode(core, prompt, args.profile_steps, trace_dir)
             p = result["profile"]
+            for t in p["timelines"]:
+                cats = ", ".join(f"{k} {v:.0f}" for k, v in
+                                 list(t.get("by_category_us_per_step", {}).items())[:8])
+                print(f"tp={tp}: {t['trace']}: {t.get('per_step_us', 0):.0f} us/step on the "
+                      f"device timeline, idle {t.get('idle_us_per_step', 0):.0f}: {cats}",
+                      flush=True)
             print(f"tp={tp}: all-reduce {p['allreduce_ms_per_step']:.3f} ms/step "
                   f"({100 * (p['allreduce_share_of_step'] or 0):.1f}% of the step)", flush=True)
         except Exception as exc:  # noqa: BLE001 - the numbers above still count
@@ -353,6 +382,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--decode-steps", type=int, default=200)
     ap.add_argument("--profile-steps", type=int, default=30)
+    ap.add_argument("--trace-dir", default="",
+                    help="write each rank's profiler trace here and break the step down")
     args = ap.parse_args()
     try:
         commands = {"equal": cmd_equal, "perf": cmd_perf, "allreduce": cmd_allreduce}

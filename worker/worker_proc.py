@@ -96,7 +96,12 @@ class Profile(msgspec.Struct, tag="profile", **_WIRE):
     trace_dir: str = ""
 
 
-WorkerRequest = ExecuteModel | GetNumBlocks | InitKVCache | Profile
+class FlushStep(msgspec.Struct, tag="flush", **_WIRE):
+    """Reply now with the held output of the last step (see ``WorkerArgs.defer_step_replies``):
+    the executor wants it and has no newer step to send."""
+
+
+WorkerRequest = ExecuteModel | GetNumBlocks | InitKVCache | Profile | FlushStep
 
 
 # --- workers -> executor -------------------------------------------------------------------
@@ -138,6 +143,11 @@ class WorkerArgs(msgspec.Struct, **_WIRE):
     local_rank: int
     store_host: str  # where rank 0 serves the rendezvous store
     ring: RingHandle | None = None  # the broadcast ring (multiprocess executor only)
+    # The output rank answers step N only after it has launched step N+1 (or on `FlushStep`).
+    # Waiting for step N's tokens before reading the next request would leave the GPU idle
+    # for a whole round trip through the EngineCore every step (0.3 ms of a 2.9 ms TP=2
+    # decode step, measured): with async scheduling step N+1 is already on the ring by then.
+    defer_step_replies: bool = False
     # Set before anything touches a device (Ray: which GPUs this actor sees).
     env: dict[str, str] = {}
 
@@ -166,6 +176,13 @@ def format_exception(exc: BaseException) -> str:
 
 
 # --- the worker ----------------------------------------------------------------------------
+
+
+def _step_result(out: Any) -> StepResult:
+    """The reply for a step's output (a ``ModelRunnerOutput``, or a pending one whose
+    ``get_output()`` waits for the device)."""
+    get = getattr(out, "get_output", None)
+    return StepResult(get() if get is not None else out)
 
 
 class WorkerProc:
@@ -198,6 +215,7 @@ class WorkerProc:
         self.worker = Worker(config, args.rank, args.local_rank, tp, pp)
         self.worker.load_model()
         self._profiler: Any = None
+        self._held: Any = None  # the last step's output, not yet sent (defer_step_replies)
 
     @property
     def is_output_rank(self) -> bool:
@@ -209,8 +227,16 @@ class WorkerProc:
                 out = self.worker.execute_model(so)
                 if out is None:
                     return None
-                get = getattr(out, "get_output", None)
-                return StepResult(get() if get is not None else out)
+                if not self.args.defer_step_replies:
+                    return _step_result(out)
+                held, self._held = self._held, out
+                return None if held is None else _step_result(held)
+            case FlushStep():
+                held, self._held = self._held, None
+                if held is not None:
+                    return _step_result(held)
+                # The executor waits for an answer from the output rank: say there is none.
+                return Done() if self.is_output_rank else None
             case GetNumBlocks():
                 return NumBlocks(int(self.worker.determine_num_blocks()))
             case InitKVCache(num_blocks=n):

@@ -1,7 +1,9 @@
 """The multiprocess executor on CPU (gloo, TP=2): idle workers block instead of spinning; a
 worker killed with ``kill -9`` mid-generation fails every in-flight request with
 ``EngineDeadError`` within 5 s and leaves no process behind; workers die with their EngineCore;
-a worker that fails at start-up or inside a step is reported with its rank, pid and reason."""
+a worker that fails at start-up or inside a step is reported with its rank, pid and reason;
+with async scheduling the output rank's held step replies come back in order, around control
+requests and when no next step follows."""
 
 from __future__ import annotations
 
@@ -176,3 +178,64 @@ def test_step_failure_in_a_worker_is_fatal_and_reported(tiny_models):
     finally:
         executor.shutdown()
     assert not (_children() - before)
+
+
+def test_held_step_replies_come_back_in_order_around_control_requests(tiny_models):
+    """Async scheduling: the output rank answers step N once step N+1 is launched, or when the
+    executor flushes (no newer step). Replies that arrive while the executor waits for a control
+    answer are kept for their step. Tokens equal those of an in-process engine."""
+    from tidal.engine_core.core import EngineCore
+    from tidal.engine_core.protocol import EngineCoreRequest
+
+    folder, _ = tiny_models["llama"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 2, 7], [11, 3], [4, 4, 4, 8, 1]]
+
+    def run(core: EngineCore, interleave) -> dict[str, list[int]]:
+        for i, p in enumerate(prompts):
+            core.add_request(EngineCoreRequest(f"r{i}", p, params))
+        tokens: dict[str, list[int]] = {}
+        step = 0
+        while core.has_unfinished_requests():
+            for o in interleave(core, step) + core.step().outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            step += 1
+        return tokens
+
+    ref_core = EngineCore(EngineArgs(model=str(folder), num_kv_blocks=256, cpu_threads=1,
+                                     async_scheduling=True).create_config())
+    try:
+        reference = run(ref_core, lambda core, step: [])
+    finally:
+        ref_core.shutdown()
+
+    core = EngineCore(_args(folder, async_scheduling=True).create_config())
+    ex = core.executor
+    assert ex.max_concurrent_batches == 2
+
+    def interleave(core: EngineCore, step: int) -> list:
+        if step == 4:
+            assert ex.determine_num_blocks() == 256  # with a step in flight (held)
+        if step != 2:
+            return []
+        # Steps 2: the core's own step left one step in flight; finish it, then launch two by
+        # hand before collecting either: the first one's reply arrives (the second is
+        # launched) while the executor waits for the control answer.
+        sched, pending = core.batch_queue.popleft()
+        outs = core.scheduler.update_from_output(sched, pending.result())
+        s0 = core.scheduler.schedule()
+        p0 = ex.execute_model(s0, non_block=True)
+        s1 = core.scheduler.schedule()
+        p1 = ex.execute_model(s1, non_block=True)
+        assert ex.determine_num_blocks() == 256
+        outs += core.scheduler.update_from_output(s0, p0.result())
+        # The newest step: collecting it makes the executor flush the held reply.
+        outs += core.scheduler.update_from_output(s1, p1.result())
+        return outs
+
+    try:
+        tokens = run(core, interleave)
+    finally:
+        core.shutdown()
+    assert tokens == reference
+    assert all(len(v) == params.max_tokens for v in tokens.values())

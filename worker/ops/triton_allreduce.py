@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import launch, pdl_enabled
-
-SENTINEL = -32768  # int16 0x8000: negative zero in bfloat16 and float16
+from tidal.worker.ops.triton_decode import SENTINEL, launch, pdl_enabled
 CHUNK = 512  # elements per program
 MAX_PROGRAMS = 512  # so one row holds up to CHUNK * MAX_PROGRAMS elements (64 x 4096)
 

@@ -10,10 +10,10 @@
 - ``qk_norm_rope_write_kv``: per token, the Qwen3 per-head q/k RMSNorm, neox rotary on q and k,
   and the K/V write into the paged cache, in one kernel (four launches before).
 - ``argmax``: a two-stage row argmax (many programs over vocabulary chunks, then one per row).
-- the tensor-parallel all-reduce fused into the GEMV (opt-in, ``distributed/push_allreduce.py``):
-  a producer GEMV (``push``) stores its rows into every rank's buffer and signals the peers; a
-  consumer GEMV (``parts``) or ``sum_parts`` waits for their signals and sums the ranks' rows as
-  it reads its input.
+- the tensor-parallel all-reduce fused into the GEMV (``distributed/push_allreduce.py``): a
+  producer GEMV (``push``) stores its rows into every rank's buffer; a consumer GEMV (``parts``)
+  or ``sum_parts`` polls its buffer until no element holds the sentinel any more, sums the
+  ranks' rows as it reads its input, and re-arms the buffer of the call before.
 
 Rounding follows ``torch_ops`` (normalise in float32, round to the dtype, scale by the weight,
 round; bf16 products accumulated in float32), so these match the unfused Triton path. Importing
@@ -81,10 +81,9 @@ def _load_x(x_ptr, kk, km, K, PARTS: tl.constexpr, EVEN_K: tl.constexpr):
     """Columns ``kk`` of the GEMV input, in its dtype. With ``PARTS`` > 0, ``x_ptr`` holds that
     many partial rows of ``K`` (one per tensor-parallel rank, pushed by ``_push_rows``) and the
     input is their sum, taken in float32 in rank order (so every rank gets the same bits) and
-    rounded once. Those rows were written by other GPUs; the acquire in ``_wait_parts`` makes
-    them visible to the whole program, so ordinary (L1-cached) loads are correct, and they
-    matter: every program reads the whole row, and L1 serves the programs after the first on
-    each SM."""
+    rounded once. The program has seen every element land (``_wait_parts``) before it gets
+    here, so ordinary (L1-cached) loads are correct, and they matter: every program reads the
+    whole row, and L1 serves the programs after the first on each SM."""
     if PARTS > 0:
         if EVEN_K:
             xs = tl.load(x_ptr + kk).to(tl.float32)
@@ -123,45 +122,49 @@ def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM: tl.constexpr, ADD: tl
     return xv.to(tl.float32)
 
 
-# --- cross-GPU signalling for the all-reduce fused into the GEMVs (``PushArgs``, ``PartsArgs``)
+# --- the all-reduce fused into the GEMVs (``PushArgs``, ``PartsArgs``): signal-free, as
+# ``triton_allreduce``: every element of a partial-sum buffer is its own ready flag.
+
+SENTINEL = -32768  # int16 0x8000: negative zero in bfloat16 and float16; "not arrived yet"
 
 
 @triton.jit
-def _wait_parts(flag_ptr, expect_ptr):
-    """Spin until every peer has signalled this slot: its flag (bumped once per peer per use,
-    over NVLink) reaches the count this rank's own producer recorded in ``expect``. Both only
-    grow; the difference is taken in wrapping int32, so neither overflows. The poll is a scalar
-    atomic, which one thread of the program issues (the others get its result through shared
-    memory after a barrier, which also orders their later reads after its acquire): a plain
-    load would be issued by every thread, and a thousand programs' warps polling one L2 line
-    delay the very increment they wait for."""
-    want = tl.load(expect_ptr)
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while seen - want < 0:
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-
-
-@triton.jit
-def _push_rows(y, rows, row_ok, push_ptrs, flag_ptrs, cnt_ptr, expect_ptr, push_off, slot, rank,
-               WORLD: tl.constexpr):
-    """Store this program's output rows into slot ``slot`` / row ``rank`` of every rank's
-    partial-sum buffer, then count the program done; the last program of the grid tells each
-    peer (a release increment of its flag) and records the count this rank's consumer waits
-    for. Nothing here waits, so producers never block one another."""
+def _push_rows(y, rows, row_ok, push_ptrs, push_off, SENT: tl.constexpr, WORLD: tl.constexpr):
+    """Store this program's output rows (16-bit) at ``push_off`` in every rank's partial-sum
+    buffer. A value whose bits are the sentinel (negative zero) goes as positive zero. Nothing
+    is signalled: the consumer polls the values themselves."""
+    bits = y.to(tl.int16, bitcast=True)
+    bits = tl.where(bits == SENT, 0, bits)
     for j in tl.static_range(WORLD):
-        base = tl.load(push_ptrs + j).to(tl.pointer_type(y.dtype))
-        tl.store(base + push_off + rows, y, mask=row_ok)
-    # Every thread's stores before the one thread's release below (it is cumulative over what
-    # the barrier made it observe), which reaches the peers at system scope.
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="sys")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-        for j in tl.static_range(WORLD):
-            if j != rank:
-                peer_flags = tl.load(flag_ptrs + j).to(tl.pointer_type(tl.int32))
-                tl.atomic_add(peer_flags + slot, 1, sem="release", scope="sys")
-        tl.store(expect_ptr, tl.load(expect_ptr) + (WORLD - 1))
+        base = tl.load(push_ptrs + j).to(tl.pointer_type(tl.int16))
+        tl.store(base + push_off + rows, bits, mask=row_ok)
+
+
+@triton.jit
+def _wait_parts(bits_ptr, K, cols, cmask, PARTS: tl.constexpr, SENT: tl.constexpr):
+    """Spin until no element in columns ``cols`` (where ``cmask``) of the ``PARTS`` pushed rows
+    of ``K`` at ``bits_ptr`` (int16) still holds the sentinel: every rank's rows, this one's
+    included, have landed. Volatile loads go to L2, where NVLink stores from the peers arrive.
+    The loop carries a scalar: Triton 3.6 fails to compile a spin whose loaded tensor is
+    carried and then left unused."""
+    for j in tl.static_range(PARTS):
+        src = bits_ptr + j * K + cols
+        pending = 1
+        while pending > 0:
+            got = tl.load(src, mask=cmask, other=0, volatile=True)
+            pending = tl.sum((got == SENT).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _rearm(rearm_ptr, n, SENT: tl.constexpr, BLOCK: tl.constexpr):
+    """Put the sentinel back into ``n`` int16 elements (the previous call's buffer, consumed
+    by then), spread over the grid's programs."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, n, step):
+        idx = start + offs
+        tl.store(rearm_ptr + idx, tl.full([BLOCK], SENT, tl.int16), mask=idx < n)
 
 
 @triton.jit
@@ -173,7 +176,7 @@ def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr):
     return w
 
 
-@triton.jit(do_not_specialize=["push_off", "slot", "rank"])  # one compile for every slot
+@triton.jit(do_not_specialize=["push_off"])  # one compile for every slot
 def _gemv_kernel(
     out_ptr,
     x_ptr,
@@ -196,19 +199,18 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
-    # Consumer of pushed partial sums (PARTS ranks): x_ptr holds them; wait on the flag first.
-    wait_flag_ptr,
-    wait_expect_ptr,
+    # Consumer of pushed partial sums (PARTS ranks): x_ptr holds them, parts_bits_ptr is the
+    # same memory as int16 (polled until complete); rearm_ptr / rearm_n: the previous call's
+    # buffer, re-armed here.
+    parts_bits_ptr,
+    rearm_ptr,
+    rearm_n,
     PARTS: tl.constexpr,
     # Producer: push the output rows to every rank instead of storing them to out_ptr.
     push_ptrs,
-    flag_ptrs,
-    cnt_ptr,
-    expect_ptr,
     push_off,
-    slot,
-    rank,
     PUSH_WORLD: tl.constexpr,
+    SENT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,7 +233,11 @@ def _gemv_kernel(
         # still reads: nothing past this point runs before it completes.
         tl.extra.cuda.gdc_wait()
     if PARTS > 0:
-        _wait_parts(wait_flag_ptr, wait_expect_ptr)
+        # The peers' rows are their own signal; poll the whole row at once (the wrapper
+        # checks that ROW_CHUNK covers K). The previous call's consumer has completed: re-arm.
+        rc = tl.arange(0, ROW_CHUNK)
+        _wait_parts(parts_bits_ptr, K, rc, rc < K, PARTS, SENT)
+        _rearm(rearm_ptr, rearm_n, SENT, 256)
     inv = 1.0
     if NORM:
         # Every program needs the whole row's RMS; the row is a few KiB and sits in L2. Read
@@ -270,22 +276,25 @@ def _gemv_kernel(
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         y = s * u
     if PUSH_WORLD > 0:
-        _push_rows(y.to(out_ptr.dtype.element_ty), rows, row_ok, push_ptrs, flag_ptrs, cnt_ptr,
-                   expect_ptr, push_off, slot, rank, PUSH_WORLD)
+        _push_rows(y.to(out_ptr.dtype.element_ty), rows, row_ok, push_ptrs, push_off, SENT,
+                   PUSH_WORLD)
     else:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _sum_parts_kernel(out_ptr, parts_ptr, flag_ptr, expect_ptr, K, PARTS: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out = the sum of the pushed partial rows, once every peer has signalled."""
+def _sum_parts_kernel(out_ptr, parts_ptr, bits_ptr, rearm_ptr, rearm_n, K,
+                      PARTS: tl.constexpr, BLOCK: tl.constexpr, SENT: tl.constexpr,
+                      PDL: tl.constexpr):
+    """out = the sum of the pushed partial rows, once they have all landed; re-arms the
+    previous call's buffer."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    _wait_parts(flag_ptr, expect_ptr)
+        tl.extra.cuda.gdc_wait()  # out may reuse memory the previous kernel still reads
     kk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     km = kk < K
+    _wait_parts(bits_ptr, K, kk, km, PARTS, SENT)
+    _rearm(rearm_ptr, rearm_n, SENT, 256)
     tl.store(out_ptr + kk, _load_x(parts_ptr, kk, km, K, PARTS, False), mask=km)
 
 
@@ -342,32 +351,29 @@ def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+PUSH_DTYPES = (torch.bfloat16, torch.float16)  # the sentinel is a 16-bit pattern
+PARTS_MAX_K = 8192  # a consumer polls its whole input row at once
+
+
 @dataclass(frozen=True, slots=True)
 class PushArgs:
     """Where a producer GEMV pushes its output rows (``worker/distributed/push_allreduce.py``
-    owns the buffers): the rows go to ``offset`` (elements) past every rank's partial-sum base
-    in ``data_ptrs``; the grid's last program bumps flag ``slot`` behind each peer's base in
-    ``flag_ptrs`` and adds ``world - 1`` to ``expect``. ``count`` (one int32, zero between
-    calls) is the grid's done-counter."""
+    owns the buffers): to ``offset`` (elements) past every rank's partial-sum base in
+    ``data_ptrs``, each buffer holding ``SENTINEL`` there until the rows land."""
 
-    data_ptrs: torch.Tensor  # int64 [world]: each rank's partial-sum buffer, this dtype
-    flag_ptrs: torch.Tensor  # int64 [world]: each rank's int32 flags
-    count: torch.Tensor
-    expect: torch.Tensor
+    data_ptrs: torch.Tensor  # int64 [world]: each rank's partial-sum buffer (16-bit elements)
     offset: int
-    slot: int
-    rank: int
     world: int
 
 
 @dataclass(frozen=True, slots=True)
 class PartsArgs:
     """Pushed partial rows a consumer sums: ``data [world, K]`` (this rank's buffer for the
-    slot), ready once ``flag`` (one int32) reaches ``expect``."""
+    call), complete once no element holds ``SENTINEL``; ``rearm``: the buffer of the call
+    before (1-D), which the consumer fills with ``SENTINEL`` again."""
 
     data: torch.Tensor
-    flag: torch.Tensor
-    expect: torch.Tensor
+    rearm: torch.Tensor
 
     @property
     def world(self) -> int:
@@ -401,6 +407,8 @@ def gemv(
     n_total = weight.shape[0]
     n = n_total // 2 if silu else n_total
     if parts is not None:
+        if k > PARTS_MAX_K:
+            raise ValueError(f"pushed rows of {k} > {PARTS_MAX_K} elements are not supported")
         xr = parts.data.view(-1)
     else:
         xr = x.reshape(k)
@@ -415,23 +423,21 @@ def gemv(
         n, k, silu, x.element_size(), num_sms(device_index(x.device))
     )
     pdl = pdl_enabled(x.device)
-    wait = (parts.flag, parts.expect) if parts is not None else (xr, xr)
-    if push is not None:
-        pa = (push.data_ptrs, push.flag_ptrs, push.count, push.expect, push.offset, push.slot,
-              push.rank)
+    if parts is not None:
+        wa = (parts.data.view(torch.int16), parts.rearm.view(torch.int16), parts.rearm.numel())
     else:
-        pa = (xr, xr, xr, xr, 0, 0, 0)
+        wa = (xr, xr, 0)
+    pa = (push.data_ptrs, push.offset) if push is not None else (xr, 0)
     launch(
         _gemv_kernel, (triton.cdiv(n, block_n),),
         (out, xr, res_in, res_out, norm_weight if norm else xr, weight,
          bias if bias is not None else xr, n, k, weight.stride(0), float(eps)),
         dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, ADD=add, SILU=silu,
              HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-             ROW_CHUNK=min(next_pow2(k), 8192) if norm else 16, num_warps=warps,
-             wait_flag_ptr=wait[0], wait_expect_ptr=wait[1],
-             PARTS=parts.world if parts is not None else 0,
-             push_ptrs=pa[0], flag_ptrs=pa[1], cnt_ptr=pa[2], expect_ptr=pa[3], push_off=pa[4],
-             slot=pa[5], rank=pa[6], PUSH_WORLD=push.world if push is not None else 0),
+             ROW_CHUNK=min(next_pow2(k), 8192) if norm or parts is not None else 16,
+             num_warps=warps, parts_bits_ptr=wa[0], rearm_ptr=wa[1], rearm_n=wa[2],
+             PARTS=parts.world if parts is not None else 0, push_ptrs=pa[0], push_off=pa[1],
+             PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL),
         pdl,
     )  # fmt: skip
     if add:
@@ -440,14 +446,16 @@ def gemv(
 
 
 def sum_parts(parts: PartsArgs) -> torch.Tensor:
-    """``[1, K]``: the sum of pushed partial rows, once every peer has signalled (for a consumer
-    that cannot take ``gemv(parts=...)``)."""
+    """``[1, K]``: the sum of pushed partial rows, once they have all landed (for a consumer
+    that cannot take ``gemv(parts=...)``); re-arms ``parts.rearm`` too."""
     k = parts.data.shape[-1]
     out = torch.empty((1, k), dtype=parts.data.dtype, device=parts.data.device)
     block = min(next_pow2(k), 1024)
     launch(_sum_parts_kernel, (triton.cdiv(k, block),),
-           (out, parts.data, parts.flag, parts.expect, k),
-           dict(PARTS=parts.world, BLOCK=block, num_warps=4), pdl_enabled(out.device))
+           (out, parts.data, parts.data.view(torch.int16), parts.rearm.view(torch.int16),
+            parts.rearm.numel(), k),
+           dict(PARTS=parts.world, BLOCK=block, SENT=SENTINEL, num_warps=4),
+           pdl_enabled(out.device))
     return out
 
 
