@@ -12,7 +12,10 @@ Steps. ``execute_model`` encodes the scheduler output once and enqueues it on th
 ring: every rank reads the same bytes. Only the output rank (first tensor-parallel rank of the
 last pipeline stage) replies; control requests (KV sizing) are answered by every rank. With
 ``non_block`` the call returns at once and ``result()`` collects the reply later: the
-EngineCore keeps up to ``max_concurrent_batches`` steps in flight (the pipeline depth).
+EngineCore keeps up to ``max_concurrent_batches`` steps in flight (the pipeline depth). With
+async scheduling the output rank replies to step N only once it has launched step N+1, so its
+GPU never idles through a round trip to the EngineCore; ``result()`` of the newest step sends
+`FlushStep` for the held reply when no next step is coming.
 
 Failure. A thread waits on the workers' process sentinels; the first worker to exit while the
 executor is not shutting down marks the executor failed. Every wait on a reply wakes at least

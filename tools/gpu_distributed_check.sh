@@ -13,7 +13,7 @@
 #    push: TP>1 perf with the all-reduce fused into the batch-1 GEMVs (TIDAL_PUSH_ALLREDUCE=1,
 #    off by default); nolamport: TP>1 perf without the signal-free all-reduce
 #    (TIDAL_LAMPORT_ALLREDUCE=0); tests: the GPU tests of the all-reduce kernels (2 GPUs and one);
-#    TIDAL_CHECK_ARGS="--trace-dir DIR" adds each rank's decode-step timeline (tools/trace_steps.py);
+#    TIDAL_CHECK_ARGS="--trace-dir DIR" adds each rank's step timeline (tools/trace_steps.py);
 # 5. a summary with the TP=2 / TP=1 decode ratio (target <= 0.6) in $OUT/tp_summary.json.
 # TIDAL_CHECK_TPS overrides the TP sizes (default: 1 2, and 4 with 4 GPUs).
 # If a run fails with the defaults it is retried once with enforce_eager and triton attention

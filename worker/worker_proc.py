@@ -17,8 +17,10 @@ Worker process life (multiprocess executor; spawned, one per rank):
    the worker exits at once with status 1;
 3. the loop: dequeue the next request from the broadcast ring (blocking, no CPU burnt while
    idle), decode, run, and write the reply, if any, to this worker's own reply ring. Only the
-   output rank replies to a model step; every rank replies to control requests. Any exception
-   is reported as `Failed` and ends the process with status 1: the executor treats it as fatal.
+   output rank replies to a model step (with ``defer_step_replies``, a step later: after
+   launching the next one, or on `FlushStep`); every rank replies to control requests. Any
+   exception is reported as `Failed` and ends the process with status 1: the executor treats
+   it as fatal.
    The ring closing (the executor shutting down) ends it with status 0.
 
 The process stays in its parent's session and process group (no ``setsid``), so a terminal's

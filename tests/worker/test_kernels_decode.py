@@ -436,7 +436,7 @@ def test_pushed_rows_summed_by_the_next_gemv(world: int, dtype: torch.dtype) -> 
                 assert torch.equal(res, ref_res) and torch.equal(y, ref_y), f"{label}: rank {r}"
             torch.cuda.synchronize()
             before = (slot - 1) % slots
-            assert bool((data[:, before] == td.SENTINEL).all()), f"{label}: slot before not re-armed"
+            assert bool((data[:, before] == td.SENTINEL).all()), f"{label}: slot before not armed"
             assert not bool((data[:, slot] == td.SENTINEL).any()), f"{label}: own slot erased"
 
 

@@ -10,7 +10,7 @@
 - ``qk_norm_rope_write_kv``: per token, the Qwen3 per-head q/k RMSNorm, neox rotary on q and k,
   and the K/V write into the paged cache, in one kernel (four launches before).
 - ``argmax``: a two-stage row argmax (many programs over vocabulary chunks, then one per row).
-- the tensor-parallel all-reduce fused into the GEMV (``distributed/push_allreduce.py``): a
+- the tensor-parallel all-reduce fused into the GEMV (opt-in, ``distributed/push_allreduce.py``): a
   producer GEMV (``push``) stores its rows into every rank's buffer; a consumer GEMV (``parts``)
   or ``sum_parts`` polls its buffer until no element holds the sentinel any more, sums the
   ranks' rows as it reads its input, and re-arms the buffer of the call before.
@@ -434,7 +434,7 @@ def gemv(
          bias if bias is not None else xr, n, k, weight.stride(0), float(eps)),
         dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, ADD=add, SILU=silu,
              HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-             ROW_CHUNK=min(next_pow2(k), 8192) if norm or parts is not None else 16,
+             ROW_CHUNK=min(next_pow2(k), PARTS_MAX_K) if norm or parts is not None else 16,
              num_warps=warps, parts_bits_ptr=wa[0], rearm_ptr=wa[1], rearm_n=wa[2],
              PARTS=parts.world if parts is not None else 0, push_ptrs=pa[0], push_off=pa[1],
              PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL),

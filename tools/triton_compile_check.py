@@ -1,0 +1,69 @@
+"""Compile the tensor-parallel Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+    pip install --no-deps --target /tmp/tri triton==3.6.0
+    PYTHONPATH=/tmp/tri python tools/triton_compile_check.py     (tidal installed, e.g. -e .)
+
+Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (Triton 3.6 did
+on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
+not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
+pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue), the
+partial-sum kernel and the signal-free all-reduce. Exits non-zero if any fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> str | None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as exc:  # noqa: BLE001 - reported per kernel
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def main() -> int:
+    from tidal.worker.ops import triton_allreduce as ta
+    from tidal.worker.ops import triton_decode as td
+
+    cases: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    gemv_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "res_ptr": "*bf16",
+                  "res_out_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                  "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
+                  "parts_bits_ptr": "*i16", "rearm_ptr": "*i16", "rearm_n": "i32",
+                  "push_ptrs": "*i64", "push_off": "i32"}
+    for name, parts, push, silu in (("gemv", 0, 0, False), ("gemv producer", 0, 2, False),
+                                    ("gemv consumer", 2, 0, False),
+                                    ("gemv consumer + SiLU", 2, 0, True)):
+        consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0, ADD=parts > 0, SILU=silu,
+                      HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True, ROW_CHUNK=4096,
+                      PARTS=parts, PUSH_WORLD=push, SENT=td.SENTINEL)
+        sig = {a: "constexpr" if a in consts else gemv_types[a]
+               for a in td._gemv_kernel.arg_names}
+        cases.append((name, td._gemv_kernel, sig, consts))
+    consts = dict(PARTS=2, BLOCK=1024, SENT=td.SENTINEL, PDL=True)
+    sig = {"out_ptr": "*bf16", "parts_ptr": "*bf16", "bits_ptr": "*i16", "rearm_ptr": "*i16",
+           "rearm_n": "i32", "K": "i32", **{k: "constexpr" for k in consts}}
+    cases.append(("sum_parts", td._sum_parts_kernel, sig, consts))
+    consts = dict(WORLD=2, CHUNK=ta.CHUNK, BF16=True, SENT=ta.SENTINEL, PDL=True)
+    sig = {"x_ptr": "*i16", "out_ptr": "*i16", "buf_ptrs": "*i64", "count_ptr": "*i32",
+           "n": "i32", "rank": "i32", "row_stride": "i32", "parity_stride": "i32",
+           **{k: "constexpr" for k in consts}}
+    cases.append(("signal-free all-reduce", ta._lamport_all_reduce_kernel, sig, consts))
+    failed = 0
+    for name, fn, sig, consts in cases:
+        error = _compile(fn, sig, consts)
+        print(f"{'FAIL' if error else 'ok  '} {name}" + (f": {error}" if error else ""))
+        failed += error is not None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
