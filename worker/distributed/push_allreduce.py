@@ -124,14 +124,16 @@ def make_push_all_reduce(tp: Any, device: torch.device, dtype: torch.dtype, hidd
     """The fused all-reduce for tensor-parallel group ``tp``, or None. Collective over the
     group: every member calls it after loading the same model; all get one or all get None."""
     from tidal.worker.distributed.symm_allreduce import agree
-    from tidal.worker.ops.triton_decode import PARTS_MAX_K, PUSH_DTYPES
 
     if tp.world_size == 1:
         return None  # nothing to reduce, and no group to agree over
     # Opt-in: slower than the separate signal-free all-reduce (module doc).
-    wanted = (device.type == "cuda" and tp.fast_all_reduce is not None
-              and dtype in PUSH_DTYPES and num_slots > 0 and hidden <= PARTS_MAX_K
+    wanted = (device.type == "cuda" and tp.fast_all_reduce is not None and num_slots > 0
               and os.environ.get("TIDAL_PUSH_ALLREDUCE", "0") == "1")
+    if wanted:  # (the kernels' module imports triton: not before a GPU is in play)
+        from tidal.worker.ops.triton_decode import PARTS_MAX_K, PUSH_DTYPES
+
+        wanted = dtype in PUSH_DTYPES and hidden <= PARTS_MAX_K
     if not agree(wanted, tp.cpu_group):
         return None
     comm, error = None, ""
