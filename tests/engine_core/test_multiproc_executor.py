@@ -218,7 +218,7 @@ def test_held_step_replies_come_back_in_order_around_control_requests(tiny_model
             assert ex.determine_num_blocks() == 256  # with a step in flight (held)
         if step != 2:
             return []
-        # Steps 2: the core's own step left one step in flight; finish it, then launch two by
+        # Step 2: the core's own step left one step in flight; finish it, then launch two by
         # hand before collecting either: the first one's reply arrives (the second is
         # launched) while the executor waits for the control answer.
         sched, pending = core.batch_queue.popleft()
