@@ -12,7 +12,8 @@
 # 4. allreduce: latency of one NCCL all-reduce of decode hidden states, eager and in a graph;
 #    push: TP>1 perf with the all-reduce fused into the batch-1 GEMVs (TIDAL_PUSH_ALLREDUCE=1,
 #    off by default); nolamport: TP>1 perf without the signal-free all-reduce
-#    (TIDAL_LAMPORT_ALLREDUCE=0); tests: the GPU tests of the all-reduce kernels (2 GPUs and one);
+#    (TIDAL_LAMPORT_ALLREDUCE=0); noapart: perf with the RMSNorm always in the GEMV prologue
+#    (TIDAL_NORM_APART=0); tests: the GPU tests of the all-reduce and decode kernels;
 #    TIDAL_CHECK_ARGS="--trace-dir DIR" adds each rank's step timeline (tools/trace_steps.py);
 # 5. a summary with the TP=2 / TP=1 decode ratio (target <= 0.6) in $OUT/tp_summary.json.
 # TIDAL_CHECK_TPS overrides the TP sizes (default: 1 2, and 4 with 4 GPUs).
@@ -95,6 +96,11 @@ for phase in $PHASES; do
                       --requests "$REQUESTS" || status=1
               done ;;
         # TP>1 with the signal-free all-reduce off (the one-shot or NCCL path instead).
+        # The RMSNorm always as the GEMV prologue (TIDAL_NORM_APART=0), for comparison.
+        noapart) for tp in $TPS; do
+                  TIDAL_NORM_APART=0 run "perf_tp${tp}_noapart$TAG" 110 perf --tp "$tp" \
+                      --requests "$REQUESTS" || status=1
+              done ;;
         nolamport) for tp in $TPS; do
                   (( tp > 1 )) || continue
                   TIDAL_LAMPORT_ALLREDUCE=0 run "perf_tp${tp}_nolamport$TAG" 110 perf --tp "$tp" \
@@ -105,13 +111,15 @@ for phase in $PHASES; do
                timeout -k 5 "$l" "$PY" -m pytest -p no:cacheprovider -q -rs -s \
                    tests/worker/test_lamport_allreduce_gpu.py tests/worker/test_kernels_allreduce.py \
                    tests/worker/test_push_allreduce_gpu.py tests/worker/test_kernels_decode.py \
-                   -k "lamport or rank_order or push or pushed" > "$OUT/tests$TAG.log" 2>&1 || status=1
+                   -k "lamport or rank_order or push or pushed or squares or norm or prefetch" \
+                   > "$OUT/tests$TAG.log" 2>&1 || status=1
                grep -i "start-up choice" "$OUT/tests$TAG.log"
                tail -n 15 "$OUT/tests$TAG.log" ;;
         allreduce) multi=$(echo "$TPS" | tr ' ' '\n' | awk '$1 > 1' | tr '\n' ' ')
                    # shellcheck disable=SC2086
                    [ -n "$multi" ] && { run "allreduce$TAG" 60 allreduce --tp $multi || status=1; } ;;
-        *) echo "unknown phase $phase (equal, perf, push, nolamport, tests, allreduce)"; status=1 ;;
+        *) echo "unknown phase $phase (equal, perf, push, noapart, nolamport, tests, allreduce)"
+           status=1 ;;
     esac
 done
 

@@ -528,7 +528,7 @@ def bench_decode1_tp(ceiling: float) -> list[dict[str, Any]]:
             engine_cfg = td.gemv_config(n_out, k, kind == "silu", 2, sms)
             timed = []
             # TP=1's shapes were tuned with bench_decode1's sweep: only the engine's pick here.
-            sweep = [c for c in TP_GEMV_SWEEP if c != engine_cfg] if tp > 1 else []
+            sweep = [c for c in TP_GEMV_SWEEP if c != engine_cfg[:3]] if tp > 1 else []
             for c in [engine_cfg] + sweep:
                 if c[1] > max(64, 1 << (k - 1).bit_length()):
                     continue
@@ -565,6 +565,150 @@ def bench_decode1_tp(ceiling: float) -> list[dict[str, Any]]:
                          "configs": pick or "engine"})  # fmt: skip
             print(f"tp{tp} chain ({label}): {ms:.3f} ms per step, {step_bytes / ms / 1e6:.0f} GB/s")
         del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+NORM_SWEEP = [(bn, bk, w) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4, 8)
+              if bn * bk <= 8192 and not (w == 8 and bn * bk < 2048)]
+
+
+def bench_decode1_norm(ceiling: float, sweep: bool = True,
+                       budget_s: float = 360.0) -> list[dict[str, Any]]:
+    """Where the RMSNorm of a batch-1 decode step goes, on one rank of Llama-3.1-8B at TP 1/2:
+    a whole step's GEMV chain (32 layers, weights resident, one graph) with
+
+    - ``prologue``: the norm (and residual add) as the prologue of the q/k/v and gate/up GEMVs,
+      every program reading the whole row (the engine before this section existed);
+    - ``add-norm kernel``: a one-program add + RMSNorm kernel before plain GEMVs (at TP>1 after
+      the all-reduce; ``triton_decode.add_rms_norm_row``);
+    - ``ss from all-reduce`` (TP>1): the all-reduce adds the residual and writes each chunk's
+      sum of squares; the GEMV norms its input from those few numbers;
+
+    each with one or two weight chunks fetched before the wait for the previous kernel, then
+    with launch shapes swept for the variant (``sweep``; stops after ``budget_s``). The
+    all-reduce runs with one rank (its buffers on this GPU): the kernels and their boundaries,
+    not NVLink."""
+    from tidal.worker.ops import triton_allreduce as ta
+    from tidal.worker.ops import triton_decode as td
+
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    dt, dev = torch.bfloat16, "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn((1, 14336), device=dev, dtype=dt)
+    h = torch.randn((1, 4096), device=dev, dtype=dt)
+    r = torch.randn((1, 4096), device=dev, dtype=dt)
+    nw = torch.randn(4096, device=dev, dtype=dt)
+    ss = torch.rand(8, device=dev) * 4096
+    row = ta.CHUNK * ta.MAX_PROGRAMS
+    buf = torch.full((2, 1, row), ta.SENTINEL, dtype=torch.int16, device=dev)
+    ptrs = torch.tensor([buf.data_ptr()], dtype=torch.int64, device=dev)
+    counts = torch.zeros(ta.MAX_PROGRAMS, dtype=torch.int32, device=dev)
+    ar_out = torch.empty_like(h)
+    ss_out = torch.zeros(8, device=dev)
+
+    def ar() -> None:
+        ta.lamport_all_reduce(h, ar_out, ptrs, counts, 0, 1, row)
+
+    def ar_ss() -> None:
+        ta.lamport_all_reduce(h, ar_out, ptrs, counts, 0, 1, row, residual=r, sum_squares=ss_out)
+
+    def add_norm() -> None:
+        td.add_rms_norm_row(h, r, nw, 1e-6)
+
+    def gemv(w, k, kind, mode, prefetch, cfg):
+        silu = kind == "silu"
+        if kind and mode == "prologue":
+            return lambda: td.gemv(x[:, :k], w, norm_weight=nw, residual=r, eps=1e-6,
+                                   silu=silu, prefetch=prefetch, config=cfg)
+        if kind and mode == "ss":
+            return lambda: td.gemv(x[:, :k], w, norm_weight=nw, eps=1e-6, silu=silu,
+                                   norm_ss=ss, prefetch=prefetch, config=cfg)
+        return lambda: td.gemv(x[:, :k], w, silu=silu, prefetch=prefetch, config=cfg)
+
+    # variant -> (kernels before a normed GEMV, how that GEMV norms), per TP
+    plans = {1: {"prologue": ([], "prologue"), "add-norm kernel": ([add_norm], "plain")},
+             2: {"prologue": ([ar], "prologue"), "add-norm kernel": ([ar, add_norm], "plain"),
+                 "ss from all-reduce": ([ar_ss], "ss")}}
+    for tp in (1, 2):
+        shapes = {name: (n, k, kind) for name, n, k, kind in LLAMA8B_TP_GEMVS[tp]}
+        layers = [{name: torch.randn((n, k), device=dev, dtype=dt)
+                   for name, (n, k, _) in shapes.items()} for _ in range(32)]
+        step_bytes = sum(n * k * 2 for n, k, _ in shapes.values()) * 32
+
+        def chain(before, mode, prefetch, cfgs):
+            calls = []
+            for lw in layers:
+                for name, (n, k, kind) in shapes.items():
+                    if kind:
+                        calls.extend(before)
+                    calls.append(gemv(lw[name], k, kind, mode if kind else "plain", prefetch,
+                                      cfgs.get(name)))
+            return calls
+
+        def record(label, calls):
+            t = time_calls(calls, reps=20)
+            ms = t["ms"] * len(calls)
+            rows.append({"kernel": "tp/norm_chain", "case": f"tp{tp} {label}",
+                         "bytes": step_bytes, "ms": ms, "ms_min": t["ms_min"] * len(calls),
+                         "ms_max": t["ms_max"] * len(calls), "GBps": step_bytes / ms / 1e6,
+                         "frac_of_ceiling": step_bytes / ms / 1e6 / ceiling,
+                         "kernels": len(calls)})  # fmt: skip
+            print(f"tp{tp} {label}: {ms * 1e3:.0f} us per step ({len(calls)} kernels)")
+
+        for label, (before, mode) in plans[tp].items():
+            for prefetch in (1, 2):
+                record(f"{label} prefetch{prefetch}", chain(before, mode, prefetch, {}))
+        record("gemvs alone prefetch2", chain([], "plain", 2, {}))
+        for label, fn in (("all-reduce", ar), ("all-reduce + ss", ar_ss), ("add-norm", add_norm)):
+            if tp == 1 and label != "add-norm":
+                continue
+            t = time_calls([fn] * 64, reps=20)
+            rows.append({"kernel": "tp/norm_kernel", "case": f"tp{tp} {label}", "ms": t["ms"],
+                         "ms_min": t["ms_min"], "ms_max": t["ms_max"]})
+            print(f"tp{tp} {label}: {t['ms'] * 1e3:.2f} us")
+        if not sweep:
+            continue
+        # Launch shapes per variant: each GEMV alone, 48 copies back to back.
+        for label, (before, mode) in plans[tp].items():
+            if label == "prologue":
+                continue
+            best: dict[str, tuple[int, int, int]] = {}
+            pick_prefetch: dict[str, int] = {}
+            for name, (n, k, kind) in shapes.items():
+                n_out = n // 2 if kind == "silu" else n
+                engine_cfg = td.gemv_config(n_out, k, kind == "silu", 2, sms)[:3]
+                timed = []
+                for prefetch in (1, 2):
+                    for c in [engine_cfg] + [c for c in NORM_SWEEP if c != engine_cfg]:
+                        if time.perf_counter() - t_start > budget_s:
+                            break
+                        try:
+                            t = time_calls([gemv(layers[i][name], k, kind,
+                                                 mode if kind else "plain", prefetch, c)
+                                            for i in range(32)], reps=10)
+                        except Exception as exc:  # noqa: BLE001 - a shape that does not build
+                            print(f"  {name} {c}: {type(exc).__name__}", file=sys.stderr)
+                            continue
+                        timed.append((t["ms"], prefetch, c))
+                if not timed:
+                    continue
+                ms, pf, c = min(timed)
+                best[name], pick_prefetch[name] = c, pf
+                eng = [t for t in timed if t[1] == 1 and t[2] == engine_cfg]
+                rows.append({"kernel": "tp/norm_gemv_best", "case": f"tp{tp}/{name} {label}",
+                             "config": c, "prefetch": pf, "ms": ms, "ms_min": ms, "ms_max": ms,
+                             "engine_config_ms": eng[0][0] if eng else None,
+                             "tried": len(timed)})  # fmt: skip
+                print(f"tp{tp} {label} {name}: best {c} prefetch{pf} {ms * 1e3:.2f} us"
+                      f" (engine shape {eng[0][0] * 1e3 if eng else float('nan'):.2f}, "
+                      f"{len(timed)} tried)")
+            if len(best) == len(shapes):
+                for pf in sorted(set(pick_prefetch.values())):
+                    # (one prefetch depth per chain: the kernels share it)
+                    record(f"{label} tuned prefetch{pf}", chain(before, mode, pf, best))
+        layers.clear()
         torch.cuda.empty_cache()
     return rows
 
@@ -688,7 +832,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sections = [("decode", lambda: bench_decode(ceil["GBps"], QWEN3)), ("prefill", lambda: bench_prefill(QWEN3)),
                 ("ops", lambda: bench_ops(ceil["GBps"], QWEN3)),
                 ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep)),
-                ("decode1_tp", lambda: bench_decode1_tp(ceil["GBps"]))]  # fmt: skip
+                ("decode1_tp", lambda: bench_decode1_tp(ceil["GBps"])),
+                ("decode1_norm", lambda: bench_decode1_norm(ceil["GBps"], sweep=args.sweep))]  # fmt: skip
     if args.sweep:
         sections.append(("sweep", lambda: bench_sweep(ceil["GBps"], QWEN3)))
     if args.sections:
@@ -739,7 +884,8 @@ def main() -> int:
     c.add_argument("--out")
     c.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
     c.add_argument("--sections", default="",
-                   help="comma-separated subset of decode,prefill,ops,decode1,decode1_tp,sweep (default: all)")
+                   help="comma-separated subset of decode,prefill,ops,decode1,decode1_tp,decode1_norm,"
+                        "sweep (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check", file=sys.stderr)

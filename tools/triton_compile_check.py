@@ -7,7 +7,8 @@ Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (
 on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue), the
-partial-sum kernel and the signal-free all-reduce. Exits non-zero if any fails.
+partial-sum kernel, the signal-free all-reduce (also with the residual add and sums of squares) and the
+one-row add + norm. Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -38,25 +39,39 @@ def main() -> int:
                   "res_out_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
                   "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                   "parts_bits_ptr": "*i16", "rearm_ptr": "*i16", "rearm_n": "i32",
-                  "push_ptrs": "*i64", "push_off": "i32"}
-    for name, parts, push, silu in (("gemv", 0, 0, False), ("gemv producer", 0, 2, False),
-                                    ("gemv consumer", 2, 0, False),
-                                    ("gemv consumer + SiLU", 2, 0, True)):
-        consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0, ADD=parts > 0, SILU=silu,
-                      HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True, ROW_CHUNK=4096,
-                      PARTS=parts, PUSH_WORLD=push, SENT=td.SENTINEL)
+                  "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32"}
+    for name, parts, push, silu, prefetch, ss in (
+            ("gemv", 0, 0, False, 1, 0), ("gemv producer", 0, 2, False, 1, 0),
+            ("gemv consumer", 2, 0, False, 1, 0), ("gemv consumer + SiLU", 2, 0, True, 1, 0),
+            ("gemv two chunks prefetched", 0, 0, False, 2, 0),
+            ("gemv + SiLU, norm from sums of squares, two chunks prefetched", 0, 0, True, 2, 8)):
+        consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0, ADD=parts > 0,
+                      SILU=silu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
+                      ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
+                      PUSH_WORLD=push, SENT=td.SENTINEL)
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))
-    consts = dict(PARTS=2, BLOCK=1024, SENT=td.SENTINEL, PDL=True)
-    sig = {"out_ptr": "*bf16", "parts_ptr": "*bf16", "bits_ptr": "*i16", "rearm_ptr": "*i16",
-           "rearm_n": "i32", "K": "i32", **{k: "constexpr" for k in consts}}
-    cases.append(("sum_parts", td._sum_parts_kernel, sig, consts))
-    consts = dict(WORLD=2, CHUNK=ta.CHUNK, BF16=True, SENT=ta.SENTINEL, PDL=True)
-    sig = {"x_ptr": "*i16", "out_ptr": "*i16", "buf_ptrs": "*i64", "count_ptr": "*i32",
-           "n": "i32", "rank": "i32", "row_stride": "i32", "parity_stride": "i32",
-           **{k: "constexpr" for k in consts}}
-    cases.append(("signal-free all-reduce", ta._lamport_all_reduce_kernel, sig, consts))
+    for add_ss in (False, True):
+        consts = dict(PARTS=2, BLOCK=512, SENT=td.SENTINEL, PDL=True, ADD_SS=add_ss)
+        sig = {"out_ptr": "*bf16", "parts_ptr": "*bf16", "bits_ptr": "*i16", "rearm_ptr": "*i16",
+               "rearm_n": "i32", "K": "i32", "res_ptr": "*bf16", "ss_ptr": "*fp32",
+               **{k: "constexpr" for k in consts}}
+        cases.append(("sum_parts" + (" + residual, sums of squares" if add_ss else ""),
+                      td._sum_parts_kernel, sig, consts))
+    for add_ss in (False, True):
+        consts = dict(WORLD=2, CHUNK=ta.CHUNK, BF16=True, SENT=ta.SENTINEL, PDL=True,
+                      ADD_SS=add_ss)
+        sig = {"x_ptr": "*i16", "out_ptr": "*i16", "buf_ptrs": "*i64", "count_ptr": "*i32",
+               "n": "i32", "rank": "i32", "row_stride": "i32", "parity_stride": "i32",
+               "res_ptr": "*i16", "ss_ptr": "*fp32", **{k: "constexpr" for k in consts}}
+        cases.append(("signal-free all-reduce" + (" + residual, sums of squares" if add_ss
+                                                  else ""),
+                      ta._lamport_all_reduce_kernel, sig, consts))
+    consts = dict(BLOCK=4096, HAS_RES=True, PDL=True)
+    sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
+           "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", **{k: "constexpr" for k in consts}}
+    cases.append(("add + norm row", td._add_rms_norm_row_kernel, sig, consts))
     failed = 0
     for name, fn, sig, consts in cases:
         error = _compile(fn, sig, consts)

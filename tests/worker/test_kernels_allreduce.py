@@ -2,7 +2,8 @@
 GPU: each rank's receive buffer is plain device memory, and each rank's kernel runs on its own
 stream so they run at once (every rank waits for the others' values). The result must be, on
 every rank, exactly the float32 sum in rank order rounded once, over ragged sizes, inputs of
-negative zero and many rounds (the buffers must come back re-armed, the parities alternate).
+negative zero and many rounds (the buffers must come back re-armed, the parities alternate);
+and with a residual added and the RMSNorm's sums of squares returned.
 ``test_lamport_allreduce_gpu.py`` runs it across real GPUs against NCCL, in CUDA graphs too."""
 
 from __future__ import annotations
@@ -61,3 +62,36 @@ def test_every_rank_gets_the_rank_order_sum(world: int, dtype: torch.dtype) -> N
     programs = -(-max(sizes) // ta.CHUNK)
     calls = [sum(1 for n in sizes if n > p * ta.CHUNK) * 3 for p in range(programs)]
     assert counts[:, :programs].tolist() == [calls] * world
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_residual_and_sums_of_squares(dtype: torch.dtype) -> None:
+    """With a residual the all-reduce returns sum + residual (exactly the add of
+    ``fused_add_rms_norm``) and each chunk's sum of squares of that row."""
+    world = 2
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    bufs = torch.full((world, 2, world, ROW), ta.SENTINEL, dtype=torch.int16, device=DEVICE)
+    ptrs = torch.tensor([bufs[r].data_ptr() for r in range(world)], device=DEVICE)
+    counts = torch.zeros((world, ta.MAX_PROGRAMS), dtype=torch.int32, device=DEVICE)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    for n in (4096, 1000, 4096):
+        xs = [torch.randn(1, n, generator=gen, device=DEVICE).to(dtype) for _ in range(world)]
+        res = torch.randn(1, n, generator=gen, device=DEVICE).to(dtype)
+        outs = [torch.full_like(res, float("nan")) for _ in range(world)]
+        sss = [torch.full((16,), float("nan"), device=DEVICE) for _ in range(world)]
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                ta.lamport_all_reduce(xs[r], outs[r], ptrs, counts[r], r, world, ROW,
+                                      residual=res, sum_squares=sss[r])
+        torch.cuda.synchronize()
+        want = reference(xs) + res
+        chunks = -(-n // ta.CHUNK)
+        want_ss = torch.nn.functional.pad(want.float().pow(2), (0, chunks * ta.CHUNK - n))
+        want_ss = want_ss.view(chunks, ta.CHUNK).sum(1)
+        for r in range(world):
+            assert torch.equal(outs[r], want), f"{n}: rank {r} sum + residual"
+            torch.testing.assert_close(sss[r][:chunks], want_ss, rtol=1e-5, atol=1e-3)
+            assert torch.equal(sss[r][:chunks], sss[0][:chunks]), "ranks disagree"
+            assert bool(sss[r][chunks:].isnan().all()), "wrote past its chunks"
+        assert bool((bufs == ta.SENTINEL).all())

@@ -400,7 +400,8 @@ def _as_pushed(rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_pushed_rows_summed_by_the_next_gemv(world: int, dtype: torch.dtype) -> None:
     """Each simulated rank's row-parallel GEMV pushes its rows to every rank; then each rank's
-    consumers (``sum_parts`` and the norm + residual GEMV with ``parts``) see exactly the sum of
+    consumers (``sum_parts``, alone and with the residual add and the norm's sums of squares,
+    and the norm + residual GEMV with ``parts``) see exactly the sum of
     the plain GEMVs' rows, summed in rank order, and put the sentinel back into the slot before.
     Three rounds over three slots; one call's rows are all zeros (a zero input), and any
     negative zero must arrive as +0 (the sentinel is negative zero's bit pattern)."""
@@ -428,9 +429,15 @@ def test_pushed_rows_summed_by_the_next_gemv(world: int, dtype: torch.dtype) -> 
             ref_y, ref_res = td.gemv(total, w_next, norm_weight=nw, residual=residual, eps=1e-6)
             for r in range(world):
                 assert torch.equal(data[r, slot], _as_pushed(rows)), f"{label}: rank {r}'s rows"
+            ss = torch.full((4,), float("nan"), device=DEVICE)
             for r in range(world):
                 got = td.sum_parts(parts(r, slot))
                 assert torch.equal(got, total), f"{label}: sum, rank {r}"
+                got = td.sum_parts(parts(r, slot), residual, ss)
+                assert torch.equal(got, ref_res), f"{label}: sum + residual, rank {r}"
+                want_ss = F.pad(ref_res.float().pow(2), (0, 24)).view(2, 512).sum(1)
+                torch.testing.assert_close(ss[:2], want_ss, rtol=1e-5, atol=1e-3)
+                assert bool(ss[2:].isnan().all()), f"{label}: statistics past the blocks"
                 y, res = td.gemv(total, w_next, norm_weight=nw, residual=residual, eps=1e-6,
                                  parts=parts(r, slot))
                 assert torch.equal(res, ref_res) and torch.equal(y, ref_y), f"{label}: rank {r}"
@@ -480,3 +487,92 @@ def test_pushed_rows_in_cuda_graph() -> None:
             for r in range(world):
                 assert torch.equal(outs[s][r], want), f"replay {i}, slot {s}, rank {r}"
         assert bool((data[:, :slots - 1] == td.SENTINEL).all()), f"replay {i}: not re-armed"
+
+
+@pytest.mark.parametrize("variant", ["plain", "add_norm_silu", "norm"])
+def test_gemv_two_chunks_prefetched_is_bit_exact(variant: str) -> None:
+    """Fetching the second weight chunk before the dependent-launch wait changes when it is
+    loaded, not the arithmetic: the same bits as the one-chunk kernel."""
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    norm, add, silu = "norm" in variant, "add" in variant, "silu" in variant
+    for n, k, cfg in ((96 * (2 if silu else 1), 4096, (4, 1024, 4)),
+                      (2 * 77, 2 * 1000 + 3, (2, 512, 4)), (8, 300, (8, 256, 4))):
+        x, w, b, nw, r = _gemv_case(n, k, torch.bfloat16, gen, norm, add, False)
+        one, res1 = td.gemv(x, w, norm_weight=nw, residual=r, eps=1e-6, silu=silu, config=cfg)
+        two, res2 = td.gemv(x, w, norm_weight=nw, residual=r, eps=1e-6, silu=silu, config=cfg,
+                            prefetch=2)
+        assert torch.equal(one, two), f"{variant} {n}x{k} {cfg}"
+        if add:
+            assert torch.equal(res1, res2)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_norm_from_sums_of_squares(silu: bool) -> None:
+    """``norm_ss``: the RMSNorm statistics come in as partial sums of squares (zero-padded to
+    a power of two) instead of from the row; the result is the prologue norm's, up to the order
+    in which the squares were summed."""
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    for n, k, parts in ((96 * (2 if silu else 1), 4096, 8), (2 * 50, 1000, 2), (6, 3000, 8)):
+        x, w, _, nw, _ = _gemv_case(n, k, torch.bfloat16, gen, True, False, False)
+        sq = x.float().pow(2).view(-1)
+        bounds = torch.linspace(0, k, 4).long().tolist()  # three uneven partial sums
+        ss = torch.zeros(parts, device=DEVICE)
+        for i in range(3 if parts > 2 else 1):
+            ss[i] = sq[bounds[i]: bounds[i + 1]].sum() if parts > 2 else sq.sum()
+        ref, got_torch, _ = _gemv_refs(x, w, None, nw, None, 1e-6, silu)
+        y, same = td.gemv(x, w, norm_weight=nw, eps=1e-6, silu=silu, norm_ss=ss, prefetch=2)
+        _check(y, ref, got_torch, torch.bfloat16, f"norm_ss {n}x{k}")
+        assert same is x
+    with pytest.raises(ValueError, match="norm_ss"):
+        td.gemv(x, w, norm_weight=nw, residual=x, norm_ss=ss)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    """The sum of squares is reduced in another order than torch's ``mean``, so the 1/RMS can
+    differ in its last float32 bit: the normed value rounds one unit in the last place off,
+    which the weight scales and the product rounds again (at most two units of the result). In
+    float32 nothing rounds in between: there the sums of 4096 squares may differ by more than
+    a unit, and so may most elements."""
+    ulp = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(1e-3)
+    if want.dtype == torch.float32:
+        ulp = ulp * 64
+    bad = (got.float() - want.float()).abs() > 2 * ulp
+    assert not bool(bad.any()), f"{label}: {int(bad.sum())} elements off by more than allowed"
+    if want.dtype != torch.float32:
+        assert float((got == want).float().mean()) > 0.98, f"{label}: many rounding differences"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_row(dtype: torch.dtype) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    for n in (4096, 1536, 3, 16384):
+        x, r = (torch.randn(2, 1, n, generator=gen, device=DEVICE) * 3).to(dtype)
+        w = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+        _poison(16 * n)
+        y, new_res = td.add_rms_norm_row(x, r, w, 1e-5)
+        want_y, want_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(new_res, want_res), n
+        _close(y, want_y, f"{n} with residual")
+        y, same = td.add_rms_norm_row(x, None, w, 1e-5)
+        assert same is x, n
+        _close(y, torch_ops.rms_norm(x, w, 1e-5), f"{n} without residual")
+    with pytest.raises(ValueError, match="one row"):
+        td.add_rms_norm_row(torch.ones(2, 8, device=DEVICE, dtype=dtype), None, w[:8], 1e-5)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_norm_apart_from_large_gemvs(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
+    """``ops.rms_norm_linear`` before a weight of ``NORM_APART_MIN_BYTES`` or more: the one-row
+    norm kernel, then the plain GEMV; the same result as the prologue path up to the norm's
+    summation order, and the same new residual."""
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    x, w, _, nw, r = _gemv_case(256 * (2 if silu else 1), 2048, torch.bfloat16, gen, True, True,
+                                False)
+    monkeypatch.setattr(ops, "NORM_APART_MIN_BYTES", 1 << 40)
+    y0, res0 = ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
+    monkeypatch.setattr(ops, "NORM_APART_MIN_BYTES", 0)
+    y1, res1 = ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
+    assert torch.equal(res0, res1)
+    ref, got_torch, _ = _gemv_refs(x, w, None, nw, r, 1e-6, silu)
+    _check(y1, ref, got_torch, torch.bfloat16, "norm apart")
+    _check(y0, ref, got_torch, torch.bfloat16, "norm in the prologue")

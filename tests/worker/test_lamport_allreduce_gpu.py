@@ -1,7 +1,9 @@
 """The signal-free all-reduce (``worker/distributed/lamport_allreduce.py``) across two real GPUs:
 exactly NCCL's sum for bf16 and fp16 tensors from one element to the 256 Ki limit, eagerly with
 one rank deliberately late, and as the 64 all-reduces of a decode step captured in a CUDA graph
-and replayed with new inputs. Also runs the start-up choice between the paths and reports it."""
+and replayed with new inputs; the decode-step form that also adds the residual and returns the
+norm's sums of squares, in turn with plain calls. Also runs the start-up choice between the
+paths and reports it."""
 
 from __future__ import annotations
 
@@ -67,6 +69,50 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                 break
     if not bool((lam._buf == -32768).all()):
         failures.append("buffers not re-armed after the last call")
+
+    # The decode-step form: rows deferred to the next norm (sum + residual and the norm's
+    # sums of squares in one kernel), in turn with plain all-reduces on the same buffers,
+    # eagerly and replayed from a graph.
+    rows = [torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
+            for _ in range(8)]
+    res = torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
+
+    def step() -> list[torch.Tensor]:
+        outs = []
+        for k, x in enumerate(rows):
+            pending = lam.defer(x)
+            if pending is None:
+                raise AssertionError("a 4096-wide bf16 row was not deferred")
+            h, ss = pending.reduce_add_stats(res)
+            # (the statistics' buffer serves every row of this width: the GEMV reads it next)
+            outs += [h, ss.clone(), lam(x[:, : 100 * (k + 1)])]
+        return outs
+
+    def check(outs: list[torch.Tensor], label: str) -> None:
+        for k, x in enumerate(rows):
+            h, ss, plain = outs[3 * k: 3 * k + 3]
+            want = nccl(x) + res
+            if not torch.equal(h, want):
+                failures.append(f"{label}: row {k} sum + residual")
+            sq = want.float().pow(2).view(8, 512).sum(1)
+            if ss.shape != (8,) or not torch.allclose(ss, sq, rtol=1e-5):
+                failures.append(f"{label}: row {k} sums of squares")
+            if not torch.equal(plain, nccl(x[:, : 100 * (k + 1)])):
+                failures.append(f"{label}: plain all-reduce after row {k}")
+
+    check(step(), "eager")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for i in range(3):
+        for x in rows:
+            x.copy_(torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16))
+        if rank == i % world:
+            time.sleep(0.005)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(outs, f"graph replay {i}")
 
     # The start-up choice the engine makes (timing decides; reported, not asserted).
     comm = make_symm_allreduce(dist.group.WORLD, cpu, world, device)

@@ -73,6 +73,17 @@ class ParallelGroup:
         torch.distributed.all_reduce(x, group=self.device_group)
         return x
 
+    def defer_all_reduce(self, x: torch.Tensor) -> Any:
+        """The sum of one row ``x`` over the group, as a ``PendingSum`` that the next norm
+        finishes (``ops.rms_norm_linear``) where the signal-free all-reduce takes ``x``, else
+        as ``all_reduce`` returns it."""
+        lamport = getattr(self.fast_all_reduce, "lamport", None)
+        if self.world_size > 1 and lamport is not None:
+            pending = lamport.defer(x)
+            if pending is not None:
+                return pending
+        return self.all_reduce(x)
+
     def begin_step(self) -> None:
         """A forward pass starts: the fused all-reduce hands out its slots from the first."""
         if self.push_all_reduce is not None:

@@ -28,9 +28,13 @@ whole partial-sum row from L2 before it can start. A variant whose consumer skip
 dependent-launch wait (the rows being their own signal) took 3.05 ms: its programs spun while
 the producer still ran, and it needed an aliasing argument that only holds when a consumer's
 predecessor is its own producer. An earlier version with a done-counter and release/acquire
-flags measured 3.43 against 3.25 ms on 4×H200. So it is off unless ``TIDAL_PUSH_ALLREDUCE=1``,
+flags measured 3.43 against 3.25 ms on 4×H200. Since the norm's statistics come from the
+summing kernel (``PushedRows.reduce_add_stats``: ``sum_parts`` with the residual, then a GEMV
+that reads one finished row) it measured 2.398 against 2.390 ms for the separate signal-free
+all-reduce doing the same: moving the stores into the producer saves nothing once the consumer
+GEMVs no longer poll. So it is off unless ``TIDAL_PUSH_ALLREDUCE=1``,
 which turns it on for 16-bit hidden states of up to ``PARTS_MAX_K`` wherever symmetric memory
-works. Everything else, and any consumer that cannot take pushed rows (``PendingSum.wait``),
+works. Everything else, and any consumer that cannot take pushed rows (``PushedRows.wait``),
 keeps working.
 """
 
@@ -43,20 +47,25 @@ from typing import Any
 
 import torch
 
+from tidal.worker.distributed.pending_sum import PendingSum
+
 logger = logging.getLogger(__name__)
 
 MIN_SLOTS = 3  # see the reuse argument above
 
 
 @dataclass(slots=True)
-class PendingSum:
-    """The output of a row-parallel GEMV whose all-reduce is still in flight: each rank's
-    partial rows sit in slot ``slot`` of every rank's buffer. Pass it to
-    ``ops.rms_norm_linear`` (which sums while reading) or call ``wait()`` for the tensor."""
+class PushedRows(PendingSum):
+    """Each rank's partial rows sit in slot ``slot`` of every rank's buffer: the next GEMV sums
+    them as it reads its input (``parts``), or ``wait()`` does."""
 
     comm: PushAllReduce
     slot: int
-    like: torch.Tensor  # a [1, hidden] tensor with the result's dtype and device (not its value)
+    like_: torch.Tensor  # [1, hidden]: the result's dtype and device (not its value)
+
+    @property
+    def like(self) -> torch.Tensor:
+        return self.like_
 
     def parts(self) -> Any:
         return self.comm.parts(self.slot)
@@ -64,7 +73,12 @@ class PendingSum:
     def wait(self) -> torch.Tensor:
         from tidal.worker.ops import triton_decode
 
-        return triton_decode.sum_parts(self.parts()).view(self.like.shape)
+        return triton_decode.sum_parts(self.parts()).view(self.like_.shape)
+
+    def reduce_add_stats(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if residual.dtype != self.like_.dtype or residual.numel() != self.like_.numel():
+            return None
+        return self.comm.reduce_add_stats(self.slot, residual)
 
 
 class PushAllReduce:
@@ -89,6 +103,11 @@ class PushAllReduce:
         self.data_ptrs = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64,
                                       device=device)
         self._like = torch.empty((1, hidden), dtype=dtype, device=device)
+        # The norm statistics of a summed row: one partial per sum_parts program, zero-padded
+        # to a power of two (the padding is never written).
+        blocks = -(-hidden // triton_decode.SUM_PARTS_BLOCK)
+        self._sum_squares = torch.zeros(1 << (blocks - 1).bit_length(), dtype=torch.float32,
+                                        device=device)
         self._next = 0
         # Built once: the per-call host work is then a list lookup and the launch.
         self._push = [triton_decode.PushArgs(self.data_ptrs, (s * world + rank) * hidden, world)
@@ -106,17 +125,25 @@ class PushAllReduce:
         return (self._next < self.num_slots and x.dtype == self.dtype
                 and weight.shape[0] == self.hidden and ops.gemv_applies(x, weight))
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> PendingSum:
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> PushedRows:
         """``x @ weight.T``, pushed to every rank for summing; check ``applies`` first."""
         from tidal.worker.ops import triton_decode
 
         slot = self._next
         self._next += 1
         triton_decode.gemv(x, weight, push=self._push[slot])
-        return PendingSum(self, slot, self._like)
+        return PushedRows(self, slot, self._like)
 
     def parts(self, slot: int) -> Any:
         return self._parts[slot]
+
+    def reduce_add_stats(self, slot: int, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(the sum of slot + residual, its sums of squares)`` for ``gemv(norm_ss=...)``."""
+        from tidal.worker.ops import triton_decode
+
+        h = triton_decode.sum_parts(self._parts[slot], residual, self._sum_squares)
+        return h.view(residual.shape), self._sum_squares
 
 
 def make_push_all_reduce(tp: Any, device: torch.device, dtype: torch.dtype, hidden: int,

@@ -20,7 +20,7 @@ from torch import nn
 
 from tidal.worker import ops
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
-from tidal.worker.distributed.push_allreduce import PendingSum
+from tidal.worker.distributed.pending_sum import PendingSum
 
 
 class WeightShapeError(ValueError):
@@ -182,11 +182,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | PendingSum:
         """``defer_reduce``: the caller takes a ``PendingSum`` (a batch-1 decode step feeding
-        ``ops.rms_norm_linear``), letting the all-reduce fuse into the GEMVs where it can."""
+        ``ops.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
         if defer_reduce and self.reduce_results and self.bias is None:
             push = self.tp.push_all_reduce
             if push is not None and push.applies(x, self.weight):
                 return push.gemv(x, self.weight)
+            return self.tp.defer_all_reduce(ops.linear(x, self.weight))
         y = ops.linear(x, self.weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)

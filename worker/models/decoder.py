@@ -17,7 +17,7 @@ from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker import ops
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
-from tidal.worker.distributed.push_allreduce import PendingSum
+from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -118,11 +118,11 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
         if ops.one_row_fusion_applies(hidden):
-            # One token on the GPU (batch-1 decode): each norm runs inside the GEMV after it,
-            # and SiLU-and-mul inside the gate/up GEMV (each falls back to the separate ops
-            # when its weight stays on cuBLAS). Under tensor parallelism the row-parallel
-            # outputs may come back as PendingSum: their all-reduce then completes inside the
-            # next norm + GEMV.
+            # One token on the GPU (batch-1 decode): each norm runs inside or just before the
+            # GEMV after it, and SiLU-and-mul inside the gate/up GEMV (each falls back to the
+            # separate ops when its weight stays on cuBLAS). Under tensor parallelism the
+            # row-parallel outputs may come back as PendingSum: their all-reduce then
+            # completes together with the next norm.
             ln = self.input_layernorm
             qkv, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
                                                 attn.qkv_proj.weight, attn.qkv_proj.bias)

@@ -56,11 +56,17 @@ def _lamport_all_reduce_kernel(
     rank,
     row_stride,  # elements between the rows of one parity
     parity_stride,  # elements between the two parities
+    res_ptr,  # int16 view of the residual (ADD_SS)
+    ss_ptr,  # float32 [programs]: each chunk's sum of squares (ADD_SS)
     WORLD: tl.constexpr,
     CHUNK: tl.constexpr,
     BF16: tl.constexpr,
     SENT: tl.constexpr,
     PDL: tl.constexpr,
+    # out = sum + residual (rounded as the add of fused_add_rms_norm), and each program's sum
+    # of its squares to ss_ptr: what the next GEMV needs to norm its input without reading
+    # the whole row in every program.
+    ADD_SS: tl.constexpr,
 ):
     p = tl.program_id(0)
     if PDL:
@@ -88,23 +94,42 @@ def _lamport_all_reduce_kernel(
             got = tl.load(src, mask=m, other=0, volatile=True)
         acc += _as_float(got, BF16)
         tl.store(src, tl.full([CHUNK], SENT, tl.int16), mask=m)  # re-arm for the call after next
-    tl.store(out_ptr + idx, _as_bits(acc, BF16), mask=m)
+    bits = _as_bits(acc, BF16)
+    if ADD_SS:
+        h = _as_float(bits, BF16) + _as_float(tl.load(res_ptr + idx, mask=m, other=0), BF16)
+        bits = _as_bits(h, BF16)
+        hf = _as_float(bits, BF16)
+        tl.store(ss_ptr + p, tl.sum(hf * hf, axis=0))
+    tl.store(out_ptr + idx, bits, mask=m)
     tl.store(count_ptr + p, calls + 1)
 
 
 def lamport_all_reduce(x: torch.Tensor, out: torch.Tensor, buf_ptrs: torch.Tensor,
-                       counts: torch.Tensor, rank: int, world: int, row_elems: int) -> None:
+                       counts: torch.Tensor, rank: int, world: int, row_elems: int,
+                       residual: torch.Tensor | None = None,
+                       sum_squares: torch.Tensor | None = None) -> None:
     """``out`` = the sum of ``x`` over the ranks whose receive buffers ``buf_ptrs`` lists (each
     ``[2, world, row_elems]`` int16, filled with ``SENTINEL`` before the first call). ``x``
     and ``out`` are contiguous bfloat16 or float16 tensors of at most ``row_elems`` elements
     and ``CHUNK * MAX_PROGRAMS``; ``counts`` is this rank's ``[MAX_PROGRAMS]`` int32, zero at
-    the start."""
+    the start.
+
+    With ``residual`` (same shape) ``out`` is the sum plus ``residual``, and ``sum_squares``
+    (float32, at least ``cdiv(numel, CHUNK)`` elements) gets each ``CHUNK``'s sum of the
+    squares of ``out``: the RMSNorm statistics of a row for ``triton_decode.gemv(norm_ss=)``.
+    """
     if x.dtype not in (torch.bfloat16, torch.float16) or out.dtype != x.dtype:
         raise ValueError(f"the signal-free all-reduce moves 16-bit floats, not {x.dtype}")
     n = x.numel()
+    add_ss = residual is not None
+    if add_ss:
+        assert (sum_squares is not None and sum_squares.dtype == torch.float32
+                and residual.dtype == x.dtype and residual.is_contiguous()
+                and residual.numel() == n and sum_squares.numel() >= triton.cdiv(n, CHUNK))
+    xb = x.view(torch.int16)
     launch(_lamport_all_reduce_kernel, (triton.cdiv(n, CHUNK),),
-           (x.view(torch.int16), out.view(torch.int16), buf_ptrs, counts, n, rank, row_elems,
-            world * row_elems),
+           (xb, out.view(torch.int16), buf_ptrs, counts, n, rank, row_elems, world * row_elems,
+            residual.view(torch.int16) if add_ss else xb, sum_squares if add_ss else counts),
            dict(WORLD=world, CHUNK=CHUNK, BF16=x.dtype == torch.bfloat16, SENT=SENTINEL,
-                num_warps=2),
+                ADD_SS=add_ss, num_warps=2),
            pdl_enabled(x.device))

@@ -199,6 +199,11 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
     ROW_CHUNK: tl.constexpr,
+    PREFETCH: tl.constexpr,  # weight chunks loaded before waiting for the previous kernel
+    # NORM with the row's sum of squares given in SS_PARTS partial sums (ss_ptr, float32) by
+    # the kernel before: no whole-row read in every program. (Not with ADD: x is the sum.)
+    ss_ptr,
+    SS_PARTS: tl.constexpr,
     # Consumer of pushed partial sums (PARTS ranks): x_ptr holds them, parts_bits_ptr is the
     # same memory as int16 (polled until complete); rearm_ptr / rearm_n: the previous call's
     # buffer, re-armed here.
@@ -227,6 +232,12 @@ def _gemv_kernel(
     w0 = _w_chunk(w_rows, cols, row_ok, km0, even)
     if SILU:
         wu0 = _w_chunk(wu_rows, cols, row_ok, km0, even)
+    if PREFETCH > 1:  # the wrapper checks that K holds a second chunk
+        kk1 = BLOCK_K + cols
+        km1 = kk1 < K
+        w1 = _w_chunk(w_rows, kk1, row_ok, km1, even)
+        if SILU:
+            wu1 = _w_chunk(wu_rows, kk1, row_ok, km1, even)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # x and the residual come from the previous kernel; our outputs may reuse memory it
@@ -239,7 +250,10 @@ def _gemv_kernel(
         _wait_parts(parts_bits_ptr, K, rc, rc < K, PARTS, SENT)
         _rearm(rearm_ptr, rearm_n, SENT, 256)
     inv = 1.0
-    if NORM:
+    if SS_PARTS > 0:
+        sp = tl.arange(0, SS_PARTS)
+        inv = tl.rsqrt(tl.sum(tl.load(ss_ptr + sp), axis=0) / K + eps)
+    elif NORM:
         # Every program needs the whole row's RMS; the row is a few KiB and sits in L2. Read
         # in chunks of ROW_CHUNK (the whole row, up to 8192 elements: one round trip).
         rc = tl.arange(0, ROW_CHUNK)
@@ -259,7 +273,12 @@ def _gemv_kernel(
     acc = w0.to(tl.float32) * xf
     if SILU:
         acc_up = wu0.to(tl.float32) * xf
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PREFETCH > 1:
+        xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk1, km1, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
+        acc += w1.to(tl.float32) * xf
+        if SILU:
+            acc_up += wu1.to(tl.float32) * xf
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         km = kk < K
         xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
@@ -283,51 +302,85 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sum_parts_kernel(out_ptr, parts_ptr, bits_ptr, rearm_ptr, rearm_n, K,
+def _sum_parts_kernel(out_ptr, parts_ptr, bits_ptr, rearm_ptr, rearm_n, K, res_ptr, ss_ptr,
                       PARTS: tl.constexpr, BLOCK: tl.constexpr, SENT: tl.constexpr,
-                      PDL: tl.constexpr):
+                      PDL: tl.constexpr, ADD_SS: tl.constexpr):
     """out = the sum of the pushed partial rows, once they have all landed; re-arms the
-    previous call's buffer."""
+    previous call's buffer. ``ADD_SS``: out = sum + residual, and each program's sum of the
+    squares of its part of out to ``ss_ptr`` (the statistics of ``gemv(norm_ss=)``)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # out may reuse memory the previous kernel still reads
-    kk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    kk = pid * BLOCK + tl.arange(0, BLOCK)
     km = kk < K
     _wait_parts(bits_ptr, K, kk, km, PARTS, SENT)
     _rearm(rearm_ptr, rearm_n, SENT, 256)
-    tl.store(out_ptr + kk, _load_x(parts_ptr, kk, km, K, PARTS, False), mask=km)
+    x = _load_x(parts_ptr, kk, km, K, PARTS, False)
+    if ADD_SS:
+        dt = out_ptr.dtype.element_ty
+        x = (x.to(tl.float32) + tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)).to(dt)
+        xf = x.to(tl.float32)
+        tl.store(ss_ptr + pid, tl.sum(xf * xf, axis=0))
+    tl.store(out_ptr + kk, x, mask=km)
 
 
-# Launch shapes (BLOCK_N, BLOCK_K, num_warps) per (N outputs, K, fused gate/up, element size),
-# from the H100 sweep of tools/gpu_kernel_check.py (section decode1, PDL on, each shape run as
-# the engine runs it: with its norm prologue / SiLU epilogue; us per call, default of the first
-# sweep -> this entry): Qwen3-0.6B qkv 4.4, o 2.2, gate/up 6.0 -> 5.7, down 3.3;
-# Llama-3.1-8B qkv 22.8 -> 20.1, o 12.3 -> 11.9, gate/up 87.8 -> 83.1, down 41.3 -> 40.9.
-# Few rows per program and long K chunks win: more programs, each with all its loads in flight.
-GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int]] = {
-    (4096, 1024, False, 2): (8, 1024, 4),
-    (1024, 2048, False, 2): (2, 2048, 4),
-    (3072, 1024, True, 2): (8, 512, 4),
-    (1024, 3072, False, 2): (2, 2048, 4),
-    (6144, 4096, False, 2): (2, 2048, 4),
-    (4096, 4096, False, 2): (2, 2048, 4),
-    (14336, 4096, True, 2): (4, 1024, 4),
-    (4096, 14336, False, 2): (4, 1024, 4),
-    # One rank of Llama-3.1-8B at TP=2 and TP=4 (H200 sweep, tools/gpu_kernel_check.py section
-    # decode1_tp): TP2 qkv 9.7 -> 8.5, o 5.4 -> 4.6, gate/up 35.4 -> 33.1, down 18.1 -> 15.5;
-    # TP4 qkv 6.6 -> 5.1, down 9.5 -> 8.1 (its o and gate/up keep the defaults).
-    (3072, 4096, False, 2): (8, 1024, 8),
-    (4096, 2048, False, 2): (4, 1024, 4),
-    (7168, 4096, True, 2): (4, 1024, 8),
-    (4096, 7168, False, 2): (4, 1024, 4),
-    (1536, 4096, False, 2): (4, 2048, 4),
-    (4096, 3584, False, 2): (4, 2048, 4),
+# Launch shapes (BLOCK_N, BLOCK_K, num_warps, PREFETCH) per (N outputs, K, fused gate/up,
+# element size). Qwen3-0.6B (norm as the GEMV's prologue, H100 sweep of
+# tools/gpu_kernel_check.py section decode1): qkv 4.4, o 2.2, gate/up 5.7, down 3.3 us.
+# Llama-3.1-8B at TP 1 and 2 (H200 sweep, section decode1_norm, each weight 32 times back to
+# back; the norm done before the GEMV, the way the engine runs these sizes): TP1 qkv 12.7 ->
+# 12.2, o 9.0 -> 8.3, gate/up 55.8 -> 51.9, down 27.2 -> 26.6; TP2 qkv 8.7 -> 7.0, gate/up 35.1
+# -> 27.3, down 14.0 -> 13.9 (o kept). TP4 (H200 sweep of section decode1_tp, norm in the
+# prologue; no 4-GPU machine since): qkv 6.6 -> 5.1, down 9.5 -> 8.1.
+# Few rows per program and long K chunks win: more programs, each with all its loads in flight;
+# the larger weights also gain from a second chunk fetched before the wait.
+GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
+    (4096, 1024, False, 2): (8, 1024, 4, 1),
+    (1024, 2048, False, 2): (2, 2048, 4, 1),
+    (3072, 1024, True, 2): (8, 512, 4, 1),
+    (1024, 3072, False, 2): (2, 2048, 4, 1),
+    (6144, 4096, False, 2): (2, 1024, 4, 2),
+    (4096, 4096, False, 2): (4, 1024, 4, 1),
+    (14336, 4096, True, 2): (2, 2048, 8, 2),
+    (4096, 14336, False, 2): (4, 2048, 8, 2),
+    (3072, 4096, False, 2): (2, 1024, 4, 1),
+    (4096, 2048, False, 2): (4, 1024, 4, 1),
+    (7168, 4096, True, 2): (2, 2048, 4, 2),
+    (4096, 7168, False, 2): (4, 1024, 4, 2),
+    (1536, 4096, False, 2): (4, 2048, 4, 1),
+    (4096, 3584, False, 2): (4, 2048, 4, 1),
 }
 
 
+def _config_overrides(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int, int, int]]:
+    """``TIDAL_GEMV_CONFIGS``: launch shapes for 16-bit GEMVs, for tuning on another GPU or
+    model, as ``NxK=BLOCK_N,BLOCK_K,WARPS,PREFETCH`` entries separated by ``;`` (``NxKs=``
+    for the gate/up GEMV with SiLU, ``N`` its output rows)."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        try:
+            key, val = entry.split("=")
+            silu = key.endswith("s")
+            n, k = (int(v) for v in key.rstrip("s").split("x"))
+            bn, bk, warps, prefetch = (int(v) for v in val.split(","))
+        except ValueError:
+            raise ValueError(f"TIDAL_GEMV_CONFIGS entry {entry!r}: expected "
+                             "NxK[s]=BLOCK_N,BLOCK_K,WARPS,PREFETCH") from None
+        if bn & (bn - 1) or bk & (bk - 1) or warps not in (1, 2, 4, 8, 16) or prefetch < 1:
+            raise ValueError(f"TIDAL_GEMV_CONFIGS entry {entry!r}: BLOCK_N and BLOCK_K must be "
+                             "powers of two, WARPS 1-16, PREFETCH >= 1")
+        out[(n, k, silu, 2)] = (bn, bk, warps, prefetch)
+    return out
+
+
+GEMV_CONFIGS.update(_config_overrides(os.environ.get("TIDAL_GEMV_CONFIGS", "")))
+
+
 @functools.cache
-def gemv_config(n: int, k: int, silu: bool, elem: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an ``n`` x ``k`` GEMV (``n``: output rows computed)."""
+def gemv_config(n: int, k: int, silu: bool, elem: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for an ``n`` x ``k`` GEMV (``n``: output rows
+    computed)."""
     hit = GEMV_CONFIGS.get((n, k, silu, elem))
     if hit is not None:
         return hit
@@ -337,7 +390,7 @@ def gemv_config(n: int, k: int, silu: bool, elem: int, sms: int) -> tuple[int, i
     block_n = 4 if silu else 2
     while block_n < 16 and -(-n // block_n) > 16 * 4 * sms:
         block_n *= 2
-    return block_n, block_k, 4
+    return block_n, block_k, 4, 1
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -389,9 +442,11 @@ def gemv(
     residual: torch.Tensor | None = None,
     eps: float = 0.0,
     silu: bool = False,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     parts: PartsArgs | None = None,
     push: PushArgs | None = None,
+    prefetch: int | None = None,
+    norm_ss: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row ``x [1, K]`` times ``weight [N, K]``; see the module docstring for the fusions.
 
@@ -402,6 +457,12 @@ def gemv(
     With ``parts`` the input is the sum of the pushed partial rows (``x`` only gives the shape,
     dtype and device); with ``push`` the output goes to every rank's buffer instead, and ``y``
     is not written (the returned tensor is ``x``'s row buffer, not a result).
+
+    ``norm_ss`` (float32, a power-of-two count of partial sums, zero-padded): the sum of the
+    squares of ``x``, from the kernel that wrote ``x``; the RMSNorm then reads no whole row.
+    It takes ``norm_weight`` and no ``residual``. ``config``: (BLOCK_N, BLOCK_K, num_warps[,
+    PREFETCH]); ``prefetch=2`` (default: the config's) loads two chunks of weights before
+    waiting for the previous kernel instead of one (where ``K`` has two).
     """
     k = x.shape[-1]
     n_total = weight.shape[0]
@@ -417,11 +478,14 @@ def gemv(
     out = xr if push is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     norm = norm_weight is not None
     add = norm and residual is not None
+    if norm_ss is not None and (add or not norm):
+        raise ValueError("norm_ss takes a norm_weight and no residual")
     res_in = residual.reshape(k).contiguous() if add else xr
     res_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if add else out
-    block_n, block_k, warps = config or gemv_config(
+    block_n, block_k, warps, *more = config or gemv_config(
         n, k, silu, x.element_size(), num_sms(device_index(x.device))
     )
+    prefetch = more[0] if more and prefetch is None else (prefetch or 1)
     pdl = pdl_enabled(x.device)
     if parts is not None:
         wa = (parts.data.view(torch.int16), parts.rearm.view(torch.int16), parts.rearm.numel())
@@ -434,7 +498,11 @@ def gemv(
          bias if bias is not None else xr, n, k, weight.stride(0), float(eps)),
         dict(BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm, ADD=add, SILU=silu,
              HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
-             ROW_CHUNK=min(next_pow2(k), PARTS_MAX_K) if norm or parts is not None else 16,
+             ROW_CHUNK=(min(next_pow2(k), PARTS_MAX_K)
+                        if (norm and norm_ss is None) or parts is not None else 16),
+             PREFETCH=2 if prefetch > 1 and k >= 2 * block_k else 1,
+             ss_ptr=norm_ss if norm_ss is not None else xr,
+             SS_PARTS=norm_ss.numel() if norm_ss is not None else 0,
              num_warps=warps, parts_bits_ptr=wa[0], rearm_ptr=wa[1], rearm_n=wa[2],
              PARTS=parts.world if parts is not None else 0, push_ptrs=pa[0], push_off=pa[1],
              PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL),
@@ -445,18 +513,78 @@ def gemv(
     return out, (x if norm else None)
 
 
-def sum_parts(parts: PartsArgs) -> torch.Tensor:
+SUM_PARTS_BLOCK = 512  # elements per program of sum_parts (so 8 programs for 4096)
+
+
+def sum_parts(parts: PartsArgs, residual: torch.Tensor | None = None,
+              sum_squares: torch.Tensor | None = None) -> torch.Tensor:
     """``[1, K]``: the sum of pushed partial rows, once they have all landed (for a consumer
-    that cannot take ``gemv(parts=...)``); re-arms ``parts.rearm`` too."""
+    that cannot take ``gemv(parts=...)``); re-arms ``parts.rearm`` too. With ``residual``: the
+    sum plus ``residual``, and ``sum_squares`` (float32, ``cdiv(K, SUM_PARTS_BLOCK)`` or more)
+    gets each block's sum of squares of it (for ``gemv(norm_ss=...)``)."""
     k = parts.data.shape[-1]
     out = torch.empty((1, k), dtype=parts.data.dtype, device=parts.data.device)
-    block = min(next_pow2(k), 1024)
+    block = min(next_pow2(k), SUM_PARTS_BLOCK)
+    add_ss = residual is not None
+    if add_ss:
+        assert (sum_squares is not None and sum_squares.dtype == torch.float32
+                and sum_squares.numel() >= triton.cdiv(k, block) and residual.numel() == k)
+        residual = residual.reshape(k).contiguous()
     launch(_sum_parts_kernel, (triton.cdiv(k, block),),
            (out, parts.data, parts.data.view(torch.int16), parts.rearm.view(torch.int16),
-            parts.rearm.numel(), k),
-           dict(PARTS=parts.world, BLOCK=block, SENT=SENTINEL, num_warps=4),
+            parts.rearm.numel(), k, residual if add_ss else out,
+            sum_squares if add_ss else out),
+           dict(PARTS=parts.world, BLOCK=block, SENT=SENTINEL, ADD_SS=add_ss,
+                num_warps=4 if block >= 1024 else 2),
            pdl_enabled(out.device))
     return out
+
+
+# ------------------------------------------------------------------------------- add + norm row
+
+
+@triton.jit
+def _add_rms_norm_row_kernel(x_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, n, eps,
+                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    dt = out_ptr.dtype.element_ty
+    idx = tl.arange(0, BLOCK)
+    m = idx < n
+    h = tl.load(x_ptr + idx, mask=m, other=0.0)
+    if HAS_RES:
+        h = (h.to(tl.float32) + tl.load(res_ptr + idx, mask=m, other=0.0).to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + idx, h, mask=m)
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
+    nw = tl.load(nw_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + idx, ((hf * inv).to(dt).to(tl.float32) * nw).to(dt), mask=m)
+
+
+ADD_NORM_MAX = 16384  # elements of the row one program norms
+
+
+def add_rms_norm_row(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` (``residual`` None: ``(rms_norm(x), x)``) for
+    one row of up to ``ADD_NORM_MAX`` elements, in one program, rounded as
+    ``torch_ops.fused_add_rms_norm``. Before a large GEMV this is cheaper than the GEMV's norm
+    prologue, which every one of its programs runs over the whole row."""
+    n = x.shape[-1]
+    if x.numel() != n or not 0 < n <= ADD_NORM_MAX:
+        raise ValueError(f"one row of 1..{ADD_NORM_MAX} elements, not {tuple(x.shape)}")
+    xr = x.reshape(n).contiguous()
+    out = torch.empty_like(xr)
+    if residual is None:
+        res, res_out = xr, xr
+    else:
+        res, res_out = residual.reshape(n).contiguous(), torch.empty_like(xr)
+    block = next_pow2(n)
+    launch(_add_rms_norm_row_kernel, (1,), (xr, res, weight, out, res_out, n, float(eps)),
+           dict(BLOCK=block, HAS_RES=residual is not None, num_warps=max(4, min(16, block // 512))),
+           pdl_enabled(x.device))
+    return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
 
 
 # ------------------------------------------------------------- q/k norm + rotary + K/V write
