@@ -20,6 +20,24 @@ pytest.importorskip("triton", reason="needs triton: the all-reduce kernel is wri
 SIZES = [4096, 1, 4095, 65536, 12288, 512, 4096 * 64, 4096 * 3]
 
 
+def _replayed(fn, inputs: list[torch.Tensor], gen: torch.Generator, rank: int, world: int,
+              rounds: int):
+    """Captures ``fn()`` in a CUDA graph, then replays it ``rounds`` times with new random
+    ``inputs`` (bf16), one rank late in turn; yields (round, fn's outputs) after each."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    for i in range(rounds):
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(torch.bfloat16))
+        if rank == i % world:
+            time.sleep(0.005)  # one rank late: the other must wait, not read stale data
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, outs
+
+
 def _rank(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
@@ -52,17 +70,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
           for k in range(64)]
     for x in xs:
         lam(x)  # warm (compiled), and the same calls on both ranks
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [lam(x) for x in xs]
-    for i in range(5):
-        for x in xs:
-            x.copy_(torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16))
-        if rank == i % world:
-            time.sleep(0.005)
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, outs in _replayed(lambda: [lam(x) for x in xs], xs, gen, rank, world, 5):
         for k, (x, out) in enumerate(zip(xs, outs)):
             if not torch.equal(out, nccl(x)):
                 failures.append(f"graph replay {i} call {k}")
@@ -101,17 +109,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                 failures.append(f"{label}: plain all-reduce after row {k}")
 
     check(step(), "eager")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for i in range(3):
-        for x in rows:
-            x.copy_(torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16))
-        if rank == i % world:
-            time.sleep(0.005)
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, outs in _replayed(step, rows, gen, rank, world, 3):
         check(outs, f"graph replay {i}")
 
     # The start-up choice the engine makes (timing decides; reported, not asserted).
