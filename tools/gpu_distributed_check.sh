@@ -95,12 +95,12 @@ for phase in $PHASES; do
                   TIDAL_PUSH_ALLREDUCE=1 run "perf_tp${tp}_push$TAG" 110 perf --tp "$tp" \
                       --requests "$REQUESTS" || status=1
               done ;;
-        # TP>1 with the signal-free all-reduce off (the one-shot or NCCL path instead).
         # The RMSNorm always as the GEMV prologue (TIDAL_NORM_APART=0), for comparison.
         noapart) for tp in $TPS; do
                   TIDAL_NORM_APART=0 run "perf_tp${tp}_noapart$TAG" 110 perf --tp "$tp" \
                       --requests "$REQUESTS" || status=1
               done ;;
+        # TP>1 with the signal-free all-reduce off (the one-shot or NCCL path instead).
         nolamport) for tp in $TPS; do
                   (( tp > 1 )) || continue
                   TIDAL_LAMPORT_ALLREDUCE=0 run "perf_tp${tp}_nolamport$TAG" 110 perf --tp "$tp" \
