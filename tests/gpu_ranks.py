@@ -1,10 +1,12 @@
 """One spawned process per GPU, each joined to an NCCL world, for the tests that need several
-real GPUs: ``run_ranks`` starts them and collects what each put on the queue."""
+real GPUs: ``run_ranks`` starts them and collects what each put on the queue; ``replayed``
+replays a captured step with one rank late in turn."""
 
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,3 +51,21 @@ def run_ranks(target: Callable[..., None], world: int, monkeypatch: Any,
                 p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return results
+
+
+def replayed(fn: Callable[[], Any], refill: Callable[[], None], rank: int, world: int,
+             rounds: int, lag_s: float = 0.005) -> Iterator[tuple[int, Any]]:
+    """In a rank's process: captures ``fn()`` in a CUDA graph, then replays it ``rounds`` times,
+    calling ``refill()`` (new inputs) before each, with one rank ``lag_s`` late in turn (the
+    others must wait for it, not read stale data); yields (round, fn's outputs) after each."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    for i in range(rounds):
+        refill()
+        if rank == i % world:
+            time.sleep(lag_s)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, outs

@@ -11,31 +11,13 @@ import time
 
 import pytest
 import torch
-from gpu_ranks import join_world, run_ranks
+from gpu_ranks import join_world, replayed, run_ranks
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs: the all-reduce runs between GPUs", allow_module_level=True)
 pytest.importorskip("triton", reason="needs triton: the all-reduce kernel is written in it")
 
 SIZES = [4096, 1, 4095, 65536, 12288, 512, 4096 * 64, 4096 * 3]
-
-
-def _replayed(fn, inputs: list[torch.Tensor], gen: torch.Generator, rank: int, world: int,
-              rounds: int):
-    """Captures ``fn()`` in a CUDA graph, then replays it ``rounds`` times with new random
-    ``inputs`` (bf16), one rank late in turn; yields (round, fn's outputs) after each."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    for i in range(rounds):
-        for x in inputs:
-            x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(torch.bfloat16))
-        if rank == i % world:
-            time.sleep(0.005)  # one rank late: the other must wait, not read stale data
-        graph.replay()
-        torch.cuda.synchronize()
-        yield i, outs
 
 
 def _rank(rank: int, world: int, port: int, results) -> None:
@@ -70,7 +52,11 @@ def _rank(rank: int, world: int, port: int, results) -> None:
           for k in range(64)]
     for x in xs:
         lam(x)  # warm (compiled), and the same calls on both ranks
-    for i, outs in _replayed(lambda: [lam(x) for x in xs], xs, gen, rank, world, 5):
+    def refill(inputs: list[torch.Tensor]) -> None:
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, generator=gen, device=device).to(torch.bfloat16))
+
+    for i, outs in replayed(lambda: [lam(x) for x in xs], lambda: refill(xs), rank, world, 5):
         for k, (x, out) in enumerate(zip(xs, outs)):
             if not torch.equal(out, nccl(x)):
                 failures.append(f"graph replay {i} call {k}")
@@ -109,7 +95,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                 failures.append(f"{label}: plain all-reduce after row {k}")
 
     check(step(), "eager")
-    for i, outs in _replayed(step, rows, gen, rank, world, 3):
+    for i, outs in replayed(step, lambda: refill(rows), rank, world, 3):
         check(outs, f"graph replay {i}")
 
     # The start-up choice the engine makes (timing decides; reported, not asserted).

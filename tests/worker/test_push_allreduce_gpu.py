@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from gpu_ranks import join_world, run_ranks
+from gpu_ranks import join_world, replayed, run_ranks
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs: the fused all-reduce runs between GPUs",
@@ -82,17 +82,12 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         if not same(got, reference()):
             failures.append(f"eager step {i}")
     step()  # warm, then capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    for i in range(STEPS):
+
+    def refill() -> None:
         for x in xs:
             x.copy_(rnd(gen, 1, K_IN))
-        if rank == i % world:
-            time.sleep(0.01)
-        graph.replay()
-        torch.cuda.synchronize()
+
+    for i, captured in replayed(step, refill, rank, world, STEPS, lag_s=0.01):
         if not same(captured, reference()):
             failures.append(f"graph replay {i}")
     results.put((rank, failures))
