@@ -107,11 +107,14 @@ for phase in $PHASES; do
                       --requests "$REQUESTS" || status=1
               done ;;
         tests) l=$(left); (( l > 240 )) && l=240
+               TEST_FILTER="lamport or rank_order or push or pushed or squares or norm or prefetch"
+               TEST_FILTER+=" or gather or vocab or lm_head or chain"
                echo "== tests (limit ${l}s): the all-reduce kernels across GPUs and simulated"
                timeout -k 5 "$l" "$PY" -m pytest -p no:cacheprovider -q -rs -s \
                    tests/worker/test_lamport_allreduce_gpu.py tests/worker/test_kernels_allreduce.py \
                    tests/worker/test_push_allreduce_gpu.py tests/worker/test_kernels_decode.py \
-                   -k "lamport or rank_order or push or pushed or squares or norm or prefetch" \
+                   tests/worker/test_kernels_ops.py \
+                   -k "$TEST_FILTER" \
                    > "$OUT/tests$TAG.log" 2>&1 || status=1
                grep -i "start-up choice" "$OUT/tests$TAG.log"
                tail -n 15 "$OUT/tests$TAG.log" ;;

@@ -79,6 +79,7 @@ def timeline(events: list[dict[str, Any]], steps: int,
     by_name: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     gaps: list[float] = []
+    charges: list[float] = []
     for e in events:
         start, dur = float(e["ts"]), float(e["dur"])
         end = start + dur
@@ -87,6 +88,7 @@ def timeline(events: list[dict[str, Any]], steps: int,
             gaps.append(start - frontier)
             frontier = start
         charge = max(0.0, end - frontier)
+        charges.append(charge)
         frontier = max(frontier, end)
         name = e["name"]
         by_cat[category(name)] += charge
@@ -105,7 +107,38 @@ def timeline(events: list[dict[str, Any]], steps: int,
                                  for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         top_kernels=[dict(name=k, us_per_step=round(v / n, 2), calls_per_step=calls[k] / n)
                      for k, v in top],
+        layer=layer_profile(events, charges),
     )
+
+
+def layer_profile(events: list[dict[str, Any]], charges: list[float], anchor: str = "rope",
+                  length: int = 10) -> list[dict[str, Any]]:
+    """The kernels of a typical decoder layer: for each run of ``length`` kernels that starts
+    at a kernel whose name contains ``anchor``, each kernel's start and end relative to the
+    anchor's start and the time it added to the timeline; medians over every such run whose
+    names match the most common sequence. Shows where dependent launches start early and
+    which kernel holds the critical path."""
+    runs: dict[tuple[str, ...], list[list[tuple[float, float, float]]]] = defaultdict(list)
+    for i, e in enumerate(events[: len(events) - length]):
+        if anchor not in e["name"]:
+            continue
+        t0 = float(e["ts"])
+        run = events[i : i + length]
+        key = tuple(r["name"][:40] for r in run)
+        runs[key].append([(float(r["ts"]) - t0, float(r["ts"]) + float(r["dur"]) - t0,
+                           charges[i + j]) for j, r in enumerate(run)])
+    if not runs:
+        return []
+    key, samples = max(runs.items(), key=lambda kv: len(kv[1]))
+
+    def med(values: list[float]) -> float:
+        values = sorted(values)
+        return round(values[len(values) // 2], 2)
+
+    return [dict(name=name, start_us=med([s[j][0] for s in samples]),
+                 end_us=med([s[j][1] for s in samples]),
+                 charge_us=med([s[j][2] for s in samples]), runs=len(samples))
+            for j, name in enumerate(key)]
 
 
 def strip(path: Path, dest: Path) -> Path:

@@ -7,8 +7,8 @@ Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (
 on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue), the
-partial-sum kernel, the signal-free all-reduce (also with the residual add and sums of squares) and the
-one-row add + norm. Exits non-zero if any fails.
+partial-sum kernel, the signal-free all-reduce (also with the residual add and sums of squares,
+and as an all-gather) and the one-row add + norm. Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -59,15 +59,16 @@ def main() -> int:
                **{k: "constexpr" for k in consts}}
         cases.append(("sum_parts" + (" + residual, sums of squares" if add_ss else ""),
                       td._sum_parts_kernel, sig, consts))
-    for add_ss in (False, True):
+    for add_ss, gather, label in ((False, False, "signal-free all-reduce"),
+                                  (True, False, "signal-free all-reduce + residual, sums of "
+                                                "squares"),
+                                  (False, True, "signal-free all-gather")):
         consts = dict(WORLD=2, CHUNK=ta.CHUNK, BF16=True, SENT=ta.SENTINEL, PDL=True,
-                      ADD_SS=add_ss)
+                      ADD_SS=add_ss, GATHER=gather)
         sig = {"x_ptr": "*i16", "out_ptr": "*i16", "buf_ptrs": "*i64", "count_ptr": "*i32",
                "n": "i32", "rank": "i32", "row_stride": "i32", "parity_stride": "i32",
                "res_ptr": "*i16", "ss_ptr": "*fp32", **{k: "constexpr" for k in consts}}
-        cases.append(("signal-free all-reduce" + (" + residual, sums of squares" if add_ss
-                                                  else ""),
-                      ta._lamport_all_reduce_kernel, sig, consts))
+        cases.append((label, ta._lamport_all_reduce_kernel, sig, consts))
     consts = dict(BLOCK=4096, HAS_RES=True, PDL=True)
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
            "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", **{k: "constexpr" for k in consts}}

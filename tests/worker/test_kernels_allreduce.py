@@ -95,3 +95,34 @@ def test_residual_and_sums_of_squares(dtype: torch.dtype) -> None:
             assert torch.equal(sss[r][:chunks], sss[0][:chunks]), "ranks disagree"
             assert bool(sss[r][chunks:].isnan().all()), "wrote past its chunks"
         assert bool((bufs == ta.SENTINEL).all())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_in_turn_with_sums(world: int) -> None:
+    """The all-gather form (the LM head's vocabulary slices) on the same buffers and counters as
+    the sums, alternating with them: every rank gets every rank's input in rank order (negative
+    zero as +0), the sums stay exact, and the buffers come back re-armed."""
+    gen = torch.Generator(device=DEVICE).manual_seed(40 + world)
+    bufs = torch.full((world, 2, world, ROW), ta.SENTINEL, dtype=torch.int16, device=DEVICE)
+    ptrs = torch.tensor([bufs[r].data_ptr() for r in range(world)], device=DEVICE)
+    counts = torch.zeros((world, ta.MAX_PROGRAMS), dtype=torch.int32, device=DEVICE)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    for n in (64128, 4096, 1, 1000, 64128):
+        xs = [torch.randn(n, generator=gen, device=DEVICE).to(torch.bfloat16)
+              for _ in range(world)]
+        xs[-1][: n // 2] = -0.0
+        gathered = [torch.full((world, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                    for _ in range(world)]
+        sums = [torch.full_like(x, float("nan")) for x in xs]
+        torch.cuda.synchronize()
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                ta.lamport_all_gather(xs[r], gathered[r], ptrs, counts[r], r, world, ROW)
+                ta.lamport_all_reduce(xs[r], sums[r], ptrs, counts[r], r, world, ROW)
+        torch.cuda.synchronize()
+        want = torch.stack([torch.where(x == 0, torch.zeros_like(x), x) for x in xs])
+        for r in range(world):
+            assert torch.equal(gathered[r].view(torch.int16), want.view(torch.int16)), \
+                f"{n} elements: rank {r} gather"
+            assert torch.equal(sums[r], reference(xs)), f"{n} elements: rank {r} sum"
+        assert bool((bufs == ta.SENTINEL).all()), f"{n} elements: buffers not re-armed"

@@ -281,12 +281,38 @@ def test_fused_merge_matches_merge_kernel() -> None:
             assert counters is not None and int(counters.abs().sum()) == 0, "counters left armed"
 
 
+def test_lm_head_takes_the_gemv_only_for_tuned_shapes(monkeypatch) -> None:
+    """The LM head of a one-row decode step runs the GEMV kernel where its weight's shape has a
+    measured launch shape (matching the float64 product as well as cuBLAS does), and cuBLAS
+    (``F.linear``, bit for bit) for untuned shapes and for several rows."""
+    from tidal.worker.layers.embedding import ParallelLMHead
+
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    vocab, hidden = 1000, 256
+    head = ParallelLMHead(vocab, hidden, torch.bfloat16).to(DEVICE)
+    head.weight.data.copy_(torch.randn(vocab, hidden, generator=gen, device=DEVICE) * 0.05)
+    x = torch.randn(1, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
+    ref64 = x.double() @ head.weight.double().T
+    assert not ops.gemv_tuned(x, head.weight)
+    assert torch.equal(head.compute_logits(x), F.linear(x, head.weight))
+    calls = []
+    real_gemv = td.gemv
+    monkeypatch.setattr(td, "gemv", lambda *a, **k: calls.append(1) or real_gemv(*a, **k))
+    monkeypatch.setitem(td.GEMV_CONFIGS, (vocab, hidden, False, 2), (4, 256, 4, 1))
+    assert ops.gemv_tuned(x, head.weight)
+    got = head.compute_logits(x)
+    assert calls, "the tuned shape did not run the GEMV"
+    _check(got, ref64, F.linear(x, head.weight), torch.bfloat16, "LM head GEMV")
+    rows = torch.randn(2, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
+    assert torch.equal(head.compute_logits(rows), F.linear(rows, head.weight))
+
+
 # ------------------------------------------- programmatic dependent launch: kernel chains
 
 
 def test_decode_chain_in_cuda_graph() -> None:
     """A batch-1 decode layer stack built from the kernels above (norm+GEMV, q/k norm + rotary +
-    K/V write, split attention with the fused merge, GEMV, norm+gate/up+SiLU GEMV, GEMV), run
+    K/V write, split attention and its merge, GEMV, norm+gate/up+SiLU GEMV, GEMV), run
     eagerly and replayed from a CUDA graph: both must match the torch ops. With programmatic
     dependent launch on (Hopper), each kernel starts while its predecessor runs and prefetches
     its weights, so a misplaced wait shows up here as a wrong or unstable result."""
@@ -347,7 +373,17 @@ def test_decode_chain_in_cuda_graph() -> None:
 
     ref64 = forward(False, [c.double() for c in caches], f64=True)
     ref = forward(False, [c.clone() for c in caches])
+    slot = int(meta.slot_mapping[0])
+
+    def poison_new_slot(kv: list[torch.Tensor]) -> None:
+        # The newest position's K/V as NaN until the rotary kernel writes it: attention, which
+        # loads its first tile before the dependent-launch wait, must take that position
+        # from after the write (a stale read would turn the output into NaN).
+        for cache in kv:
+            cache.view(2, -1, kv_heads, d)[:, slot] = float("nan")
+
     eager_kv = [c.clone() for c in caches]
+    poison_new_slot(eager_kv)
     eager = forward(True, eager_kv)
     # Six layers of bf16 activations: torch's own error grows too; judge against it.
     err, base = _rel(eager, ref64), _rel(ref, ref64)
@@ -359,6 +395,7 @@ def test_decode_chain_in_cuda_graph() -> None:
         out = forward(True, graph_kv)
     results = []
     for _ in range(5):
+        poison_new_slot(graph_kv)
         graph.replay()
         torch.cuda.synchronize()
         results.append(out.clone())

@@ -169,3 +169,27 @@ def test_dispatch_routes_cuda_tensors() -> None:
     ref = torch_ops.rms_norm(x.double(), w.double(), 1e-6)
     assert _rel(fast, ref) < TOL[torch.bfloat16] and _rel(tri, ref) < TOL[torch.bfloat16]
     assert torch.equal(slow, torch_ops.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_shard_embedding(dtype: torch.dtype) -> None:
+    """The tensor-parallel embedding lookup of one vocabulary shard: exactly the torch version's
+    rows (zeros for the tokens other ranks hold), for the first, a middle and the last shard,
+    a decode row and a ragged prefill, into NaN-filled memory."""
+    from tidal.worker.ops import triton_ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    vocab, shard, hidden = 1000, 250, 1000  # hidden: not a multiple of the kernel's block
+    weight = torch.randn(shard, hidden, generator=gen, device=DEVICE).to(dtype)
+    for start in (0, 500, 750):
+        for shape in ((1,), (3, 37)):
+            ids = torch.randint(0, vocab, shape, generator=gen, device=DEVICE)
+            ids.view(-1)[0] = start  # the shard's first and last rows, and its neighbours
+            ids.view(-1)[-1] = start + shard - 1
+            if ids.numel() > 3:
+                ids.view(-1)[1], ids.view(-1)[2] = start - 1, start + shard
+            torch.empty(shape + (hidden,), dtype=dtype, device=DEVICE).fill_(float("nan"))
+            got = triton_ops.vocab_shard_embedding(ids, weight, start)
+            want = torch_ops.vocab_shard_embedding(ids, weight, start)
+            assert got.shape == want.shape and torch.equal(got, want), (start, shape)
+            assert torch.equal(ops.vocab_shard_embedding(ids, weight, start), want)

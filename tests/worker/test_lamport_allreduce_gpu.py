@@ -2,7 +2,8 @@
 exactly NCCL's sum for bf16 and fp16 tensors from one element to the 256 Ki limit, eagerly with
 one rank deliberately late, and as the 64 all-reduces of a decode step captured in a CUDA graph
 and replayed with new inputs; the decode-step form that also adds the residual and returns the
-norm's sums of squares, in turn with plain calls. Also runs the start-up choice between the
+norm's sums of squares, in turn with plain calls; the all-gather of the LM head's logits through
+the same buffers, against NCCL's. Also runs the start-up choice between the
 paths and reports it."""
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.all_reduce(y)
         return y
 
+    def nccl_gather(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((world, *x.shape), dtype=x.dtype, device=device)
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return torch.where(out == 0, torch.zeros_like(out), out)  # -0 travels as +0
+
     for i in range(4):
         for dtype in (torch.bfloat16, torch.float16):
             for n in SIZES:
@@ -46,6 +52,10 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                 got = lam(x)
                 if not torch.equal(got, nccl(x)):
                     failures.append(f"eager round {i} {dtype} n={n}")
+                if n <= 65536:  # gathers in turn with the sums, on the same buffers
+                    x[: n // 2] = -0.0
+                    if not torch.equal(lam.all_gather(x), nccl_gather(x)):
+                        failures.append(f"eager gather round {i} {dtype} n={n}")
 
     # A decode step's worth, captured once: 64 all-reduces of one row (two sizes in turn).
     xs = [torch.randn(4096 * (1 + k % 2), generator=gen, device=device).to(torch.bfloat16)
@@ -70,6 +80,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     rows = [torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
             for _ in range(8)]
     res = torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
+    logits = torch.randn(1, 64128, generator=gen, device=device).to(torch.bfloat16)
 
     def step() -> list[torch.Tensor]:
         outs = []
@@ -80,7 +91,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
             h, ss = pending.reduce_add_stats(res)
             # (the statistics' buffer serves every row of this width: the GEMV reads it next)
             outs += [h, ss.clone(), lam(x[:, : 100 * (k + 1)])]
-        return outs
+        return outs + [lam.all_gather(logits)]  # the LM head's vocabulary slices
 
     def check(outs: list[torch.Tensor], label: str) -> None:
         for k, x in enumerate(rows):
@@ -93,9 +104,11 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                 failures.append(f"{label}: row {k} sums of squares")
             if not torch.equal(plain, nccl(x[:, : 100 * (k + 1)])):
                 failures.append(f"{label}: plain all-reduce after row {k}")
+        if not torch.equal(outs[-1], nccl_gather(logits)):
+            failures.append(f"{label}: logits all-gather")
 
     check(step(), "eager")
-    for i, outs in replayed(step, lambda: refill(rows), rank, world, 3):
+    for i, outs in replayed(step, lambda: refill(rows + [logits]), rank, world, 3):
         check(outs, f"graph replay {i}")
 
     # The start-up choice the engine makes (timing decides; reported, not asserted).

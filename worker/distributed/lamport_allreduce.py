@@ -71,6 +71,14 @@ class LamportAllReduce:
                                     self.row_elems)
         return out
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked in rank order, ``[world, *x.shape]`` (check ``applies``
+        first): the LM head's vocabulary slices of a decode step, in one NVLink crossing."""
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        self._ta.lamport_all_gather(x, out, self.ptrs, self.counts, self.rank, self.world,
+                                    self.row_elems)
+        return out
+
     def defer(self, x: torch.Tensor) -> UnreducedRow | None:
         """``x`` (one row) as a ``PendingSum`` the next norm can finish, or None."""
         if (x.numel() != x.shape[-1] or not self.applies(x)

@@ -97,9 +97,13 @@ class ParallelGroup:
         dim = dim % x.dim()
         # One flat gather into a single buffer (no list of per-rank tensors), then, unless the
         # gathered dimension is the first, one copy into place.
-        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                          device=x.device)
-        _all_gather_flat(out, x, group=self.device_group)
+        lamport = getattr(self.fast_all_reduce, "lamport", None)
+        if lamport is not None and lamport.applies(x):
+            out = lamport.all_gather(x).view(self.world_size * x.shape[0], *x.shape[1:])
+        else:
+            out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                              device=x.device)
+            _all_gather_flat(out, x, group=self.device_group)
         if dim == 0:
             return out
         return (out.view(self.world_size, *x.shape).movedim(0, dim)

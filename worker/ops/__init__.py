@@ -112,6 +112,17 @@ def gemv_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                and w.numel() * w.element_size() <= _GEMV_MAX_BYTES for w in weights)
 
 
+def gemv_tuned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``gemv_applies`` and the weight's shape has a measured launch shape (for weights where
+    cuBLAS is already close to the copy rate, such as LM heads, only a tuned GEMV beats it)."""
+    if not gemv_applies(x, weight):
+        return False
+    from tidal.worker.ops import triton_decode
+
+    return (weight.shape[0], weight.shape[1], False, weight.element_size()) in \
+        triton_decode.GEMV_CONFIGS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; a single row on the GPU runs the GEMV kernel."""
     if gemv_applies(x, weight) and (bias is None or bias.dtype == x.dtype):
@@ -230,6 +241,16 @@ def qk_norm_rope_write_kv(
     return torch_ops.qk_norm_rope_write_kv(*args)
 
 
+def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Embedding rows of ``ids`` from the vocabulary shard ``weight`` that starts at token
+    ``start``; zeros for tokens outside it. Semantics: ``torch_ops.vocab_shard_embedding``."""
+    if ids.is_cuda and DISPATCH.choice != "torch" and triton_available():
+        from tidal.worker.ops import triton_ops
+
+        return triton_ops.vocab_shard_embedding(ids, weight, start)
+    return torch_ops.vocab_shard_embedding(ids, weight, start)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of ``[rows, n]``; few rows on the GPU: a two-stage kernel that
     spreads each row over many programs (torch reduces a row in one block)."""
@@ -247,6 +268,7 @@ __all__ = [
     "argmax",
     "fused_add_rms_norm",
     "gemv_applies",
+    "gemv_tuned",
     "get_op_impl",
     "linear",
     "one_row_fusion_applies",
@@ -258,4 +280,5 @@ __all__ = [
     "rotary_embedding",
     "set_op_impl",
     "silu_and_mul",
+    "vocab_shard_embedding",
 ]

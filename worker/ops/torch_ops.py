@@ -130,5 +130,15 @@ def qk_norm_rope_write_kv(
     return q
 
 
+def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """Embedding rows of the tokens ``ids`` from ``weight``, the vocabulary shard that starts at
+    token ``start``: row ``id - start`` where that lies in the shard, zeros elsewhere (another
+    rank holds those; the all-reduce after this fills them in)."""
+    local = ids - start
+    foreign = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(foreign, 0), weight)
+    return out.masked_fill_(foreign.unsqueeze(-1), 0)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)

@@ -109,6 +109,37 @@ def _attend_tile(
         k = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     if EARLY_V:
         v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
+    else:
+        v = k  # not used: _attend_kv loads V itself
+    return _attend_kv(
+        q, acc, m_i, l_i, k, v, pos, pos_ok, row_pos, v_cache_ptr, tok_off, scale_log2, offs_d,
+        d_ok, MASKED, EVEN_D, IEEE_DOT, EARLY_V,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_kv(
+    q,
+    acc,
+    m_i,
+    l_i,
+    k,
+    v,
+    pos,
+    pos_ok,
+    row_pos,
+    v_cache_ptr,
+    tok_off,
+    scale_log2,
+    offs_d,
+    d_ok,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    HAVE_V: tl.constexpr,
+):
+    """The online-softmax step of ``_attend_tile`` on a loaded K tile (``k [D, TILE_N]``) and,
+    with ``HAVE_V``, V tile (else V is loaded here, after the QK^T product)."""
     if IEEE_DOT:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -126,7 +157,7 @@ def _attend_tile(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if not EARLY_V:
+    if not HAVE_V:
         v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -176,6 +207,11 @@ def _paged_attention_kernel(
     EARLY_V: tl.constexpr,
     PDL: tl.constexpr,
     QPK_P: tl.constexpr,
+    # Split decode: the program's first tile (block table entries, K and V) is loaded before
+    # waiting for the previous kernel, since only the newest position of each request is
+    # written in this step (by the K/V write before); that one position is loaded again after
+    # the wait. Saves the block-table and cache round trips after the wait.
+    PRELOAD: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,6 +225,22 @@ def _paged_attention_kernel(
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    head_off = kv_head.to(tl.int64) * stride_kv_head
+    if PRELOAD:
+        # Decode only (one query per request): the context is seq_len positions, the split's
+        # tiles as computed below. A padding request (seq_len 0) or an empty split loads nothing.
+        per0 = ((seq_len + TILE_N - 1) // TILE_N + num_splits - 1) // num_splits
+        pos0 = split * per0 * TILE_N + tl.arange(0, TILE_N)
+        ok0 = pos0 < seq_len
+        blk0 = tl.load(bt_row + pos0 // PAGE_SIZE, mask=ok0, other=0).to(tl.int64)
+        off0 = blk0 * stride_kv_blk + (pos0 % PAGE_SIZE).to(tl.int64) * stride_kv_tok + head_off
+        k0 = tl.load(k_cache_ptr + off0[None, :] + offs_d[:, None],
+                     mask=ok0[None, :] & d_ok[:, None], other=0.0)
+        v0 = tl.load(v_cache_ptr + off0[:, None] + offs_d[None, :],
+                     mask=ok0[:, None] & d_ok[None, :], other=0.0)
     if PDL:
         # Launched early (programmatic dependent launch): the step metadata above is the
         # runner's, but the query and this step's K/V come from the previous kernel. Every
@@ -203,8 +255,6 @@ def _paged_attention_kernel(
     q_idx = q_block * BLOCK_Q + offs_m // QPK
     head = kv_head * QPK + offs_m % QPK
     row_ok = (offs_m < BLOCK_Q * QPK) & (q_idx < q_len)
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    d_ok = offs_d < HEAD_DIM
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(
         q_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
@@ -228,8 +278,21 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    head_off = kv_head.to(tl.int64) * stride_kv_head
+    if PRELOAD:
+        # The newest position, written by the kernel before: loaded again now (one row).
+        new0 = ok0 & (pos0 == seq_len - 1)
+        # .cg: the stale line read before the wait must not be served from L1.
+        k0 = tl.where(new0[None, :], tl.load(k_cache_ptr + off0[None, :] + offs_d[:, None],
+                                             mask=new0[None, :] & d_ok[:, None], other=0.0,
+                                             cache_modifier=".cg"), k0)
+        v0 = tl.where(new0[:, None], tl.load(v_cache_ptr + off0[:, None] + offs_d[None, :],
+                                             mask=new0[:, None] & d_ok[None, :], other=0.0,
+                                             cache_modifier=".cg"), v0)
+        m_i, l_i, acc = _attend_kv(
+            q, acc, m_i, l_i, k0, v0, pos0, ok0, row_pos, v_cache_ptr, off0, scale_log2, offs_d,
+            d_ok, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, True,
+        )  # fmt: skip
+        tile_lo += 1
     # Tiles that end at or before the first row's position are visible to every row and lie
     # inside the context: no masks. Only the tiles on the causal diagonal (and the ragged last
     # tile) pay for masking.
@@ -414,6 +477,9 @@ _MAX_COUNTERS = 8192
 # followed by the merge kernel, both launched early (PDL), beat the in-kernel merge, whose
 # GPU-scope fence + counter atomic + partial reload sit on the critical path.
 FUSED_MERGE = os.environ.get("TIDAL_ATTN_FUSED_MERGE", "0") == "1"
+# Split decodes load their first tile before the dependent-launch wait (``PRELOAD``);
+# TIDAL_ATTN_PRELOAD=0 loads it after, as every other tile.
+PRELOAD = os.environ.get("TIDAL_ATTN_PRELOAD", "1") != "0"
 
 
 def _pdl_enabled(device: torch.device) -> bool:
@@ -519,6 +585,7 @@ def paged_attention(
         EARLY_V=split and plan.decode_only and plan.early_v,
         SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
         QPK_P=max(2, next_pow2(qpk)),
+        PRELOAD=split and plan.decode_only and PRELOAD,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
