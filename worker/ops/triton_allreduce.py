@@ -6,10 +6,12 @@ Each rank has a receive buffer per parity with a row per rank. A row element hol
 bit pattern, negative zero, until the peer's value for it lands. A rank stores its input into
 row ``rank`` of every peer's buffer over NVLink, then polls the peers' rows of its own buffer
 until no sentinel is left, sums all rows in rank order in float32 (its own from registers; so
-every rank gets the same bits), and puts the sentinel back. A value arriving is its own signal: no flag, no fence and no barrier, so an
-all-reduce costs one one-way trip over NVLink. A one-shot reduction behind a barrier pays a
-signal round trip and then remote loads. An input that is itself negative zero is sent as
-positive zero; the sum can differ only in the sign of a zero result.
+every rank gets the same bits), and puts the sentinel back. A value arriving is its own
+signal: no flag, no fence and no barrier, so an all-reduce costs one one-way trip over
+NVLink. A one-shot reduction behind a barrier pays a signal round trip and then remote loads.
+The same kernel also gathers (``lamport_all_gather``: each rank's row stored, not summed). An
+input that is itself negative zero is sent as positive zero; the sum can differ only in the
+sign of a zero result.
 
 Buffer reuse: calls alternate between two buffers (per program, from a counter in device
 memory, so CUDA graph replays alternate too). Rank A writes buffer ``b`` again two calls later.
