@@ -13,7 +13,9 @@
 #    push: TP>1 perf with the all-reduce fused into the batch-1 GEMVs (TIDAL_PUSH_ALLREDUCE=1,
 #    off by default); nolamport: TP>1 perf without the signal-free all-reduce
 #    (TIDAL_LAMPORT_ALLREDUCE=0); noapart: perf with the RMSNorm always in the GEMV prologue
-#    (TIDAL_NORM_APART=0); tests: the GPU tests of the all-reduce and decode kernels;
+#    (TIDAL_NORM_APART=0); nopreload: perf with split-decode attention loading its first tile
+#    after the dependent-launch wait (TIDAL_ATTN_PRELOAD=0); tests: the GPU tests of the
+#    all-reduce and decode kernels;
 #    TIDAL_CHECK_ARGS="--trace-dir DIR" adds each rank's step timeline (tools/trace_steps.py);
 # 5. a summary with the TP=2 / TP=1 decode ratio (target <= 0.6) in $OUT/tp_summary.json.
 # TIDAL_CHECK_TPS overrides the TP sizes (default: 1 2, and 4 with 4 GPUs).
@@ -70,6 +72,17 @@ run() {
     return $rc
 }
 
+# variant NAME MIN_TP VAR=VALUE: the perf phase with one setting changed, for every TP size of
+# at least MIN_TP, as perf_tp<N>_NAME.
+variant() {
+    local name=$1 min_tp=$2 setting=$3 tp
+    for tp in $TPS; do
+        (( tp >= min_tp )) || continue
+        ( export "$setting"; run "perf_tp${tp}_$name$TAG" 110 perf --tp "$tp" \
+              --requests "$REQUESTS" ) || status=1
+    done
+}
+
 echo "== environment"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
 nvidia-smi topo -m 2>/dev/null | head -8 || true
@@ -90,22 +103,13 @@ for phase in $PHASES; do
                   run "perf_tp$tp$TAG" 110 perf --tp "$tp" --requests "$REQUESTS" || status=1
               done ;;
         # TP>1 with the all-reduce fused into the batch-1 GEMVs (opt-in; what it gains or costs).
-        push) for tp in $TPS; do
-                  (( tp > 1 )) || continue
-                  TIDAL_PUSH_ALLREDUCE=1 run "perf_tp${tp}_push$TAG" 110 perf --tp "$tp" \
-                      --requests "$REQUESTS" || status=1
-              done ;;
-        # The RMSNorm always as the GEMV prologue (TIDAL_NORM_APART=0), for comparison.
-        noapart) for tp in $TPS; do
-                  TIDAL_NORM_APART=0 run "perf_tp${tp}_noapart$TAG" 110 perf --tp "$tp" \
-                      --requests "$REQUESTS" || status=1
-              done ;;
+        push) variant push 2 TIDAL_PUSH_ALLREDUCE=1 ;;
+        # The RMSNorm always as the GEMV prologue, for comparison.
+        noapart) variant noapart 1 TIDAL_NORM_APART=0 ;;
         # TP>1 with the signal-free all-reduce off (the one-shot or NCCL path instead).
-        nolamport) for tp in $TPS; do
-                  (( tp > 1 )) || continue
-                  TIDAL_LAMPORT_ALLREDUCE=0 run "perf_tp${tp}_nolamport$TAG" 110 perf --tp "$tp" \
-                      --requests "$REQUESTS" || status=1
-              done ;;
+        nolamport) variant nolamport 2 TIDAL_LAMPORT_ALLREDUCE=0 ;;
+        # Split-decode attention loading its first tile after the dependent-launch wait.
+        nopreload) variant nopreload 1 TIDAL_ATTN_PRELOAD=0 ;;
         tests) l=$(left); (( l > 240 )) && l=240
                TEST_FILTER="lamport or rank_order or push or pushed or squares or norm or prefetch"
                TEST_FILTER+=" or gather or vocab or lm_head or chain"
@@ -121,7 +125,8 @@ for phase in $PHASES; do
         allreduce) multi=$(echo "$TPS" | tr ' ' '\n' | awk '$1 > 1' | tr '\n' ' ')
                    # shellcheck disable=SC2086
                    [ -n "$multi" ] && { run "allreduce$TAG" 60 allreduce --tp $multi || status=1; } ;;
-        *) echo "unknown phase $phase (equal, perf, push, noapart, nolamport, tests, allreduce)"
+        *) echo "unknown phase $phase (equal, perf, push, noapart, nolamport, nopreload, tests," \
+                "allreduce)"
            status=1 ;;
     esac
 done
