@@ -14,8 +14,10 @@
 #    off by default); nolamport: TP>1 perf without the signal-free all-reduce
 #    (TIDAL_LAMPORT_ALLREDUCE=0); noapart: perf with the RMSNorm always in the GEMV prologue
 #    (TIDAL_NORM_APART=0); nopreload: perf with split-decode attention loading its first tile
-#    after the dependent-launch wait (TIDAL_ATTN_PRELOAD=0); tests: the GPU tests of the
-#    all-reduce and decode kernels;
+#    after the dependent-launch wait (TIDAL_ATTN_PRELOAD=0); stages2: perf with split-decode
+#    attention pipelined in two stages (TIDAL_ATTN_SPLIT_STAGES=2); nostream: perf with the
+#    GEMV weights loaded with the default L2 policy (TIDAL_GEMV_STREAM=0); tests: the GPU tests
+#    of the all-reduce and decode kernels;
 #    TIDAL_CHECK_ARGS="--trace-dir DIR" adds each rank's step timeline (tools/trace_steps.py);
 # 5. a summary with the TP=2 / TP=1 decode ratio (target <= 0.6) in $OUT/tp_summary.json.
 # TIDAL_CHECK_TPS overrides the TP sizes (default: 1 2, and 4 with 4 GPUs).
@@ -110,9 +112,13 @@ for phase in $PHASES; do
         nolamport) variant nolamport 2 TIDAL_LAMPORT_ALLREDUCE=0 ;;
         # Split-decode attention loading its first tile after the dependent-launch wait.
         nopreload) variant nopreload 1 TIDAL_ATTN_PRELOAD=0 ;;
+        # Split-decode attention with a two-stage software pipeline (the default before).
+        stages2) variant stages2 1 TIDAL_ATTN_SPLIT_STAGES=2 ;;
+        # The GEMVs' weights loaded with the default L2 policy, not evict-first.
+        nostream) variant nostream 1 TIDAL_GEMV_STREAM=0 ;;
         tests) l=$(left); (( l > 240 )) && l=240
                TEST_FILTER="lamport or rank_order or push or pushed or squares or norm or prefetch"
-               TEST_FILTER+=" or gather or vocab or lm_head or chain"
+               TEST_FILTER+=" or gather or vocab or lm_head or chain or stamps"
                echo "== tests (limit ${l}s): the all-reduce kernels across GPUs and simulated"
                timeout -k 5 "$l" "$PY" -m pytest -p no:cacheprovider -q -rs -s \
                    tests/worker/test_lamport_allreduce_gpu.py tests/worker/test_kernels_allreduce.py \

@@ -8,7 +8,9 @@ on a spin loop whose loaded tensor was carried and then left unused) shows up he
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue), the
 partial-sum kernel, the signal-free all-reduce (also with the residual add and sums of squares,
-and as an all-gather) and the one-row add + norm. Exits non-zero if any fails.
+and as an all-gather), the one-row add + norm, and the attention chain of a decode step (rotary
++ K/V write, split attention, merge; with and without time stamps). Exits non-zero if any
+fails.
 """
 
 from __future__ import annotations
@@ -30,6 +32,44 @@ def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> s
     return None
 
 
+def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """The rotary + K/V write, split-decode attention and merge kernels, with the time stamps of
+    ``tools/bench_decode_chain.py`` on and off."""
+    from tidal.worker.ops import triton_attention_kernels as tak
+    from tidal.worker.ops import triton_decode as td
+
+    cases = []
+    ints = {"num_slots", "stride_qkv", "stride_qo", "stride_cs", "stride_c_blk", "stride_c_tok"}
+    for times in (False, True):
+        consts = dict(NUM_HEADS=16, NUM_KV_HEADS=4, HEADS_P=16, KV_HEADS_P=4, HEAD_DIM=128,
+                      HALF=64, PAGE_SIZE=16, NORM=False, PDL=True, TIMES=times)
+        sig = {a: "constexpr" if a in consts else "i32" if a in ints else "fp32" if a == "eps"
+               else "*i64" if a in ("pos_ptr", "slot_ptr", "times_ptr") else "*fp32"
+               if a == "cs_ptr" else "*bf16" for a in td._qk_norm_rope_kv_kernel.arg_names}
+        cases.append((f"rotary + K/V write{' + stamps' if times else ''}",
+                      td._qk_norm_rope_kv_kernel, sig, consts))
+        consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
+                      BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
+                      IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=16, EARLY_V=True, PDL=True,
+                      QPK_P=4, PRELOAD=True, TIMES=times)
+        ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16",
+                "v_cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+                "part_sum_ptr": "*fp32", "counter_ptr": "*i32", "block_table_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "times_ptr": "*i64",
+                "scale_log2": "fp32"}
+        sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
+               for a in tak._paged_attention_kernel.arg_names}
+        cases.append((f"split-decode attention{' + stamps' if times else ''}",
+                      tak._paged_attention_kernel, sig, consts))
+        consts = dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_P=128, SPLITS_P=16, PDL=True,
+                      TIMES=times)
+        sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
+               for a in tak._merge_splits_kernel.arg_names}
+        cases.append((f"split merge{' + stamps' if times else ''}", tak._merge_splits_kernel,
+                      sig, consts))
+    return cases
+
+
 def main() -> int:
     from tidal.worker.ops import triton_allreduce as ta
     from tidal.worker.ops import triton_decode as td
@@ -48,7 +88,7 @@ def main() -> int:
         consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0, ADD=parts > 0,
                       SILU=silu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
                       ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
-                      PUSH_WORLD=push, SENT=td.SENTINEL)
+                      PUSH_WORLD=push, SENT=td.SENTINEL, STREAM=push > 0)
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))
@@ -73,6 +113,7 @@ def main() -> int:
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
            "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", **{k: "constexpr" for k in consts}}
     cases.append(("add + norm row", td._add_rms_norm_row_kernel, sig, consts))
+    cases += _decode_chain_cases()
     failed = 0
     for name, fn, sig, consts in cases:
         error = _compile(fn, sig, consts)

@@ -10,6 +10,8 @@ paged attention, against plain-torch references.
 - split-context decode attention with the merge done by the last split program, repeated (the
   split counters must re-arm) and inside a CUDA graph, against the merge-kernel path and the
   float64 reference.
+- the kernel time stamps (``ops.triton_probe``) of the rotary, attention and merge kernels:
+  ordered, consistent with the dependent-launch waits, and changing no result.
 - the all-reduce fused into the GEMVs (rows pushed to every rank, summed by the next GEMV), with
   the ranks simulated by buffers on one GPU, eagerly and in a CUDA graph: bit-exact against the
   plain GEMVs' rows summed in rank order. ``test_push_allreduce_gpu.py`` runs it across GPUs.
@@ -279,6 +281,60 @@ def test_fused_merge_matches_merge_kernel() -> None:
             assert torch.equal(outs[0][:n], outs[2][:n]), "fused merge not repeatable"
             counters = tk._COUNTERS.get(q.device)
             assert counters is not None and int(counters.abs().sum()) == 0, "counters left armed"
+
+
+def test_time_stamps_are_ordered_and_change_no_result() -> None:
+    """The kernel time stamps of tools/bench_decode_chain.py (rotary + K/V write, split
+    attention, merge): every program's stamps in program order, each kernel past its wait
+    only after the kernel before it issued its last store (the dependent-launch wait holds),
+    and the same outputs, bit for bit, as the kernels built without stamps."""
+    from test_kernels_attention import NUM_HEADS, make_batch
+
+    from tidal.worker.layers.rotary import build_cos_sin_cache
+    from tidal.worker.ops import triton_attention_kernels as tk
+    from tidal.worker.ops.attention_plan import plan_triton_attention
+    from tidal.worker.ops.triton_probe import STAMPS
+
+    kv_heads, d, ctx = 4, 128, 300
+    batch = make_batch([1], [ctx], kv_heads, d, torch.bfloat16, seed=9)
+    m = batch.meta
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    qkv = torch.randn((1, (NUM_HEADS + 2 * kv_heads) * d), device=DEVICE,
+                      generator=gen).to(torch.bfloat16)
+    cs = build_cos_sin_cache(d, 4096, 5e5, None).to(DEVICE)
+    pos = torch.tensor([ctx - 1], device=DEVICE)
+    plan = plan_triton_attention(1, 1, 1, NUM_HEADS, kv_heads, d, torch.bfloat16, DEVICE)
+    assert plan.num_splits > 1, "the split path (preload, merge kernel) is what is stamped"
+    programs = kv_heads * plan.num_splits
+    outs = []
+    for stamped in (False, True):
+        cache = batch.kv_cache.clone()
+        rope_t = torch.zeros((1, STAMPS), dtype=torch.int64, device=DEVICE)
+        attn_t = torch.zeros((programs, STAMPS), dtype=torch.int64, device=DEVICE)
+        merge_t = torch.zeros((NUM_HEADS, STAMPS), dtype=torch.int64, device=DEVICE)
+        q = td.qk_norm_rope_write_kv(qkv, pos, NUM_HEADS, kv_heads, d, None, None, 1e-6, cs,
+                                     cache, m.slot_mapping, times=rope_t if stamped else None)
+        out = torch.full_like(q, float("nan"))
+        tk.paged_attention(q, cache[0], cache[1], m.block_table, m.seq_lens, m.query_start_loc,
+                           1, d**-0.5, out, plan,
+                           times=(attn_t, merge_t) if stamped else None)  # fmt: skip
+        torch.cuda.synchronize()
+        outs.append((q, out, cache))
+    for a, b in zip(*outs):  # (the cache holds NaN outside the contexts)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
+                                   msg="the stamped kernels computed something else")
+    assert torch.isfinite(outs[1][1]).all()
+    r, a, g = rope_t.cpu(), attn_t.cpu(), merge_t.cpu()
+    assert (r[0, 0] <= r[0, 1] <= r[0, 4]) and int(r[0, 0]) > 0
+    # entry, past the wait, query loaded, preloaded tile landed, newest reloaded, math done,
+    # stores issued: in program order in every attention program.
+    order = a[:, [0, 1, 2, 5, 6, 3, 4]]
+    assert (order[:, 1:] >= order[:, :-1]).all() and (order > 0).all(), order
+    assert (g[:, 1] >= g[:, 0]).all() and (g[:, 4] >= g[:, 1]).all()
+    # Programmatic dependent launch: resident early, but past the wait only once the kernel
+    # before has completed.
+    assert int(a[:, 1].min()) >= int(r[0, 4])
+    assert int(g[:, 1].min()) >= int(a[:, 4].max())
 
 
 def test_lm_head_takes_the_gemv_only_for_tuned_shapes(monkeypatch) -> None:

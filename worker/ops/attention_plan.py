@@ -7,6 +7,7 @@ decode step captured in a CUDA graph replays correctly whatever the contexts gro
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,12 @@ MAX_SPLITS = 16  # flash-decoding splits per (request, KV head); the Triton merg
 # split 47 us), the Triton kernel peaks near 2 (its programs already keep more loads in flight).
 TRITON_PROGRAMS_PER_SM = 2
 CUDA_PROGRAMS_PER_SM = 4
+# Software-pipeline stages of split-decode attention (TIDAL_ATTN_SPLIT_STAGES). Batch-1 chain
+# of Llama-3.1-8B heads on H100 (tools/bench_decode_chain.py, context 128): 1 stage took a
+# layer from 22.3 to 20.6 us at TP2's heads and from 35.8 to 34.0 at TP1's; at context 4096
+# (four tiles per split) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
+# 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
+SPLIT_STAGES = int(os.environ.get("TIDAL_ATTN_SPLIT_STAGES", "1"))
 
 
 def next_pow2(x: int) -> int:
@@ -75,7 +82,9 @@ def plan_triton_attention(
         block_m = max(16, next_pow2(qpk))
         splits = decode_num_splits(num_reqs, num_kv_heads, device)
         # H100 sweep (batch 64/256 x 1024): tile 64, 4 warps, 2 stages reads KV at 93-100% of
-        # the device-to-device copy rate; 3-4 stages lost 15-20% at batch 64.
+        # the device-to-device copy rate; 3-4 stages lost 15-20% at batch 64. Split programs
+        # (few requests) own one tile up to 16 x 64 positions, and the pipelined loop's
+        # set-up then costs more than it hides (see SPLIT_STAGES).
         return TritonAttentionPlan(
             decode_only=True,
             block_q=1,
@@ -83,7 +92,7 @@ def plan_triton_attention(
             tile_n=32 if fp32 else 64,
             num_splits=splits,
             num_warps=4,
-            num_stages=2,
+            num_stages=SPLIT_STAGES if splits > 1 else 2,
             grid0=num_reqs,
         )
     # Mixed or prefill batch: tiles of block_q query positions; short queries (a few

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from tidal.worker.ops.attention_plan import MAX_SPLITS, TritonAttentionPlan, next_pow2
+from tidal.worker.ops.triton_probe import stamp
 
 _LOG2E = 1.4426950408889634
 
@@ -191,6 +192,7 @@ def _paged_attention_kernel(
     stride_kv_tok: tl.int64,
     stride_kv_head: tl.int64,
     stride_bt: tl.int64,
+    times_ptr,
     NUM_HEADS: tl.constexpr,
     QPK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -212,10 +214,18 @@ def _paged_attention_kernel(
     # written in this step (by the K/V write before); that one position is loaded again after
     # the wait. Saves the block-table and cache round trips after the wait.
     PRELOAD: tl.constexpr,
+    # Time stamps per program (triton_probe.stamp, into times_ptr): entry, past the wait,
+    # query loaded, math done, stores issued; with PRELOAD also the preloaded tile landed and
+    # the newest position reloaded. For tools/bench_decode_chain.py; off, nothing is compiled
+    # in.
+    TIMES: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if TIMES:
+        prog = (pid_q * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+        stamp(times_ptr, prog, 0, split)
     if DECODE_ONLY:
         req = pid_q
         q_block = 0
@@ -247,6 +257,8 @@ def _paged_attention_kernel(
         # program waits, padding ones too, so that this grid completes after its predecessor.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    if TIMES:
+        stamp(times_ptr, prog, 1, split)
     if q_block * BLOCK_Q >= q_len:
         return
     ctx_before = seq_len - q_len  # context positions before the first query of this request
@@ -261,6 +273,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if TIMES:
+        stamp(times_ptr, prog, 2, tl.sum(tl.sum(q.to(tl.float32), axis=1), axis=0))
 
     # Causal bound: the block's last query row sees positions up to ctx_before + its index.
     kv_end = tl.minimum(ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len), seq_len)
@@ -279,6 +293,9 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     if PRELOAD:
+        if TIMES:
+            stamp(times_ptr, prog, 5, tl.sum(tl.sum(k0.to(tl.float32), axis=1), axis=0)
+                  + tl.sum(tl.sum(v0.to(tl.float32), axis=1), axis=0))
         # The newest position, written by the kernel before: loaded again now (one row).
         new0 = ok0 & (pos0 == seq_len - 1)
         # .cg: the stale line read before the wait must not be served from L1.
@@ -288,6 +305,9 @@ def _paged_attention_kernel(
         v0 = tl.where(new0[:, None], tl.load(v_cache_ptr + off0[:, None] + offs_d[None, :],
                                              mask=new0[:, None] & d_ok[None, :], other=0.0,
                                              cache_modifier=".cg"), v0)
+        if TIMES:
+            stamp(times_ptr, prog, 6, tl.sum(tl.sum(k0.to(tl.float32), axis=1), axis=0)
+                  + tl.sum(tl.sum(v0.to(tl.float32), axis=1), axis=0))
         m_i, l_i, acc = _attend_kv(
             q, acc, m_i, l_i, k0, v0, pos0, ok0, row_pos, v_cache_ptr, off0, scale_log2, offs_d,
             d_ok, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, True,
@@ -312,6 +332,8 @@ def _paged_attention_kernel(
 
     # seq_len 0 (padding) or an empty split: acc and l are 0 and the output row is 0.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if TIMES:
+        stamp(times_ptr, prog, 3, tl.sum(tl.sum(o, axis=1), axis=0))
     if SPLIT_KV:
         part = (tok * NUM_HEADS + head) * num_splits + split
         tl.store(
@@ -340,6 +362,8 @@ def _paged_attention_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+    if TIMES:
+        stamp(times_ptr, prog, 4, split)
 
 
 @triton.jit
@@ -445,27 +469,36 @@ def _merge_splits_kernel(
     num_splits,
     stride_o_tok: tl.int64,
     stride_o_head: tl.int64,
+    times_ptr,  # as the attention kernel's (TIMES): entry, past the wait, stores issued
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     SPLITS_P: tl.constexpr,
     PDL: tl.constexpr,
+    TIMES: tl.constexpr,
 ):
     """The split merge as its own launch; one program per (decode request, head). With PDL it
     is resident before the attention kernel ends and waits for it."""
     req = tl.program_id(0)
     head = tl.program_id(1)
+    if TIMES:
+        prog = req * tl.num_programs(1) + head
+        stamp(times_ptr, prog, 0, head)
     tok = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - tok
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the partials come from the attention kernel
+    if TIMES:
+        stamp(times_ptr, prog, 1, head)
     if q_len != 1:
         return
     _merge_head(
         out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, tok, head, num_splits, stride_o_tok,
         stride_o_head, NUM_HEADS, HEAD_DIM, HEAD_DIM_P, SPLITS_P, False,
     )  # fmt: skip
+    if TIMES:
+        stamp(times_ptr, prog, 4, head)
 
 
 # Split counters of the fused merge, one int32 per (request, KV head), per device. Zero between
@@ -512,13 +545,15 @@ def paged_attention(
     out: torch.Tensor,
     plan: TritonAttentionPlan,
     fused_merge: bool | None = None,
+    times: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``.
 
     Split decodes are merged by a second kernel, or, with ``fused_merge`` (default:
     ``FUSED_MERGE``, env ``TIDAL_ATTN_FUSED_MERGE=1``), inside the attention kernel by the last
     split program of each request and KV head (not when no counter buffer can be had: first
-    use inside a graph capture)."""
+    use inside a graph capture). ``times``: int64 buffers of ``triton_probe.STAMPS`` per
+    program for the attention and the merge kernel, filled with their time stamps."""
     if num_reqs == 0 or query.shape[0] == 0:
         return
     num_tokens, num_heads, head_dim = query.shape
@@ -568,6 +603,7 @@ def paged_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_table.stride(0),
+        times[0] if times is not None else seq_lens,
     )
     consts = dict(
         NUM_HEADS=num_heads,
@@ -586,6 +622,7 @@ def paged_attention(
         SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
         QPK_P=max(2, next_pow2(qpk)),
         PRELOAD=split and plan.decode_only and PRELOAD,
+        TIMES=times is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
@@ -597,10 +634,10 @@ def paged_attention(
         _paged_attention_kernel[grid](*args, **consts, PDL=False)
     if split and counters is None:
         margs = (out, part_out, part_max, part_sum, query_start_loc, plan.num_splits,
-                 out.stride(0), out.stride(1))
+                 out.stride(0), out.stride(1), times[1] if times is not None else seq_lens)
         mconsts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                        SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
-                       num_warps=4)
+                       TIMES=times is not None, num_warps=4)
         if pdl:
             from tidal.worker.ops.triton_decode import launch
 
