@@ -121,7 +121,7 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def _time_cuda(fn, reps: int, warmup: int = 3) -> list[float]:
+def time_cuda(fn, reps: int, warmup: int = 3) -> list[float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -144,13 +144,13 @@ def measure_ceilings() -> dict[str, Any]:
     n = 1 << 30  # bf16 elements: 2 GiB
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    t = _time_cuda(lambda: dst.copy_(src), 10)
+    t = time_cuda(lambda: dst.copy_(src), 10)
     bw = 2 * src.numel() * 2 / statistics.median(t) / 1e9
     del src, dst
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    t2 = _time_cuda(lambda: a @ b, 10)
+    t2 = time_cuda(lambda: a @ b, 10)
     flops = 2 * m**3 / statistics.median(t2) / 1e12
     del a, b
     torch.cuda.empty_cache()

@@ -28,11 +28,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from typing import Any, Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import time_cuda  # noqa: E402
 
 D, HIDDEN, PAGE = 128, 4096, 16
 LIGHT_K = 64  # the q/k/v GEMV's K in the 'light' mode: a producer that hardly loads HBM
@@ -118,16 +122,7 @@ def _graph(run: Callable[[], None]) -> Callable[[], None]:
 
 
 def _time_us(replay: Callable[[], None], layers: int, reps: int) -> dict[str, float]:
-    replay()
-    torch.cuda.synchronize()
-    per = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        per.append(a.elapsed_time(b) * 1e3 / layers)
+    per = [t * 1e6 / layers for t in time_cuda(replay, reps, warmup=1)]
     return dict(us=statistics.median(per), us_min=min(per), us_max=max(per))
 
 
