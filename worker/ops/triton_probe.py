@@ -3,8 +3,9 @@
 dependent-launch wait and its last store, which a profiler's kernel start and end cannot show.
 
 A kernel built with its ``TIMES`` constexpr off compiles none of this. Stamps are the GPU's
-``%globaltimer`` (nanoseconds, one clock for every SM); on some parts it ticks in steps of up
-to a microsecond, so the tool averages many replays.
+``%globaltimer`` (nanoseconds, one clock for every SM). It ticks every 256 ns on the H100 and
+H200, so the tool takes medians over many layers and replays. A stamp that waits for a value
+reduces it first, and those reductions add 1.3-1.9 us to a stamped layer.
 """
 
 from __future__ import annotations
@@ -28,4 +29,4 @@ def now_after(dep):
 @triton.jit
 def stamp(times_ptr, program, slot, dep):
     """Store the time ``dep`` became available into ``times[program, slot]``."""
-    tl.store(times_ptr + program.to(tl.int64) * 8 + slot, now_after(dep))
+    tl.store(times_ptr + program.to(tl.int64) * 8 + slot, now_after(dep))  # 8: STAMPS
