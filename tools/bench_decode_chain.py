@@ -6,10 +6,10 @@ Builds Llama-3.1-8B's per-rank attention chain (q/k/v GEMV, rotary + K/V write, 
 split merge, o GEMV) for ``--layers`` layers with their own weights and caches, captures it in a
 CUDA graph with programmatic dependent launch, as the engine runs it, and reports:
 
-- ``chain_us_per_layer`` for the whole chain and for the chain without attention (the o GEMV
-  reads the rotated query instead) and without rotary too: the differences are what attention
-  and rotary add to a layer;
-- ``stamps``: from ``%globaltimer`` stamps taken inside the kernels (``triton_probe``), medians
+- ``full_us_per_layer`` for the whole chain, ``no_attention_us_per_layer`` without attention
+  (the o GEMV reads the rotated query instead) and ``gemv_only_us_per_layer`` without rotary
+  too: the differences are what attention and rotary add to a layer;
+- ``stamps_<mode>_us``: from ``%globaltimer`` stamps taken inside the kernels (``triton_probe``), medians
   over layers and replays, in microseconds relative to the moment the rotary kernel got past
   its dependent-launch wait: when each kernel's programs entered, got past the wait, had their
   query loaded, finished the math and issued their stores.
@@ -153,17 +153,18 @@ def _stamp_summary(stamps: dict[str, list], replay: Callable[[], None], n: int) 
             add("attention_first_past_wait", rel(a[:, 1].min()))
             add("attention_last_past_wait", rel(a[:, 1].max()))
             add("attention_last_query_loaded", rel(a[:, 2].max()))
-            # Slots a variant does not stamp stay 0: the preloaded tile landed (PRELOAD), the
-            # newest position reloaded into it (PRELOAD without NEWEST_APART).
+            # Stamps a variant does not take stay 0: the preloaded tile landed and the newest
+            # position reloaded into it (PRELOAD only); the merge kernel's (not with fusedmerge).
             for slot, key in ((5, "preload_landed"), (6, "newest_reloaded")):
                 if bool((a[:, slot] > 0).any()):
                     add(f"attention_last_{key}", rel(a[:, slot].max()))
             add("attention_last_math_done", rel(a[:, 3].max()))
             add("attention_last_stores", rel(a[:, 4].max()))
-            add("merge_first_entry", rel(m[:, 0].min()))
-            add("merge_first_past_wait", rel(m[:, 1].min()))
-            add("merge_last_past_wait", rel(m[:, 1].max()))
-            add("merge_last_stores", rel(m[:, 4].max()))
+            if bool((m[:, 1] > 0).all()):
+                add("merge_first_entry", rel(m[:, 0].min()))
+                add("merge_first_past_wait", rel(m[:, 1].min()))
+                add("merge_last_past_wait", rel(m[:, 1].max()))
+                add("merge_last_stores", rel(m[:, 4].max()))
     out: dict[str, Any] = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     # A coarse %globaltimer shows as stamps that are all whole microseconds.
     out["timer_sub_us_values_seen"] = len(ticks)

@@ -88,7 +88,7 @@ def main() -> int:
         consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0, ADD=parts > 0,
                       SILU=silu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
                       ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
-                      PUSH_WORLD=push, SENT=td.SENTINEL, STREAM=push > 0)
+                      PUSH_WORLD=push, SENT=td.SENTINEL, EVICT="evict_first" if push else "")
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))

@@ -169,19 +169,12 @@ def _rearm(rearm_ptr, n, SENT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr, STREAM: tl.constexpr):
-    if STREAM:
-        # Read once per step: first out of L2, so the activations, step metadata and K/V the
-        # other kernels of the step read stay in it.
-        if EVEN_NK:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
-    elif EVEN_NK:
-        w = tl.load(w_rows + kk[None, :])
+def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr, EVICT: tl.constexpr):
+    if EVEN_NK:
+        w = tl.load(w_rows + kk[None, :], eviction_policy=EVICT)
     else:
-        w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
+                    eviction_policy=EVICT)
     return w
 
 
@@ -225,7 +218,9 @@ def _gemv_kernel(
     push_off,
     PUSH_WORLD: tl.constexpr,
     SENT: tl.constexpr,
-    STREAM: tl.constexpr,  # weights loaded evict-first (STREAM_WEIGHTS)
+    # L2 policy of the weight loads: "evict_first" (STREAM_WEIGHTS: read once per step, so the
+    # activations, step metadata and K/V the other kernels read stay in L2) or "".
+    EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,15 +234,15 @@ def _gemv_kernel(
     # The first chunk of weights depends on nothing the previous kernel writes: with
     # programmatic dependent launch it streams in while that kernel finishes.
     km0 = cols < K
-    w0 = _w_chunk(w_rows, cols, row_ok, km0, even, STREAM)
+    w0 = _w_chunk(w_rows, cols, row_ok, km0, even, EVICT)
     if SILU:
-        wu0 = _w_chunk(wu_rows, cols, row_ok, km0, even, STREAM)
+        wu0 = _w_chunk(wu_rows, cols, row_ok, km0, even, EVICT)
     if PREFETCH > 1:  # the wrapper checks that K holds a second chunk
         kk1 = BLOCK_K + cols
         km1 = kk1 < K
-        w1 = _w_chunk(w_rows, kk1, row_ok, km1, even, STREAM)
+        w1 = _w_chunk(w_rows, kk1, row_ok, km1, even, EVICT)
         if SILU:
-            wu1 = _w_chunk(wu_rows, kk1, row_ok, km1, even, STREAM)
+            wu1 = _w_chunk(wu_rows, kk1, row_ok, km1, even, EVICT)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # x and the residual come from the previous kernel; our outputs may reuse memory it
@@ -292,9 +287,9 @@ def _gemv_kernel(
         kk = k0 + cols
         km = kk < K
         xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
-        acc += _w_chunk(w_rows, kk, row_ok, km, even, STREAM).to(tl.float32) * xf
+        acc += _w_chunk(w_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
         if SILU:
-            acc_up += _w_chunk(wu_rows, kk, row_ok, km, even, STREAM).to(tl.float32) * xf
+            acc_up += _w_chunk(wu_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -525,7 +520,7 @@ def gemv(
              num_warps=warps, parts_bits_ptr=wa[0], rearm_ptr=wa[1], rearm_n=wa[2],
              PARTS=parts.world if parts is not None else 0, push_ptrs=pa[0], push_off=pa[1],
              PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL,
-             STREAM=STREAM_WEIGHTS),
+             EVICT="evict_first" if STREAM_WEIGHTS else ""),
         pdl,
     )  # fmt: skip
     if add:
