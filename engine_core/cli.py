@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tidal.engine_core.core_proc import normalize_address, serve, setup_logging
+    from tidal.engine_core.core_proc import serve, setup_logging
+    from tidal.engine_core.sockets import normalize_address
 
     ns = build_parser().parse_args(argv)
     setup_logging("engine-core")

@@ -271,8 +271,10 @@ class EngineArgs:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {budget}")
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
-            # A step never holds more sequences than tokens.
-            max_num_seqs = min(256 if device == "cuda" else 64, budget or 1 << 30)
+            # 512 on a GPU: the largest decode batch with a CUDA graph, so a burst of a
+            # thousand requests starts in two waves instead of four. A step never holds more
+            # sequences than tokens.
+            max_num_seqs = min(512 if device == "cuda" else 64, budget or 1 << 30)
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if budget is None:

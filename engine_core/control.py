@@ -36,7 +36,28 @@ class Pong(msgspec.Struct, tag="pong", **_WIRE):
     num_unfinished: int  # requests the engine holds, all frontends together
 
 
-ControlResult = KVStats | Pong | bool | None
+class CompileStats(msgspec.Struct, tag="compile_stats", **_WIRE):
+    """Triton JIT compiles in the engine's workers (summed over ranks; see
+    ``tidal.worker.ops.jit_watch``). ``after_ready`` should stay 0: every kernel specialisation
+    serving meets is compiled by the start-up warm-up."""
+
+    active: bool = False  # a compile watcher runs (a GPU worker with triton)
+    ready: bool = False  # every rank finished its start-up (warm-up included)
+    startup: int = 0  # compiles during start-up (profiling, graph capture, warm-up)
+    after_ready: int = 0  # compiles since ready, outside any warm-up
+    kernels: list[str] = []  # the newest after-ready compiles, kernel[specialisation]
+
+    def merge(self, other: CompileStats) -> CompileStats:
+        return CompileStats(
+            active=self.active or other.active,
+            ready=self.ready and other.ready,
+            startup=self.startup + other.startup,
+            after_ready=self.after_ready + other.after_ready,
+            kernels=self.kernels + other.kernels,
+        )
+
+
+ControlResult = KVStats | Pong | CompileStats | bool | None
 
 
 # --- calls -----------------------------------------------------------------------------------
@@ -60,7 +81,13 @@ class Ping(msgspec.Struct, tag="ping", **_WIRE):
     result_type: ClassVar[type] = Pong
 
 
-ControlCall = GetKVStats | ResetPrefixCache | Ping
+class GetCompileStats(msgspec.Struct, tag="get_compile_stats", **_WIRE):
+    """How many Triton kernels the workers compiled at start-up and since ready."""
+
+    result_type: ClassVar[type] = CompileStats
+
+
+ControlCall = GetKVStats | ResetPrefixCache | Ping | GetCompileStats
 
 
 def execute(core: EngineCore, call: ControlCall) -> ControlResult:
@@ -78,4 +105,8 @@ def execute(core: EngineCore, call: ControlCall) -> ControlResult:
             return sched.kv.pool.reset_prefix_cache()
         case Ping():
             return Pong(engine_pid=os.getpid(), num_unfinished=sched.num_unfinished)
+        case GetCompileStats():
+            # Executors without workers (noop, test doubles) compile nothing.
+            stats = getattr(core.executor, "compile_stats", None)
+            return stats() if stats is not None else CompileStats(ready=True)
     raise TypeError(f"not a control call: {type(call).__name__}")

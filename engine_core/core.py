@@ -25,6 +25,7 @@ from tidal.engine_core.protocol import (
 )
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
+from tidal.engine_core.startup_log import StartupLog
 from tidal.engine_core.stats_logger import StatsLogger
 from tidal.engine_core.validation import validate_request
 
@@ -80,18 +81,25 @@ class NoopExecutor:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        # Phases in the workers' format (engine_core.startup_log); each rank logs its own
+        # (model load, KV profile and allocation, graph capture, warm-up) inside these.
+        self.startup = StartupLog("engine", logger)
         start = time.perf_counter()
         if executor is None:
             noop = config.parallel.distributed_executor_backend == "noop"
             executor = NoopExecutor(config) if noop else create_executor(config)
         self.executor = executor
-        logger.info("executor %s up (model loaded) in %.2f s", type(executor).__name__,
-                    time.perf_counter() - start)
-        phase = time.perf_counter()
-        num_blocks = self.executor.determine_num_blocks()
+        self.startup.record("executor", time.perf_counter() - start,
+                            label=f"executor {type(executor).__name__} up (model loaded)")
+        with self.startup.phase("kv profile") as note:
+            num_blocks = self.executor.determine_num_blocks()
+            note.detail = f"{num_blocks} blocks"
         self.config = config.with_num_blocks(num_blocks)
-        self.executor.init_kv_cache(num_blocks)
-        logger.info("KV cache sized and allocated in %.2f s", time.perf_counter() - phase)
+        with self.startup.phase("kv init") as note:
+            # Returns once every worker allocated its KV cache, captured its graphs and warmed
+            # up: from here on serving compiles nothing (control.GetCompileStats checks).
+            self.executor.init_kv_cache(num_blocks)
+            note.detail = "KV cache allocated, graphs captured, warmed up on every worker"
         self.scheduler = Scheduler(self.config)
         self._eos = frozenset(config.model.eos_token_ids)
         self.stats_logger = StatsLogger()
@@ -103,9 +111,15 @@ class EngineCore:
         # (about 0.2 ms per step at batch 256 on a small CPU).
         gc.collect()
         gc.freeze()
-        logger.info("EngineCore ready in %.2f s: %d KV blocks x %d tokens, max_model_len %d",
-                    time.perf_counter() - start, num_blocks, config.cache.block_size,
-                    config.model.max_model_len)
+        detail = (f"{num_blocks} KV blocks x {config.cache.block_size} tokens, "
+                  f"max_model_len {config.model.max_model_len}")
+        compile_stats = getattr(self.executor, "compile_stats", None)  # not without workers
+        if compile_stats is not None:
+            stats = compile_stats()
+            if stats.active:
+                detail += f"; {stats.startup} JIT compiles at start-up, none expected after"
+        self.startup.record("ready", time.perf_counter() - start, detail,
+                            label="EngineCore ready")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request. Raises ``RequestValidationError`` (a ValueError) if it is invalid,
@@ -128,6 +142,7 @@ class EngineCore:
         and launched before the oldest one's results are collected, so scheduling overlaps the
         model's work; results still arrive in order.
         """
+        start = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
         launched = False
         if len(self.batch_queue) < self.max_inflight and self.scheduler.has_unfinished():
@@ -142,7 +157,7 @@ class EngineCore:
             result = pending.result() if self.max_inflight > 1 else pending
             outputs = self.scheduler.update_from_output(sched, result)
         stats = self.scheduler.make_stats()  # counts the tokens update_from_output appended
-        self.stats_logger.record(stats)
+        self.stats_logger.record(stats, time.perf_counter() - start)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
 

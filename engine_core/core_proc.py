@@ -39,7 +39,6 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -56,10 +55,11 @@ from tidal.engine_core import envs
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.executor import Executor
+from tidal.engine_core.gc_control import GcPauses, freeze_startup_objects
 from tidal.engine_core.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
-    AddRequest,
+    AddRequests,
     ControlRequest,
     ControlResponse,
     CoreOutputs,
@@ -76,9 +76,12 @@ from tidal.engine_core.protocol import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    OutputBatch,
     Ready,
+    SchedulerStats,
 )
 from tidal.engine_core.serial import Decoder, Encoder, SerialDecodeError
+from tidal.engine_core.sockets import NOBLOCK, bind, recv_frames, send_frames, tune_socket
 
 logger = logging.getLogger(__name__)
 
@@ -89,72 +92,11 @@ HEALTH_CHECK_INTERVAL_S = 1.0
 _STARTUP_FAILURE_GRACE_S = 3.0
 # At exit, how long closing sockets may take to deliver the last messages (EngineDead).
 _LINGER_MS = 500
-# ZMTP-level heartbeats: a peer that stops answering (host gone, network cut) drops the
-# connection, which the engine treats like the frontend leaving.
-_ZMTP_HEARTBEAT_MS = 1000
-_ZMTP_HEARTBEAT_TIMEOUT_MS = 10_000
 # How long a frontend that said HELLO may take until the engine's connection to it is up.
 _CONNECT_BACK_S = 30.0
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-
-
-# --- addresses ---------------------------------------------------------------------------------
-
-
-def normalize_address(address: str) -> str:
-    """A ZeroMQ endpoint from what a user typed: ``5555`` and ``:5555`` mean
-    ``tcp://127.0.0.1:5555``; ``tcp://:5555`` binds loopback too (only an explicit host, ``*``
-    included, binds anything else); ``ipc://`` and ``tcp://`` pass through."""
-    address = address.strip()
-    if address.isdigit():
-        return f"tcp://127.0.0.1:{address}"
-    if address.startswith(":") and address[1:].isdigit():
-        return f"tcp://127.0.0.1{address}"
-    if address.startswith("tcp://:"):
-        return "tcp://127.0.0.1" + address[len("tcp://"):]
-    if not address.startswith(("tcp://", "ipc://")):
-        raise ValueError(f"unsupported address {address!r}: use tcp://HOST:PORT, ipc://PATH or "
-                         "a port number")
-    return address
-
-
-def bind(sock: zmq.Socket, address: str) -> str:
-    """Bind ``sock`` (port ``0`` or ``*`` picks a free port); returns the bound endpoint."""
-    address = normalize_address(address)
-    if address.startswith("tcp://") and address.rsplit(":", 1)[1] in ("0", "*"):
-        address = address.rsplit(":", 1)[0] + ":*"
-    sock.bind(address)
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def tcp_host(address: str) -> str | None:
-    """The host of a ``tcp://HOST:PORT`` endpoint (None for other transports)."""
-    if not address.startswith("tcp://"):
-        return None
-    return address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a frontend connecting to ``host`` reaches an engine on this machine through
-    loopback (wildcard hosts included), so the frontend's own sockets can stay on 127.0.0.1."""
-    if host in ("localhost", "*", "0.0.0.0", "::", "::1"):
-        return True
-    try:
-        return socket.gethostbyname(host).startswith("127.")
-    except OSError:
-        return False
-
-
-def tune_socket(sock: zmq.Socket) -> None:
-    """Options every engine/frontend data socket gets: never drop or block on a high-water mark
-    (a request's outputs are bounded by the request itself), close without waiting."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_TIMEOUT_MS)
 
 
 def engine_request_id(client_index: int, request_id: str) -> str:
@@ -191,6 +133,8 @@ class _RemoveClient:
 @dataclass(slots=True)
 class _Broadcast:
     message: EngineMessage
+    # What one frontend (the lowest index) gets instead, e.g. stats with counters.
+    counted: EngineMessage | None = None
 
 
 _STOP_OUTPUT = object()
@@ -234,6 +178,8 @@ class EngineCoreProc:
         self._owners: dict[str, tuple[int, str]] = {}
         self._wake_address = f"inproc://tidal-wake-{self.identity.decode()}"
         self._next_client = 0
+        # Counters of steps whose stats reached no frontend yet (see ``_publish``).
+        self._unsent_stats: SchedulerStats | None = None
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the busy loop to stop after the current step. Safe in a signal handler
@@ -302,9 +248,11 @@ class EngineCoreProc:
                     # Going idle (often by an abort, which produces no output): tell every
                     # frontend, so gauges such as KV usage do not keep their last busy value.
                     busy = False
-                    idle = EngineCoreOutputs(timestamp=time.monotonic(),
-                                             scheduler_stats=core.scheduler.make_stats(0))
-                    self._outputs.put(_Broadcast(CoreOutputs(idle)))
+                    stats = self._with_unsent(core.scheduler.make_stats(0))
+                    now = time.monotonic()
+                    self._outputs.put(_Broadcast(
+                        CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats.gauges())),
+                        counted=CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats))))
                 try:
                     item = inputs.get(timeout=HEALTH_CHECK_INTERVAL_S)
                 except queue.Empty:
@@ -326,8 +274,9 @@ class EngineCoreProc:
 
     def _handle(self, item: Any) -> _Stop | None:
         match item:
-            case (int() as client, AddRequest(request=req)):
-                self._add(client, req)
+            case (int() as client, AddRequests(requests=reqs)):
+                for req in reqs:
+                    self._add(client, req)
             case (int() as client, AbortRequests(request_ids=ids)):
                 keys = [engine_request_id(client, rid) for rid in ids]
                 self.core.abort_requests(keys)
@@ -370,11 +319,25 @@ class EngineCoreProc:
     def _reject(self, client: int, request_id: str, error: str) -> None:
         logger.warning("rejected request %s of frontend %d: %s", request_id, client, error)
         out = EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR, error=error)
-        batch = EngineCoreOutputs(outputs=[out], timestamp=time.monotonic())
+        batch = OutputBatch(details=[out], timestamp=time.monotonic())
         self._outputs.put((client, CoreOutputs(batch)))
 
+    def _with_unsent(self, stats: SchedulerStats) -> SchedulerStats:
+        if self._unsent_stats is not None:
+            stats.add_counters(self._unsent_stats)
+            self._unsent_stats = None
+        return stats
+
     def _publish(self, outs: EngineCoreOutputs) -> None:
+        """One message per frontend with outputs this step. The step's counters (tokens,
+        preemptions, prefix-cache lookups) go to exactly one of them, so frontends that add up
+        their counters (the API servers of one ``tidal serve``) count each event once; the
+        others get the gauges. A step without outputs keeps its counters for the next one."""
+        stats = outs.scheduler_stats
+        if stats is not None:
+            stats = self._with_unsent(stats)
         if not outs.outputs:
+            self._unsent_stats = stats
             return
         owners = self._owners
         groups: dict[int, list[EngineCoreOutput]] = {}
@@ -390,11 +353,14 @@ class EngineCoreProc:
                 groups[client] = [out]
             else:
                 group.append(out)
+        if not groups:
+            self._unsent_stats = stats
+            return
         for client, group in groups.items():
-            batch = EngineCoreOutputs(outputs=group, timestamp=outs.timestamp,
-                                      scheduler_stats=outs.scheduler_stats,
-                                      engine_index=outs.engine_index)
+            batch = OutputBatch.pack(group, outs.timestamp, stats, outs.engine_index)
             self._outputs.put((client, CoreOutputs(batch)))
+            if stats is not None:
+                stats = stats.gauges()
 
     # --- input thread ---------------------------------------------------------------------------
 
@@ -509,17 +475,19 @@ class EngineCoreProc:
         """Drain one frontend's DEALER; True if it said goodbye."""
         while True:
             try:
-                frames = fe.dealer.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(fe.dealer, NOBLOCK)
             except zmq.Again:
                 return False
             try:
                 msg = decoder.decode(frames)
             except SerialDecodeError as exc:
-                rid = _salvage_request_id(frames[0])
+                good, bad = _salvage_adds(frames[0])
                 logger.warning("dropped an undecodable message from frontend %d%s: %s", fe.index,
-                               f" (request {rid})" if rid else "", exc)
-                if rid is not None:
-                    self._inputs.put((fe.index, _Rejected(rid, f"malformed request: {exc}")))
+                               f" (requests {', '.join(r for r, _ in bad)})" if bad else "", exc)
+                if good:
+                    self._inputs.put((fe.index, AddRequests(good)))
+                for rid, why in bad:
+                    self._inputs.put((fe.index, _Rejected(rid, f"malformed request: {why}")))
                 continue
             if isinstance(msg, Goodbye):
                 return True
@@ -538,7 +506,7 @@ class EngineCoreProc:
             if push is None:
                 return  # that frontend left
             try:
-                push.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                send_frames(push.sock, frames, NOBLOCK, copy=False)
             except zmq.Again:  # only with a high-water mark, which is off; never silently
                 logger.error("frontend %d is not reading; dropped a message", index)
             push.last_sent = time.monotonic()
@@ -563,10 +531,11 @@ class EngineCoreProc:
                         push = pushes.pop(index, None)
                         if push is not None:
                             push.sock.close(linger=0)
-                    case _Broadcast(message=msg):
+                    case _Broadcast(message=msg, counted=counted):
                         frames = encoder.encode(msg)
-                        for index in list(pushes):
-                            send(index, frames)
+                        for i, index in enumerate(sorted(pushes)):
+                            send(index, encoder.encode(counted) if i == 0 and counted
+                                 else frames)
                 now = time.monotonic()
                 if now >= next_beat:
                     for index, push in pushes.items():
@@ -586,17 +555,26 @@ class _Rejected:
     error: str
 
 
-def _salvage_request_id(payload: bytes) -> str | None:
-    """The request id of an ``AddRequest`` that failed validation, if it can be read at all,
-    so that request fails visibly instead of hanging its caller."""
+def _salvage_adds(payload: bytes) -> tuple[list[EngineCoreRequest], list[tuple[str, str]]]:
+    """An ``AddRequests`` that failed to decode, taken apart: the requests that are valid alone,
+    and (id, why) of those that are not but whose id can be read, so one malformed request
+    fails visibly and alone instead of hanging its caller or taking its batch down."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError:
-        return None
-    if (isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add"
-            and isinstance(raw[1], list) and raw[1] and isinstance(raw[1][0], str)):
-        return raw[1][0]
-    return None
+        return [], []
+    if not (isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add"
+            and isinstance(raw[1], list)):
+        return [], []
+    good: list[EngineCoreRequest] = []
+    bad: list[tuple[str, str]] = []
+    for item in raw[1]:
+        try:
+            good.append(msgspec.convert(item, EngineCoreRequest))
+        except (msgspec.ValidationError, ValueError, TypeError) as exc:
+            if isinstance(item, list) and item and isinstance(item[0], str):
+                bad.append((item[0], str(exc)))
+    return good, bad
 
 
 # --- entry points ------------------------------------------------------------------------------
@@ -646,6 +624,10 @@ def serve(config: EngineConfig, listen: str, *, executor: Executor | None = None
                     "max_model_len %d)", time.perf_counter() - phase, core.config.cache.num_blocks,
                     core.config.cache.block_size, core.config.model.max_model_len)
         proc = EngineCoreProc(core, ctx, handshake)
+        # A long-running process: requests' short-lived objects only for the collector, and
+        # its pauses in the stats line.
+        freeze_startup_objects()
+        core.stats_logger.gc_pauses = GcPauses().install()
         received: list[int] = []
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -694,17 +676,17 @@ def setup_logging(name: str) -> None:
     )
 
 
-def _watch_parent() -> None:
-    """A spawned engine outlives no frontend: when the parent's end of multiprocessing's sentinel
-    pipe closes (the parent died, however), shut down as if sent SIGTERM."""
+def watch_parent(stop_signal: signal.Signals = signal.SIGTERM) -> None:
+    """A spawned process outlives no parent: when the parent's end of multiprocessing's sentinel
+    pipe closes (the parent died, however), shut down as if sent ``stop_signal``."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
-        logger.error("the frontend process (pid %s) died; shutting down", parent.pid)
-        os.kill(os.getpid(), signal.SIGTERM)
+        logger.error("the parent process (pid %s) died; shutting down", parent.pid)
+        os.kill(os.getpid(), stop_signal)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
@@ -717,6 +699,6 @@ def run_engine_core(config_bytes: bytes, listen: str) -> None:
     """
     setup_logging("EngineCore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent()
+    watch_parent()
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     sys.exit(serve(config, listen, spawned=True))

@@ -20,3 +20,9 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """``$TIDAL_LOG_LEVEL`` (default INFO)."""
     return os.environ.get("TIDAL_LOG_LEVEL", "INFO").upper()
+
+
+def warmup_enabled() -> bool:
+    """``$TIDAL_WARMUP`` (default 1): 0 skips the start-up warm-up (``tidal.worker.warmup``),
+    so the first requests pay for the kernel compiles instead (for measuring exactly that)."""
+    return os.environ.get("TIDAL_WARMUP", "1") != "0"

@@ -7,6 +7,7 @@ import logging
 from typing import Any, Protocol
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.control import CompileStats
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,17 @@ class Executor(Protocol):
 
     def determine_num_blocks(self) -> int: ...
 
-    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache on every worker, capture CUDA graphs and warm up: when this
+        returns, serving compiles nothing more (``tidal.worker.warmup``)."""
+        ...
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
         """The step's ``ModelRunnerOutput``, or with ``non_block`` a ``PendingOutput``."""
+        ...
+
+    def compile_stats(self) -> CompileStats:
+        """Triton JIT compiles of the workers (summed), for ``control.GetCompileStats``."""
         ...
 
     def check_health(self) -> None: ...
@@ -67,6 +75,9 @@ class UniprocExecutor:
     def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
         out = Deferred(self.worker.execute_model(so))
         return out if non_block else out.result()
+
+    def compile_stats(self) -> CompileStats:
+        return self.worker.compile_stats()
 
     def check_health(self) -> None:
         return None

@@ -10,12 +10,12 @@ bytes on the pipe (``send_bytes``): nothing is pickled.
 
 Steps. ``execute_model`` encodes the scheduler output once and enqueues it on the broadcast
 ring: every rank reads the same bytes. Only the output rank (first tensor-parallel rank of the
-last pipeline stage) replies; control requests (KV sizing) are answered by every rank. With
-``non_block`` the call returns at once and ``result()`` collects the reply later: the
-EngineCore keeps up to ``max_concurrent_batches`` steps in flight (the pipeline depth). With
-async scheduling the output rank replies to step N only once it has launched step N+1, so its
-GPU never idles through a round trip to the EngineCore; ``result()`` of the newest step sends
-`FlushStep` for the held reply when no next step is coming.
+last pipeline stage) replies; control requests (KV sizing, compile counts) are answered by
+every rank. With ``non_block`` the call returns at once and ``result()`` collects the reply
+later: the EngineCore keeps up to ``max_concurrent_batches`` steps in flight (the pipeline
+depth). With async scheduling the output rank replies to step N only once it has launched step
+N+1, so its GPU never idles through a round trip to the EngineCore; ``result()`` of the newest
+step sends `FlushStep` for the held reply when no next step is coming.
 
 Failure. A thread waits on the workers' process sentinels; the first worker to exit while the
 executor is not shutting down marks the executor failed. Every wait on a reply wakes at least
@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.control import CompileStats, GetCompileStats
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 from tidal.engine_core.serial import Decoder, Encoder
 from tidal.worker.shm_broadcast import (
@@ -261,6 +262,14 @@ class MultiprocExecutor:
             if not r.proc.is_alive():
                 self._mark_dead([r])
         self._raise_if_failed()
+
+    def compile_stats(self) -> CompileStats:
+        """Triton JIT compiles of every rank, summed."""
+        self._broadcast(GetCompileStats())
+        total = CompileStats(ready=True)
+        for r in self._ranks:
+            total = total.merge(self._expect(r, CompileStats))
+        return total
 
     def profile(self, start: bool, trace_dir: str = "") -> list[ProfileSummary]:
         """Start or stop the torch profiler on every rank (tools); stopping returns each rank's

@@ -90,12 +90,113 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     num_prompt_tokens: int = 0  # computed this step (prefill work)
     num_generation_tokens: int = 0  # sampled this step
 
+    def add_counters(self, earlier: SchedulerStats) -> None:
+        """Fold in the counters of an earlier report that was never delivered (the gauges here
+        are newer and stay)."""
+        self.num_preemptions += earlier.num_preemptions
+        self.prefix_cache_queries += earlier.prefix_cache_queries
+        self.prefix_cache_hits += earlier.prefix_cache_hits
+        self.num_prompt_tokens += earlier.num_prompt_tokens
+        self.num_generation_tokens += earlier.num_generation_tokens
+
+    def gauges(self) -> SchedulerStats:
+        """The state part only (counters zero): what every frontend but one gets, so counters
+        summed over frontends count each event once."""
+        return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage)
+
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
+    """One step's outputs as the scheduler makes them (one struct per request); frontends
+    receive them packed into an ``OutputBatch``."""
+
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     scheduler_stats: SchedulerStats | None = None
     engine_index: int = 0
+
+
+def _has_details(out: EngineCoreOutput) -> bool:
+    return (out.finish_reason is not None or out.new_logprobs is not None
+            or out.new_prompt_logprobs is not None or out.error is not None
+            or out.pooled is not None)
+
+
+class OutputBatch(msgspec.Struct, **_WIRE):
+    """One step's outputs for one frontend, columnar: what the frontend's output processor reads.
+
+    Row ``i`` is request ``req_ids[i]`` with at least one new token: its tokens are
+    ``token_ids[offsets[i]:offsets[i + 1]]`` where ``offsets`` is the running sum of
+    ``token_counts`` (``None``: one token per row, every decode step without speculation).
+    Everything else (a finish, logprobs, prompt logprobs, an error, an embedding) travels in
+    ``details``, one ``EngineCoreOutput`` per request that has any, with its tokens left out
+    (they are in the rows); the few requests in ``details`` are matched to rows by id. A plain
+    decode step thus decodes into one list of ids and one array, not a struct per request.
+    """
+
+    req_ids: list[str] = []
+    token_ids: np.ndarray | None = None  # int32 [sum of token_counts]
+    token_counts: np.ndarray | None = None  # int32 [len(req_ids)]; None: one token per row
+    details: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0
+
+    @staticmethod
+    def pack(outputs: list[EngineCoreOutput], timestamp: float = 0.0,
+             scheduler_stats: SchedulerStats | None = None,
+             engine_index: int = 0) -> OutputBatch:
+        req_ids: list[str] = []
+        tokens: list[int] = []
+        counts: list[int] = []
+        details: list[EngineCoreOutput] = []
+        single = True
+        for out in outputs:
+            ids = out.new_token_ids
+            if ids:
+                req_ids.append(out.request_id)
+                if len(ids) == 1:
+                    tokens.append(ids[0])
+                else:
+                    tokens.extend(ids)
+                    single = False
+                counts.append(len(ids))
+            if _has_details(out):
+                details.append(msgspec.structs.replace(out, new_token_ids=[]) if ids else out)
+        return OutputBatch(
+            req_ids=req_ids,
+            token_ids=np.array(tokens, dtype=np.int32) if tokens else None,
+            token_counts=None if single else np.array(counts, dtype=np.int32),
+            details=details, timestamp=timestamp, scheduler_stats=scheduler_stats,
+            engine_index=engine_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.token_ids is None else len(self.token_ids)
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's new tokens (allocates: for tests and the offline path)."""
+        if self.token_ids is None:
+            return [[] for _ in self.req_ids]
+        flat = self.token_ids.tolist()
+        if self.token_counts is None:
+            return [[t] for t in flat]
+        out, start = [], 0
+        for n in self.token_counts.tolist():
+            out.append(flat[start:start + n])
+            start += n
+        return out
+
+    def unpack(self) -> list[EngineCoreOutput]:
+        """One ``EngineCoreOutput`` per request again, tokens and details merged (rows first,
+        then the requests with details only)."""
+        details = {d.request_id: d for d in self.details}
+        outs = []
+        for rid, ids in zip(self.req_ids, self.token_lists()):
+            d = details.pop(rid, None)
+            outs.append(EngineCoreOutput(rid, ids) if d is None
+                        else msgspec.structs.replace(d, new_token_ids=ids))
+        outs.extend(details.values())
+        return outs
 
 
 # --- EngineCore -> workers -------------------------------------------------------------------
@@ -168,7 +269,7 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):
@@ -206,8 +307,11 @@ class EngineRegister(msgspec.Struct, tag="register", **_WIRE):
     engine_identity: bytes
 
 
-class AddRequest(msgspec.Struct, tag="add", **_WIRE):
-    request: EngineCoreRequest
+class AddRequests(msgspec.Struct, tag="add", **_WIRE):
+    """New requests, in order: a frontend sends what it admitted in one event-loop turn at
+    once (a burst of arrivals is one message, not one per request)."""
+
+    requests: list[EngineCoreRequest]
 
 
 class AbortRequests(msgspec.Struct, tag="abort", **_WIRE):
@@ -223,11 +327,11 @@ class Goodbye(msgspec.Struct, tag="bye", **_WIRE):
     """The frontend is leaving: the engine aborts its requests and forgets it."""
 
 
-FrontendMessage = AddRequest | AbortRequests | ControlRequest | Goodbye
+FrontendMessage = AddRequests | AbortRequests | ControlRequest | Goodbye
 
 
 class CoreOutputs(msgspec.Struct, tag="out", **_WIRE):
-    outputs: EngineCoreOutputs
+    outputs: OutputBatch
 
 
 class ControlResponse(msgspec.Struct, tag="control", **_WIRE):

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from tidal.engine_core.config import ConfigError, EngineConfig
+from tidal.engine_core.control import CompileStats, GetCompileStats
 from tidal.engine_core.multiproc_executor import WorkerDiedError, WorkerError
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 from tidal.engine_core.serial import Decoder, Encoder
@@ -276,6 +277,13 @@ class RayExecutor:
             raise self._failure
         self._wait_all([a.ping.remote() for a in self._actors], decode=False,
                        timeout=_PING_TIMEOUT_S)
+
+    def compile_stats(self) -> CompileStats:
+        """Triton JIT compiles of every rank, summed."""
+        total = CompileStats(ready=True)
+        for i, r in enumerate(self._call(GetCompileStats())):
+            total = total.merge(self._expect(r, CompileStats, i))
+        return total
 
     def profile(self, start: bool, trace_dir: str = "") -> list[ProfileSummary]:
         replies = self._call(Profile(start, trace_dir))

@@ -1,5 +1,6 @@
-"""A log line every few seconds while the engine is busy: load, KV usage, throughput and the
-prefix-cache hit rate over recent lookups."""
+"""A log line every few seconds while the engine is busy: load, KV usage, throughput, the
+prefix-cache hit rate over recent lookups, how long steps took, and the garbage collector's
+pauses (when a ``GcPauses`` is attached): where a slow token usually comes from."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import time
 from collections import deque
 
+from tidal.engine_core.gc_control import GcPauses
 from tidal.engine_core.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -15,17 +17,25 @@ logger = logging.getLogger(__name__)
 class StatsLogger:
     def __init__(self, interval_s: float = 5.0, window: int = 1000) -> None:
         self.interval_s = interval_s
+        self.gc_pauses: GcPauses | None = None
         self._last_log = time.monotonic()
         self._prompt = 0
         self._generated = 0
         self._preempted = 0
+        self._steps = 0
+        self._step_s = 0.0
+        self._step_max_s = 0.0
         # (queried, hit) tokens of the most recent lookups, for a recent hit rate.
         self._lookups: deque[tuple[int, int]] = deque(maxlen=window)
 
-    def record(self, stats: SchedulerStats) -> None:
+    def record(self, stats: SchedulerStats, step_s: float = 0.0) -> None:
         self._prompt += stats.num_prompt_tokens
         self._generated += stats.num_generation_tokens
         self._preempted += stats.num_preemptions
+        self._steps += 1
+        self._step_s += step_s
+        if step_s > self._step_max_s:
+            self._step_max_s = step_s
         if stats.prefix_cache_queries:
             self._lookups.append((stats.prefix_cache_queries, stats.prefix_cache_hits))
         now = time.monotonic()
@@ -33,13 +43,19 @@ class StatsLogger:
         if elapsed < self.interval_s:
             return
         busy = stats.num_running or stats.num_waiting or self._prompt or self._generated
+        gc_count, gc_s, gc_max_s = self.gc_pauses.take() if self.gc_pauses else (0, 0.0, 0.0)
         if busy:
             queried = sum(q for q, _ in self._lookups)
             hit_rate = 100.0 * sum(h for _, h in self._lookups) / queried if queried else 0.0
             logger.info(
                 "running: %d, waiting: %d, KV cache usage: %.1f%%, prompt: %.1f tok/s, "
-                "generation: %.1f tok/s, preemptions: %d, prefix cache hit rate: %.1f%%",
+                "generation: %.1f tok/s, preemptions: %d, prefix cache hit rate: %.1f%%, "
+                "steps: %d (mean %.2f ms, max %.2f ms), GC: %d collections (%.1f ms, max "
+                "%.1f ms)",
                 stats.num_running, stats.num_waiting, 100.0 * stats.kv_cache_usage,
-                self._prompt / elapsed, self._generated / elapsed, self._preempted, hit_rate)
+                self._prompt / elapsed, self._generated / elapsed, self._preempted, hit_rate,
+                self._steps, 1e3 * self._step_s / max(1, self._steps), 1e3 * self._step_max_s,
+                gc_count, 1e3 * gc_s, 1e3 * gc_max_s)
         self._last_log = now
-        self._prompt = self._generated = self._preempted = 0
+        self._prompt = self._generated = self._preempted = self._steps = 0
+        self._step_s = self._step_max_s = 0.0

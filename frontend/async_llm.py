@@ -4,9 +4,11 @@
     async for out in engine.generate("Hello", SamplingParams(output_kind=OutputKind.DELTA), "r1"):
         print(out.outputs[0].text, end="")
 
-Outputs stream per request through a collector queue filled by one background task that reads
-the engine client and runs the ``OutputProcessor``. Cancelling the consuming task (or breaking out
-of the loop) aborts the request in the engine.
+Engine outputs arrive once per engine step, straight from the client's socket reader into the
+``OutputProcessor``, which marks each request with news ready in its ``OutputCollector``; the
+consumer takes what is ready when it runs again (several steps' text in one output if it fell
+behind). Cancelling the consuming task (or breaking out of the loop) aborts the request in the
+engine; ``abort(request_id)`` ends its stream with finish reason ``abort``.
 
 By default the engine runs in its own process (``tidal.frontend.mp_client``); ``mode="thread"``
 keeps it in a thread of this one, and ``AsyncLLM.from_address`` connects to a running
@@ -29,10 +31,10 @@ from tidal.engine_core.control import (
     KVStats,
     ResetPrefixCache,
 )
-from tidal.engine_core.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tidal.engine_core.protocol import EngineCoreRequest, OutputBatch, SchedulerStats
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.engine_core.validation import validate_request
-from tidal.frontend.output_processor import OutputProcessor
+from tidal.frontend.output_processor import OutputCollector, OutputProcessor, StepRecord
 from tidal.frontend.outputs import EmbeddingOutput, RequestOutput
 from tidal.frontend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
@@ -51,17 +53,23 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncEngineClient(Protocol):
-    """How ``AsyncLLM`` reaches an EngineCore: in a thread, a child process, or by address."""
+    """How ``AsyncLLM`` reaches an EngineCore: in a thread, a child process, or by address.
+
+    Sends never block (a client may gather the sends of one event-loop turn into one message);
+    outputs are delivered to the handlers given to ``attach``, in the event loop running then.
+    """
 
     config: EngineConfig  # resolved (KV blocks known)
 
-    async def add_request(self, req: EngineCoreRequest) -> None: ...
-
-    async def abort_requests(self, request_ids: list[str]) -> None: ...
-
-    async def get_outputs(self) -> EngineCoreOutputs:
-        """Wait for the next batch of outputs; raises EngineDeadError if the engine died."""
+    def attach(self, on_outputs: Callable[[OutputBatch], None],
+               on_dead: Callable[[EngineDeadError], None]) -> None:
+        """Deliver outputs in the running event loop (again for a new loop: successive
+        ``asyncio.run`` calls). ``on_dead`` is called once if the engine dies."""
         ...
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
 
     async def call(self, call: ControlCall) -> ControlResult:
         """Run a typed control call in the engine (``tidal.engine_core.control``)."""
@@ -75,24 +83,26 @@ class AsyncEngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-StatObserver = Callable[[SchedulerStats | None, list[RequestOutput]], None]
+StatObserver = Callable[[SchedulerStats | None, StepRecord], None]
 
 
 class AsyncLLM:
-    def __init__(self, client: AsyncEngineClient, tokenizer: Any) -> None:
+    def __init__(self, client: AsyncEngineClient, tokenizer: Any,
+                 stream_interval: int = 1) -> None:
+        """``stream_interval``: DELTA streams get news at the first token, then every
+        ``stream_interval`` tokens and at the end (1: every step)."""
         self.client = client
         self.config = client.config
         self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer)
-        self._collectors: dict[str, asyncio.Queue[Any]] = {}
-        self._output_task: asyncio.Task[None] | None = None
+        self.processor = OutputProcessor(tokenizer, stream_interval)
         self._dead: BaseException | None = None
         self._observers: list[StatObserver] = []
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-tokenize")
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, mode: str = "process",
-                         skip_tokenizer_init: bool = False, **client_kwargs: Any) -> AsyncLLM:
+                         skip_tokenizer_init: bool = False, stream_interval: int = 1,
+                         **client_kwargs: Any) -> AsyncLLM:
         """Start an engine for ``args``: in its own process (``mode="process"``, the default)
         or in a thread of this one (``mode="thread"``). ``client_kwargs`` go to the client (see
         ``tidal.frontend.engine_client.make_async_client``). ``skip_tokenizer_init``: token-id
@@ -102,7 +112,8 @@ class AsyncLLM:
         config = args.create_config()
         if mode != "process":
             tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
-            return cls(make_async_client(config, mode, **client_kwargs), tokenizer)
+            return cls(make_async_client(config, mode, **client_kwargs), tokenizer,
+                       stream_interval)
         from tidal.frontend.mp_client import EngineConnection, MPAsyncClient
 
         # The engine process starts (imports, loads the model) while this one loads the
@@ -114,12 +125,12 @@ class AsyncLLM:
         except BaseException:
             conn.close()
             raise
-        return cls(MPAsyncClient(conn), tokenizer)
+        return cls(MPAsyncClient(conn), tokenizer, stream_interval)
 
     @classmethod
     def from_address(cls, address: str, *, tokenizer: str | None = None,
                      skip_tokenizer_init: bool = False, timeout_s: float | None = None,
-                     **client_kwargs: Any) -> AsyncLLM:
+                     stream_interval: int = 1, **client_kwargs: Any) -> AsyncLLM:
         """Connect to a running ``engine-core`` at ``address`` (``tcp://HOST:PORT`` or
         ``ipc://PATH``). The tokenizer is the engine's model's unless ``tokenizer`` names
         another path (the engine's may not exist on this host)."""
@@ -136,7 +147,7 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, tok)
+        return cls(client, tok, stream_interval)
 
     # --- state --------------------------------------------------------------------------------
 
@@ -159,7 +170,7 @@ class AsyncLLM:
         self._raise_if_dead()
 
     def _raise_if_dead(self) -> None:
-        # The client may know before the output task does (e.g. no request in flight).
+        # The client may know before it told us (e.g. it was never attached to a loop).
         if self._dead is None and self.client.dead_error is not None:
             self._mark_dead(self.client.dead_error)
         if self._dead is not None:
@@ -168,6 +179,7 @@ class AsyncLLM:
     async def control(self, call: ControlCall) -> ControlResult:
         """Run a typed control call in the engine; returns ``type(call).result_type``."""
         self._raise_if_dead()
+        self._attach()
         return await self.client.call(call)
 
     async def get_kv_stats(self) -> KVStats:
@@ -196,6 +208,35 @@ class AsyncLLM:
                                           self.tokenizer, messages, add_generation_prompt,
                                           chat_template)
 
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        collector: OutputCollector | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> OutputCollector:
+        """Start a request; its outputs (the kind set by ``params.output_kind``) are read from
+        the returned collector (``collector`` if given: one consumer may read several
+        requests through one). Raises ``ValueError`` for an invalid request (nothing reaches
+        the engine then) and ``EngineDeadError``."""
+        self._raise_if_dead()
+        text = prompt if isinstance(prompt, str) else None
+        if self.tokenizer is None and (text is not None or params.stop):
+            raise ValueError("text prompts and stop strings need a tokenizer "
+                             "(this engine was started with skip_tokenizer_init)")
+        ids = await self.tokenize(prompt) if text is not None else list(prompt)
+        validate_request(ids, params, self.config)
+        self._raise_if_dead()  # tokenizing may have waited
+        self._attach()
+        collector = collector or OutputCollector()
+        engine_reqs = self.processor.add_request(request_id, text, ids, params, arrival_time,
+                                                 cache_salt, collector)
+        self.client.add_requests(engine_reqs)
+        return collector
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -209,39 +250,24 @@ class AsyncLLM:
 
         Raises ``ValueError`` for an invalid request (before anything reaches the engine),
         ``EngineDeadError`` if the engine dies, ``RequestFailedError`` if the engine failed this
-        request alone.
+        request alone. ``abort(request_id)`` ends the stream with a last output whose finish
+        reason is ``abort``.
         """
-        self._raise_if_dead()
-        text = prompt if isinstance(prompt, str) else None
-        if self.tokenizer is None and (text is not None or params.stop):
-            raise ValueError("text prompts and stop strings need a tokenizer "
-                             "(this engine was started with skip_tokenizer_init)")
-        ids = await self.tokenize(prompt) if text is not None else list(prompt)
-        validate_request(ids, params, self.config)
-        self._ensure_output_task()
-        engine_reqs = self.processor.add_request(request_id, text, ids, params, arrival_time,
-                                                 cache_salt)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._collectors[request_id] = queue
+        collector = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                           arrival_time=arrival_time)
         finished = False
         try:
-            for req in engine_reqs:
-                await self.client.add_request(req)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                failed = next((c for c in item.outputs if c.finish_reason == "error"), None)
-                if failed is not None and failed.error is not None and finished:
-                    raise RequestFailedError(failed.error)
-                yield item
-                if finished:
-                    return
+            while not finished:
+                for out in collector.take() or await collector.get():
+                    assert isinstance(out, RequestOutput)
+                    finished = out.finished
+                    failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+                    if failed is not None and failed.error is not None and finished:
+                        raise RequestFailedError(failed.error)
+                    yield out
         finally:
-            self._collectors.pop(request_id, None)
             if not finished:
-                await self._abort_quietly(request_id)
+                self.abort_quietly([request_id])
 
     async def encode(self, prompt: str | list[int], request_id: str) -> EmbeddingOutput:
         """The embedding of one prompt (the engine must serve an embedding model)."""
@@ -251,77 +277,64 @@ class AsyncLLM:
         text = prompt if isinstance(prompt, str) else None
         ids = await self.tokenize(prompt) if text is not None else list(prompt)
         validate_request(ids, SamplingParams(max_tokens=1), self.config)
-        self._ensure_output_task()
-        req = self.processor.add_embedding_request(request_id, text, ids)
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._collectors[request_id] = queue
+        self._raise_if_dead()
+        self._attach()
+        collector = OutputCollector()
+        req = self.processor.add_embedding_request(request_id, text, ids, collector=collector)
         done = False
         try:
-            await self.client.add_request(req)
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
+            self.client.add_requests([req])
+            (item,) = await collector.get()
             done = True
+            assert isinstance(item, EmbeddingOutput)
             if item.error is not None:
                 raise RequestFailedError(item.error)
             return item
         finally:
-            self._collectors.pop(request_id, None)
             if not done:
-                await self._abort_quietly(request_id)
+                self.abort_quietly([request_id])
 
     async def abort(self, request_id: str) -> None:
-        queue = self._collectors.get(request_id)
-        await self._abort_quietly(request_id)
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} was aborted"))
-
-    async def _abort_quietly(self, request_id: str) -> None:
-        engine_ids = self.processor.abort_request(request_id)
+        """End a request: the engine stops it, and its stream ends with a last output whose
+        finish reason is ``abort``."""
+        engine_ids = self.processor.finish_aborted(request_id)
         if engine_ids and self._dead is None:
             try:
-                await self.client.abort_requests(engine_ids)
+                self.client.abort_requests(engine_ids)
             except EngineDeadError:
                 pass
 
-    # --- the output loop ----------------------------------------------------------------------
+    def abort_quietly(self, request_ids: list[str]) -> None:
+        """Forget requests whose consumer is gone, and stop them in the engine."""
+        engine_ids = [eid for rid in request_ids for eid in self.processor.abort_request(rid)]
+        if engine_ids and self._dead is None:
+            try:
+                self.client.abort_requests(engine_ids)
+            except EngineDeadError:
+                pass
 
-    def _ensure_output_task(self) -> None:
-        if self._output_task is None or self._output_task.done():
-            self._output_task = asyncio.get_running_loop().create_task(self._output_loop(),
-                                                                       name="tidal-outputs")
+    # --- outputs ------------------------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
-        try:
-            while True:
-                outputs = await self.client.get_outputs()
-                processed = self.processor.process_outputs(outputs.outputs)
-                for out in processed.request_outputs:
-                    queue = self._collectors.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
-                if processed.abort_engine_ids:
-                    await self.client.abort_requests(processed.abort_engine_ids)
-                for observer in self._observers:
-                    observer(outputs.scheduler_stats, processed.request_outputs)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - the engine is gone: fail everyone
-            self._mark_dead(exc)
+    def _attach(self) -> None:
+        self.client.attach(self._on_outputs, self._mark_dead)
+
+    def _on_outputs(self, batch: OutputBatch) -> None:
+        """One engine step: runs in the event loop, straight from the client's socket reader
+        (no task or queue per step)."""
+        processed = self.processor.process_outputs(batch)
+        if processed.abort_engine_ids:
+            self.client.abort_requests(processed.abort_engine_ids)
+        for observer in self._observers:
+            observer(batch.scheduler_stats, processed.record)
 
     def _mark_dead(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
             f"the engine failed: {exc}")
         if self._dead is None:
             logger.error("engine is dead: %s", err)
-        self._dead = err
-        self.processor.fail_all(str(err))
-        for queue in self._collectors.values():
-            queue.put_nowait(err)
+            self._dead = err
+        self.processor.fail_all(err)
 
     def shutdown(self) -> None:
-        if self._output_task is not None:
-            self._output_task.cancel()
         self.client.shutdown()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-

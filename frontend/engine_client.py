@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from tidal.engine_core.config import EngineConfig
@@ -20,13 +20,13 @@ from tidal.engine_core.control import ControlCall, ControlResult
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.protocol import (
     EngineCoreOutput,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    OutputBatch,
 )
 
 if TYPE_CHECKING:
-    from tidal.frontend.async_llm import AsyncEngineClient
+    from tidal.frontend.async_llm import AsyncEngineClient, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class InprocClient:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.core.abort_requests(request_ids)
 
-    def step(self) -> EngineCoreOutputs:
-        return self.core.step()
+    def step(self) -> OutputBatch:
+        outs = self.core.step()
+        return OutputBatch.pack(outs.outputs, outs.timestamp, outs.scheduler_stats)
 
     def call(self, call: ControlCall) -> ControlResult:
         return self.core.handle_control(call)
@@ -56,17 +57,18 @@ class ThreadedAsyncClient:
     """An ``AsyncEngineClient`` running the EngineCore in a background thread of this process.
 
     No process isolation: for tests, debugging and embedding in a single process. The thread
-    blocks on its inbox while idle.
+    blocks on its inbox while idle, and hands each step's outputs (packed as an
+    ``OutputBatch``) to the event loop with ``call_soon_threadsafe``.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.config = self.core.config
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        # Where outputs go: the event loop in use and its queue, replaced together (one
-        # attribute, so the engine thread never sees a loop with another loop's queue).
-        self._sink: tuple[asyncio.AbstractEventLoop,
-                          asyncio.Queue[EngineCoreOutputs | BaseException]] | None = None
+        # Where outputs go: the event loop in use and its handlers, replaced together (one
+        # attribute, so the engine thread never sees a loop with another loop's handlers).
+        self._sink: tuple[asyncio.AbstractEventLoop, Callable[[OutputBatch], None],
+                          Callable[[EngineDeadError], None]] | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
 
@@ -74,48 +76,40 @@ class ThreadedAsyncClient:
     def dead_error(self) -> BaseException | None:
         return self._dead
 
-    def _start(self) -> None:
+    def attach(self, on_outputs: Callable[[OutputBatch], None],
+               on_dead: Callable[[EngineDeadError], None]) -> None:
         loop = asyncio.get_running_loop()
         if self._sink is None or self._sink[0] is not loop:
-            # First use, or a new event loop (successive asyncio.run calls): rebind.
-            queue_: asyncio.Queue[EngineCoreOutputs | BaseException] = asyncio.Queue()
+            self._sink = (loop, on_outputs, on_dead)
             if self._dead is not None:
-                queue_.put_nowait(self._dead)
-            self._sink = (loop, queue_)
+                loop.call_soon(on_dead, _dead_error(self._dead))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
             self._thread.start()
 
-    async def add_request(self, req: EngineCoreRequest) -> None:
-        self._start()
-        self._inbox.put(("add", req))
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        for req in reqs:
+            self._inbox.put(("add", req))
 
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self._start()
+    def abort_requests(self, request_ids: list[str]) -> None:
         self._inbox.put(("abort", list(request_ids)))
 
     async def call(self, call: ControlCall) -> ControlResult:
         """Run a control call in the engine thread, between two steps."""
-        self._start()
         fut: asyncio.Future[ControlResult] = asyncio.get_running_loop().create_future()
         self._inbox.put(("control", (call, fut)))
         return await fut
 
-    async def get_outputs(self) -> EngineCoreOutputs:
-        self._start()
-        assert self._sink is not None
-        item = await self._sink[1].get()
-        if isinstance(item, BaseException):
-            from tidal.frontend.async_llm import EngineDeadError
-
-            raise EngineDeadError(f"the engine thread failed: {item}") from item
-        return item
-
-    def _emit(self, item: EngineCoreOutputs | BaseException) -> None:
+    def _emit(self, item: OutputBatch | BaseException) -> None:
         sink = self._sink
-        assert sink is not None
+        if sink is None:
+            return
+        loop, on_outputs, on_dead = sink
         try:
-            sink[0].call_soon_threadsafe(sink[1].put_nowait, item)
+            if isinstance(item, BaseException):
+                loop.call_soon_threadsafe(on_dead, _dead_error(item))
+            else:
+                loop.call_soon_threadsafe(on_outputs, item)
         except RuntimeError:  # that loop is closed: nobody is waiting for this any more
             logger.debug("dropped engine output for a closed event loop")
 
@@ -126,7 +120,7 @@ class ThreadedAsyncClient:
             try:
                 self.core.add_request(payload)
             except ValueError as exc:
-                self._emit(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                self._emit(OutputBatch(details=[EngineCoreOutput(
                     request_id=payload.request_id, finish_reason=FinishReason.ERROR,
                     error=str(exc))]))
         elif kind == "abort":
@@ -158,7 +152,8 @@ class ThreadedAsyncClient:
                         return
                 outs = self.core.step()
                 if outs.outputs:
-                    self._emit(outs)
+                    self._emit(OutputBatch.pack(outs.outputs, outs.timestamp,
+                                                outs.scheduler_stats))
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine thread failed")
             self._dead = exc
@@ -169,6 +164,13 @@ class ThreadedAsyncClient:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.core.shutdown()
+
+
+def _dead_error(exc: BaseException) -> EngineDeadError:
+    from tidal.frontend.async_llm import EngineDeadError
+
+    return exc if isinstance(exc, EngineDeadError) else EngineDeadError(
+        f"the engine thread failed: {exc}")
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

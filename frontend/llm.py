@@ -138,10 +138,10 @@ class LLM:
         try:
             while len(processor):
                 step = self.engine.step()
-                processed = processor.process_outputs(step.outputs)
+                processed = processor.process_outputs(step)
                 if processed.abort_engine_ids:
                     self.engine.abort_requests(processed.abort_engine_ids)
-                n_out += sum(len(o.new_token_ids) for o in step.outputs)
+                n_out += step.num_tokens
                 for out in processed.request_outputs:
                     if out.finished:
                         results[order[out.request_id]] = out

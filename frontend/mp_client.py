@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -41,21 +42,13 @@ import zmq
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import ControlCall, ControlResult
-from tidal.engine_core.core_proc import (
-    bind,
-    is_loopback,
-    normalize_address,
-    run_engine_core,
-    tcp_host,
-    tune_socket,
-)
+from tidal.engine_core.core_proc import run_engine_core
 from tidal.engine_core.protocol import (
     AbortRequests,
-    AddRequest,
+    AddRequests,
     ControlRequest,
     ControlResponse,
     CoreOutputs,
-    EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
     EngineMessage,
@@ -66,9 +59,20 @@ from tidal.engine_core.protocol import (
     HandshakeMessage,
     Heartbeat,
     Hello,
+    OutputBatch,
     Ready,
 )
 from tidal.engine_core.serial import Decoder, Encoder, SerialDecodeError
+from tidal.engine_core.sockets import (
+    NOBLOCK,
+    bind,
+    is_loopback,
+    normalize_address,
+    recv_frames,
+    send_frames,
+    tcp_host,
+    tune_socket,
+)
 from tidal.frontend.async_llm import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -148,20 +152,11 @@ class EngineConnection:
         ``target``: the process's entry point (an importable function taking the encoded config
         and the listen address, like ``run_engine_core``, which it should end up calling).
         """
-        tmpdir = tempfile.mkdtemp(prefix="tidal-")
-        address = listen or f"ipc://{tmpdir}/engine.sock"
-        ctx = multiprocessing.get_context("spawn")
-        proc = ctx.Process(target=target, args=(msgspec.msgpack.encode(config), address),
-                           name="EngineCore", daemon=False)
-        try:
-            proc.start()
-        except BaseException:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            raise
+        proc, address, tmpdir = start_engine_process(config, listen, target)
         try:
             conn = cls(address, proc=proc, tmpdir=tmpdir, **kwargs)
         except BaseException:
-            _stop_process(proc, 0.0)
+            stop_process(proc, 0.0)
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         # Non-daemon (it may start worker processes), so multiprocessing would join it at exit;
@@ -191,8 +186,8 @@ class EngineConnection:
         """Finish the handshake; returns the engine's resolved config.
 
         Raises ``EngineStartupError`` if the engine reports a start-up failure, its process
-        exits, or (``timeout_s``; default: none for a spawned engine, 30 s otherwise) nothing
-        answers.
+        exits, or (``timeout_s``; default: none for a spawned engine, 30 s otherwise;
+        ``math.inf``: none) nothing answers.
         """
         if timeout_s is None and self.proc is None:
             timeout_s = DEFAULT_CONNECT_TIMEOUT_S
@@ -222,7 +217,8 @@ class EngineConnection:
         poller.register(self._handshake, zmq.POLLIN)
         if self.proc is not None:
             poller.register(self.proc.sentinel, zmq.POLLIN)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None or math.isinf(timeout_s) \
+            else time.monotonic() + timeout_s
         while True:
             wait_ms = None if deadline is None else max(0, (deadline - time.monotonic()) * 1000)
             events = dict(poller.poll(wait_ms))
@@ -272,8 +268,7 @@ class EngineConnection:
 
     def send(self, msg: FrontendMessage) -> None:
         try:
-            self.router.send_multipart([self.engine_identity, *self._encoder.encode(msg)],
-                                       flags=zmq.NOBLOCK)
+            send_frames(self.router, [self.engine_identity, *self._encoder.encode(msg)], NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.ENOTSOCK):
                 raise EngineDeadError(f"engine dead: the EngineCore at {self.address} is no "
@@ -285,7 +280,7 @@ class EngineConnection:
         are logged and skipped."""
         while True:
             try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self.pull, NOBLOCK, copy=False)
             except zmq.Again:
                 return None
             self.last_seen = time.monotonic()
@@ -335,18 +330,38 @@ class EngineConnection:
                 sock.close()
         self.ctx.term()
         if self.proc is not None:
-            _stop_process(self.proc, _SHUTDOWN_TIMEOUT_S)
+            stop_process(self.proc, _SHUTDOWN_TIMEOUT_S)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-def _stop_process(proc: BaseProcess, grace_s: float) -> None:
+def start_engine_process(config: EngineConfig, listen: str | None = None,
+                         target: Callable[[bytes, str], None] = run_engine_core,
+                         ) -> tuple[BaseProcess, str, str]:
+    """Start an EngineCore process (``spawn``) listening at ``listen``, by default ``ipc://``
+    in a fresh temporary directory; returns the process, its address and that directory (the
+    caller removes it)."""
+    tmpdir = tempfile.mkdtemp(prefix="tidal-")
+    address = listen or f"ipc://{tmpdir}/engine.sock"
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=target, args=(msgspec.msgpack.encode(config), address),
+                       name="EngineCore", daemon=False)
+    try:
+        proc.start()
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    return proc, address, tmpdir
+
+
+def stop_process(proc: BaseProcess, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns once the process is gone."""
     if proc.is_alive():
         proc.terminate()
         proc.join(grace_s)
     if proc.is_alive():
-        logger.warning("the EngineCore (pid %s) did not stop in %.0f s; killing it", proc.pid,
-                       grace_s)
+        logger.warning("the %s process (pid %s) did not stop in %.0f s; killing it", proc.name,
+                       proc.pid, grace_s)
         proc.kill()
     proc.join()
 
@@ -364,10 +379,12 @@ def _route_to(host: str) -> str:
 class MPAsyncClient:
     """``AsyncEngineClient`` for an EngineCore in another process.
 
-    Sends are immediate (non-blocking, never over a high-water mark). Reads run as a reader
-    callback on the event loop: it drains the PULL socket, queues outputs for ``get_outputs``
-    and resolves control calls. The loop is bound on first use; a new loop (e.g. successive
-    ``asyncio.run`` calls) rebinds it.
+    Sends are gathered per event-loop turn: requests admitted in one turn (a burst) leave as one
+    ``AddRequests`` message, flushed by a callback at the end of the turn; every message keeps
+    its order. Reads run as a reader callback on the event loop: it drains the PULL socket and
+    hands each step's ``OutputBatch`` to the ``on_outputs`` handler right there (no task or
+    queue per message), and resolves control calls. The loop is bound on first use; a new loop
+    (e.g. successive ``asyncio.run`` calls) rebinds it.
     """
 
     def __init__(self, conn: EngineConnection) -> None:
@@ -375,11 +392,14 @@ class MPAsyncClient:
         self.conn = conn
         self.config = conn.config
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs: asyncio.Queue[EngineCoreOutputs | BaseException] | None = None
+        self._on_outputs: Callable[[OutputBatch], None] | None = None
+        self._on_dead: Callable[[EngineDeadError], None] | None = None
         self._calls: dict[int, asyncio.Future[ControlResult]] = {}
         self._call_ids = itertools.count()
         self._watchdog: asyncio.TimerHandle | None = None
         self._dead: EngineDeadError | None = None
+        self._outbox: list[FrontendMessage] = []
+        self._flush_handle: asyncio.Handle | None = None
 
     @classmethod
     def spawn(cls, config: EngineConfig, **kwargs: Any) -> MPAsyncClient:
@@ -398,21 +418,17 @@ class MPAsyncClient:
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
-    async def add_request(self, req: EngineCoreRequest) -> None:
-        self._send(AddRequest(req))
-
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        self._send(AbortRequests(list(request_ids)))
-
-    async def get_outputs(self) -> EngineCoreOutputs:
+    def attach(self, on_outputs: Callable[[OutputBatch], None],
+               on_dead: Callable[[EngineDeadError], None]) -> None:
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
         self._attach()
-        assert self._outputs is not None
-        if self._dead is not None and self._outputs.empty():
-            raise self._dead
-        item = await self._outputs.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        self._send(AddRequests(list(reqs)))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send(AbortRequests(list(request_ids)))
 
     async def call(self, call: ControlCall) -> ControlResult:
         """Run a control call in the engine; returns ``type(call).result_type``."""
@@ -428,6 +444,8 @@ class MPAsyncClient:
             self._calls.pop(call_id, None)
 
     def shutdown(self) -> None:
+        if self._dead is None:
+            self._flush()
         self._detach()
         if self._dead is None:
             self._dead = EngineDeadError("engine dead: the client was shut down")
@@ -439,11 +457,33 @@ class MPAsyncClient:
         self._attach()
         if self._dead is not None:
             raise self._dead
-        try:
-            self.conn.send(msg)
-        except EngineDeadError as exc:
-            self._fail(exc)
-            raise
+        outbox = self._outbox
+        # Consecutive messages of one kind merge, so a burst is one message.
+        if outbox and type(msg) is type(outbox[-1]):
+            if isinstance(msg, AddRequests):
+                outbox[-1].requests.extend(msg.requests)  # type: ignore[union-attr]
+                return
+            if isinstance(msg, AbortRequests):
+                outbox[-1].request_ids.extend(msg.request_ids)  # type: ignore[union-attr]
+                return
+        outbox.append(msg)
+        if self._flush_handle is None:
+            if self._loop is None:  # no loop to flush from (a closed client): send now
+                self._flush()
+            else:
+                self._flush_handle = self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        outbox, self._outbox = self._outbox, []
+        if self._dead is not None:
+            return
+        for msg in outbox:
+            try:
+                self.conn.send(msg)
+            except EngineDeadError as exc:
+                self._fail(exc)
+                return
 
     def _attach(self) -> None:
         loop = asyncio.get_running_loop()
@@ -451,7 +491,6 @@ class MPAsyncClient:
             return
         self._detach()
         self._loop = loop
-        self._outputs = asyncio.Queue()
         if self._dead is not None:
             return
         loop.add_reader(self.conn.pull.getsockopt(zmq.FD), self._on_readable)
@@ -469,6 +508,10 @@ class MPAsyncClient:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+            self._flush()  # what the old loop had gathered still goes out, in order
         for fut in self._calls.values():
             if not fut.done() and not fut.get_loop().is_closed():
                 fut.cancel()
@@ -483,6 +526,8 @@ class MPAsyncClient:
         if self._loop is None or self.conn.closed:
             return
         for _ in range(_MAX_BATCH):
+            if self._dead is not None:
+                return
             msg = self.conn.recv_nowait()
             if msg is None:
                 return
@@ -492,8 +537,13 @@ class MPAsyncClient:
     def _dispatch(self, msg: EngineMessage) -> None:
         match msg:
             case CoreOutputs(outputs=outputs):
-                assert self._outputs is not None
-                self._outputs.put_nowait(outputs)
+                if self._on_outputs is None:
+                    return
+                try:
+                    self._on_outputs(outputs)
+                except Exception as exc:  # noqa: BLE001 - a bug in output processing: fatal
+                    logger.exception("processing the engine's outputs failed")
+                    self._fail(EngineDeadError(f"engine output processing failed: {exc}"))
             case ControlResponse(call_id=call_id):
                 fut = self._calls.pop(call_id, None)
                 if fut is not None and not fut.done():
@@ -534,8 +584,7 @@ class MPAsyncClient:
         self._dead = err
         if not self.conn.closed:
             logger.error("%s", err)
-        if self._outputs is not None:
-            self._outputs.put_nowait(err)
+        self._outbox.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -544,6 +593,8 @@ class MPAsyncClient:
             self._loop.remove_reader(self.conn.pull.getsockopt(zmq.FD))
             if self.conn.proc is not None:
                 self._loop.remove_reader(self.conn.proc.sentinel)
+        if self._on_dead is not None:
+            self._on_dead(err)
 
 
 # --- blocking (offline LLM) --------------------------------------------------------------------
@@ -572,12 +623,12 @@ class MPSyncClient:
         return cls(conn)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self._send(AddRequest(req))
+        self._send(AddRequests([req]))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self._send(AbortRequests(list(request_ids)))
 
-    def step(self) -> EngineCoreOutputs:
+    def step(self) -> OutputBatch:
         """The next batch of outputs (blocks)."""
         while True:
             msg = self._next()

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import dump, summary, write_model_dir  # noqa: E402
 from tidal.engine_core.config import EngineArgs  # noqa: E402
 from tidal.engine_core.core import EngineCore  # noqa: E402
-from tidal.engine_core.protocol import EngineCoreRequest  # noqa: E402
+from tidal.engine_core.protocol import EngineCoreRequest, OutputBatch  # noqa: E402
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams  # noqa: E402
 from tidal.worker.sample.sampler import SamplerOutput  # noqa: E402
 
@@ -237,7 +237,7 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
             if processor is not None:  # the frontend's share, timed apart
                 gct.on = timers.on = False
                 t = time.perf_counter()
-                processor.process_outputs(step.outputs)
+                processor.process_outputs(OutputBatch.pack(step.outputs))
                 detok_s += time.perf_counter() - t
                 gct.on = timers.on = True
         timers.on = gct.on = False

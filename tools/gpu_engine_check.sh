@@ -11,11 +11,14 @@
 # on the GPU; kbench — the batch-1 decode microbenchmarks; lat_llama_ab — Llama batch 1 again
 # with TIDAL_GEMV_MAX_MB=${TIDAL_AB_GEMV_MAX_MB:-40}, big weights on cuBLAS; lat_qwen_ab — Qwen3
 # batch 1 again under the environment TIDAL_AB_ENV, default TIDAL_PDL=0; lat_qwen_base — Qwen3
-# batch 1 with the decode kernels and PDL off, the path before them); each stage runs under
-# its own time limit (TIDAL_T_<stage> seconds) so a slow one cannot starve the rest. Extra
-# arguments per stage: TIDAL_ARGS_<stage>. The CUDA extension builds in the background from
-# the start (stage `build` waits for it); benchmarks use the Triton kernels unless told
-# otherwise (--ops/--attention-backend in TIDAL_ARGS_*).
+# batch 1 with the decode kernels and PDL off, the path before them; warm — "ready means
+# warm": tools/bench_startup.py for qwen3-0.6b, cold then warm kernel cache, first-request TTFT
+# against steady state (startup.json), then tests/worker/test_gpu_warmup.py, zero JIT compiles
+# after ready under a served workload (warm_tests.log; on the kernels the bench cached, limit
+# TIDAL_T_warm_tests)); each stage runs under its own time limit (TIDAL_T_<stage> seconds) so
+# a slow one cannot starve the rest. Extra arguments per stage: TIDAL_ARGS_<stage>. The CUDA
+# extension builds in the background from the start (stage `build` waits for it); benchmarks
+# use the Triton kernels unless told otherwise (--ops/--attention-backend in TIDAL_ARGS_*).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -165,6 +168,20 @@ for stage in ${STAGES//,/ }; do
       run_stage tp_sync 90 "$PY" tools/bench_throughput.py --shape qwen3-0.6b --ops triton \
         --workloads nano --repeats 1 --async-scheduling 0 --out "$OUT/throughput_sync.json" \
         $extra || status=1 ;;
+    warm)
+      WARM_DIR="$(mktemp -d)"
+      # shellcheck disable=SC2086
+      run_stage warm 300 "$PY" tools/bench_startup.py --shape qwen3-0.6b --ops triton \
+        --cache-dir "$WARM_DIR" --out "$OUT/startup.json" $extra || status=1
+      t0=$SECONDS
+      TIDAL_CACHE_DIR="$WARM_DIR/cache" timeout --signal=INT --kill-after=15 \
+        "${TIDAL_T_warm_tests:-240}" "$PY" -m pytest -p no:cacheprovider -q -rs -s \
+        tests/worker/test_gpu_warmup.py ${TIDAL_ARGS_warm_tests:-} > "$OUT/warm_tests.log" 2>&1 \
+        || status=1
+      echo "== warm tests: done after $((SECONDS - t0))s (status $status)" | tee -a "$LOG"
+      grep -E "^warm-up:|JIT compile after ready|passed|failed|error" "$OUT/warm_tests.log" \
+        | tail -12 | tee -a "$LOG"
+      rm -rf "$WARM_DIR" ;;
     cpu)
       # shellcheck disable=SC2086
       run_stage cpu 90 "$PY" tools/bench_cpu_step.py --out "$OUT/cpu_step.json" $extra || status=1 ;;
@@ -173,5 +190,5 @@ for stage in ${STAGES//,/ }; do
 done
 
 echo "== summary" | tee -a "$LOG"
-grep -hE "ms/step|tok/s|prefill|batch |passed|failed|error|Error|calibration|async:|sync :" "$LOG" "$OUT/tests.log" | tail -40
+grep -hE "ms/step|tok/s|prefill|batch |passed|failed|error|Error|calibration|async:|sync :|warm/cold|TTFT first|after ready" "$LOG" "$OUT/tests.log" | tail -40
 exit $status

@@ -163,6 +163,12 @@ class InputBatch:
         self.num_prompt_logprobs[row] = -1
         self._free_rows.append(row)
 
+    def reset_rows(self) -> None:
+        """Hand rows out from 0 again, as a new batch does (the batch must hold nothing)."""
+        if self.row_of:
+            raise RuntimeError(f"the batch still holds {len(self.row_of)} request(s)")
+        self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+
     def rows_of(self, req_ids: list[str]) -> tuple[np.ndarray, bool]:
         """The rows of ``req_ids`` (-1 for ids the batch does not hold; int64, read-only) and
         whether the batch holds them all. Decode steps schedule the same requests in the same

@@ -337,9 +337,39 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and capture the decode graphs (the worker times the two
+        apart and warms up after them: ``tidal.worker.warmup``)."""
+        self.allocate_kv_cache(num_blocks)
+        self.capture_graphs_if_enabled()
+
+    def allocate_kv_cache(self, num_blocks: int) -> int:
+        """Allocate the KV cache; returns its size in bytes."""
         self._allocate_kv(num_blocks)
-        if self._graphs_enabled():
-            self.capture_graphs()
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    def capture_graphs_if_enabled(self) -> bool:
+        if not self._graphs_enabled():
+            return False
+        self.capture_graphs()
+        return True
+
+    def finish_inflight(self) -> None:
+        """Apply every in-flight step's tokens (ranks that never reply leave the newest step
+        pending until the next one)."""
+        if self._inflight:
+            self._resolve_through(self._inflight[-1])
+
+    def forget_steps(self) -> None:
+        """Drop the bookkeeping that links the next step to the last one, as if no step had
+        run (and, with no request held, hand rows out from 0 again): for after the warm-up,
+        whose requests are gone. Call with nothing in flight."""
+        if self._inflight:
+            raise RuntimeError("steps are still in flight")
+        self._index_of_row.fill(-1)
+        self._pos_of_row.fill(-1)
+        self._last_sampled_rows = np.zeros(0, dtype=np.int64)
+        if not len(self.batch):
+            self.batch.reset_rows()
 
     # --- CUDA graphs ----------------------------------------------------------------------------
 
@@ -347,13 +377,24 @@ class ModelRunner:
         return min(self.config.runner.max_cudagraph_batch, self.max_num_reqs)
 
     def _graphs_enabled(self) -> bool:
+        return self.graphs_off_reason() is None
+
+    def graphs_off_reason(self) -> str | None:
+        """Why decode steps run eagerly, or None when they replay CUDA graphs."""
         # The torch backend plans on the host (per-request loops over host metadata), so its
         # launches are not replayable. NCCL all-reduces capture fine (tensor parallelism);
         # pipeline stages exchange tensors outside the graph, so they stay eager.
-        return (self.on_gpu and not self.config.runner.enforce_eager
-                and self.attn_impl.name in ("triton", "cuda")
-                and self.pp.world_size == 1
-                and self._max_graph_batch() >= 1)
+        if not self.on_gpu:
+            return "CPU"
+        if self.config.runner.enforce_eager:
+            return "enforce_eager"
+        if self.attn_impl.name not in ("triton", "cuda"):
+            return f"{self.attn_impl.name} attention"
+        if self.pp.world_size > 1:
+            return "pipeline parallel"
+        if self._max_graph_batch() < 1:
+            return "max_cudagraph_batch < 1"
+        return None
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

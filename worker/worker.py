@@ -8,20 +8,29 @@ first receives the previous stage's hidden states and residuals (`PipeReceiver`)
 layers, and a stage before the last sends its own on (`PipeSender`). Sends are asynchronous, so
 a stage moves on to the next step while the transfer completes, which is what keeps several
 steps in flight through the pipeline.
+
+Start-up phases (model load, KV profiling, KV allocation, graph capture, warm-up) are timed
+and logged in one format (``engine_core.startup_log``); the worker is *ready* once the warm-up
+has run, and from then on the JIT compile watcher (``ops.jit_watch``) reports every Triton
+compile as a WARNING (``compile_stats`` counts them).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.control import CompileStats
 from tidal.engine_core.protocol import SchedulerOutput
+from tidal.engine_core.startup_log import StartupLog
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.model_runner import IntermediateTensors, ModelRunner
+from tidal.worker.ops.jit_watch import JIT_WATCH
+from tidal.worker.warmup import WarmupReport, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +102,17 @@ class Worker:
         self.local_rank = local_rank
         self.tp = tp
         self.pp = pp
+        self.startup = StartupLog(f"rank {rank}", logger)
+        self.ready = False
+        self.warmup: WarmupReport | None = None  # what the start-up warm-up ran
+        self._jit_on = False  # a compile watcher runs in this process
+        self._jit_base = 0  # the watcher's count when this worker started
+        self._jit_startup = 0  # compiles between this worker's start and its ready
+        self._jit_zero = 0  # the watcher's after-ready count when this worker became ready
         if config.runner.device == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+            self._watch_compiles()
         else:
             self.device = torch.device("cpu")
             if config.runner.cpu_threads is not None:
@@ -128,19 +145,90 @@ class Worker:
         pp_last = self.pp is None or self.pp.is_last
         return tp_first and pp_last
 
+    def _watch_compiles(self) -> None:
+        """Before anything compiles: keep Triton's kernels in tidal's cache folder (a second
+        start loads them) and count the compiles."""
+        from tidal.worker.ops.kernel_cache import use_tidal_triton_cache
+
+        cache = use_tidal_triton_cache()
+        self._jit_on = JIT_WATCH.install()
+        self._jit_base = JIT_WATCH.count
+        logger.info("rank %d: Triton kernel cache %s; JIT compile watcher %s", self.rank,
+                    cache.describe(), f"on ({JIT_WATCH.api})" if self._jit_on else "off")
+
+    def _compiles_since(self, count: int) -> str:
+        if not self._jit_on:
+            return ""
+        return f"; {JIT_WATCH.count - count} JIT compiles"
+
     def load_model(self) -> None:
-        start = time.perf_counter()
-        self.runner.load_model()
-        logger.info("rank %d: model loaded in %.2f s", self.rank, time.perf_counter() - start)
+        # Start-up work (here and below), whatever other engine in this process is serving.
+        with JIT_WATCH.warming(), self.startup.phase("model load") as note:
+            self.runner.load_model()
+            model = self.runner.model
+            assert model is not None
+            size = sum(p.numel() * p.element_size() for p in model.parameters())
+            note.detail = f"{type(model).__name__}, {size / 2**30:.2f} GiB"
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        seen = JIT_WATCH.count
+        with JIT_WATCH.warming(), self.startup.phase("kv profile") as note:
+            n = self.runner.determine_num_blocks()
+            note.detail = f"{n} blocks" + self._compiles_since(seen)
+        return n
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        start = time.perf_counter()
-        self.runner.init_kv_cache(num_blocks)
-        logger.info("rank %d: allocated %d KV blocks in %.2f s", self.rank, num_blocks,
-                    time.perf_counter() - start)
+        """Allocate the KV cache, capture the decode graphs, warm up (``warmup``); the worker is
+        ready after it."""
+        runner = self.runner
+        with JIT_WATCH.warming():
+            with self.startup.phase("kv allocate") as note:
+                if isinstance(runner, ModelRunner):
+                    size = runner.allocate_kv_cache(num_blocks)
+                    note.detail = f"{num_blocks} blocks, {size / 2**30:.2f} GiB"
+                else:
+                    runner.init_kv_cache(num_blocks)
+                    note.detail = f"{num_blocks} blocks (bookkeeping only)"
+            if isinstance(runner, ModelRunner):
+                seen = JIT_WATCH.count
+                with self.startup.phase("graph capture") as note:
+                    reason = runner.graphs_off_reason()
+                    if reason is None and runner.capture_graphs_if_enabled():
+                        graphs = runner.graphs
+                        assert graphs is not None
+                        note.detail = (f"{len(graphs)} graphs, decode batches "
+                                       f"{graphs.sizes[0]}..{graphs.sizes[-1]}, "
+                                       f"{graphs.pool_bytes / 2**20:.0f} MiB")
+                    else:
+                        note.detail = f"none, decode steps run eagerly: {reason}"
+                    note.detail += self._compiles_since(seen)
+            seen = JIT_WATCH.count
+            with self.startup.phase("warm-up") as note:
+                if envs.warmup_enabled():
+                    self.warmup = warm_up(self, num_blocks)
+                    note.detail = self.warmup.describe()
+                else:
+                    note.detail = "off (TIDAL_WARMUP=0): the first requests compile instead"
+                note.detail += self._compiles_since(seen)
+        self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        self.ready = True
+        if self._jit_on:
+            self._jit_startup = JIT_WATCH.count - self._jit_base
+            self._jit_zero = JIT_WATCH.mark_ready()
+            logger.info("rank %d: ready after %d JIT compiles; a compile from now on is logged "
+                        "as a warning", self.rank, self._jit_startup)
+
+    def compile_stats(self) -> CompileStats:
+        """This worker's Triton JIT compiles: at start-up, and since it became ready."""
+        if not self._jit_on:
+            return CompileStats(ready=self.ready)
+        if not self.ready:
+            return CompileStats(active=True, startup=JIT_WATCH.count - self._jit_base)
+        n, kept = JIT_WATCH.after_ready_since(self._jit_zero)
+        return CompileStats(active=True, ready=True, startup=self._jit_startup, after_ready=n,
+                            kernels=[e.describe() for e in kept])
 
     def execute_model(self, so: SchedulerOutput) -> Any:
         """Run one step. Returns the runner's output on the output rank (a ``ModelRunnerOutput``
@@ -159,6 +247,9 @@ class Worker:
         return out if self.is_output_rank else None
 
     def shutdown(self) -> None:
+        if self.ready and self._jit_on:
+            JIT_WATCH.release()
+            self._jit_on = False
         if self._sender is not None:
             try:
                 self._sender.wait()

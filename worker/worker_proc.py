@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.control import CompileStats, GetCompileStats
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
 from tidal.engine_core.serial import Decoder, Encoder
 from tidal.worker.shm_broadcast import (
@@ -103,7 +104,8 @@ class FlushStep(msgspec.Struct, tag="flush", **_WIRE):
     the executor wants it and has no newer step to send."""
 
 
-WorkerRequest = ExecuteModel | GetNumBlocks | InitKVCache | Profile | FlushStep
+# `GetCompileStats` (the control call's own struct): every rank answers `CompileStats`.
+WorkerRequest = ExecuteModel | GetNumBlocks | InitKVCache | Profile | FlushStep | GetCompileStats
 
 
 # --- workers -> executor -------------------------------------------------------------------
@@ -133,7 +135,7 @@ class Failed(msgspec.Struct, tag="failed", **_WIRE):
     error: str
 
 
-WorkerReply = StepResult | NumBlocks | Done | ProfileSummary | Failed
+WorkerReply = StepResult | NumBlocks | Done | ProfileSummary | Failed | CompileStats
 
 
 # --- start-up (pipe) -----------------------------------------------------------------------
@@ -242,8 +244,10 @@ class WorkerProc:
             case GetNumBlocks():
                 return NumBlocks(int(self.worker.determine_num_blocks()))
             case InitKVCache(num_blocks=n):
-                self.worker.init_kv_cache(n)
+                self.worker.init_kv_cache(n)  # allocates, captures graphs and warms up
                 return Done()
+            case GetCompileStats():
+                return self.worker.compile_stats()
             case Profile(start=True):
                 self._start_profile()
                 return Done()

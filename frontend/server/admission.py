@@ -10,6 +10,10 @@ once per step, and misses requests accepted since. The estimate is the larger of
   no stats, so its last report would go stale).
 
 A lone request is never refused (the engine can always start it), so ``0`` means "no queue".
+
+With several API server processes the counts live on an ``AdmissionBoard`` in shared memory:
+each process writes its own row, and the estimate reads the sums, so the limit holds for the
+server as a whole, not per process.
 """
 
 from __future__ import annotations
@@ -18,10 +22,61 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from tidal.frontend.server.errors import APIError
 
 logger = logging.getLogger(__name__)
+
+
+class AdmissionBoard:
+    """Admission counts shared by the API server processes of one server.
+
+    Rows ``0..count-1``: (sequences pending a first token, sequences in flight) of each process;
+    row ``count``, column 0: the engine's latest ``num_waiting``. Each cell is written by one
+    process at a time (its own row; the waiting count by whichever process got the report), and
+    a read may mix rows from slightly different moments: fine for an estimate.
+    """
+
+    __slots__ = ("_cells", "_row")
+
+    def __init__(self, cells: np.ndarray, index: int) -> None:
+        self._cells = cells.reshape(-1, 2)
+        self._row = self._cells[index]
+
+    @staticmethod
+    def allocate(count: int, ctx: Any) -> Any:
+        """Shared memory for ``count`` processes (a ``multiprocessing`` ``RawArray``, which
+        can be handed to spawned processes)."""
+        return ctx.RawArray("q", 2 * (count + 1))
+
+    @classmethod
+    def attach(cls, raw: Any, index: int) -> AdmissionBoard:
+        return cls(np.frombuffer(raw, dtype=np.int64), index)
+
+    @classmethod
+    def private(cls) -> AdmissionBoard:
+        return cls(np.zeros(4, dtype=np.int64), 0)
+
+    def publish(self, pending: int, active: int) -> None:
+        row = self._row
+        row[0] = pending
+        row[1] = active
+
+    def totals(self) -> tuple[int, int]:
+        """(pending, active) summed over the processes."""
+        sums = self._cells[:-1].sum(axis=0)
+        return int(sums[0]), int(sums[1])
+
+    @property
+    def engine_waiting(self) -> int:
+        return int(self._cells[-1, 0])
+
+    @engine_waiting.setter
+    def engine_waiting(self, value: int) -> None:
+        self._cells[-1, 0] = value
 
 
 @dataclass(slots=True, eq=False)
@@ -37,9 +92,9 @@ class Ticket:
 class Admission:
     max_num_seqs: int
     max_queued: int | None
+    board: AdmissionBoard = field(default_factory=AdmissionBoard.private)
     draining: bool = False
     engine_dead: bool = False
-    engine_waiting: int = 0  # the latest SchedulerStats.num_waiting
     tickets: set[Ticket] = field(default_factory=set)
     _pending: int = 0
     _active: int = 0  # sequences in flight (pending or producing)
@@ -52,12 +107,24 @@ class Admission:
     def num_in_flight(self) -> int:
         return len(self.tickets)
 
+    @property
+    def engine_waiting(self) -> int:
+        """The engine's latest ``SchedulerStats.num_waiting``."""
+        return self.board.engine_waiting
+
+    @engine_waiting.setter
+    def engine_waiting(self, value: int) -> None:
+        self.board.engine_waiting = value
+
     def waiting_estimate(self) -> int:
-        if self._active == 0:
+        return self._estimate(*self.board.totals())
+
+    def _estimate(self, pending: int, active: int) -> int:
+        if active == 0:
             return 0
-        producing = self._active - self._pending
+        producing = active - pending
         free_slots = max(0, self.max_num_seqs - producing)
-        return max(self._pending - free_slots, self.engine_waiting)
+        return max(pending - free_slots, self.engine_waiting)
 
     def check_available(self) -> None:
         """Raise the 503 a new request gets while draining or after the engine died."""
@@ -72,9 +139,10 @@ class Admission:
     def admit(self, weight: int) -> Ticket:
         """Take a request of ``weight`` sequences, or raise 503 / 429."""
         self.check_available()
-        if self.max_queued is not None and self._active > 0:
-            waiting = self.waiting_estimate()
-            if waiting + weight > self.max_queued:
+        if self.max_queued is not None:
+            pending, active = self.board.totals()
+            waiting = self._estimate(pending, active)
+            if active > 0 and waiting + weight > self.max_queued:
                 raise APIError(429, f"the server's queue is full ({waiting} requests waiting, "
                                f"limit {self.max_queued}); retry later with backoff",
                                code="queue_full", headers={"Retry-After": "1"})
@@ -82,14 +150,17 @@ class Admission:
         self.tickets.add(ticket)
         self._pending += weight
         self._active += weight
+        self.board.publish(self._pending, self._active)
         self._idle.clear()
         return ticket
 
     def started(self, ticket: Ticket, sequences: int) -> None:
         """``sequences`` of the ticket produced their first output."""
         n = min(sequences, ticket.pending)
-        ticket.pending -= n
-        self._pending -= n
+        if n:
+            ticket.pending -= n
+            self._pending -= n
+            self.board.publish(self._pending, self._active)
 
     def release(self, ticket: Ticket) -> None:
         if ticket not in self.tickets:
@@ -98,6 +169,7 @@ class Admission:
         self._pending -= ticket.pending
         self._active -= ticket.weight
         ticket.pending = 0
+        self.board.publish(self._pending, self._active)
         if not self.tickets:
             self._idle.set()
 

@@ -12,15 +12,21 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from tidal.frontend.server.admission import Admission
+from tidal.engine_core.gc_control import freeze_startup_objects
+from tidal.engine_core.protocol import SchedulerStats
+from tidal.engine_core.sampling_params import OutputKind, SamplingParams
+from tidal.frontend.output_processor import StepRecord
+from tidal.frontend.server.admission import Admission, AdmissionBoard
 from tidal.frontend.server.auth import check_api_key
 from tidal.frontend.server.common import json_response
 from tidal.frontend.server.errors import APIError, internal_error
@@ -43,6 +49,10 @@ class ServerStartError(RuntimeError):
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# Connections the kernel may queue before the server accepts them. Python's default (128)
+# overflows under a burst: the dropped SYNs are retried after 1, 3, 7 s, which showed as
+# 10-20 s first-token times for 2,000 requests sent at once. Capped by net.core.somaxconn.
+_LISTEN_BACKLOG = 4096
 # After the drain, how long aborted requests get to send their last chunk.
 _ABORT_GRACE_S = 5.0
 _ENGINE_POLL_S = 0.5
@@ -138,7 +148,8 @@ async def metrics(request: web.Request) -> web.Response:
 # --- the app -------------------------------------------------------------------------------------
 
 
-def create_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
+def create_state(engine: AsyncLLM, settings: ServerSettings,
+                 board: AdmissionBoard | None = None) -> ServerState:
     config = engine.config
     model_name = config.model.served_model_name
     max_queued = settings.max_queued_requests
@@ -147,17 +158,18 @@ def create_state(engine: AsyncLLM, settings: ServerSettings) -> ServerState:
     state = ServerState(
         engine=engine,
         settings=settings,
-        admission=Admission(max_num_seqs=config.scheduler.max_num_seqs, max_queued=max_queued),
+        admission=Admission(max_num_seqs=config.scheduler.max_num_seqs, max_queued=max_queued,
+                            board=board or AdmissionBoard.private()),
         metrics=ServerMetrics(model_name),
         model_name=model_name,
         max_model_len=config.model.max_model_len,
         task=config.model.task,
     )
 
-    def observe(stats, outputs) -> None:  # type: ignore[no-untyped-def]
+    def observe(stats: SchedulerStats | None, record: StepRecord) -> None:
         if stats is not None:
             state.admission.engine_waiting = stats.num_waiting
-        state.metrics.observe_step(stats, outputs)
+        state.metrics.observe_step(stats, record)
 
     engine.add_stat_observer(observe)
     return state
@@ -184,25 +196,58 @@ def build_app(state: ServerState) -> web.Application:
 # --- lifecycle -----------------------------------------------------------------------------------
 
 
-def bind_socket(settings: ServerSettings) -> socket.socket:
+def bind_socket(settings: ServerSettings, reuse_port: bool = False) -> socket.socket:
     """Take the listening address before the (slow) engine start, so a busy port fails at
-    once."""
+    once. ``reuse_port``: one of several API server processes sharing the port."""
     try:
-        return socket.create_server((settings.host, settings.port), reuse_port=False,
+        return socket.create_server((settings.host, settings.port), reuse_port=reuse_port,
                                     family=socket.AF_INET6 if ":" in settings.host
-                                    else socket.AF_INET)
+                                    else socket.AF_INET, backlog=_LISTEN_BACKLOG)
     except OSError as exc:
         raise ServerStartError(f"cannot listen on {settings.host}:{settings.port}: "
                                f"{exc.strerror or exc}; pick another --port or stop what uses "
                                "it") from None
 
 
-async def serve(engine: AsyncLLM, settings: ServerSettings,
-                sock: socket.socket | None = None) -> int:
+async def warm_up(engine: AsyncLLM) -> float:
+    """One tiny request through this process's whole path (tokenizer, detokenizer, the engine
+    round trip, output processing), so that the first client request runs no first-time
+    code. Returns the seconds it took."""
+    start = time.perf_counter()
+    tok = engine.get_tokenizer()
+    ids = list(tok.encode("Hello", add_special_tokens=False)) if tok is not None else [1]
+    ids = [t for t in ids if 0 <= t < engine.config.model.vocab_size] or [0]
+    rid = f"tidal-warm-up-{os.getpid()}"
+    if engine.config.model.task == "embed":
+        await engine.encode(ids, rid)
+    else:
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                output_kind=OutputKind.DELTA)
+        async for _ in engine.generate(ids, params, rid):
+            pass
+    return time.perf_counter() - start
+
+
+async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None,
+                *, reuse_port: bool = False, board: AdmissionBoard | None = None,
+                on_ready: Callable[[], None] | None = None, label: str = "server",
+                stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+                ) -> int:
     """Serve until a stop signal (returns 0 after draining) or the engine's death (returns 1).
     Listens on ``sock`` (from ``bind_socket``) or binds now; shuts the engine down before
-    returning. Raises ``ServerStartError`` if it cannot listen."""
-    state = create_state(engine, settings)
+    returning. Raises ``ServerStartError`` if it cannot listen.
+
+    ``reuse_port``, ``board``: one of several API server processes (``api_servers``): bind
+    the shared port, keep admission counts on the shared board. ``on_ready`` is called once
+    the server listens. ``stop_signals``: the first drains, a second aborts what runs."""
+    try:
+        # Before the metrics observe the engine: the warm-up is no client's request.
+        seconds = await warm_up(engine)
+    except BaseException:
+        engine.shutdown()
+        raise
+    logger.info("%s warmed up with one request in %.3f s", label, seconds)
+    state = create_state(engine, settings, board)
     app = build_app(state)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # requests in the engine (non-streaming ones included).
@@ -211,8 +256,9 @@ async def serve(engine: AsyncLLM, settings: ServerSettings,
     await runner.setup()
     try:
         if sock is None:
-            sock = bind_socket(settings)
-        await web.SockSite(runner, sock).start()
+            sock = bind_socket(settings, reuse_port)
+        freeze_startup_objects()
+        await web.SockSite(runner, sock, backlog=_LISTEN_BACKLOG).start()
     except BaseException:
         await runner.cleanup()
         engine.shutdown()
@@ -230,11 +276,13 @@ async def serve(engine: AsyncLLM, settings: ServerSettings,
                         settings.shutdown_timeout)
             stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals:
         loop.add_signal_handler(sig, on_signal, sig)
     watchdog = asyncio.create_task(_watch_engine(state, stop), name="tidal-engine-watchdog")
-    logger.info("serving %s on http://%s:%d (max_model_len %d)", state.model_name,
+    logger.info("%s: serving %s on http://%s:%d (max_model_len %d)", label, state.model_name,
                 settings.host, settings.port, state.max_model_len)
+    if on_ready is not None:
+        on_ready()
     try:
         await stop.wait()
         state.admission.draining = True
@@ -243,11 +291,11 @@ async def serve(engine: AsyncLLM, settings: ServerSettings,
         await _drain(state, timeout, force)
     finally:
         watchdog.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
         engine.shutdown()
-    logger.info("server stopped (exit code %d)", code)
+    logger.info("%s stopped (exit code %d)", label, code)
     return code
 
 

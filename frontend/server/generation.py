@@ -1,20 +1,23 @@
 """Runs the engine requests of one API request (one per prompt, each with ``n`` samples) and
-merges their delta outputs into one stream of ``(prompt index, RequestOutput)``.
+reads their outputs through one ``OutputCollector``: each read returns what every prompt has
+produced since the previous read, so a handler that fell behind (its client reads slowly, or the
+event loop was busy) sends the text of several steps at once instead of queueing per step.
 
-Leaving the stream early (client gone: aiohttp cancels the handler; or an error) cancels every
-prompt's task, and ``AsyncLLM.generate`` aborts a cancelled request in the engine, which frees its
-KV blocks at the next step. ``abort()`` (drain timeout) ends the stream early too, marking it
-``aborted`` so the handler can finish each open choice with ``finish_reason="abort"``.
+Leaving the stream early (client gone: aiohttp cancels the handler; or an error) aborts every
+prompt's request in the engine, which frees its KV blocks at the next step. ``abort()`` (drain
+timeout) ends the stream early too, marking it ``aborted`` so the handler can finish each open
+choice with ``finish_reason="abort"``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from tidal.engine_core.sampling_params import SamplingParams
+from tidal.frontend.async_llm import RequestFailedError
+from tidal.frontend.output_processor import OutputCollector
 from tidal.frontend.outputs import RequestOutput
 from tidal.frontend.server.admission import Admission, Ticket
 
@@ -23,8 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DONE = object()
-_ABORTED = object()
+
+class _Aborted(Exception):
+    """Ends the collector's wait when the drain timeout aborts the request."""
 
 
 class Generation:
@@ -39,9 +43,11 @@ class Generation:
         self.params = params
         self.cache_salt = cache_salt
         self.aborted = False
-        self.failed = False  # a prompt's engine request raised (the error goes to the client)
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self.failed = False  # a prompt's engine request failed (the error goes to the client)
+        self._collector = OutputCollector()
+        self._index = {self.engine_id(i): i for i in range(len(prompts))}
+        self._open: set[str] = set()  # engine request ids started and not finished
+        self._started: set[tuple[int, int]] = set()  # (prompt, choice) with a first output
         # Prompt tokens served from the prefix cache, per prompt (known once it finishes).
         self._cached: dict[int, int] = {}
 
@@ -53,59 +59,54 @@ class Generation:
     def engine_id(self, prompt_index: int) -> str:
         return f"{self.request_id}-{prompt_index}"
 
-    def engine_ids(self) -> list[str]:
-        return [self.engine_id(i) for i in range(len(self.prompts))]
-
     def abort(self) -> None:
         if not self.aborted:
             self.aborted = True
-            self._queue.put_nowait(_ABORTED)
+            self._collector.fail(_Aborted())
 
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """Every read: ``(prompt index, delta output)`` for each prompt with news, in order."""
         self.ticket.abort = self.abort
-        self._tasks = [
-            asyncio.create_task(self._run(i, ids), name=f"tidal-gen-{self.engine_id(i)}")
-            for i, ids in enumerate(self.prompts)
-        ]
-        remaining = len(self._tasks)
         try:
-            while remaining:
-                item = await self._queue.get()
-                if item is _DONE:
-                    remaining -= 1
-                elif item is _ABORTED:
+            for i, ids in enumerate(self.prompts):
+                rid = self.engine_id(i)
+                await self.engine.add_request(rid, ids, self.params, collector=self._collector,
+                                              cache_salt=self.cache_salt)
+                self._open.add(rid)
+            while self._open:
+                try:
+                    outs = self._collector.take() or await self._collector.get()
+                except _Aborted:
                     return
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item  # type: ignore[misc]
+                except Exception:
+                    self.failed = True  # the engine died: no sequence ended as an abort
+                    raise
+                batch = []
+                for out in outs:
+                    assert isinstance(out, RequestOutput)
+                    batch.append((self._note(out), out))
+                yield batch
         finally:
-            await self.close()
+            self.close()
 
-    async def close(self) -> None:
-        """Cancel whatever still runs (each cancelled request is aborted in the engine)."""
-        pending = [t for t in self._tasks if not t.done()]
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+    def _note(self, out: RequestOutput) -> int:
+        index = self._index[out.request_id]
+        started = self._started
+        for c in out.outputs:
+            if (index, c.index) not in started:
+                started.add((index, c.index))
+                self.admission.started(self.ticket, 1)
+            if c.finish_reason == "error" and c.error is not None:
+                self.failed = True
+                raise RequestFailedError(c.error)
+        if out.num_cached_tokens:
+            self._cached[index] = max(self._cached.get(index, 0), out.num_cached_tokens)
+        if out.finished:
+            self._open.discard(out.request_id)
+        return index
 
-    async def _run(self, index: int, ids: list[int]) -> None:
-        seen: set[int] = set()
-        try:
-            async for out in self.engine.generate(ids, self.params, self.engine_id(index),
-                                                  cache_salt=self.cache_salt):
-                for c in out.outputs:
-                    if c.index not in seen:
-                        seen.add(c.index)
-                        self.admission.started(self.ticket, 1)
-                if out.num_cached_tokens:
-                    self._cached[index] = max(self._cached.get(index, 0), out.num_cached_tokens)
-                self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
-            self.failed = True
-            self._queue.put_nowait(exc)
-            return
-        self._queue.put_nowait(_DONE)
+    def close(self) -> None:
+        """Abort whatever still runs in the engine."""
+        if self._open:
+            open_ids, self._open = list(self._open), set()
+            self.engine.abort_quietly(open_ids)

@@ -1,24 +1,31 @@
-"""Prometheus metrics of one server (``tidal:`` prefix, one registry per server).
+"""Prometheus metrics of one server (``tidal:`` prefix).
 
-Per-step engine state (running / waiting requests, KV usage, token counts, preemptions) comes
-from ``AsyncLLM.add_stat_observer``; per-request latencies from ``RequestOutput.metrics``
-(monotonic times the output processor stamps as outputs arrive). ``request_success`` counts
-finished sequences (each of a request's ``n``) by finish reason.
+Per-step engine state (running / waiting requests, KV usage) and engine counters (tokens,
+preemptions, prefix-cache lookups) come from ``AsyncLLM.add_stat_observer`` with the step's
+``SchedulerStats``; per-request latencies (TTFT, inter-token, end-to-end) and finish reasons from
+the step's ``StepRecord``, which the output processor fills as outputs arrive.
+``request_success`` counts finished sequences (each of a request's ``n``) by finish reason.
 
-The gauges hold the engine's latest report: an engine that goes idle right after an abort sends
-no further report, so the server zeroes running/waiting itself when nothing is in flight.
+With several API server processes (``--api-server-count``) every process writes its values to
+files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode) and ``/metrics``
+in any of them renders the sum over all: frontend counters and histograms add up, the engine's
+gauges show the most recent report (``mostrecent``), and the engine sends each step's counters to
+one frontend only, so they too are counted once.
+
+Single process: the gauges hold the engine's latest report; an engine in a thread sends none when
+it goes idle, so the server zeroes running/waiting itself when nothing is in flight.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tidal.engine_core.protocol import SchedulerStats
-from tidal.frontend.outputs import RequestOutput
+from tidal.frontend.output_processor import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -33,26 +40,47 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-@dataclass(slots=True)
-class _Timing:
-    last_token_time: float | None = None
+def multiprocess_dir() -> str | None:
+    """The shared folder of multiprocess mode, if this process runs in it."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def observe_many(hist: Histogram, values: list[float]) -> None:
+    """``hist.observe(v)`` for every value, one increment per bucket touched instead of one
+    lock round per value (a step brings one inter-token latency per running request)."""
+    if len(values) < 4 or not hasattr(hist, "_buckets"):
+        for v in values:
+            hist.observe(v)
+        return
+    counts: dict[int, int] = {}
+    bounds = hist._upper_bounds
+    for v in values:
+        i = 0
+        while v > bounds[i]:  # the last bound is +Inf
+            i += 1
+        counts[i] = counts.get(i, 0) + 1
+    hist._sum.inc(sum(values))
+    for i, k in counts.items():
+        hist._buckets[i].inc(k)
 
 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.multiprocess = multiprocess_dir() is not None
         self.registry = CollectorRegistry()
-        self._timings: dict[str, _Timing] = {}
         labels = ["model_name"]
         r = self.registry
         m = self.model_name
+        # Engine state: one engine, whichever process reported it last.
+        mode = "mostrecent"
         self.running = Gauge("tidal:num_requests_running", "Sequences in the running batch.",
-                             labels, registry=r).labels(m)
+                             labels, registry=r, multiprocess_mode=mode).labels(m)
         self.waiting = Gauge("tidal:num_requests_waiting", "Sequences waiting to be scheduled.",
-                             labels, registry=r).labels(m)
+                             labels, registry=r, multiprocess_mode=mode).labels(m)
         self.kv_usage = Gauge("tidal:kv_cache_usage_perc",
                               "Fraction of KV cache blocks in use (1 = full).",
-                              labels, registry=r).labels(m)
+                              labels, registry=r, multiprocess_mode=mode).labels(m)
         self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens computed (prefill).",
                                      labels, registry=r).labels(m)
         self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.",
@@ -83,7 +111,7 @@ class ServerMetrics:
 
     # --- engine observer (called once per engine step; keep it cheap) -------------------------
 
-    def observe_step(self, stats: SchedulerStats | None, outputs: list[RequestOutput]) -> None:
+    def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:
         if stats is not None:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
@@ -98,50 +126,40 @@ class ServerMetrics:
                 self.prefix_queries.inc(stats.prefix_cache_queries)
             if stats.prefix_cache_hits:
                 self.prefix_hits.inc(stats.prefix_cache_hits)
-        for out in outputs:
-            if isinstance(out, RequestOutput):
-                self._observe_output(out)
-
-    def _observe_output(self, out: RequestOutput) -> None:
-        m = out.metrics
-        if m is None:
-            return
-        timing = self._timings.get(out.request_id)
-        if timing is None:
-            timing = self._timings[out.request_id] = _Timing()
-            if m.first_token_time is not None:
-                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
-        if m.last_token_time is not None:
-            if timing.last_token_time is not None and m.last_token_time > timing.last_token_time:
-                self.itl.observe(m.last_token_time - timing.last_token_time)
-            timing.last_token_time = m.last_token_time
-        for c in out.outputs:
-            if c.finish_reason is not None:
-                counter = self.success.get(c.finish_reason)
+        if record.time_to_first_tokens:
+            observe_many(self.ttft, record.time_to_first_tokens)
+        if record.inter_token_latencies:
+            observe_many(self.itl, record.inter_token_latencies)
+        for done in record.finished:
+            self.e2e.observe(done.e2e_latency)
+            for reason in done.finish_reasons:
+                counter = self.success.get(reason)
                 if counter is not None:
                     counter.inc()
-        if out.finished:
-            end = m.finished_time or m.last_token_time
-            if end is not None:
-                self.e2e.observe(max(0.0, end - m.arrival_time))
-            self._timings.pop(out.request_id, None)
 
     # --- server side ---------------------------------------------------------------------------
 
-    def request_gone(self, engine_ids: list[str], aborted_sequences: int) -> None:
+    def request_gone(self, aborted_sequences: int) -> None:
         """An API request is done; ``aborted_sequences`` of it never finished in the engine
         (client gone, drain timeout) and count as aborted."""
         if aborted_sequences:
             self.success["abort"].inc(aborted_sequences)
-        for rid in engine_ids:
-            self._timings.pop(rid, None)
 
     def engine_idle(self) -> None:
-        self.running.set(0)
-        self.waiting.set(0)
+        """Nothing is in flight here; with several processes others may be busy, and the
+        engine's own idle report sets the gauges."""
+        if not self.multiprocess:
+            self.running.set(0)
+            self.waiting.set(0)
 
     def error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -129,9 +129,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return await _whole(gen, choices, len(ids), model, request_id, echo, req.logprobs,
                             top_n)
     finally:
-        await gen.close()
+        gen.close()
         num_open = sum(1 for c in choices if c.finish_reason is None)
-        state.release(ticket, gen.engine_ids(), 0 if gen.failed else num_open)
+        state.release(ticket, 0 if gen.failed else num_open)
 
 
 def _apply(choices: list[_Choice], c: CompletionOutput, want_logprobs: bool,
@@ -157,9 +157,10 @@ async def _whole(gen: Generation, choices: list[_Choice], n_prompt: int, model: 
                  request_id: str, echo: str, want_logprobs: bool, top_n: int) -> web.Response:
     try:
         async with aclosing(gen.stream()) as stream:
-            async for _, out in stream:
-                for c in out.outputs:
-                    _apply(choices, c, want_logprobs, top_n)
+            async for batch in stream:
+                for _, out in batch:
+                    for c in out.outputs:
+                        _apply(choices, c, want_logprobs, top_n)
     except (asyncio.CancelledError, APIError):
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error envelope
@@ -190,21 +191,28 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
 
     try:
         await writer.start()
-        for c in choices:
-            await writer.send(chunk([ChatChunkChoice(c.index, ChatDelta(role=ROLE,
-                                                                         content=echo))]))
+        await writer.send_many([chunk([ChatChunkChoice(c.index, ChatDelta(role=ROLE,
+                                                                          content=echo))])
+                                for c in choices])
+        tail: list[bytes] = []  # what leaves with the end of the stream, in its one write
         async with aclosing(gen.stream()) as stream:
-            async for _, out in stream:
-                await _send_outputs(writer, chunk, choices, out, req.logprobs, top_n)
+            async for batch in stream:
+                payloads: list[bytes] = []
+                for _, out in batch:
+                    _chunks(payloads, chunk, choices, out, req.logprobs, top_n)
+                if all(c.finish_reason is not None for c in choices):
+                    tail = payloads  # the last news: the stream ends right after it
+                elif payloads:
+                    await writer.send_many(payloads)
         if gen.aborted:
             for c in choices:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
-                    await writer.send(chunk([ChatChunkChoice(c.index, ChatDelta(),
-                                                             finish_reason="abort")]))
+                    tail.append(chunk([ChatChunkChoice(c.index, ChatDelta(),
+                                                       finish_reason="abort")]))
         if req.stream_options is not None and req.stream_options.include_usage:
-            await writer.send(chunk([], _usage(choices, n_prompt, gen)))
-        return await writer.finish()
+            tail.append(chunk([], _usage(choices, n_prompt, gen)))
+        return await writer.finish(tail)
     except asyncio.CancelledError:
         raise
     except DISCONNECTS:
@@ -216,8 +224,9 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
         return await writer.fail(err)
 
 
-async def _send_outputs(writer: SSEWriter, chunk: Any, choices: list[_Choice],
-                        out: RequestOutput, want_logprobs: bool, top_n: int) -> None:
+def _chunks(payloads: list[bytes], chunk: Any, choices: list[_Choice], out: RequestOutput,
+            want_logprobs: bool, top_n: int) -> None:
+    """Fold ``out`` into the choices and append its SSE chunks (one per choice with news)."""
     for c in out.outputs:
         entries = _apply(choices, c, want_logprobs, top_n)
         if not c.text and not entries and c.finish_reason is None:
@@ -229,4 +238,4 @@ async def _send_outputs(writer: SSEWriter, chunk: Any, choices: list[_Choice],
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
-        await writer.send(chunk([item]))
+        payloads.append(chunk([item]))

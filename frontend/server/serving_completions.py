@@ -152,16 +152,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             return await _stream(request, state, req, gen, folded, model, request_id)
         return await _whole(state, gen, folded, model, request_id)
     finally:
-        await gen.close()
-        state.release(ticket, gen.engine_ids(), 0 if gen.failed else folded.num_open)
+        gen.close()
+        state.release(ticket, 0 if gen.failed else folded.num_open)
 
 
 async def _whole(state: ServerState, gen: Generation, folded: _Completion, model: str,
                  request_id: str) -> web.Response:
     try:
         async with aclosing(gen.stream()) as stream:
-            async for index, out in stream:
-                folded.apply(index, out)
+            async for batch in stream:
+                for index, out in batch:
+                    folded.apply(index, out)
     except (asyncio.CancelledError, APIError):
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error envelope
@@ -190,18 +191,24 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
 
     try:
         await writer.start()
+        tail: list[bytes] = []  # what leaves with the end of the stream, in its one write
         async with aclosing(gen.stream()) as stream:
-            async for index, out in stream:
-                for choice in folded.apply(index, out):
-                    has_tokens = choice.logprobs is not None and choice.logprobs.tokens
-                    if choice.text or has_tokens or choice.finish_reason is not None:
-                        await writer.send(chunk([choice]))
+            async for batch in stream:
+                payloads = []
+                for index, out in batch:
+                    for choice in folded.apply(index, out):
+                        has_tokens = choice.logprobs is not None and choice.logprobs.tokens
+                        if choice.text or has_tokens or choice.finish_reason is not None:
+                            payloads.append(chunk([choice]))
+                if folded.num_open == 0:
+                    tail = payloads  # the last news: the stream ends right after it
+                elif payloads:
+                    await writer.send_many(payloads)
         if gen.aborted:
-            for choice in folded.abort_open():
-                await writer.send(chunk([choice]))
+            tail.extend(chunk([choice]) for choice in folded.abort_open())
         if req.stream_options is not None and req.stream_options.include_usage:
-            await writer.send(chunk([], folded.usage(gen.num_cached_tokens)))
-        return await writer.finish()
+            tail.append(chunk([], folded.usage(gen.num_cached_tokens)))
+        return await writer.finish(tail)
     except asyncio.CancelledError:
         raise
     except DISCONNECTS:

@@ -4,6 +4,8 @@ envelope, followed by ``[DONE]``, since the status line has already gone out."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aiohttp import web
 
 from tidal.frontend.server.errors import APIError
@@ -34,24 +36,31 @@ class SSEWriter:
             self.started = True
 
     async def send(self, payload: bytes) -> None:
-        await self.start()
-        await self.response.write(b"data: " + payload + b"\n\n")
+        await self.send_many([payload])
 
-    async def send_error(self, err: APIError) -> None:
-        await self.send(err.body())
+    async def send_many(self, payloads: Sequence[bytes]) -> None:
+        """Several events in one write (one system call for what one read of the engine's
+        outputs produced)."""
+        await self.start()
+        await self.response.write(_events(payloads))
 
     async def fail(self, err: APIError) -> web.StreamResponse:
         """End the stream with ``err`` as its last chunk (unless the client is already gone)."""
         try:
-            await self.send_error(err)
-            return await self.finish()
+            return await self.finish([err.body()])
         except DISCONNECTS:
             return self.response
 
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self, payloads: Sequence[bytes] = ()) -> web.StreamResponse:
+        """End the stream: the last events, ``[DONE]`` and the end of the body in one write."""
         await self.start()
         if not self.finished:
             self.finished = True
-            await self.response.write(_DONE)
-            await self.response.write_eof()
+            await self.response.write_eof(_events(payloads) + _DONE if payloads else _DONE)
         return self.response
+
+
+def _events(payloads: Sequence[bytes]) -> bytes:
+    if len(payloads) == 1:
+        return b"data: " + payloads[0] + b"\n\n"
+    return b"".join(b"data: " + p + b"\n\n" for p in payloads)

@@ -27,6 +27,7 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None  # overrides the model's own
     access_log: bool = False
+    stream_interval: int = 1  # tokens between stream chunks (the first and last always go)
 
 
 @dataclass(slots=True)
@@ -48,11 +49,11 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
-    def release(self, ticket: Ticket, engine_ids: list[str], num_aborted: int) -> None:
+    def release(self, ticket: Ticket, num_aborted: int) -> None:
         """A request's handler is done: free its admission slot, and count the sequences it
         left unfinished (client gone, drain timeout) as aborted."""
         self.admission.release(ticket)
-        self.metrics.request_gone(engine_ids, num_aborted)
+        self.metrics.request_gone(num_aborted)
         if self.admission.num_in_flight == 0:
             self.metrics.engine_idle()
 

@@ -58,7 +58,7 @@ def _collect(client: MPSyncClient, n_finishes: int) -> dict[str, list]:
     out: dict[str, list] = {}
     done = 0
     while done < n_finishes:
-        for o in client.step().outputs:
+        for o in client.step().unpack():
             entry = out.setdefault(o.request_id, [[], []])
             entry[0].extend(o.new_token_ids)
             if o.finish_reason is not None:
@@ -119,15 +119,20 @@ def test_bad_input_fails_alone_and_the_engine_keeps_serving(engine):
     # Garbage, and a frame with no payload at all: logged and dropped.
     conn.router.send_multipart([conn.engine_identity, b"\xc1\xc1 not msgpack"])
     conn.router.send_multipart([conn.engine_identity, b""])
-    # Parameters the SamplingParams constructor would refuse, sent raw: undecodable, but the id
-    # is readable, so that request fails instead of hanging.
-    raw = msgspec.msgpack.encode(["add", ["bad-params", [1, 2, 3], {"n": 0}]])
+    # Parameters the SamplingParams constructor would refuse, sent raw in a batch with a valid
+    # request: undecodable as a whole, but the bad request's id is readable, so it fails
+    # instead of hanging, and its batch-mate runs.
+    raw = msgspec.msgpack.encode(["add", [
+        ["bad-params", [1, 2, 3], {"n": 0}],
+        ["batch-mate", [7, 8], {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}]]])
     conn.router.send_multipart([conn.engine_identity, raw])
     # Past the frontend's validation: an out-of-vocabulary logit bias, and a duplicate id.
     engine.add_request(EngineCoreRequest("bad-bias", [1, 2, 3],
                                          _greedy(4, logit_bias={10**6: 1.0})))
     engine.add_request(EngineCoreRequest("good-0", [9, 9], _greedy(4)))
-    results = _collect(engine, len(good) + 3)
+    results = _collect(engine, len(good) + 4)
+    assert results["batch-mate"] == [results["batch-mate"][0], [(FinishReason.LENGTH, None)]]
+    assert len(results["batch-mate"][0]) == 3
 
     assert results["bad-params"][1] == [(FinishReason.ERROR, results["bad-params"][1][0][1])]
     assert "malformed request" in results["bad-params"][1][0][1]
@@ -257,3 +262,29 @@ def test_startup_crash_without_a_word_raises_promptly(noop_model):
     conn = EngineConnection.spawn(_noop_config(noop_model), target=_engine_that_crashes_on_start)
     with pytest.raises(EngineStartupError, match="exited with code 3 during start-up"):
         conn.wait_ready(timeout_s=120)
+
+
+def test_step_counters_reach_one_frontend_and_none_is_lost():
+    """Frontends that add up their counters (the API servers of one server) must count each
+    step once: the counters go to one frontend, the others get the gauges; a step without
+    outputs keeps its counters for the next one."""
+    from tidal.engine_core.core_proc import EngineCoreProc
+    from tidal.engine_core.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+    proc = EngineCoreProc(core=None, ctx=None, handshake=None)  # only publishing is used here
+    proc._owners = {"c0:a": (0, "a"), "c1:b": (1, "b")}
+    prefill = SchedulerStats(2, 0, 0.1, num_prompt_tokens=64)
+    proc._publish(EngineCoreOutputs([], 1.0, prefill))  # a prefill chunk: nothing to send
+    assert proc._outputs.empty()
+    decode = SchedulerStats(2, 0, 0.2, num_prompt_tokens=8, num_generation_tokens=2)
+    proc._publish(EngineCoreOutputs([EngineCoreOutput("c0:a", [5]),
+                                     EngineCoreOutput("c1:b", [6])], 2.0, decode))
+    sent = {}
+    while not proc._outputs.empty():
+        client, msg = proc._outputs.get()
+        sent[client] = msg.outputs
+    assert sent[0].req_ids == ["a"] and sent[1].req_ids == ["b"]
+    stats = [sent[c].scheduler_stats for c in (0, 1)]
+    assert sum(s.num_prompt_tokens for s in stats) == 72
+    assert sum(s.num_generation_tokens for s in stats) == 2
+    assert all((s.num_running, s.kv_cache_usage) == (2, 0.2) for s in stats)

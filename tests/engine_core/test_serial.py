@@ -22,7 +22,7 @@ from tidal.engine_core.control import (
 )
 from tidal.engine_core.protocol import (
     AbortRequests,
-    AddRequest,
+    AddRequests,
     CachedRequestData,
     ControlRequest,
     ControlResponse,
@@ -43,6 +43,7 @@ from tidal.engine_core.protocol import (
     LogprobsArrays,
     ModelRunnerOutput,
     NewRequestData,
+    OutputBatch,
     Ready,
     SchedulerOutput,
     SchedulerStats,
@@ -129,13 +130,14 @@ def config(tmp_path_factory) -> EngineConfig:
     (ModelRunnerOutput(["a", "b"], [[1], [2, 3]], _logprobs(3, 2),
                        {"a": (1, _logprobs(40, 2))}, {"c": "sampling failed"},
                        {"d": np.arange(1024, dtype=np.float32)}), ModelRunnerOutput),
-    (AddRequest(REQUEST), FrontendMessage),
+    (AddRequests([REQUEST, EngineCoreRequest("req-2", [4], PARAMS)]), FrontendMessage),
     (AbortRequests(["a", "b"]), FrontendMessage),
     (ControlRequest(4, GetKVStats()), FrontendMessage),
     (ControlRequest(5, ResetPrefixCache()), FrontendMessage),
     (ControlRequest(6, Ping()), FrontendMessage),
     (Goodbye(), FrontendMessage),
-    (CoreOutputs(EngineCoreOutputs([OUTPUT])), EngineMessage),
+    (CoreOutputs(OutputBatch.pack([OUTPUT, EngineCoreOutput("r3", [9])], 2.0,
+                                  SchedulerStats(1, 2, 0.5))), EngineMessage),
     (ControlResponse(4, KVStats(64, 60, 1, 2)), EngineMessage),
     (ControlResponse(5, True), EngineMessage),
     (ControlResponse(6, Pong(123, 4)), EngineMessage),
@@ -195,11 +197,11 @@ def test_zmq_frames_decode_without_copy():
     b.connect("inproc://serial-test")
     try:
         lp = _logprobs(500, 5)
-        a.send_multipart(Encoder().encode(CoreOutputs(EngineCoreOutputs([EngineCoreOutput(
+        a.send_multipart(Encoder().encode(CoreOutputs(OutputBatch.pack([EngineCoreOutput(
             "r", [1], new_logprobs=lp)]))), copy=False)
         frames = b.recv_multipart(copy=False)
         assert len(frames) == 4  # message + three arrays
-        out = Decoder(EngineMessage).decode(frames).outputs.outputs[0].new_logprobs
+        out = Decoder(EngineMessage).decode(frames).outputs.details[0].new_logprobs
         _assert_equal(lp, out)
         # A view of the received zmq message, not a copy.
         assert np.shares_memory(out.logprobs, np.frombuffer(frames[2].buffer, np.uint8))
@@ -244,7 +246,7 @@ def test_numpy_scalars_become_numbers_and_objects_are_refused():
 
 def _bad_frames() -> list[tuple[str, list[bytes]]]:
     enc = msgspec.msgpack.encode
-    good = Encoder().encode(CoreOutputs(EngineCoreOutputs([EngineCoreOutput(
+    good = Encoder().encode(CoreOutputs(OutputBatch.pack([EngineCoreOutput(
         "r", pooled=np.ones(256, np.float32))])))
     header = msgspec.msgpack.Ext(2, enc(["<f4", [4], 5]))
     return [
@@ -255,12 +257,15 @@ def _bad_frames() -> list[tuple[str, list[bytes]]]:
         ("wrong field type", [enc(["abort", "not-a-list"])]),
         ("missing array frame", [bytes(good[0])]),
         ("short array frame", [bytes(good[0]), b"\x00" * 10]),
-        ("frame index out of range", [enc(["out", [[["r", [], None, None, 0, None, None, 0,
-                                                     None, header]]]])]),
-        ("object dtype", [enc(["out", [[["r", [], None, None, 0, None, None, 0, None,
-                                         msgspec.msgpack.Ext(1, enc(["|O", [1], b"x" * 8]))]]]])]),
-        ("unknown extension", [enc(["out", [[["r", [], None, None, 0, None, None, 0, None,
-                                              msgspec.msgpack.Ext(9, b"")]]]])]),
+        ("frame index out of range", [enc(["out", [[], None, None, [
+            ["r", [], None, None, 0, None, None, 0, None, header]]]])]),
+        ("object dtype", [enc(["out", [[], None, None, [
+            ["r", [], None, None, 0, None, None, 0, None,
+             msgspec.msgpack.Ext(1, enc(["|O", [1], b"x" * 8]))]]]])]),
+        ("unknown extension", [enc(["out", [[], None, None, [
+            ["r", [], None, None, 0, None, None, 0, None, msgspec.msgpack.Ext(9, b"")]]]])]),
+        ("request ids not a list", [enc(["out", [
+            "not-a-list"]])]),
     ]
 
 
@@ -273,6 +278,6 @@ def test_bad_messages_raise_a_typed_error(frames):
 
 def test_invalid_sampling_params_fail_to_decode():
     """A peer cannot smuggle in parameters the constructor would refuse."""
-    raw = msgspec.msgpack.encode(["add", ["r1", [1, 2], {"n": 0}]])
+    raw = msgspec.msgpack.encode(["add", [["r1", [1, 2], {"n": 0}]]])
     with pytest.raises(SerialDecodeError, match="n must be in"):
         Decoder(FrontendMessage).decode([raw])

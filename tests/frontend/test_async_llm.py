@@ -49,8 +49,8 @@ async def _collect(llm: AsyncLLM, prompt, params: SamplingParams, rid: str):
 
 def test_100_concurrent_requests_with_10_cancelled(tiny_llm):
     """90 requests produce exactly what they produce alone while 10 others are cancelled
-    mid-stream (5 by cancelling the consuming task, 5 with ``abort``); afterwards every KV
-    block is free."""
+    mid-stream (5 by cancelling the consuming task, 5 with ``abort``, whose streams end with a
+    last output of finish reason ``abort``); afterwards every KV block is free."""
     llm = tiny_llm
     rng = random.Random(0)
     vocab = llm.config.model.vocab_size
@@ -70,10 +70,13 @@ def test_100_concurrent_requests_with_10_cancelled(tiny_llm):
     async def main():
         started = {i: asyncio.Event() for i in doomed}
 
+        finish: dict[int, str | None] = {}
+
         async def consume(i: int) -> list[int]:
             tokens: list[int] = []
             async for out in llm.generate(prompts[i], params(i), f"req-{i}"):
                 tokens.extend(out.outputs[0].token_ids)
+                finish[i] = out.outputs[0].finish_reason
                 if i in started and len(tokens) >= 2:
                     started[i].set()
             return tokens
@@ -87,8 +90,12 @@ def test_100_concurrent_requests_with_10_cancelled(tiny_llm):
                 await llm.abort(f"req-{i}")
         results = await asyncio.gather(*tasks.values(), return_exceptions=True)
         together = dict(zip(tasks, results))
-        for i in doomed:
-            assert isinstance(together[i], asyncio.CancelledError), together[i]
+        for n, i in enumerate(sorted(doomed)):
+            if n % 2:
+                assert isinstance(together[i], asyncio.CancelledError), together[i]
+            else:  # aborted: the stream ended by itself, on an abort
+                assert isinstance(together[i], list) and 2 <= len(together[i]) < 400
+                assert finish[i] == "abort"
         alone = {}
         for i in range(100):
             if i not in doomed:
@@ -123,10 +130,14 @@ def test_output_kinds_agree_and_n_fans_in(tiny_llm):
 
     delta, cumulative, final, fan, fan_delta, pong = asyncio.run(main())
     streamed = [t for o in delta for t in o.outputs[0].token_ids]
-    assert len(delta) == 10 and all(len(o.outputs[0].token_ids) == 1 for o in delta)
+    # One output per step, or several steps' tokens in one when the consumer fell behind.
+    assert 1 <= len(delta) <= 10 and all(o.outputs[0].token_ids for o in delta)
     assert len(final) == 1 and final[0].finished
     assert streamed == cumulative[-1].outputs[0].token_ids == final[0].outputs[0].token_ids
-    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 11))
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 10
+    assert all(later.outputs[0].token_ids[:len(o.outputs[0].token_ids)] == o.outputs[0].token_ids
+               for o, later in zip(cumulative, cumulative[1:]))
     # n=3: one result holding three samples; sample 0 is the n=1 request's (same seed).
     (result,) = fan
     assert result.request_id == "n3" and [c.index for c in result.outputs] == [0, 1, 2]
@@ -139,6 +150,25 @@ def test_output_kinds_agree_and_n_fans_in(tiny_llm):
             by_index[c.index].extend(c.token_ids)
     assert [by_index[i] for i in range(3)] == [c.token_ids for c in result.outputs]
     assert isinstance(pong, Pong) and pong.num_unfinished == 0
+
+
+def test_stream_interval_gathers_tokens(tiny_models):
+    """``stream_interval=3``: the first token at once, then outputs of at least three tokens
+    (more if the consumer fell behind), the rest with the finish; nothing lost."""
+    folder, _ = tiny_models["qwen3"]
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(folder), num_kv_blocks=256, max_num_seqs=8, cpu_threads=1),
+        mode="thread", skip_tokenizer_init=True, stream_interval=3)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                output_kind=OutputKind.DELTA)
+        outs = asyncio.run(_collect(llm, [5, 6, 7], params, "r"))
+    finally:
+        llm.shutdown()
+    sizes = [len(o.outputs[0].token_ids) for o in outs]
+    assert sum(sizes) == 10 and len(sizes) <= 4, sizes
+    assert all(n >= 3 for n in sizes[1:-1]), sizes
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
 
 
 def test_async_llm_survives_successive_event_loops(tiny_llm):

@@ -20,9 +20,10 @@ from tidal.engine_core.config import (
     SchedulerConfig,
 )
 from tidal.engine_core.model_arch import ArchSpec
-from tidal.frontend.async_llm import EngineDeadError, RequestFailedError
+from tidal.frontend.async_llm import EngineDeadError
+from tidal.frontend.output_processor import OutputCollector
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
-from tidal.frontend.server.admission import Admission
+from tidal.frontend.server.admission import Admission, AdmissionBoard
 from tidal.frontend.server.app import _drain, build_app, create_state
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.state import ServerSettings
@@ -56,6 +57,16 @@ class FakeTokenizer:
         return 128
 
 
+class _Ready:
+    """A scripted output, handed over the way the output processor hands a request state."""
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.out = out
+
+    def take_output(self) -> RequestOutput:
+        return self.out
+
+
 class FakeEngine:
     """Scripted by the prompt: "fail" fails after one output, "hang" never finishes, anything
     else yields three one-character outputs."""
@@ -67,6 +78,7 @@ class FakeEngine:
         self.is_dead = False
         self.dead_error: BaseException | None = None
         self._tok = FakeTokenizer()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def get_tokenizer(self) -> Any:
         return self._tok
@@ -86,23 +98,34 @@ class FakeEngine:
                                   chat_template: str | None = None) -> list[int]:
         return self._tok.encode(" ".join(m["content"] for m in messages))
 
-    async def generate(self, ids: list[int], params: Any, request_id: str, **kw: Any):
+    async def add_request(self, request_id: str, ids: list[int], params: Any, *,
+                          collector: OutputCollector, **kw: Any) -> OutputCollector:
+        self._tasks[request_id] = asyncio.create_task(self._script(request_id, ids, collector))
+        return collector
+
+    async def _script(self, request_id: str, ids: list[int], collector: OutputCollector) -> None:
         text = self._tok.decode(ids)
-        try:
-            for i in range(3):
-                self.started.set()
-                if "hang" in text and i == 1:
-                    await asyncio.sleep(3600)
-                if "fail" in text and i == 1:
-                    raise RequestFailedError("sampling failed in /work/main/worker/sampler.py")
-                done = i == 2
-                yield RequestOutput(request_id, None, ids, [CompletionOutput(
-                    index=0, text="x", token_ids=[5], finish_reason="length" if done else None)],
-                    finished=done)
-                await asyncio.sleep(0)
-        except asyncio.CancelledError:
-            self.cancelled.append(request_id)
-            raise
+        for i in range(3):
+            self.started.set()
+            if "hang" in text and i == 1:
+                await asyncio.sleep(3600)
+            if "fail" in text and i == 1:
+                out = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error",
+                                       error="sampling failed in /work/main/worker/sampler.py")
+                collector.notify(_Ready(RequestOutput(request_id, None, ids, [out], True)))
+                return
+            done = i == 2
+            collector.notify(_Ready(RequestOutput(request_id, None, ids, [CompletionOutput(
+                index=0, text="x", token_ids=[5], finish_reason="length" if done else None)],
+                finished=done)))
+            await asyncio.sleep(0)
+
+    def abort_quietly(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            task = self._tasks.pop(rid, None)
+            if task is not None and not task.done():
+                task.cancel()
+                self.cancelled.append(rid)
 
     def shutdown(self) -> None:
         pass
@@ -251,3 +274,27 @@ def test_waiting_estimate_and_429():
         adm.release(t)
     assert adm.num_in_flight == 0 and adm.waiting_estimate() == 0
     adm.admit(5)  # a lone request is never refused
+
+
+def test_the_queue_bound_holds_across_api_server_processes():
+    """Two API servers (two Admissions on one shared board) refuse as one server would: each
+    counts what the other has admitted."""
+    import multiprocessing
+
+    memory = AdmissionBoard.allocate(2, multiprocessing.get_context("spawn"))
+    a = Admission(max_num_seqs=1, max_queued=1, board=AdmissionBoard.attach(memory, 0))
+    b = Admission(max_num_seqs=1, max_queued=1, board=AdmissionBoard.attach(memory, 1))
+    first = a.admit(1)  # runs
+    second = b.admit(1)  # waits (one slot): the queue holds one
+    assert a.waiting_estimate() == b.waiting_estimate() == 1
+    with pytest.raises(APIError) as err:
+        a.admit(1)
+    assert err.value.status == 429
+    b.engine_waiting = 5  # the engine's report, seen by both
+    assert a.waiting_estimate() == 5
+    b.engine_waiting = 0
+    a.release(first)
+    b.started(second, 1)
+    assert b.waiting_estimate() == 0
+    b.release(second)
+    assert AdmissionBoard.attach(memory, 0).totals() == (0, 0)

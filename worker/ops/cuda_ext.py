@@ -2,9 +2,10 @@
 
 The extension is compiled just in time with ``torch.utils.cpp_extension.load`` for the compute
 capability of the current device (``-gencode arch=compute_XY,code=sm_XY``, so sm_90 on Hopper)
-into ``$XDG_CACHE_HOME/tidal/cuda_ext/<name>`` (default ``~/.cache/tidal/...``), where ``<name>``
-carries the arch and a hash of the sources, flags and torch/CUDA versions: a rebuilt source or a
-new torch gets a fresh build, an unchanged one loads in well under a second.
+into ``<tidal cache>/cuda_ext/<name>`` (``kernel_cache.extension_cache_root``: tidal's cache
+folder, ``$TIDAL_CACHE_DIR`` or ``~/.cache/tidal``, unless ``TORCH_EXTENSIONS_DIR`` is set), where
+``<name>`` carries the arch and a hash of the sources, flags and torch/CUDA versions: a rebuilt
+source or a new torch gets a fresh build, an unchanged one loads in well under a second.
 
 Any failure (no GPU, no nvcc, no ninja, a compile error) is logged as ONE warning per process and
 reported as "unavailable"; callers then use the Triton or torch kernels. Nothing is built at
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -44,8 +44,9 @@ def source_dir() -> Path:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(base).expanduser() / "tidal" / "cuda_ext"
+    from tidal.worker.ops.kernel_cache import extension_cache_root
+
+    return extension_cache_root()[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class BuildResult:
     seconds: float
     build_dir: str | None
     arch: str | None
+    cached: bool = False  # the build was already in the cache (a warm start)
 
 
 def _cuda_flags(arch: str) -> list[str]:
@@ -81,6 +83,7 @@ def _build() -> BuildResult:
     start = time.perf_counter()
     arch: str | None = None
     build_dir: str | None = None
+    cached = False
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
@@ -94,6 +97,7 @@ def _build() -> BuildResult:
         flags = _cuda_flags(arch)
         name = f"tidal_C_sm{arch}_{_digest(src, arch, flags)}"
         path = cache_root() / name
+        cached = (path / f"{name}.so").exists()
         path.mkdir(parents=True, exist_ok=True)
         build_dir = str(path)
         module = cpp_extension.load(
@@ -114,8 +118,9 @@ def _build() -> BuildResult:
         )
         return BuildResult(None, f"{type(exc).__name__}: {exc}", seconds, build_dir, arch)
     seconds = time.perf_counter() - start
-    logger.info("tidal CUDA kernels ready for sm_%s in %.1f s (%s)", arch, seconds, build_dir)
-    return BuildResult(module, None, seconds, build_dir, arch)
+    logger.info("tidal CUDA kernels ready for sm_%s in %.1f s (%s, %s)", arch, seconds,
+                "loaded from the cache" if cached else "built: the cache was cold", build_dir)
+    return BuildResult(module, None, seconds, build_dir, arch, cached)
 
 
 class _ExtensionLoader:

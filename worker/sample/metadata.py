@@ -127,11 +127,14 @@ class SamplingMetadataBuilder:
         n_tok = b.num_tokens[rows]
         n_prompt = b.num_prompt_tokens[rows]
         width = int(n_tok.max())
-        # Rare and large ([B, longest sequence]): a plain copy rather than the staging.
+        # Rare and large ([B, longest sequence]): a plain copy rather than the staging. The
+        # lengths too: the counts below are computed now, and a staged array reaches the device
+        # only when the step's inputs are flushed, after this (the kernels would read the
+        # previous step's values: out-of-range indices, a device-side assert).
         toks = torch.from_numpy(b.token_ids[rows, :width].astype(np.int64)).to(dev)
         pos = torch.arange(width, device=dev).unsqueeze(0)
-        n_prompt_t = stage(n_prompt.astype(np.int64), torch.int64).unsqueeze(1)
-        n_tok_t = stage(n_tok.astype(np.int64), torch.int64).unsqueeze(1)
+        n_prompt_t = torch.from_numpy(n_prompt.astype(np.int64)).to(dev).unsqueeze(1)
+        n_tok_t = torch.from_numpy(n_tok.astype(np.int64)).to(dev).unsqueeze(1)
         is_out = (pos >= n_prompt_t) & (pos < n_tok_t)
         out_idx = torch.where(is_out, toks, vocab)
         counts = torch.zeros(len(rows), vocab + 1, device=dev)

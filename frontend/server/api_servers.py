@@ -1,0 +1,287 @@
+"""Several API server processes over one EngineCore: ``tidal serve --api-server-count N``.
+
+One asyncio process tops out at a few tens of thousands of streamed tokens per second (HTTP
+parsing, detokenization, SSE writes are Python), well below what one GPU produces. So the work
+of the frontend is spread over processes, the way vLLM does it:
+
+    tidal serve (this module: the supervisor)
+     ├─ EngineCore process (spawned, or the ``--engine-address`` one)
+     └─ API server 0 .. N-1: each an ``AsyncLLM`` connected to the engine as one of its frontends
+        (own tokenizer, own detokenization) plus the aiohttp app, all listening on the same
+        host:port with SO_REUSEPORT, so the kernel spreads incoming connections over them.
+
+Acting as one server:
+* ``/metrics``: prometheus_client's multiprocess mode over a folder of this server's own (see
+  ``metrics``); any process renders the sum, the engine's figures counted once.
+* ``--max-queued-requests``: the admission counts of all processes live on one shared
+  ``AdmissionBoard``, so the limit holds for the server, not per process.
+* ``/health``, ``--api-key``: the same settings in every process.
+* SIGTERM / SIGINT go to the supervisor, which passes each on as SIGUSR1: every API server
+  drains (503 to new requests, in-flight ones finish, up to ``--shutdown-timeout``) and exits;
+  then the engine is stopped; exit code 0. A second signal aborts what still runs. API servers
+  ignore SIGTERM and SIGINT themselves, so a signal sent to the whole process group (Ctrl-C,
+  ``timeout``, systemd) reaches them once, through here, not twice (which would abort).
+* An API server or the engine that exits on its own (a crash, ``kill -9``) ends the whole
+  server: the others are stopped the same way and the exit code is 1. A dead API server is not
+  replaced: the streams it carried are lost either way, and a half-sized server that keeps
+  answering hides the failure from whatever supervises it (systemd, Kubernetes), which can
+  restart the whole server cleanly. No process outlives the supervisor: each child watches it
+  and shuts down if it dies.
+
+Every API server warms its own path with one tiny request before it listens, so the first
+request a client sends runs no first-time code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+
+from tidal.engine_core.config import EngineArgs, EngineConfig
+from tidal.frontend.server.state import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_API_SERVERS = 8
+# How long an API server may take to connect, warm up and listen, the engine's start-up not
+# counted (the supervisor watches the engine meanwhile).
+_API_SERVER_START_S = 300.0
+_ENGINE_STOP_S = 30.0
+_POLL_S = 0.2
+
+
+def default_api_server_count(world_size: int = 1, cpus: int | None = None) -> int:
+    """Two cores per API server once the EngineCore (its busy loop and socket threads: about
+    two cores) and one core per GPU worker are served; at least one, at most
+    ``MAX_DEFAULT_API_SERVERS``."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    return max(1, min(MAX_DEFAULT_API_SERVERS, (cpus - 2 - world_size) // 2))
+
+
+# What an API server drains on (a second one aborts what still runs). Not SIGTERM: API servers
+# ignore the signals a process group receives as a whole, and take orders from here only.
+_DRAIN = signal.SIGUSR1
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    proc: BaseProcess
+    ready: Any  # multiprocessing.Event
+
+
+def _stop(child: _Child) -> None:
+    """Make an API server drain; one still starting holds no request and is just ended (it
+    handles the drain signal only once it listens, which is when it sets ``ready``)."""
+    if not child.proc.is_alive() or child.proc.pid is None:
+        return
+    if not child.ready.is_set():
+        child.proc.kill()
+        return
+    try:
+        os.kill(child.proc.pid, _DRAIN)
+    except ProcessLookupError:
+        pass
+
+
+def reserve_port(settings: ServerSettings) -> socket.socket:
+    """Check that host:port is free (an exclusive bind), then hold it with a SO_REUSEPORT bind
+    that does not listen, so the API servers can bind it too. Port 0 picks a free port; the
+    settings are updated with the one picked."""
+    from tidal.frontend.server.app import ServerStartError, bind_socket
+
+    probe = bind_socket(settings)  # raises ServerStartError if busy
+    port = probe.getsockname()[1]
+    probe.close()
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((settings.host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServerStartError(f"cannot listen on {settings.host}:{port}: "
+                               f"{exc.strerror or exc}") from None
+    settings.port = port
+    return sock
+
+
+def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
+        engine_address: str | None = None) -> int:
+    """Serve with ``count`` API server processes until a stop signal (returns 0 once everything
+    drained) or a child's death (returns 1). Raises ``ServerStartError`` if the port is busy,
+    ``ConfigError``/``ValueError`` for a bad configuration."""
+    from tidal.frontend.mp_client import start_engine_process, stop_process
+    from tidal.frontend.server.admission import AdmissionBoard
+
+    config = engine_args.create_config() if engine_address is None else None
+    held = reserve_port(settings)
+    ctx = multiprocessing.get_context("spawn")
+    metrics_dir = tempfile.mkdtemp(prefix="tidal-metrics-")
+    # Read by prometheus_client when the API servers import it (they inherit the environment).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    board = AdmissionBoard.allocate(count, ctx)
+    stopping: list[int] = []
+    engine: BaseProcess | None = None
+    engine_tmp: str | None = None
+    servers: list[_Child] = []
+    original = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+
+    for sig in original:
+        signal.signal(sig, on_signal)
+    try:
+        if config is not None:
+            engine, engine_address, engine_tmp = start_engine_process(config)
+        assert engine_address is not None
+        config_bytes = None if config is None else msgspec.msgpack.encode(config)
+        for i in range(count):
+            ready = ctx.Event()
+            proc = ctx.Process(target=run_api_server, name=f"APIServer-{i}", daemon=False,
+                               args=(i, count, settings, engine_address, config_bytes,
+                                     engine_args.tokenizer, board, ready))
+            proc.start()
+            servers.append(_Child(proc.name, proc, ready))
+        code = _supervise(servers, engine, stopping, settings)
+    finally:
+        for child in servers:
+            _stop(child)
+        deadline = time.monotonic() + settings.shutdown_timeout + 10.0
+        for child in servers:
+            child.proc.join(max(0.0, deadline - time.monotonic()))
+            if child.proc.is_alive():
+                logger.warning("%s (pid %s) did not stop in time; killing it", child.name,
+                               child.proc.pid)
+                child.proc.kill()
+                child.proc.join()
+        if engine is not None:
+            stop_process(engine, _ENGINE_STOP_S)
+        held.close()
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if engine_tmp is not None:
+            shutil.rmtree(engine_tmp, ignore_errors=True)
+    # (One that never listened was ended on purpose, or its death already set the code.)
+    if any(c.proc.exitcode not in (0, None) for c in servers if c.ready.is_set()):
+        code = 1
+    logger.info("server stopped (exit code %d)", code)
+    return code
+
+
+def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list[int],
+               settings: ServerSettings) -> int:
+    """Wait for the API servers to listen, then for a signal or a death; returns the exit code
+    (after passing a signal on, once every API server has drained and exited)."""
+    start = time.monotonic()
+    pending = {c.name for c in servers}
+    forwarded = 0
+    while True:
+        if len(stopping) > forwarded:
+            # Pass each signal on once: the first drains, a second aborts what still runs.
+            for child in servers:
+                _stop(child)
+            if forwarded == 0:
+                logger.info("%s received: draining %d API server(s) (up to %.0f s)",
+                            signal.Signals(stopping[0]).name, len(servers),
+                            settings.shutdown_timeout)
+            forwarded = len(stopping)
+        if forwarded:
+            if not any(c.proc.is_alive() for c in servers):
+                return 0
+        else:
+            if engine is not None and not engine.is_alive():
+                logger.error("the EngineCore (pid %s) exited with code %s; stopping the server",
+                             engine.pid, engine.exitcode)
+                return 1
+            dead = next((c for c in servers if not c.proc.is_alive()), None)
+            if dead is not None:
+                logger.error("%s (pid %s) exited with code %s; stopping the whole server "
+                             "(API servers are not replaced)", dead.name, dead.proc.pid,
+                             dead.proc.exitcode)
+                return 1
+            for child in servers:
+                if child.name in pending and child.ready.is_set():
+                    pending.discard(child.name)
+                    if not pending:
+                        logger.info("serving on http://%s:%d with %d API server processes "
+                                    "(pids %s)", settings.host, settings.port, len(servers),
+                                    ", ".join(str(c.proc.pid) for c in servers))
+            if pending and engine is None and time.monotonic() - start > _API_SERVER_START_S:
+                logger.error("API server(s) %s did not start in %.0f s", sorted(pending),
+                             _API_SERVER_START_S)
+                return 1
+        sentinels = [c.proc.sentinel for c in servers if c.proc.is_alive()]
+        if engine is not None and engine.is_alive():
+            sentinels.append(engine.sentinel)
+        multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
+
+
+# --- one API server process -----------------------------------------------------------------------
+
+
+def run_api_server(index: int, count: int, settings: ServerSettings, engine_address: str,
+                   config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
+                   ready: Any) -> None:
+    """Entry point of API server ``index`` (a ``multiprocessing`` target)."""
+    from tidal.engine_core.core_proc import setup_logging, watch_parent
+
+    setup_logging(f"APIServer-{index}")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the supervisor passes them on as _DRAIN
+        signal.signal(sig, signal.SIG_IGN)
+    watch_parent(_DRAIN)
+    import uvloop
+
+    sys.exit(uvloop.run(_serve_one(index, count, settings, engine_address, config_bytes,
+                                   tokenizer, board_memory, ready)))
+
+
+async def _serve_one(index: int, count: int, settings: ServerSettings, engine_address: str,
+                     config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
+                     ready: Any) -> int:
+    from tidal.frontend.async_llm import AsyncLLM
+    from tidal.frontend.mp_client import EngineConnection, EngineStartupError, MPAsyncClient
+    from tidal.frontend.server.admission import AdmissionBoard
+    from tidal.frontend.server.app import serve
+    from tidal.frontend.tokenizer import load_tokenizer
+
+    try:
+        if config_bytes is None:  # a standalone engine-core: its config comes with READY
+            engine = AsyncLLM.from_address(engine_address, tokenizer=tokenizer,
+                                           stream_interval=settings.stream_interval)
+        else:
+            # HELLO goes out now; the tokenizer loads while the engine starts (the supervisor
+            # ends this process if the engine dies, so no deadline of its own here).
+            conn = EngineConnection.connect(engine_address)
+            try:
+                tok = load_tokenizer(msgspec.msgpack.decode(config_bytes,
+                                                            type=EngineConfig).model)
+                conn.wait_ready(timeout_s=math.inf)
+            except BaseException:
+                conn.close()
+                raise
+            engine = AsyncLLM(MPAsyncClient(conn), tok, settings.stream_interval)
+    except (EngineStartupError, ValueError, OSError) as exc:
+        logger.error("API server %d could not connect to the engine: %s", index, exc)
+        return 1
+    board = AdmissionBoard.attach(board_memory, index)
+    return await serve(engine, settings, reuse_port=True, board=board, on_ready=ready.set,
+                       label=f"API server {index + 1}/{count}", stop_signals=(_DRAIN,))

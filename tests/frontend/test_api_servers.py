@@ -1,0 +1,150 @@
+"""``tidal serve --api-server-count 2``: two API server processes over one EngineCore behave as
+one server: concurrent streams through both match their non-streamed twins, ``/metrics`` is one
+view (frontend counters summed, engine counters counted once), SIGTERM drains every process and
+exits 0 with no child left, and killing one API server ends the whole server with exit code 1."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from server_harness import SMALL_ENGINE, ServerProcess, require_smollm2
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _api_servers(server: ServerProcess) -> list[psutil.Process]:
+    """The API server processes: the supervisor's children that hold the listening port."""
+    out = []
+    for child in psutil.Process(server.pid).children():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == server.port
+                   for c in child.net_connections("tcp")):
+                out.append(child)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (labels ignored)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _gone(procs: list[psutil.Process], timeout: float = 15.0) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not alive
+
+
+async def _metrics(client: openai.AsyncOpenAI) -> str:
+    resp = await client._client.get(str(client.base_url).removesuffix("/v1/") + "/metrics")
+    return resp.text
+
+
+def test_two_api_servers_act_as_one():
+    require_smollm2()
+    server = ServerProcess([*SMALL_ENGINE, "--api-server-count", "2"], api_key=None).start()
+    try:
+        children = _children(server.pid)
+        api = _api_servers(server)
+        assert len(api) == 2, f"expected 2 API server processes listening, got {api}"
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
+
+        async def one(prompt: str, stream: bool) -> tuple[str, int, str | None]:
+            common = dict(model="", prompt=prompt, max_tokens=24, temperature=0.0,
+                          extra_body={"ignore_eos": True})
+            if not stream:
+                r = await client.completions.create(**common)
+                return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
+            text, usage, finish = [], 0, None
+            async for chunk in await client.completions.create(
+                    **common, stream=True, stream_options={"include_usage": True}):
+                if chunk.choices:
+                    text.append(chunk.choices[0].text)
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    usage = chunk.usage.completion_tokens
+            return "".join(text), usage, finish
+
+        async def main():
+            before = await _metrics(client)
+            # Each request on its own connection, so both processes take some.
+            results = await asyncio.gather(*(one(p, s) for p in PROMPTS for s in (False, True)))
+            views = [await _metrics(client) for _ in range(6)]
+            await client.close()
+            return before, results, views
+
+        before, results, views = asyncio.run(main())
+        for k in range(len(PROMPTS)):
+            whole, streamed = results[2 * k], results[2 * k + 1]
+            assert streamed == whole, f"prompt {k}: streamed {streamed} vs whole {whole}"
+            assert whole[0] and whole[1:] == (24, "length")
+        generated = sum(r[1] for r in results)
+        # Whichever process answers /metrics shows the same totals: frontend counters summed
+        # over both, the engine's tokens counted once (not once per frontend).
+        for text in views:
+            assert _metric(text, "tidal:request_success_total") - \
+                _metric(before, "tidal:request_success_total") == len(results)
+            assert _metric(text, "tidal:generation_tokens_total") - \
+                _metric(before, "tidal:generation_tokens_total") == generated
+            assert _metric(text, "tidal:time_to_first_token_seconds_count") - \
+                _metric(before, "tidal:time_to_first_token_seconds_count") == len(results)
+            running = [line for line in text.splitlines()
+                       if line.startswith("tidal:num_requests_running")]
+            assert len(running) == 1 and "pid=" not in running[0]
+
+        # SIGTERM drains both API servers while a request runs; it completes; exit code 0.
+        async def drain():
+            c = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
+            try:
+                task = asyncio.create_task(c.completions.create(
+                    model="", prompt="Count from one to fifty:", max_tokens=48, temperature=0.0,
+                    extra_body={"ignore_eos": True}))
+                await asyncio.sleep(0.5)
+                server.proc.send_signal(signal.SIGTERM)
+                return await task
+            finally:
+                await c.close()
+
+        done = asyncio.run(drain())
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 48
+        assert server.proc.wait(60) == 0
+        assert _gone(children), f"left behind: {[p for p in children if p.is_running()]}"
+    finally:
+        server.stop()
+
+
+def test_killing_one_api_server_stops_the_whole_server():
+    require_smollm2()
+    server = ServerProcess(["--distributed-executor-backend", "noop", "--num-kv-blocks", "256",
+                            "--max-model-len", "256", "--api-server-count", "2"],
+                           api_key=None).start()
+    try:
+        children = _children(server.pid)
+        victim = _api_servers(server)[0]
+        start = time.monotonic()
+        victim.kill()
+        assert server.proc.wait(60) == 1
+        log = server.log_tail(80)
+        assert re.search(r"APIServer-\d \(pid \d+\) exited with code -9", log), log
+        assert time.monotonic() - start < 30
+        assert _gone(children), f"left behind: {[p for p in children if p.is_running()]}"
+    finally:
+        server.stop()
