@@ -694,10 +694,15 @@ def watch_parent(stop_signal: signal.Signals = signal.SIGTERM) -> None:
 def run_engine_core(config_bytes: bytes, listen: str) -> None:
     """Entry point of an EngineCore process spawned by a frontend (``multiprocessing`` target).
 
-    ``config_bytes`` is the msgpack encoding of the resolved ``EngineConfig``. SIGINT is ignored:
-    on Ctrl-C the frontend, which got it too, shuts this process down.
+    ``config_bytes`` is the msgpack encoding of the resolved ``EngineConfig``. The process
+    leaves its parent's process group and ignores SIGINT: the frontend drains and shuts it down
+    (SIGTERM), and it shuts down by itself if the frontend dies.
     """
     setup_logging("EngineCore")
+    # A process group of its own: a signal sent to the frontend's whole group (Ctrl-C,
+    # ``timeout``, ``kill -- -PGID``) is the frontend's to handle (it drains its requests, then
+    # stops this process). Taking it here too would end every in-flight request at once.
+    os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent()
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)

@@ -109,7 +109,7 @@ class ThreadedAsyncClient:
             if isinstance(item, BaseException):
                 loop.call_soon_threadsafe(on_dead, _dead_error(item))
             else:
-                loop.call_soon_threadsafe(on_outputs, item)
+                loop.call_soon_threadsafe(_deliver, on_outputs, on_dead, item)
         except RuntimeError:  # that loop is closed: nobody is waiting for this any more
             logger.debug("dropped engine output for a closed event loop")
 
@@ -164,6 +164,17 @@ class ThreadedAsyncClient:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.core.shutdown()
+
+
+def _deliver(on_outputs: Callable[[OutputBatch], None],
+             on_dead: Callable[[EngineDeadError], None], batch: OutputBatch) -> None:
+    """A bug in output processing fails every request (as the process client does), instead
+    of a logged callback error and streams that never end."""
+    try:
+        on_outputs(batch)
+    except Exception as exc:  # noqa: BLE001 - fatal, reported to every waiting request
+        logger.exception("processing the engine's outputs failed")
+        on_dead(_dead_error(RuntimeError(f"engine output processing failed: {exc}")))
 
 
 def _dead_error(exc: BaseException) -> EngineDeadError:

@@ -484,6 +484,10 @@ class MPAsyncClient:
             except EngineDeadError as exc:
                 self._fail(exc)
                 return
+            except Exception as exc:  # noqa: BLE001 - the requests in it would wait forever
+                logger.exception("sending to the engine failed")
+                self._fail(EngineDeadError(f"engine unreachable: sending failed: {exc}"))
+                return
 
     def _attach(self) -> None:
         loop = asyncio.get_running_loop()

@@ -395,7 +395,8 @@ class OutputProcessor:
             if m.first_token_time is None:
                 m.first_token_time = now
                 result.record.time_to_first_tokens.append(now - m.arrival_time)
-            elif m.last_token_time is not None:
+            elif m.last_token_time is not None and m.last_token_time != now:
+                # (The n samples of a request share its metrics: one gap per step.)
                 result.record.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
         if self._update_seq(seq, new_ids, detail):

@@ -19,8 +19,11 @@ Acting as one server:
 * SIGTERM / SIGINT go to the supervisor, which passes each on as SIGUSR1: every API server
   drains (503 to new requests, in-flight ones finish, up to ``--shutdown-timeout``) and exits;
   then the engine is stopped; exit code 0. A second signal aborts what still runs. API servers
-  ignore SIGTERM and SIGINT themselves, so a signal sent to the whole process group (Ctrl-C,
-  ``timeout``, systemd) reaches them once, through here, not twice (which would abort).
+  ignore SIGTERM and SIGINT themselves, and the engine runs in a process group of its own, so
+  a signal sent to the whole process group (Ctrl-C, ``timeout``) reaches them once, through
+  here (a second copy would abort; the engine stopping first would fail every stream).
+  systemd's default ``KillMode=control-group`` signals every process of the service at once,
+  the engine included: use ``KillMode=mixed``.
 * An API server or the engine that exits on its own (a crash, ``kill -9``) ends the whole
   server: the others are stopped the same way and the exit code is 1. A dead API server is not
   replaced: the streams it carried are lost either way, and a half-sized server that keeps
@@ -57,8 +60,9 @@ from tidal.frontend.server.state import ServerSettings
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_API_SERVERS = 8
-# How long an API server may take to connect, warm up and listen, the engine's start-up not
-# counted (the supervisor watches the engine meanwhile).
+# How long API servers of a standalone engine-core (``--engine-address``) may take to connect,
+# warm up and listen. A spawned engine's start-up has no deadline (a large model loads for
+# minutes): the supervisor watches that process instead, and its death ends the start.
 _API_SERVER_START_S = 300.0
 _ENGINE_STOP_S = 30.0
 _POLL_S = 0.2
@@ -130,12 +134,14 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     from tidal.frontend.server.admission import AdmissionBoard
 
     config = engine_args.create_config() if engine_address is None else None
-    held = reserve_port(settings)
     ctx = multiprocessing.get_context("spawn")
-    metrics_dir = tempfile.mkdtemp(prefix="tidal-metrics-")
-    # Read by prometheus_client when the API servers import it (they inherit the environment).
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     board = AdmissionBoard.allocate(count, ctx)
+    held = reserve_port(settings)
+    # A folder of this server's own, wiped at exit (prometheus_client aggregates every file in
+    # it, so one left from an earlier run would be counted too). API servers read it from
+    # their environment when they import prometheus_client.
+    metrics_dir = tempfile.mkdtemp(prefix="tidal-metrics-")
+    env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     stopping: list[int] = []
     engine: BaseProcess | None = None
     engine_tmp: str | None = None
@@ -148,6 +154,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     for sig in original:
         signal.signal(sig, on_signal)
     try:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         if config is not None:
             engine, engine_address, engine_tmp = start_engine_process(config)
         assert engine_address is not None
@@ -161,22 +168,16 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
             servers.append(_Child(proc.name, proc, ready))
         code = _supervise(servers, engine, stopping, settings)
     finally:
-        for child in servers:
-            _stop(child)
-        deadline = time.monotonic() + settings.shutdown_timeout + 10.0
-        for child in servers:
-            child.proc.join(max(0.0, deadline - time.monotonic()))
-            if child.proc.is_alive():
-                logger.warning("%s (pid %s) did not stop in time; killing it", child.name,
-                               child.proc.pid)
-                child.proc.kill()
-                child.proc.join()
+        _shut_down(servers, stopping, settings)
         if engine is not None:
             stop_process(engine, _ENGINE_STOP_S)
         held.close()
         for sig, handler in original.items():
             signal.signal(sig, handler)
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if env_before is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = env_before
         shutil.rmtree(metrics_dir, ignore_errors=True)
         if engine_tmp is not None:
             shutil.rmtree(engine_tmp, ignore_errors=True)
@@ -185,6 +186,28 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
         code = 1
     logger.info("server stopped (exit code %d)", code)
     return code
+
+
+def _shut_down(servers: list[_Child], stopping: list[int], settings: ServerSettings) -> None:
+    """Drain every API server still running (passing on any further signal: it aborts what
+    still runs) and wait for them; kill what outlives the drain."""
+    seen = len(stopping)
+    for child in servers:
+        _stop(child)
+    deadline = time.monotonic() + settings.shutdown_timeout + 10.0
+    while alive := [c for c in servers if c.proc.is_alive()]:
+        if time.monotonic() >= deadline:
+            for child in alive:
+                logger.warning("%s (pid %s) did not stop in time; killing it", child.name,
+                               child.proc.pid)
+                child.proc.kill()
+                child.proc.join()
+            return
+        if len(stopping) > seen:
+            seen = len(stopping)
+            for child in alive:
+                _stop(child)
+        multiprocessing.connection.wait([c.proc.sentinel for c in alive], timeout=_POLL_S)
 
 
 def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list[int],

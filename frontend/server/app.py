@@ -244,6 +244,8 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         # Before the metrics observe the engine: the warm-up is no client's request.
         seconds = await warm_up(engine)
     except BaseException:
+        if sock is not None:
+            sock.close()
         engine.shutdown()
         raise
     logger.info("%s warmed up with one request in %.3f s", label, seconds)

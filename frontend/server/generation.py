@@ -62,6 +62,10 @@ class Generation:
     def abort(self) -> None:
         if not self.aborted:
             self.aborted = True
+            # Stopped in the engine first: nothing new reaches the collector, so a consumer
+            # that is behind reads what is there and then ends, instead of finding news on
+            # every read and never the abort.
+            self.close()
             self._collector.fail(_Aborted())
 
     async def stream(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:

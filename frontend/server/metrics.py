@@ -48,7 +48,9 @@ def multiprocess_dir() -> str | None:
 def observe_many(hist: Histogram, values: list[float]) -> None:
     """``hist.observe(v)`` for every value, one increment per bucket touched instead of one
     lock round per value (a step brings one inter-token latency per running request)."""
-    if len(values) < 4 or not hasattr(hist, "_buckets"):
+    # prometheus_client's own fields; any other version takes the plain loop.
+    if len(values) < 4 or not all(hasattr(hist, a) for a in ("_buckets", "_upper_bounds",
+                                                             "_sum")):
         for v in values:
             hist.observe(v)
         return

@@ -42,9 +42,11 @@ def minilm_path() -> str | None:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = API_KEY) -> None:
+    def __init__(self, args: list[str], api_key: str | None = API_KEY,
+                 new_session: bool = False) -> None:
         self.args = list(args)
         self.api_key = api_key
+        self.new_session = new_session  # a process group of its own (to signal it whole)
         self.port = free_port()
         self.log_path = Path(tempfile.mkstemp(prefix="tidal-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
@@ -69,7 +71,8 @@ class ServerProcess:
             cmd += ["--api-key", self.api_key]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=self.new_session)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,11 +1,13 @@
 """``tidal serve --api-server-count 2``: two API server processes over one EngineCore behave as
 one server: concurrent streams through both match their non-streamed twins, ``/metrics`` is one
-view (frontend counters summed, engine counters counted once), SIGTERM drains every process and
-exits 0 with no child left, and killing one API server ends the whole server with exit code 1."""
+view (frontend counters summed, engine counters counted once), SIGTERM (to the whole process
+group) drains every process and exits 0 with no child left, and killing one API server ends the
+whole server with exit code 1."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -60,7 +62,8 @@ async def _metrics(client: openai.AsyncOpenAI) -> str:
 
 def test_two_api_servers_act_as_one():
     require_smollm2()
-    server = ServerProcess([*SMALL_ENGINE, "--api-server-count", "2"], api_key=None).start()
+    server = ServerProcess([*SMALL_ENGINE, "--api-server-count", "2"], api_key=None,
+                           new_session=True).start()
     try:
         children = _children(server.pid)
         api = _api_servers(server)
@@ -110,7 +113,8 @@ def test_two_api_servers_act_as_one():
                        if line.startswith("tidal:num_requests_running")]
             assert len(running) == 1 and "pid=" not in running[0]
 
-        # SIGTERM drains both API servers while a request runs; it completes; exit code 0.
+        # SIGTERM to the server's whole process group (as Ctrl-C or ``timeout`` send it)
+        # drains both API servers once while a request runs: it completes; exit code 0.
         async def drain():
             c = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
             try:
@@ -118,7 +122,7 @@ def test_two_api_servers_act_as_one():
                     model="", prompt="Count from one to fifty:", max_tokens=48, temperature=0.0,
                     extra_body={"ignore_eos": True}))
                 await asyncio.sleep(0.5)
-                server.proc.send_signal(signal.SIGTERM)
+                os.killpg(server.pid, signal.SIGTERM)
                 return await task
             finally:
                 await c.close()

@@ -151,3 +151,13 @@ def test_step_record_times_first_tokens_and_gaps():
     assert len(second.inter_token_latencies) == 1 and not second.time_to_first_tokens
     (done,) = second.finished
     assert done.finish_reasons == ["length"] and done.num_generation_tokens == 2
+
+
+def test_the_samples_of_one_request_give_one_gap_per_step():
+    proc = OutputProcessor(None)
+    proc.add_request("r", None, PROMPT, _params(n=3), arrival_time=0.0)
+    samples = [f"r#{i}" for i in range(3)]
+    first = proc.process_outputs(_step(*[(s, [1]) for s in samples])).record
+    second = proc.process_outputs(_step(*[(s, [2]) for s in samples])).record
+    assert len(first.time_to_first_tokens) == 1 and first.inter_token_latencies == []
+    assert len(second.inter_token_latencies) == 1 and second.inter_token_latencies[0] > 0

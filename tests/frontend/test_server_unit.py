@@ -298,3 +298,35 @@ def test_the_queue_bound_holds_across_api_server_processes():
     assert b.waiting_estimate() == 0
     b.release(second)
     assert AdmissionBoard.attach(memory, 0).totals() == (0, 0)
+
+
+def test_drain_abort_ends_a_stream_whose_consumer_is_behind():
+    """The engine keeps producing and the consumer reads slower than it: the abort must still
+    end the stream (and stop the request in the engine), not wait behind the news."""
+    from tidal.frontend.server.generation import Generation
+
+    engine = FakeEngine()
+
+    async def endless(request_id: str, ids: list[int], collector: OutputCollector) -> None:
+        while True:
+            collector.notify(_Ready(RequestOutput(request_id, None, ids, [CompletionOutput(
+                index=0, text="x", token_ids=[5])])))
+            await asyncio.sleep(0.001)
+
+    engine._script = endless  # type: ignore[method-assign]
+
+    async def go():
+        adm = Admission(max_num_seqs=4, max_queued=None)
+        gen = Generation(engine, adm, adm.admit(1), "cmpl-x", [[1, 2]], None)  # type: ignore
+        reads = 0
+        async for _ in gen.stream():
+            reads += 1
+            if reads == 3:
+                gen.abort()
+            await asyncio.sleep(0.01)  # behind: several notifications per read
+            assert reads < 10, "the abort did not end the stream"
+        return reads, gen.aborted
+
+    reads, aborted = _run(asyncio.wait_for(go(), 10))
+    assert aborted and reads <= 4
+    assert engine.cancelled == ["cmpl-x-0"]
