@@ -41,6 +41,17 @@ def _api_servers(server: ServerProcess) -> list[psutil.Process]:
     return out
 
 
+def _wait_api_servers(server: ServerProcess, n: int, timeout: float = 90.0
+                      ) -> list[psutil.Process]:
+    """The API server processes once ``n`` of them listen (``/health`` answers as soon as the
+    first one does: each warms up on its own and takes connections once it listens)."""
+    deadline = time.monotonic() + timeout
+    while len(api := _api_servers(server)) < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(api) == n, f"expected {n} API server processes listening, got {api}"
+    return api
+
+
 def _metric(text: str, name: str) -> float:
     """The sum of every sample of ``name`` (labels ignored)."""
     total = 0.0
@@ -65,9 +76,8 @@ def test_two_api_servers_act_as_one():
     server = ServerProcess([*SMALL_ENGINE, "--api-server-count", "2"], api_key=None,
                            new_session=True).start()
     try:
+        _wait_api_servers(server, 2)
         children = _children(server.pid)
-        api = _api_servers(server)
-        assert len(api) == 2, f"expected 2 API server processes listening, got {api}"
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused")
 
         async def one(prompt: str, stream: bool) -> tuple[str, int, str | None]:
@@ -141,8 +151,8 @@ def test_killing_one_api_server_stops_the_whole_server():
                             "--max-model-len", "256", "--api-server-count", "2"],
                            api_key=None).start()
     try:
+        victim = _wait_api_servers(server, 2)[0]
         children = _children(server.pid)
-        victim = _api_servers(server)[0]
         start = time.monotonic()
         victim.kill()
         assert server.proc.wait(60) == 1
