@@ -297,16 +297,14 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """End a request: the engine stops it, and its stream ends with a last output whose
         finish reason is ``abort``."""
-        engine_ids = self.processor.finish_aborted(request_id)
-        if engine_ids and self._dead is None:
-            try:
-                self.client.abort_requests(engine_ids)
-            except EngineDeadError:
-                pass
+        self._abort_in_engine(self.processor.finish_aborted(request_id))
 
     def abort_quietly(self, request_ids: list[str]) -> None:
         """Forget requests whose consumer is gone, and stop them in the engine."""
-        engine_ids = [eid for rid in request_ids for eid in self.processor.abort_request(rid)]
+        self._abort_in_engine([eid for rid in request_ids
+                               for eid in self.processor.abort_request(rid)])
+
+    def _abort_in_engine(self, engine_ids: list[str]) -> None:
         if engine_ids and self._dead is None:
             try:
                 self.client.abort_requests(engine_ids)

@@ -146,12 +146,7 @@ class JitWatch:
                 knobs = None
         runtime = getattr(knobs, "runtime", None)
         if runtime is not None and hasattr(runtime, "jit_cache_hook"):
-            post = hasattr(runtime, "jit_post_compile_hook")
-            self._prev_pre = runtime.jit_cache_hook
-            runtime.jit_cache_hook = self._pre_hook if post else self._only_hook
-            if post:
-                self._prev_post = runtime.jit_post_compile_hook
-                runtime.jit_post_compile_hook = self._post_hook
+            self._hook(runtime, "jit_cache_hook", "jit_post_compile_hook")
             self.api = "triton.knobs.runtime"
             return True
         try:
@@ -163,14 +158,19 @@ class JitWatch:
             logger.warning("JIT compile watcher off: triton %s has no compile hook",
                            getattr(triton, "__version__", "?"))
             return False
-        post = hasattr(jit_cls, "compiled_hook")
-        self._prev_pre = jit_cls.cache_hook
-        jit_cls.cache_hook = self._pre_hook if post else self._only_hook
-        if post:
-            self._prev_post = jit_cls.compiled_hook
-            jit_cls.compiled_hook = self._post_hook
+        self._hook(jit_cls, "cache_hook", "compiled_hook")
         self.api = "JITFunction"
         return True
+
+    def _hook(self, owner: Any, pre: str, post: str) -> None:
+        """Chain our hooks in front of ``owner``'s: the pre-compile one, and the post-compile
+        one where this Triton has it (else the pre-compile hook counts alone)."""
+        has_post = hasattr(owner, post)
+        self._prev_pre = getattr(owner, pre)
+        setattr(owner, pre, self._pre_hook if has_post else self._only_hook)
+        if has_post:
+            self._prev_post = getattr(owner, post)
+            setattr(owner, post, self._post_hook)
 
     # --- the hooks (called by Triton, in the thread that launches the kernel) ---------------
 
