@@ -3,6 +3,7 @@
     engine-core --model PATH --listen tcp://127.0.0.1:5555 [engine flags]
     engine-core --model PATH --listen 5555          # the same
     engine-core --model PATH                        # ipc:// in a fresh temporary directory
+    engine-core --model PATH --log-level warning    # quieter (or TIDAL_LOG_LEVEL=WARNING)
 
 Frontends connect with ``AsyncLLM.from_address(ADDRESS)``; several may share one engine. TCP
 binds loopback unless the address names another host (``tcp://*:5555`` binds every interface:
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -28,16 +30,84 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidal.engine_core.config import ConfigError, EngineArgs
+from tidal.engine_core.envs import log_level
 
 logger = logging.getLogger("tidal.engine_core.cli")
 
+# One line per EngineArgs field: what it does, its unit, and, where the default is decided at
+# start-up (None), what decides it (the formatter appends fixed defaults itself).
 _HELP = {
-    "model": "an HF model folder (config.json + *.safetensors) or a .gguf file",
-    "num_kv_blocks": "force the number of KV cache blocks instead of measuring",
-    "distributed_executor_backend": "uni | mp | ray | noop (no model: overhead benchmarks)",
-    "hf_overrides": "JSON object applied to the model's HF config",
-    "cpu_threads": "torch threads of a CPU worker",
+    "model": "an HF model folder (config.json + *.safetensors) or a .gguf file; default: the "
+             "bundled SmolLM2-135M-Instruct",
+    "tokenizer": "tokenizer folder or .gguf file; default: the model's own",
+    "served_model_name": "the name the API reports (/v1/models) and accepts in requests; "
+                         "default: the model's own name from its config, else its folder or "
+                         "file name",
+    "load_format": "where weights come from: auto (by the model's files), safetensors, gguf, "
+                   "or dummy (random weights of the config's shapes)",
+    "dtype": "weight and activation type: auto, float32, float16 or bfloat16 (fp32, fp16, "
+             "half, bf16 too); auto is float32 on a CPU, else the checkpoint's 16-bit type",
+    "task": "auto, generate or embed; auto picks embed for an embedding model",
+    "seed": "seed of the worker's random generator (dummy weights; sampling without a "
+            "per-request seed)",
+    "max_model_len": "longest sequence, prompt plus output, in tokens; default: the model's "
+                     "context length (max_position_embeddings)",
+    "block_size": "tokens per KV cache block (a power of two, at most 256)",
+    "gpu_memory_utilization": "fraction (0-1] of the GPU's memory the engine may use for "
+                              "weights, activations and the KV cache",
+    "kv_cache_memory_bytes": "bytes of KV cache, instead of what --gpu-memory-utilization "
+                             "leaves; default: measured at start-up",
+    "num_kv_blocks": "number of KV cache blocks, instead of measuring; default: measured at "
+                     "start-up",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes shared between requests",
+    "prefix_hash_seed": "integer seed of the prefix-cache block hashes; default: random per "
+                        "process",
+    "max_num_seqs": "most sequences in one step; default: 512 on a GPU, 64 on a CPU",
+    "max_num_batched_tokens": "token budget of one step; default: 8192 on a GPU, 2048 on a "
+                              "CPU (chunked prefill), at least max-model-len without it",
+    "enable_chunked_prefill": "split long prompts over several steps (generation models)",
+    "async_scheduling": "schedule step N+1 while step N runs; default: on for generation on a "
+                        "GPU with one pipeline stage, else off",
+    "max_queued_requests": "most requests waiting beyond the running batch; more get 429; "
+                           "default: no limit",
+    "tensor_parallel_size": "worker processes (GPUs) every layer is sharded across",
+    "pipeline_parallel_size": "pipeline stages (worker processes) the layers are split into",
+    "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
+                                    "processes), ray, or noop (no model: overhead benchmarks); "
+                                    "default: uni for one worker, mp for several",
+    "device": "auto, cpu or cuda; auto picks cuda when torch sees a GPU",
+    "attention_backend": "torch, triton or cuda; default: the best available on the device",
+    "enforce_eager": "never capture CUDA graphs (always so on a CPU)",
+    "max_logprobs": "most logprobs / top_logprobs a request may ask for",
+    "cpu_threads": "torch threads of a CPU worker; default: torch's own choice",
+    "hf_overrides": "JSON object merged into the model's HF config before anything reads it, "
+                    "e.g. '{\"num_hidden_layers\": 2}'; default: none",
 }
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help names the default itself, as
+    it does where the default is decided at start-up (a ``None`` default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=log_level().lower(), choices=LOG_LEVELS,
+                        help="log level of this process and every process it starts "
+                             "(default: $TIDAL_LOG_LEVEL, else info; now %(default)s)")
+
+
+def apply_log_level(level: str) -> None:
+    """Make ``level`` the log level of the processes started from here on: engine and worker
+    processes read ``$TIDAL_LOG_LEVEL`` when they set up their logging."""
+    os.environ["TIDAL_LOG_LEVEL"] = level.upper()
 
 
 def _parser_type(annotation: str) -> Any:
@@ -57,15 +127,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = EngineArgs.__dataclass_fields__[f.name].default
         if default is dataclasses.MISSING:
             default = None  # default_factory fields (hf_overrides): unset means the factory's
-        helptext = _HELP.get(f.name, "")
-        if annotation == "bool":
+        helptext = _HELP.get(f.name, "")  # tests/frontend/test_cli.py: none may be missing
+        if annotation in ("bool", "bool | None"):
+            # --flag / --no-flag, so a default that is on (or decided at start-up) can be
+            # turned off as well as on.
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=default, help=helptext or None)
+                               default=default, help=helptext)
         else:
-            # The parsers use ArgumentDefaultsHelpFormatter: it appends the default to a help
-            # text (and skips a flag without one).
             group.add_argument(flag, dest=f.name, type=_parser_type(annotation), default=default,
-                               help=helptext or "default: %(default)s")
+                               help=helptext)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -78,10 +148,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engine-core", description="Run a tidal EngineCore for frontends to connect to.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("--listen", default=None,
                         help="tcp://HOST:PORT, ipc://PATH or a port (loopback); port 0 picks a "
                              "free one; default: ipc:// in a temporary directory")
+    add_log_level_arg(parser)
     add_engine_args(parser)
     return parser
 
@@ -91,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tidal.engine_core.sockets import normalize_address
 
     ns = build_parser().parse_args(argv)
+    apply_log_level(ns.log_level)
     setup_logging("engine-core")
     start = time.perf_counter()
     try:

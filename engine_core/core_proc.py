@@ -25,9 +25,14 @@ Failure
   ``EngineDead(reason)`` to every frontend, shuts the executor down and exits with code 1.
   SIGTERM (and SIGINT when run alone) shut down gracefully: frontends get ``EngineDead`` too, exit
   code 0. A frontend that says ``Goodbye`` or whose connection drops is forgotten and its requests
-  are aborted; the engine keeps serving the others. A message that fails to decode is logged and
-  dropped (a request whose id can still be read fails alone). A spawned engine exits when its
-  parent process dies (the parent's multiprocessing sentinel).
+  are aborted; the engine keeps serving the others. A stall is not a death: an engine that was
+  paused (SIGSTOP, a long GC or compile) resumes with every frontend and request it had, since
+  connections are watched by TCP keepalive (the kernel answers for a stopped process) and the
+  deadlines it keeps on its frontends move by the time it was not running. Heartbeats carry
+  the count of finished steps, so a frontend tells a slow engine from a stuck one. A message
+  that fails to decode is logged and dropped (a request whose id can still be read fails
+  alone). A spawned engine exits when its parent process dies (the parent's multiprocessing
+  sentinel).
 """
 
 from __future__ import annotations
@@ -94,6 +99,11 @@ _STARTUP_FAILURE_GRACE_S = 3.0
 _LINGER_MS = 500
 # How long a frontend that said HELLO may take until the engine's connection to it is up.
 _CONNECT_BACK_S = 30.0
+# A wait that overran by more than _PAUSE_S means this process was paused (SIGSTOP, a debugger,
+# a starved host); the deadlines it keeps on its peers are extended by the pause. Waits that
+# serve deadlines last at most _PAUSE_TICK_S, so a pause is measured, not guessed.
+_PAUSE_S = 1.0
+_PAUSE_TICK_S = 1.0
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -180,6 +190,9 @@ class EngineCoreProc:
         self._next_client = 0
         # Counters of steps whose stats reached no frontend yet (see ``_publish``).
         self._unsent_stats: SchedulerStats | None = None
+        # Steps finished, read by the output thread for its heartbeats (an int: written by the
+        # busy loop alone, read atomically).
+        self._steps = 0
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the busy loop to stop after the current step. Safe in a signal handler
@@ -271,6 +284,7 @@ class EngineCoreProc:
             if core.has_unfinished_requests():
                 busy = True
                 self._publish(core.step())
+                self._steps += 1
 
     def _handle(self, item: Any) -> _Stop | None:
         match item:
@@ -393,9 +407,17 @@ class EngineCoreProc:
                              if fe.connect_deadline is not None]
                 timeout = None
                 if deadlines:
-                    timeout = max(0.0, min(deadlines) - time.monotonic()) * 1000
-                events = poller.poll(timeout)
+                    # Short waits, so that a pause of this process shows as an overrun.
+                    timeout = min(max(0.0, min(deadlines) - time.monotonic()), _PAUSE_TICK_S)
+                before = time.monotonic()
+                events = poller.poll(None if timeout is None else timeout * 1000)
                 now = time.monotonic()
+                if timeout is not None and (paused := now - before - timeout) > _PAUSE_S:
+                    # This process was not running (stopped, or starved of CPU): the silence
+                    # is ours, so the frontends get the time back rather than the blame.
+                    for fe in by_dealer.values():
+                        if fe.connect_deadline is not None:
+                            fe.connect_deadline += paused
                 for fe in list(by_dealer.values()):
                     if fe.connect_deadline is not None and now >= fe.connect_deadline:
                         drop(fe, f"never connected back within {_CONNECT_BACK_S:.0f} s")
@@ -498,7 +520,6 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         encoder = Encoder()
         pushes: dict[int, _Push] = {}
-        heartbeat = encoder.encode(Heartbeat())
         next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
 
         def send(index: int, frames: list[Any]) -> None:
@@ -513,10 +534,16 @@ class EngineCoreProc:
 
         try:
             while True:
+                before = time.monotonic()
+                wait = max(0.0, next_beat - before)
                 try:
-                    item = self._outputs.get(timeout=max(0.0, next_beat - time.monotonic()))
+                    item = self._outputs.get(timeout=wait)
                 except queue.Empty:
                     item = None
+                if (paused := time.monotonic() - before - wait) > _PAUSE_S:
+                    # This thread wakes every heartbeat interval, so it is the one to notice.
+                    logger.warning("the EngineCore was paused for %.1f s (stopped, a long GC, "
+                                   "or starved of CPU); carrying on with every frontend", paused)
                 if item is _STOP_OUTPUT:
                     return
                 match item:
@@ -538,6 +565,7 @@ class EngineCoreProc:
                                  else frames)
                 now = time.monotonic()
                 if now >= next_beat:
+                    heartbeat = encoder.encode(Heartbeat(self._steps))
                     for index, push in pushes.items():
                         if now - push.last_sent >= HEARTBEAT_INTERVAL_S:
                             send(index, heartbeat)

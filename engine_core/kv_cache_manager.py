@@ -61,9 +61,15 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's lookup (failed admissions retry and are not counted)."""
-        self.queries += num_tokens
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (failed admissions retry and are not counted).
+        As vLLM counts them (its ``prefix_cache_queries``/``hits``): nothing when the request
+        did not read the cache (caching off, prompt logprobs), nor a preempted request's lookup
+        on resuming, so the hit rate is that of new prompts."""
+        if (not self.enable_caching or request.num_preemptions
+                or request.sampling_params.prompt_logprobs is not None):
+            return
+        self.queries += request.num_tokens
         self.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

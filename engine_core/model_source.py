@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(path=str(path), format="gguf", name=path.stem)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return ModelSource(path=str(path), format="hf", name=path.name)
+            return ModelSource(path=str(path), format="hf", name=hf_model_name(path))
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(path=str(ggufs[0]), format="gguf", name=ggufs[0].stem)
@@ -65,6 +66,67 @@ def resolve_model(model: str | None) -> ModelSource:
         f"model {model!r} not found: tidal loads local models only (an HF folder with "
         "config.json and *.safetensors, or a .gguf file); no model hub is contacted"
     )
+
+
+# Folder names that say nothing about the model in them: packaged models ship as ``.../model``,
+# HF's cache as ``models--ORG--NAME/snapshots/<commit>``.
+_GENERIC_FOLDERS = frozenset({"model", "models", "weights", "checkpoint", "ckpt", "hf", "files",
+                              "snapshot", "main", "latest", "final", "export", "pretrained"})
+_COMMIT = re.compile(r"[0-9a-f]{7,64}")
+_NAME = re.compile(r"\w[\w.+-]*(/\w[\w.+-]*)?")  # "NAME" or "ORG/NAME", never a path
+
+
+def hf_model_name(path: Path) -> str:
+    """The name an HF model folder is served under by default: the folder's name, unless that
+    is generic (``model``, a commit hash); then the model's own name: the repository of an HF
+    cache folder, the model card's title, config.json's ``_name_or_path``, in that order. The
+    folder name wins when it is informative because the metadata often names the base model a
+    fine-tune started from (all-MiniLM-L6-v2's config.json says
+    ``nreimers/MiniLM-L6-H384-uncased``)."""
+    path = Path(os.path.abspath(path))  # "." and ".." have no name; symlinks keep theirs
+    if path.name.lower() not in _GENERIC_FOLDERS and not _COMMIT.fullmatch(path.name):
+        return path.name
+    for name in (_hf_cache_repo(path), _model_card_title(path / "README.md"),
+                 _config_name(path / "config.json")):
+        if name:
+            return name
+    return path.name
+
+
+def _model_card_title(readme: Path) -> str | None:
+    """A model card's first level-1 heading (after its YAML front matter), if it is a bare
+    name such as ``# all-MiniLM-L6-v2`` rather than a sentence."""
+    try:
+        lines = readme.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    if lines and lines[0].strip() == "---":
+        end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() == "---"), 0)
+        lines = lines[end + 1:]
+    for line in lines:
+        if line.startswith("# "):
+            title = line[2:].strip()
+            return title.rsplit("/", 1)[-1] if _NAME.fullmatch(title) else None
+    return None
+
+
+def _hf_cache_repo(path: Path) -> str | None:
+    # HF hub cache: .../models--ORG--NAME/snapshots/<commit>
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.rsplit("--", 1)[-1] or None
+    return None
+
+
+def _config_name(config: Path) -> str | None:
+    try:
+        value = json.loads(config.read_text()).get("_name_or_path")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    # A hub id names the model; a local path (where it was once saved from) does not.
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value.rsplit("/", 1)[-1]
+    return None
 
 
 def load_hf_config(src: ModelSource) -> dict[str, Any]:

@@ -74,6 +74,11 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     num_cached_tokens: int = 0
     error: str | None = None
     pooled: np.ndarray | None = None  # embedding models: the request's vector (float32)
+    # Only on a request's first output with tokens (with ``num_cached_tokens`` set): when it
+    # entered the engine and was first scheduled, on the engine's clock (as ``timestamp``), for
+    # the frontend's queue / prefill / decode metrics.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -89,6 +94,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_cache_hits: int = 0  # tokens found, since the previous report
     num_prompt_tokens: int = 0  # computed this step (prefill work)
     num_generation_tokens: int = 0  # sampled this step
+    # Tokens scheduled by each step since the previous report (one entry as a rule; more when
+    # reports of steps without outputs were folded in), for the tokens-per-step histogram.
+    iteration_tokens: list[int] = []
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -98,6 +106,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
         self.prefix_cache_hits += earlier.prefix_cache_hits
         self.num_prompt_tokens += earlier.num_prompt_tokens
         self.num_generation_tokens += earlier.num_generation_tokens
+        if earlier.iteration_tokens:
+            self.iteration_tokens = earlier.iteration_tokens + self.iteration_tokens
 
     def gauges(self) -> SchedulerStats:
         """The state part only (counters zero): what every frontend but one gets, so counters
@@ -118,7 +128,7 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
 def _has_details(out: EngineCoreOutput) -> bool:
     return (out.finish_reason is not None or out.new_logprobs is not None
             or out.new_prompt_logprobs is not None or out.error is not None
-            or out.pooled is not None)
+            or out.pooled is not None or out.scheduled_ts != 0.0)
 
 
 class OutputBatch(msgspec.Struct, **_WIRE):
@@ -269,7 +279,8 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+# (and Heartbeat.steps)
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):
@@ -342,6 +353,10 @@ class ControlResponse(msgspec.Struct, tag="control", **_WIRE):
 
 class Heartbeat(msgspec.Struct, tag="hb", **_WIRE):
     """Sent when nothing else was for a while, so a remote frontend can tell "idle" from "dead"."""
+
+    # Engine steps finished so far: a frontend whose requests wait (behind other frontends'
+    # work, or through prefill chunks that output nothing) sees progress, not a stall.
+    steps: int = 0
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_WIRE):

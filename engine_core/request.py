@@ -30,6 +30,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
     num_preemptions: int = 0
+    # Engine-clock times for the frontend's per-request phase metrics (queue, prefill, decode):
+    # when the request entered the scheduler, and when it was first scheduled (0: not yet).
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
     prompt_logprobs_sent: int = 1  # prompt positions below this were delivered (0 never is)
     # Tokens scheduled to be sampled by steps still in flight (async scheduling, pipeline
     # parallelism): their positions exist for scheduling, their values are not known yet.

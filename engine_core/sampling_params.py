@@ -18,6 +18,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary in use
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -26,8 +27,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ``top_k`` of 0 or -1 disables top-k. ``max_tokens=None`` generates until the model's context
     is full. ``logprobs=N`` returns the top-N log-probabilities of every sampled position plus the
     sampled token's own; ``prompt_logprobs=N`` does the same for the prompt tokens. Log-probabilities
-    are those of the processed distribution: after logit bias, penalties, min_tokens masking and
-    temperature (1.0 for greedy), before top-k/top-p/min-p truncation.
+    are those of the processed distribution: after the allowed_token_ids mask, logit bias,
+    penalties, min_tokens masking and temperature (1.0 for greedy), before top-k/top-p/min-p
+    truncation; prompt log-probabilities are those of the model's raw distribution.
+
+    ``allowed_token_ids`` restricts sampling to those ids: every other logit is masked to -inf
+    before anything else is applied.
     """
 
     n: int = 1
@@ -40,6 +45,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
@@ -117,6 +123,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     f"bias must be in [-100, 100], got {bias} for token {tok}",
                 )
 
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                   "must hold at least one token id (null allows every token)")
+            _check(
+                len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids",
+                f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(self.allowed_token_ids)}",
+            )
+            _check(min(self.allowed_token_ids) >= 0, "allowed_token_ids",
+                   "token ids must be >= 0")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -134,6 +151,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ids = list(self.stop_token_ids)
         if self.logit_bias:
             ids.extend(self.logit_bias)
+        if self.allowed_token_ids:
+            ids.extend(self.allowed_token_ids)
         return max(ids, default=-1)
 
     def child(self, index: int) -> SamplingParams:

@@ -11,6 +11,7 @@ recomputed from scratch (its already generated tokens become part of what it rec
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -63,6 +64,10 @@ class Scheduler:
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
         self._generation_tokens_step = 0
+        self._step_tokens: list[int] = []  # tokens scheduled by each step since the last report
+        # Scheduled for the first time, first token not out yet: that output carries the
+        # request's queue and schedule times (for the frontend's phase metrics).
+        self._awaiting_first: dict[str, Request] = {}
 
     # --- intake -----------------------------------------------------------------------------
 
@@ -71,6 +76,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         # Its one length limit: max_tokens or the model's context, whichever comes first.
         request.length_limit = min(request.length_limit, self.max_model_len)
+        request.queued_ts = time.monotonic()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -107,6 +113,7 @@ class Scheduler:
         num_scheduled: list[int] = []
         new_reqs: list[NewRequestData] = []
         preempted_now = False
+        now = 0.0  # taken once, at the first request scheduled for the first time
 
         # Hot loop (every running request, every step): locals instead of attribute lookups,
         # the pending-token count inlined, and each request's counters advanced as soon as it is
@@ -196,8 +203,13 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 req.num_computed_tokens = 0
                 break
-            self.kv.record_lookup(req.num_tokens, num_hit)
+            self.kv.record_lookup(req, num_hit)
             self.waiting.popleft()
+            if not req.scheduled_ts:
+                if not now:
+                    now = time.monotonic()
+                req.scheduled_ts = now
+                self._awaiting_first[req.request_id] = req
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -231,6 +243,7 @@ class Scheduler:
             return out  # nothing runs; the workers learn of finished requests next time
         self._finished_ids = []
         self._step_id += 1
+        self._step_tokens.append(total)
         # Computed counts advance when scheduled, so the next step can be planned before this
         # one's results are back; a request that reaches its end samples a token this step.
         # (Running requests were advanced in the loop above; these are the admitted ones.)
@@ -332,6 +345,7 @@ class Scheduler:
         requests = self.requests
         max_len = self.max_model_len
         finished = RequestStatus.FINISHED
+        awaiting = self._awaiting_first
         generated = 0
         for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
             req = requests.get(rid)
@@ -339,6 +353,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             if req.num_placeholders:
                 req.num_placeholders -= 1
+            # (Taken before a finish here releases the request.)
+            first = awaiting.pop(rid, None) if awaiting else None
             if len(tokens) != 1:
                 out = EngineCoreOutput(rid, self._append_tokens(req, tokens))
                 generated += len(out.new_token_ids)
@@ -354,6 +370,8 @@ class Scheduler:
                 if (token in req.stop_candidates or len(all_ids) >= req.length_limit) \
                         and req.check_stop(token, max_len):
                     self._finish_output(req, out)
+            if first is not None:
+                _first_output(first, out)
             outputs.append(out)
         return generated
 
@@ -363,6 +381,7 @@ class Scheduler:
         has_prompt_lp = bool(result.prompt_logprobs)
         requests = self.requests
         finished = RequestStatus.FINISHED
+        awaiting = self._awaiting_first
         generated = 0
         for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
             req = requests.get(rid)
@@ -370,6 +389,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             if req.num_placeholders:
                 req.num_placeholders -= 1
+            first = awaiting.pop(rid, None) if awaiting else None
             accepted = self._append_tokens(req, tokens)
             generated += len(accepted)
             out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
@@ -377,6 +397,8 @@ class Scheduler:
                 out.new_logprobs = logprobs.slice(row, row + len(accepted))
             if has_prompt_lp:
                 self._attach_prompt_logprobs(req, result, out)
+            if first is not None:
+                _first_output(first, out)
             if req.status is finished:
                 self._finish_output(req, out)
             outputs.append(out)
@@ -408,10 +430,12 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prompt_tokens=self._prompt_tokens_step,
             num_generation_tokens=num_generation_tokens,
+            iteration_tokens=self._step_tokens,
         )
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
         self._generation_tokens_step = 0
+        self._step_tokens = []
         return stats
 
     # --- internals --------------------------------------------------------------------------
@@ -445,6 +469,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        if self._awaiting_first:
+            self._awaiting_first.pop(req.request_id, None)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -458,3 +484,10 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         self.waiting.appendleft(req)
 
+
+def _first_output(req: Request, out: EngineCoreOutput) -> None:
+    """Mark a request's first output with tokens: its prefix-cache hit and its queue and
+    schedule times (the frontend turns them into per-request phase metrics)."""
+    out.queued_ts = req.queued_ts
+    out.scheduled_ts = req.scheduled_ts
+    out.num_cached_tokens = max(req.num_cached_tokens, 0)

@@ -40,7 +40,12 @@ def validate_request(
         )
     top = params.max_vocab_id_used()
     if top >= vocab:
-        where = "stop_token_ids" if top in params.stop_token_ids else "logit_bias"
+        if top in params.stop_token_ids:
+            where = "stop_token_ids"
+        elif params.logit_bias and top in params.logit_bias:
+            where = "logit_bias"
+        else:
+            where = "allowed_token_ids"
         raise RequestValidationError(
             f"token id {top} in {where} is outside the vocabulary [0, {vocab})", where
         )

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -34,8 +35,10 @@ from tidal.engine_core.control import (
 from tidal.engine_core.protocol import EngineCoreRequest, OutputBatch, SchedulerStats
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.engine_core.validation import validate_request
+from tidal.frontend.beam_search import AsyncBeamSearchRun, BeamSearchParams, beam_search_stream
 from tidal.frontend.output_processor import OutputCollector, OutputProcessor, StepRecord
 from tidal.frontend.outputs import EmbeddingOutput, RequestOutput
+from tidal.frontend.prompt_inputs import PromptType, parse_prompt, with_salt
 from tidal.frontend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,12 @@ _INLINE_TOKENIZE_CHARS = 2048
 
 class EngineDeadError(RuntimeError):
     """The engine (or one of its workers) died; every in-flight and new request fails with it."""
+
+
+class EngineUnavailableError(EngineDeadError):
+    """The engine reached by address is gone for now (it died, shut down or went silent): the
+    requests in flight then fail with it, and new ones until the client has reconnected to an
+    EngineCore at the same address."""
 
 
 class RequestFailedError(RuntimeError):
@@ -60,6 +69,8 @@ class AsyncEngineClient(Protocol):
     """
 
     config: EngineConfig  # resolved (KV blocks known)
+    # time.monotonic() of the engine's latest sign of progress (a step finished)
+    last_progress: float
 
     def attach(self, on_outputs: Callable[[OutputBatch], None],
                on_dead: Callable[[EngineDeadError], None]) -> None:
@@ -96,8 +107,12 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer, stream_interval)
         self._dead: BaseException | None = None
+        # Since when this frontend has had requests in the engine, if none was progress since.
+        self._busy_since = time.monotonic()
         self._observers: list[StatObserver] = []
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-tokenize")
+        # Running beam searches by request id (``abort`` ends them too).
+        self.beam_searches: dict[str, AsyncBeamSearchRun] = {}
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, mode: str = "process",
@@ -171,10 +186,20 @@ class AsyncLLM:
 
     def _raise_if_dead(self) -> None:
         # The client may know before it told us (e.g. it was never attached to a loop).
-        if self._dead is None and self.client.dead_error is not None:
-            self._mark_dead(self.client.dead_error)
+        if self._dead is None and (lost := self.client.dead_error) is not None:
+            if isinstance(lost, EngineUnavailableError):
+                raise EngineUnavailableError(str(lost))  # for now: the client reconnects
+            self._mark_dead(lost)
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+
+    def seconds_without_progress(self) -> float:
+        """How long this frontend's unfinished requests have waited without the engine
+        finishing a step (0.0 with none): the server's measure of a stalled engine."""
+        if not self.processor.requests:
+            return 0.0
+        since = max(self._busy_since, self.client.last_progress)
+        return max(0.0, time.monotonic() - since)
 
     async def control(self, call: ControlCall) -> ControlResult:
         """Run a typed control call in the engine; returns ``type(call).result_type``."""
@@ -202,16 +227,21 @@ class AsyncLLM:
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   add_generation_prompt: bool = True,
-                                  chat_template: str | None = None) -> list[int]:
+                                  chat_template: str | None = None,
+                                  continue_final_message: bool = False) -> list[int]:
+        """``continue_final_message``: leave the last message open for the model to continue
+        (HF's argument; exclusive with ``add_generation_prompt``)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, apply_chat_template,
-                                          self.tokenizer, messages, add_generation_prompt,
-                                          chat_template)
+        return await loop.run_in_executor(
+            self._tokenize_pool,
+            lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                        chat_template,
+                                        continue_final_message=continue_final_message))
 
     async def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: PromptType,
         params: SamplingParams,
         *,
         collector: OutputCollector | None = None,
@@ -223,11 +253,14 @@ class AsyncLLM:
         requests through one). Raises ``ValueError`` for an invalid request (nothing reaches
         the engine then) and ``EngineDeadError``."""
         self._raise_if_dead()
-        text = prompt if isinstance(prompt, str) else None
-        if self.tokenizer is None and (text is not None or params.stop):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        if isinstance(prompt, Mapping):  # vLLM's prompt dicts (tidal.frontend.prompt_inputs)
+            parsed = parse_prompt(prompt)
+            text, ids, cache_salt = parsed.text, parsed.token_ids, with_salt(parsed, cache_salt)
+        if self.tokenizer is None and (ids is None or params.stop):
             raise ValueError("text prompts and stop strings need a tokenizer "
                              "(this engine was started with skip_tokenizer_init)")
-        ids = await self.tokenize(prompt) if text is not None else list(prompt)
+        ids = await self.tokenize(text) if ids is None else list(ids)
         validate_request(ids, params, self.config)
         self._raise_if_dead()  # tokenizing may have waited
         self._attach()
@@ -239,7 +272,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: PromptType,
         params: SamplingParams,
         request_id: str,
         *,
@@ -294,9 +327,18 @@ class AsyncLLM:
             if not done:
                 self.abort_quietly([request_id])
 
+    def beam_search(self, prompt: PromptType, params: BeamSearchParams, request_id: str, *,
+                    cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Beam search (``tidal.frontend.beam_search``), as vLLM's ``beam_search``: yields one
+        output when the search ends, a completion per returned beam, best first.
+        ``abort(request_id)`` ends it early (its open beams finish with ``abort``)."""
+        return beam_search_stream(self, prompt, params, request_id, cache_salt)
+
     async def abort(self, request_id: str) -> None:
         """End a request: the engine stops it, and its stream ends with a last output whose
         finish reason is ``abort``."""
+        if (search := self.beam_searches.get(request_id)) is not None:
+            search.abort()
         self._abort_in_engine(self.processor.finish_aborted(request_id))
 
     def abort_quietly(self, request_ids: list[str]) -> None:
@@ -314,6 +356,8 @@ class AsyncLLM:
     # --- outputs ------------------------------------------------------------------------------
 
     def _attach(self) -> None:
+        if not self.processor.requests:  # work begins: no progress was owed before now
+            self._busy_since = time.monotonic()
         self.client.attach(self._on_outputs, self._mark_dead)
 
     def _on_outputs(self, batch: OutputBatch) -> None:
@@ -328,6 +372,11 @@ class AsyncLLM:
     def _mark_dead(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
             f"the engine failed: {exc}")
+        if isinstance(err, EngineUnavailableError):
+            # Not for good: the client reconnects. What ran there is lost all the same.
+            logger.error("engine unavailable: %s", err)
+            self.processor.fail_all(err)
+            return
         if self._dead is None:
             logger.error("engine is dead: %s", err)
             self._dead = err

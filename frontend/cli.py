@@ -15,21 +15,20 @@ import os
 import sys
 from typing import Any
 
+from tidal.engine_core.cli import HelpFormatter, apply_log_level
 from tidal.engine_core.config import EngineArgs
-from tidal.engine_core.envs import log_level
 
 logger = logging.getLogger("tidal.cli")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     # One flag per EngineArgs field, spelled as vLLM's (shared with the engine-core command).
-    from tidal.engine_core.cli import add_engine_args
+    from tidal.engine_core.cli import add_engine_args, add_log_level_arg
 
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
                    help="HF model folder or .gguf file (default: the bundled "
                         "SmolLM2-135M-Instruct); same as --model")
-    p.add_argument("--log-level", default=log_level().lower(),
-                   choices=("debug", "info", "warning", "error"))
+    add_log_level_arg(p)
     add_engine_args(p)
 
 
@@ -48,23 +47,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
     _engine_flags(serve)
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TIDAL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or set TIDAL_API_KEY); "
+                        "default: no key")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--engine-address", default=None,
-                   help="connect to a running `engine-core` at this address instead of "
-                        "starting an engine")
+                   help="connect to a running `engine-core` at this address (tcp://HOST:PORT "
+                        "or ipc://PATH) instead of starting an engine; default: start one")
+    s.add_argument("--engine-connect-timeout", type=float, default=30.0,
+                   help="seconds to wait for the engine-core at --engine-address to answer "
+                        "(it answers once it has loaded its model)")
+    s.add_argument("--engine-stall-timeout", type=float, default=60.0,
+                   help="seconds requests may wait with no engine step finished before "
+                        "/health answers 503 engine_stalled (200 again once steps resume; "
+                        "requests in flight carry on); default: 60, longer than any healthy "
+                        "step (a JIT compile or a full GC included), yet short enough for a "
+                        "load balancer to route around a stopped or stuck engine well before "
+                        "clients time out")
     s.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template (file or inline) overriding the model's")
+                   help="a Jinja chat template (file or inline) overriding the model's; "
+                        "default: the model's")
     s.add_argument("--max-request-bytes", type=int, default=None,
-                   help="largest request body accepted (413 above)")
+                   help="largest request body accepted, in bytes (413 above); default: "
+                        "4 MiB")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     s.add_argument("--api-server-count", type=int, default=None,
                    help="API server processes sharing the port over one engine (each "
@@ -75,17 +87,55 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per streamed chunk: a stream sends its first token at once, "
                         "then every N tokens and at the end (1: every token); larger values "
                         "cost the server less per token")
+    s.add_argument("--metrics-prefix", default="tidal",
+                   help="name prefix of the /metrics families ('{prefix}:num_requests_running', "
+                        "...); the families are vLLM's (names, labels, buckets), so 'vllm' "
+                        "makes dashboards and alerts written for vLLM work unchanged")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections per API server process; at the bound a new "
+                        "connection closes the longest-idle one (no request in progress), or "
+                        "gets an immediate 503 if all are busy; default: the open-file limit "
+                        "(raised to its hard limit at start-up) less an eighth (at least 256 "
+                        "kept free), at most 65536")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has, from opening or from the first byte of its "
+                        "next request, to send a complete request header; then it is closed")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body has to arrive after its header; then the "
+                        "request gets a 408 and the connection is closed")
+    s.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="seconds an idle kept-alive connection stays open (keep it above your "
+                        "load balancer's idle timeout)")
+    s.add_argument("--root-path", default="",
+                   help="URL path prefix under which a proxy publishes the server (vLLM's "
+                        "--root-path), e.g. /llm: every route answers both at /llm/... and at "
+                        "its own path (for a proxy that strips the prefix); default: none")
+    s.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count generation requests in flight (completions, chat, embeddings; "
+                        "over every API server process) for GET /load; without it /load "
+                        "reports 0, as in vLLM")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details (how many prompt tokens came from the "
+                        "prefix cache) to responses")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="show logprob tokens as 'token_id:<id>' (a request's own "
+                        "return_tokens_as_token_ids overrides this)")
 
-    gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout",
+                         description="Generate a continuation of one prompt and stream the text "
+                                     "to stdout (log lines go to stderr).",
+                         formatter_class=HelpFormatter)
+    gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     _engine_flags(gen)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     return parser
 
 
 def _setup_logging(level: str) -> None:
+    apply_log_level(level)  # the engine and worker processes started from here log alike
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -100,7 +150,8 @@ def _chat_template(value: str | None) -> str | None:
         raise SystemExit(f"tidal: cannot read --chat-template {value}: {exc.strerror}") from None
 
 
-def _start_engine(engine_args: EngineArgs, address: str | None, stream_interval: int = 1) -> Any:
+def _start_engine(engine_args: EngineArgs, address: str | None, stream_interval: int = 1,
+                  connect_timeout: float | None = None) -> Any:
     from tidal.frontend.async_llm import AsyncLLM, EngineDeadError
     from tidal.frontend.mp_client import EngineStartupError
 
@@ -110,18 +161,47 @@ def _start_engine(engine_args: EngineArgs, address: str | None, stream_interval:
         # The engine's own config (model, limits) wins; only the tokenizer may be overridden,
         # for a frontend on a host where the engine's model path does not exist.
         return AsyncLLM.from_address(address, tokenizer=engine_args.tokenizer,
-                                     stream_interval=stream_interval)
+                                     timeout_s=connect_timeout, stream_interval=stream_interval)
     except (ValueError, OSError, EngineStartupError, EngineDeadError) as exc:
+        if address is not None:
+            raise SystemExit(
+                f"tidal: could not connect to the engine-core at {address} ({exc}).\n"
+                f"Start it first (`engine-core --listen {address} [engine flags]`), check the "
+                "address and that this host can reach it, or leave out --engine-address to "
+                "start an engine in this server. An engine-core answers once its model is "
+                "loaded: --engine-connect-timeout SECONDS waits longer.") from None
         # ConfigError and a missing model are ValueError / FileNotFoundError.
         raise SystemExit(f"tidal: cannot start the engine: {exc}") from None
 
 
 def _server_settings(ns: argparse.Namespace) -> Any:
     from tidal.frontend.server.sampling import ServerLimits
-    from tidal.frontend.server.state import ServerSettings
+    from tidal.frontend.server.state import ServerSettings, normalize_root_path
 
     if ns.stream_interval < 1:
         raise SystemExit(f"tidal: --stream-interval must be >= 1, got {ns.stream_interval}")
+    from tidal.frontend.server.metrics import check_prefix
+
+    try:
+        check_prefix(ns.metrics_prefix)
+    except ValueError as exc:
+        raise SystemExit(f"tidal: --metrics-prefix: {exc}") from None
+    if not ns.engine_stall_timeout > 0:
+        raise SystemExit(f"tidal: --engine-stall-timeout must be > 0 seconds, got "
+                         f"{ns.engine_stall_timeout}")
+    if not ns.engine_connect_timeout > 0:
+        raise SystemExit(f"tidal: --engine-connect-timeout must be > 0, got "
+                         f"{ns.engine_connect_timeout}")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(ns, flag) > 0:
+            raise SystemExit(f"tidal: --{flag.replace('_', '-')} must be > 0 seconds, got "
+                             f"{getattr(ns, flag)}")
+    if ns.max_connections is not None and ns.max_connections < 1:
+        raise SystemExit(f"tidal: --max-connections must be >= 1, got {ns.max_connections}")
+    try:
+        root_path = normalize_root_path(ns.root_path)
+    except ValueError as exc:
+        raise SystemExit(f"tidal: --root-path: {exc}") from None
     limits = ServerLimits()
     if ns.max_request_bytes is not None:
         limits = ServerLimits(max_body_bytes=ns.max_request_bytes)
@@ -135,6 +215,17 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         chat_template=_chat_template(ns.chat_template),
         access_log=ns.access_log,
         stream_interval=ns.stream_interval,
+        metrics_prefix=ns.metrics_prefix,
+        engine_connect_timeout=ns.engine_connect_timeout,
+        engine_stall_timeout=ns.engine_stall_timeout,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        max_connections=ns.max_connections,
+        header_timeout=ns.header_timeout,
+        body_timeout=ns.body_timeout,
+        keep_alive_timeout=ns.keep_alive_timeout,
+        root_path=root_path,
+        enable_server_load_tracking=ns.enable_server_load_tracking,
     )
 
 
@@ -171,7 +262,8 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     settings = _server_settings(ns)
     sock = bind_socket(settings)
     try:
-        engine = _start_engine(engine_args, ns.engine_address, settings.stream_interval)
+        engine = _start_engine(engine_args, ns.engine_address, settings.stream_interval,
+                               settings.engine_connect_timeout)
     except BaseException:
         sock.close()
         raise

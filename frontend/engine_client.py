@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,8 @@ class ThreadedAsyncClient:
                           Callable[[EngineDeadError], None]] | None = None
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        # When the engine thread last finished a step (a float: written there, read anywhere).
+        self.last_progress = time.monotonic()
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -151,6 +154,7 @@ class ThreadedAsyncClient:
                     if not self._handle(*msg):
                         return
                 outs = self.core.step()
+                self.last_progress = time.monotonic()
                 if outs.outputs:
                     self._emit(OutputBatch.pack(outs.outputs, outs.timestamp,
                                                 outs.scheduler_stats))

@@ -3,6 +3,8 @@
     llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
     outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant-a"}])
+    beams = llm.beam_search(["The sky is"], BeamSearchParams(beam_width=4, max_tokens=16))
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
 from tidal.engine_core.config import EngineArgs
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.engine_core.validation import validate_request
+from tidal.frontend.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    check_beam_width,
+    step_position,
+)
 from tidal.frontend.engine_client import InprocClient
 from tidal.frontend.output_processor import OutputProcessor
 from tidal.frontend.outputs import RequestOutput
+from tidal.frontend.progress import ProgressBar
+from tidal.frontend.prompt_inputs import ParsedPrompt, PromptType, parse_prompts
 from tidal.frontend.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 if TYPE_CHECKING:
@@ -28,7 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+Prompt = PromptType
+
+# One request ready to run: prompt text (for the output), token ids, parameters, salt.
+_Encoded = tuple[str | None, list[int], SamplingParams, str | None]
 
 
 class LLM:
@@ -74,12 +86,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in the order of ``prompts``.
+        """Generate for every prompt; results in the order of ``prompts``. A prompt is text,
+        token ids, or a dict ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` with an
+        optional ``"cache_salt"`` (see ``tidal.frontend.prompt_inputs``).
 
         Every prompt and parameter set is validated before any request starts: a bad one raises
         ``ValueError`` and nothing runs.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -89,20 +103,66 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
                                  "sampling parameter sets")
-        encoded = []
+        encoded: list[_Encoded] = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            text = prompt if isinstance(prompt, str) else None
             try:
-                if text is not None and self.tokenizer is None:
-                    raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
                 if params.stop and self.tokenizer is None:
                     raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
-                ids = encode_prompt(self.tokenizer, text) if text is not None else list(prompt)
+                ids = self._token_ids(prompt)
                 validate_request(ids, params, self.config)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from exc
-            encoded.append((text, ids, params))
+            encoded.append((prompt.text, ids, params, prompt.cache_salt))
         return self._run(encoded, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (the forms ``generate`` takes), as vLLM's
+        ``LLM.beam_search``; results in the order of ``prompts`` (see
+        ``tidal.frontend.beam_search`` for the algorithm and its parameters). The beams of all
+        prompts run as one batch per step."""
+        check_beam_width(params, self.config.runner.max_logprobs)
+        step_params = params.step_params()
+        searches: list[tuple[BeamSearch, str | None]] = []
+        for i, prompt in enumerate(parse_prompts(prompts)):
+            try:
+                ids = self._token_ids(prompt)
+                validate_request(ids, step_params, self.config)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from exc
+            model = self.config.model
+            searches.append((BeamSearch(ids, params, model.eos_token_ids, model.max_model_len),
+                             prompt.cache_salt))
+        bar = ProgressBar(params.max_tokens, "Beam search steps", enabled=use_tqdm)
+        try:
+            while live := [(s, salt) for s, salt in searches if not s.done]:
+                batch: list[_Encoded] = [(None, tokens, step_params, salt)
+                                         for s, salt in live for tokens in s.step_prompts()]
+                outs = self._run(batch, use_tqdm=False)
+                pos = 0
+                for s, _ in live:
+                    n = len(s.live)
+                    if s.steps == 0:
+                        s.num_cached_tokens = outs[pos].num_cached_tokens
+                    s.advance([step_position(o) for o in outs[pos:pos + n]])
+                    pos += n
+                bar.update(1)
+        finally:
+            bar.close()
+        return [BeamSearchOutput(s.sequences(self.tokenizer), s.num_cached_tokens)
+                for s, _ in searches]
+
+    def _token_ids(self, prompt: ParsedPrompt) -> list[int]:
+        if prompt.token_ids is not None:
+            return prompt.token_ids
+        assert prompt.text is not None
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
+        return encode_prompt(self.tokenizer, prompt.text)
 
     def chat(
         self,
@@ -120,19 +180,17 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, encoded: list[tuple[str | None, list[int], SamplingParams]],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded: list[_Encoded], use_tqdm: bool) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
         order: dict[str, int] = {}
-        for i, (text, ids, params) in enumerate(encoded):
+        for i, (text, ids, params, salt) in enumerate(encoded):
             rid = str(next(self._ids))
             order[rid] = i
             final = _final_only(params)
-            for req in processor.add_request(rid, text, ids, final):
+            for req in processor.add_request(rid, text, ids, final, cache_salt=salt):
                 self.engine.add_request(req)
         results: list[RequestOutput | None] = [None] * len(encoded)
-        bar = tqdm(total=len(encoded), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        bar = ProgressBar(len(encoded), "Processed prompts", enabled=use_tqdm)
         start = time.perf_counter()
         n_in = n_out = 0
         try:
@@ -146,10 +204,9 @@ class LLM:
                     if out.finished:
                         results[order[out.request_id]] = out
                         n_in += len(out.prompt_token_ids)
-                        bar.update(1)
                         elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"in: {n_in / elapsed:.0f} tok/s, "
-                                            f"out: {n_out / elapsed:.0f} tok/s", refresh=False)
+                        bar.update(1, f"in: {n_in / elapsed:.0f} tok/s, "
+                                      f"out: {n_out / elapsed:.0f} tok/s")
         except BaseException:
             # Leave the engine clean so this LLM keeps working after an interrupt.
             for rid in list(processor.requests):
@@ -170,15 +227,3 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 
     return msgspec.structs.replace(params, output_kind=OutputKind.FINAL_ONLY)
 
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    for p in prompts:
-        if not isinstance(p, str | list | tuple):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                             f"{type(p).__name__}")
-    return [p if isinstance(p, str) else list(p) for p in prompts]

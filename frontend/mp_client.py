@@ -10,7 +10,11 @@ crash raises ``EngineStartupError`` with the engine's error at once, never a han
 Death of the engine is noticed through the process sentinel (spawned), an ``EngineDead`` message
 (the engine failed or shut down), a ROUTER that can no longer route to it, or, for an engine
 reached by address, ``heartbeat_timeout_s`` without any message (it heartbeats while idle).
-All of them raise ``EngineDeadError``.
+All of them raise ``EngineDeadError``: for good with a spawned engine; with one reached by
+address, ``MPAsyncClient`` reconnects when an EngineCore answers there again (its errors
+meanwhile are ``EngineUnavailableError``). A stall is not a death: an engine on this host
+whose process is stopped (SIGSTOP) is waited for, and a watchdog that ran late (this process
+was not running) gives the engine that time back.
 
 ``MPAsyncClient`` serves ``AsyncLLM``: socket reads run as event-loop reader callbacks (no task
 or future per message); ``MPSyncClient`` serves the offline ``LLM``.
@@ -38,6 +42,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
 
 from tidal.engine_core.config import EngineConfig
@@ -73,7 +78,7 @@ from tidal.engine_core.sockets import (
     tcp_host,
     tune_socket,
 )
-from tidal.frontend.async_llm import EngineDeadError
+from tidal.frontend.async_llm import EngineDeadError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,15 @@ _SHUTDOWN_TIMEOUT_S = 10.0
 # carries the reason; the exit code alone says little).
 _LAST_WORDS_S = 0.2
 _MAX_BATCH = 64  # messages handled per reader callback before yielding to the loop
+_HANDSHAKE_POLL_S = 0.05  # how often a reconnecting handshake looks for the engine's answer
+# Reconnecting: each handshake waits this long for an answer, then a pause before the next one
+# (a fresh one: a HELLO queued for an engine that was going away may never be read).
+_RECONNECT_ATTEMPT_S = 5.0
+_RECONNECT_PAUSE_S = 0.5
+_RECONNECT_WARN_S = 60.0  # how often "still no engine" is logged
+# A watchdog that runs this much later than due means this process was not running (stopped,
+# or its event loop blocked): the engine is given that time back instead of the blame.
+_PAUSE_S = 1.0
 
 
 class EngineStartupError(RuntimeError):
@@ -114,6 +128,7 @@ class EngineConnection:
         self.engine_identity = b""
         self.client_index = -1
         self.engine_pid = 0
+        self._ready_wall_time = 0.0
         self.last_seen = time.monotonic()
         self.closed = False
         self._encoder = Encoder()
@@ -197,11 +212,40 @@ class EngineConnection:
         except BaseException:
             self.close()
             raise
+        return self._finish_handshake(ready)
+
+    async def wait_ready_async(self, timeout_s: float) -> EngineConfig:
+        """``wait_ready`` for an event loop (polls, never blocks it): reconnecting to an
+        engine reached by address. Raises ``EngineStartupError`` as ``wait_ready`` does."""
+        assert self.proc is None, "a spawned engine's handshake is waited for with wait_ready"
+        deadline = time.monotonic() + timeout_s
+        decoder: Decoder[HandshakeMessage] = Decoder(HandshakeMessage)
+        register: Decoder[EngineRegister] = Decoder(EngineRegister)
+        try:
+            while (ready := self._handshake_reply(decoder)) is None:
+                if time.monotonic() >= deadline:
+                    raise EngineStartupError(f"no EngineCore answered at {self.address} within "
+                                             f"{timeout_s:.0f} s")
+                await asyncio.sleep(_HANDSHAKE_POLL_S)
+            deadline = time.monotonic() + _REGISTER_TIMEOUT_S
+            while not self._registered(ready, register):
+                if time.monotonic() >= deadline:
+                    raise EngineStartupError(f"the EngineCore at {self.address} answered the "
+                                             f"handshake but never connected to "
+                                             f"{self.input_address}")
+                await asyncio.sleep(_HANDSHAKE_POLL_S)
+        except BaseException:
+            self.close()
+            raise
+        return self._finish_handshake(ready)
+
+    def _finish_handshake(self, ready: Ready) -> EngineConfig:
         self._handshake.close(linger=0)
         self.config = ready.config
         self.engine_identity = ready.engine_identity
         self.client_index = ready.client_index
         self.engine_pid = ready.engine_pid
+        self._ready_wall_time = time.time()
         if self.heartbeat_timeout_s is not None:
             # Never stricter than a few of the engine's own heartbeat periods.
             self.heartbeat_timeout_s = max(self.heartbeat_timeout_s,
@@ -223,16 +267,8 @@ class EngineConnection:
             wait_ms = None if deadline is None else max(0, (deadline - time.monotonic()) * 1000)
             events = dict(poller.poll(wait_ms))
             if self._handshake in events:
-                try:
-                    msg = decoder.decode(self._handshake.recv_multipart())
-                except SerialDecodeError as exc:
-                    raise EngineStartupError(f"bad handshake from {self.address}: {exc}") from exc
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, HandshakeFailed):
-                    if self.proc is not None:
-                        self.proc.join(_SHUTDOWN_TIMEOUT_S)  # it exits by itself; let it
-                    raise EngineStartupError(f"the EngineCore failed to start: {msg.error}")
+                if (ready := self._handshake_reply(decoder)) is not None:
+                    return ready
                 continue
             if self.proc is not None and self.proc.sentinel in events:
                 # Its error may still be on the way (sent just before it exited).
@@ -246,6 +282,34 @@ class EngineConnection:
                 raise EngineStartupError(f"no EngineCore answered at {self.address} within "
                                          f"{timeout_s:.0f} s")
 
+    def _handshake_reply(self, decoder: Decoder[HandshakeMessage]) -> Ready | None:
+        """The engine's ``Ready`` if its answer is waiting (None if not); raises
+        ``EngineStartupError`` for a refusal or an answer that does not decode."""
+        while self._handshake.poll(0):
+            try:
+                msg = decoder.decode(self._handshake.recv_multipart())
+            except SerialDecodeError as exc:
+                raise EngineStartupError(f"bad handshake from {self.address}: {exc}") from exc
+            if isinstance(msg, Ready):
+                return msg
+            if isinstance(msg, HandshakeFailed):
+                if self.proc is not None:
+                    self.proc.join(_SHUTDOWN_TIMEOUT_S)  # it exits by itself; let it
+                raise EngineStartupError(f"the EngineCore failed to start: {msg.error}")
+        return None
+
+    def _registered(self, ready: Ready, decoder: Decoder[EngineRegister]) -> bool:
+        """Whether the engine's ``EngineRegister`` arrived (reads what waits, never blocks)."""
+        while self.router.poll(0):
+            identity, *frames = self.router.recv_multipart()
+            try:
+                msg = decoder.decode(frames)
+            except SerialDecodeError:
+                continue
+            if identity == ready.engine_identity and msg.engine_identity == identity:
+                return True
+        return False
+
     def _await_register(self, ready: Ready) -> None:
         """Wait until the engine's DEALER is connected to our ROUTER (before that, requests sent
         to it could not be routed)."""
@@ -254,12 +318,7 @@ class EngineConnection:
         while (remaining := deadline - time.monotonic()) > 0:
             if not self.router.poll(remaining * 1000):
                 break
-            identity, *frames = self.router.recv_multipart()
-            try:
-                msg = decoder.decode(frames)
-            except SerialDecodeError:
-                continue
-            if identity == ready.engine_identity and msg.engine_identity == identity:
+            if self._registered(ready, decoder):
                 return
         raise EngineStartupError(f"the EngineCore at {self.address} answered the handshake but "
                                  f"never connected to {self.input_address}")
@@ -293,9 +352,36 @@ class EngineConnection:
         return bool(self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def heartbeat_expired(self) -> bool:
-        return (self.heartbeat_timeout_s is not None
-                and time.monotonic() - self.last_seen > self.heartbeat_timeout_s
-                and not self.has_pending())
+        """No message for longer than the heartbeat timeout, and the engine is not merely
+        stopped: a stopped engine on this host (SIGSTOP, a debugger) is given a fresh deadline
+        each time this is asked, so it has the whole timeout to speak once it runs again."""
+        if (self.heartbeat_timeout_s is None
+                or time.monotonic() - self.last_seen <= self.heartbeat_timeout_s
+                or self.has_pending()):
+            return False
+        if self.engine_stopped():
+            self.last_seen = time.monotonic()
+            return False
+        return True
+
+    def engine_stopped(self) -> bool:
+        """Whether the engine's process is on this host and stopped (not dead, not running).
+        Only asked of an engine reached through ipc or loopback, whose pid is one of ours."""
+        if not self.engine_pid or not (self.proc is not None or self.is_local):
+            return False
+        try:
+            engine = psutil.Process(self.engine_pid)
+            # A pid reused since the handshake is another process: not our engine.
+            return (engine.create_time() <= self._ready_wall_time
+                    and engine.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP))
+        except psutil.Error:
+            return False
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the engine runs on this host (ipc, or TCP through loopback)."""
+        host = tcp_host(self.address)
+        return host is None or is_loopback(host)
 
     def exit_error(self) -> EngineDeadError:
         """The error for a spawned engine process that exited."""
@@ -385,18 +471,35 @@ class MPAsyncClient:
     hands each step's ``OutputBatch`` to the ``on_outputs`` handler right there (no task or
     queue per message), and resolves control calls. The loop is bound on first use; a new loop
     (e.g. successive ``asyncio.run`` calls) rebinds it.
+
+    ``reconnect`` (an engine reached by address, not one this frontend spawned): losing the
+    engine (it shut down or died, or went silent) fails the requests in flight with
+    ``EngineUnavailableError`` (an ``EngineDeadError``), as do new ones, until an EngineCore
+    answers at the same address again: a fresh handshake, and the client serves again. An
+    engine serving another model there is refused (logged; the client keeps trying).
+
+    ``last_progress``: when the engine last showed progress on work (``time.monotonic()``): an
+    output, or a heartbeat whose step count moved.
     """
 
-    def __init__(self, conn: EngineConnection) -> None:
+    def __init__(self, conn: EngineConnection, *, reconnect: bool = False,
+                 connect_kwargs: dict[str, Any] | None = None) -> None:
         assert conn.config is not None, "finish the handshake first (wait_ready)"
         self.conn = conn
         self.config = conn.config
+        self.last_progress = time.monotonic()
+        self._reconnect = reconnect and conn.proc is None
+        self._connect_kwargs = dict(connect_kwargs or {})
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._steps_seen = -1
+        self._shut_down = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_outputs: Callable[[OutputBatch], None] | None = None
         self._on_dead: Callable[[EngineDeadError], None] | None = None
         self._calls: dict[int, asyncio.Future[ControlResult]] = {}
         self._call_ids = itertools.count()
         self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_due = 0.0
         self._dead: EngineDeadError | None = None
         self._outbox: list[FrontendMessage] = []
         self._flush_handle: asyncio.Handle | None = None
@@ -408,11 +511,12 @@ class MPAsyncClient:
         return cls(conn)
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float | None = None,
+    def connect(cls, address: str, timeout_s: float | None = None, *, reconnect: bool = True,
                 **kwargs: Any) -> MPAsyncClient:
+        """Connect to a running EngineCore; ``reconnect`` (default) rides out its restarts."""
         conn = EngineConnection.connect(address, **kwargs)
         conn.wait_ready(timeout_s)
-        return cls(conn)
+        return cls(conn, reconnect=reconnect, connect_kwargs=kwargs)
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -444,10 +548,14 @@ class MPAsyncClient:
             self._calls.pop(call_id, None)
 
     def shutdown(self) -> None:
+        self._shut_down = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()  # it closes the connection it was making
+            self._reconnect_task = None
         if self._dead is None:
             self._flush()
         self._detach()
-        if self._dead is None:
+        if self._dead is None or isinstance(self._dead, EngineUnavailableError):
             self._dead = EngineDeadError("engine dead: the client was shut down")
         self.conn.close()
 
@@ -482,7 +590,7 @@ class MPAsyncClient:
             try:
                 self.conn.send(msg)
             except EngineDeadError as exc:
-                self._fail(exc)
+                self._lost(str(exc))
                 return
             except Exception as exc:  # noqa: BLE001 - the requests in it would wait forever
                 logger.exception("sending to the engine failed")
@@ -491,21 +599,35 @@ class MPAsyncClient:
 
     def _attach(self) -> None:
         loop = asyncio.get_running_loop()
-        if loop is self._loop or self.conn.closed:
+        if loop is self._loop or self.conn.closed and not self._reconnecting():
             return
         self._detach()
         self._loop = loop
+        if self._reconnecting():
+            if self._reconnect_task is None or self._reconnect_task.done():
+                self._reconnect_task = loop.create_task(self._reconnect_loop(),
+                                                        name="tidal-engine-reconnect")
+            return
         if self._dead is not None:
             return
+        self._watch(loop)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the connection in ``loop`` and watch the engine's life."""
         loop.add_reader(self.conn.pull.getsockopt(zmq.FD), self._on_readable)
         if self.conn.proc is not None:
             loop.add_reader(self.conn.proc.sentinel, self._on_engine_exit)
         elif self.conn.heartbeat_timeout_s is not None:
             self.conn.last_seen = time.monotonic()
-            self._watchdog = loop.call_later(self.conn.heartbeat_timeout_s / 4,
-                                             self._check_heartbeat)
+            self._schedule_watchdog(loop)
         # The fd is edge-triggered: anything that arrived before we watched it must be read now.
         loop.call_soon(self._on_readable)
+
+    def _schedule_watchdog(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self.conn.heartbeat_timeout_s is not None
+        period = self.conn.heartbeat_timeout_s / 4
+        self._watchdog_due = time.monotonic() + period
+        self._watchdog = loop.call_later(period, self._check_heartbeat)
 
     def _detach(self) -> None:
         loop, self._loop = self._loop, None
@@ -520,8 +642,8 @@ class MPAsyncClient:
             if not fut.done() and not fut.get_loop().is_closed():
                 fut.cancel()
         self._calls.clear()
-        if loop is None or loop.is_closed() or self.conn.closed:
-            return
+        if loop is None or loop.is_closed() or self.conn.closed or self._dead is not None:
+            return  # a dead client watches nothing (``_fail`` stopped it)
         loop.remove_reader(self.conn.pull.getsockopt(zmq.FD))
         if self.conn.proc is not None:
             loop.remove_reader(self.conn.proc.sentinel)
@@ -541,6 +663,7 @@ class MPAsyncClient:
     def _dispatch(self, msg: EngineMessage) -> None:
         match msg:
             case CoreOutputs(outputs=outputs):
+                self.last_progress = time.monotonic()
                 if self._on_outputs is None:
                     return
                 try:
@@ -555,10 +678,13 @@ class MPAsyncClient:
                         fut.set_exception(ControlCallError(msg.error))
                     else:
                         fut.set_result(msg.result)
-            case Heartbeat():
-                pass
+            case Heartbeat(steps=steps):
+                if steps != self._steps_seen:
+                    if self._steps_seen >= 0:
+                        self.last_progress = time.monotonic()
+                    self._steps_seen = steps
             case EngineDead(reason=reason):
-                self._fail(EngineDeadError(f"engine dead: {reason}"))
+                self._lost(f"engine dead: {reason}")
 
     def _on_engine_exit(self) -> None:
         assert self._loop is not None and self.conn.proc is not None
@@ -573,14 +699,81 @@ class MPAsyncClient:
         self._watchdog = None
         if self._dead is not None or self._loop is None:
             return
+        now = time.monotonic()
+        if (late := now - self._watchdog_due) > _PAUSE_S:
+            # This process (or its event loop) was not running: the engine's messages may be
+            # waiting unread rather than missing, so the engine gets that time back.
+            self.conn.last_seen = min(now, self.conn.last_seen + late)
         if self.conn.has_pending():
             self._on_readable()  # the loop was busy; the engine was not silent
+            if self._dead is not None:
+                return
         elif self.conn.heartbeat_expired():
-            self._fail(self.conn.heartbeat_error())
+            self._lost(str(self.conn.heartbeat_error()))
             return
-        assert self.conn.heartbeat_timeout_s is not None
-        self._watchdog = self._loop.call_later(self.conn.heartbeat_timeout_s / 4,
-                                               self._check_heartbeat)
+        self._schedule_watchdog(self._loop)
+
+    def _lost(self, why: str) -> None:
+        """The engine is gone (it said so, went silent, or can no longer be reached): fatal for
+        a client that does not reconnect, for now for one that does."""
+        if not self._reconnect or self._shut_down:
+            self._fail(EngineDeadError(why))
+            return
+        self._fail(EngineUnavailableError(why))
+        logger.warning("reconnecting to the EngineCore at %s; until it answers, requests fail "
+                       "with 503 engine_unavailable", self.conn.address)
+        # Goodbye: should this engine only have been paused, it drops our requests on resuming.
+        self.conn.close()
+        if self._loop is not None and not self._loop.is_closed():
+            self._reconnect_task = self._loop.create_task(self._reconnect_loop(),
+                                                          name="tidal-engine-reconnect")
+
+    def _reconnecting(self) -> bool:
+        return self._reconnect and not self._shut_down and isinstance(self._dead,
+                                                                      EngineUnavailableError)
+
+    async def _reconnect_loop(self) -> None:
+        """Handshake with whatever answers at the engine's address until one serves the same
+        model, then serve through it."""
+        address = self.conn.address
+        start = time.monotonic()
+        next_warning = start + _RECONNECT_WARN_S
+        while True:
+            try:
+                conn = EngineConnection.connect(address, **self._connect_kwargs)
+                config = await conn.wait_ready_async(_RECONNECT_ATTEMPT_S)
+            except EngineStartupError as exc:
+                logger.debug("no EngineCore at %s yet: %s", address, exc)
+            except (zmq.ZMQError, OSError) as exc:
+                logger.warning("reconnecting to %s failed: %s", address, exc)
+            except Exception:  # noqa: BLE001 - a bug; the next attempt may still succeed
+                logger.exception("reconnecting to %s failed", address)
+            else:
+                mismatch = _serving_mismatch(self.config, config)
+                if mismatch is None:
+                    self._adopt(conn)
+                    logger.info("reconnected to the EngineCore at %s (pid %d) as frontend %d "
+                                "after %.1f s", address, conn.engine_pid, conn.client_index,
+                                time.monotonic() - start)
+                    return
+                conn.close()
+                logger.error("the EngineCore now at %s serves %s; this frontend serves %s: not "
+                             "using it", address, *mismatch)
+            if time.monotonic() >= next_warning:
+                logger.warning("still no usable EngineCore at %s after %.0f s; retrying", address,
+                               time.monotonic() - start)
+                next_warning = time.monotonic() + _RECONNECT_WARN_S
+            await asyncio.sleep(_RECONNECT_PAUSE_S)
+
+    def _adopt(self, conn: EngineConnection) -> None:
+        """Serve through a fresh connection (after ``_reconnect_loop``)."""
+        self.conn = conn
+        self._reconnect_task = None
+        self._dead = None
+        self._steps_seen = -1
+        self.last_progress = time.monotonic()
+        if self._loop is not None and not self._loop.is_closed():
+            self._watch(self._loop)
 
     def _fail(self, err: EngineDeadError) -> None:
         if self._dead is not None:
@@ -593,12 +786,30 @@ class MPAsyncClient:
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._loop is not None and not self._loop.is_closed() and not self.conn.closed:
             self._loop.remove_reader(self.conn.pull.getsockopt(zmq.FD))
             if self.conn.proc is not None:
                 self._loop.remove_reader(self.conn.proc.sentinel)
         if self._on_dead is not None:
             self._on_dead(err)
+
+
+def _serving_mismatch(current: EngineConfig, new: EngineConfig) -> tuple[str, str] | None:
+    """What differs between the engine a frontend serves from and a new one at its address, as
+    far as the frontend's requests care (model, tokenizer, limits); None if nothing."""
+
+    def identity(config: EngineConfig) -> tuple[Any, ...]:
+        m = config.model
+        return (m.served_model_name, m.tokenizer, m.task, m.max_model_len, m.vocab_size,
+                m.eos_token_ids, m.chat_template, config.runner.max_logprobs)
+
+    if identity(current) == identity(new):
+        return None
+    return (f"{new.model.served_model_name} (max_model_len {new.model.max_model_len})",
+            f"{current.model.served_model_name} (max_model_len {current.model.max_model_len})")
 
 
 # --- blocking (offline LLM) --------------------------------------------------------------------

@@ -67,6 +67,15 @@ class SeqState:
     error: str | None = None
     sent_tokens: int = 0  # what DELTA outputs have delivered
     finish_sent: bool = False
+    # For metrics: on the engine's clock (its ``OutputBatch.timestamp``), when this sequence
+    # was queued and first scheduled there (0: not told) and the steps that brought its first
+    # and its latest tokens; on this process's clock, when it finished here.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    num_cached_tokens: int = 0
+    finished_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -214,6 +223,25 @@ class OutputCollector:
 
 
 @dataclass(slots=True)
+class FinishedSequence:
+    """One of a finished request's ``n`` sequences, for metrics (vLLM counts each as a request).
+
+    The phases are intervals on the engine's clock, as vLLM defines them: queue (queued ->
+    first scheduled), prefill (first scheduled -> first token), decode (first -> last token),
+    inference (first scheduled -> last token); None when the engine reported no schedule or no
+    token came (a rejected request)."""
+
+    finish_reason: str
+    e2e_latency: float  # arrival here -> finished here
+    num_generation_tokens: int
+    num_cached_tokens: int
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+
+
+@dataclass(slots=True)
 class FinishedRequest:
     """A request that finished, for metrics."""
 
@@ -224,6 +252,7 @@ class FinishedRequest:
     num_generation_tokens: int
     n: int
     max_tokens: int | None
+    sequences: list[FinishedSequence] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -233,6 +262,11 @@ class StepRecord:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
+    engine_index: int = 0
+    # Prompts of the sequences whose first token came this step (vLLM's prompt token counts):
+    # their tokens, and how many of those the prefix cache supplied.
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -350,8 +384,9 @@ class OutputProcessor:
     # --- the per-step pass --------------------------------------------------------------------
 
     def process_outputs(self, batch: OutputBatch) -> ProcessedOutputs:
-        result = ProcessedOutputs([], [], StepRecord())
+        result = ProcessedOutputs([], [], StepRecord(engine_index=batch.engine_index))
         now = time.monotonic()
+        ts = batch.timestamp
         by_id = self._by_engine_id
         details = {d.request_id: d for d in batch.details} if batch.details else None
         if batch.req_ids:
@@ -369,16 +404,18 @@ class OutputProcessor:
                 if entry is None:
                     continue  # aborted meanwhile
                 detail = details.pop(rid, None) if details else None
-                self._apply(entry[0], entry[1], new, detail, now, result)
+                self._apply(entry[0], entry[1], new, detail, now, ts, result)
         if details:
             for rid, detail in details.items():
                 entry = by_id.get(rid)
                 if entry is not None:
-                    self._apply(entry[0], entry[1], [], detail, now, result)
+                    self._apply(entry[0], entry[1], [], detail, now, ts, result)
         return result
 
     def _apply(self, state: RequestState, seq: SeqState, new_ids: list[int],
-               detail: EngineCoreOutput | None, now: float, result: ProcessedOutputs) -> None:
+               detail: EngineCoreOutput | None, now: float, ts: float,
+               result: ProcessedOutputs) -> None:
+        """``now``: this process's clock; ``ts``: the engine's, for this step."""
         if state.is_embedding:
             if detail is not None:
                 self._finish_embedding(state, seq, detail, result)
@@ -399,11 +436,21 @@ class OutputProcessor:
                 # (The n samples of a request share its metrics: one gap per step.)
                 result.record.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
+            if not seq.token_ids:  # its first tokens (``_update_seq`` appends them below)
+                seq.first_token_ts = ts
+                if detail is not None and detail.scheduled_ts:
+                    seq.queued_ts, seq.scheduled_ts = detail.queued_ts, detail.scheduled_ts
+                    seq.num_cached_tokens = detail.num_cached_tokens
+                record = result.record
+                record.prompt_tokens += len(state.prompt_token_ids)
+                record.cached_prompt_tokens += seq.num_cached_tokens
+            seq.last_token_ts = ts
         if self._update_seq(seq, new_ids, detail):
             result.abort_engine_ids.append(seq.engine_id)
         if finished_now:
             state.num_cached_tokens = max(state.num_cached_tokens, detail.num_cached_tokens)
         if seq.finished:
+            seq.finished_time = now
             self._by_engine_id.pop(seq.engine_id, None)
             state.num_open -= 1
             if state.num_open == 0:
@@ -517,4 +564,21 @@ def _finished_record(state: RequestState, now: float) -> FinishedRequest:
         num_generation_tokens=sum(len(s.token_ids) for s in state.seqs),
         n=state.params.n,
         max_tokens=state.params.max_tokens,
+        sequences=[_finished_sequence(s, state.metrics.arrival_time, now) for s in state.seqs],
     )
+
+
+def _finished_sequence(seq: SeqState, arrival: float, now: float) -> FinishedSequence:
+    done = FinishedSequence(
+        finish_reason=seq.finish_reason or "abort",
+        e2e_latency=max(0.0, (seq.finished_time or now) - arrival),
+        num_generation_tokens=len(seq.token_ids),
+        num_cached_tokens=seq.num_cached_tokens,
+    )
+    if seq.scheduled_ts and seq.token_ids:
+        # (A preemption in between counts in the phase it interrupted, as in vLLM.)
+        done.queue_time = max(0.0, seq.scheduled_ts - seq.queued_ts)
+        done.prefill_time = max(0.0, seq.first_token_ts - seq.scheduled_ts)
+        done.decode_time = max(0.0, seq.last_token_ts - seq.first_token_ts)
+        done.inference_time = max(0.0, seq.last_token_ts - seq.scheduled_ts)
+    return done

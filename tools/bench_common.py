@@ -1,5 +1,5 @@
 """Shared pieces of tidal's benchmarks: model shapes (dummy weights), the ceilings measured in the
-same run, roofline arithmetic (BENCHMARKS.md), and small statistics helpers.
+same run, roofline arithmetic (docs/BENCHMARKS.md), and small statistics helpers.
 
 Shapes are HF ``config.json`` files written into a temporary folder; ``load_format="dummy"`` then
 builds the model with random weights, so no checkpoint is needed.
@@ -68,7 +68,7 @@ def write_model_dir(shape: str, folder: Path, tokenizer: str | None = None) -> s
 
 @dataclass(frozen=True, slots=True)
 class ShapeFacts:
-    """Byte and FLOP counts of one shape (bf16), as BENCHMARKS.md defines them."""
+    """Byte and FLOP counts of one shape (bf16), as docs/BENCHMARKS.md defines them."""
 
     num_layers: int
     hidden: int

@@ -7,7 +7,7 @@ Decode: B requests with a ``--context``-token prompt are prefilled, then every `
 decodes one token for each; ms/step is the wall time of ``--steps`` consecutive steps (medians of
 ``--repeats`` windows, min-max), so it includes scheduling, input preparation, the forward (a
 CUDA graph when captured), sampling and output handling. MBU = (weights + Σ contexts · KV bytes
-per token) / step time / the HBM bandwidth measured in this run (BENCHMARKS.md).
+per token) / step time / the HBM bandwidth measured in this run (docs/BENCHMARKS.md).
 
 Prefill: ``N x L`` prompts that each produce one token, timed from the first step to the last
 output; reported as tokens/s and MFU against the bf16 matmul peak measured in this run.

@@ -1,4 +1,4 @@
-"""Online against offline (BENCHMARKS.md workload 6, issue 17): the same requests through
+"""Online against offline (docs/BENCHMARKS.md workload 6, issue 17): the same requests through
 ``LLM.generate`` and through ``tidal serve`` on one machine, plus the serving stack's own ceiling
 (``--distributed-executor-backend noop``), with every ratio of issue 17 against its target.
 
@@ -12,7 +12,7 @@
         --poisson-rate 5 --api-server-counts 1,2 \\
         --engine-args="--max-model-len 2048 --num-kv-blocks 4096 --cpu-threads 1"
 
-Requests (BENCHMARKS.md workloads 4 and 6): random token-id prompts, exact output lengths,
+Requests (docs/BENCHMARKS.md workloads 4 and 6): random token-id prompts, exact output lengths,
 ``ignore_eos``, temperature 0; online they are streamed ``/v1/completions`` with usage, sent by
 ``bench_serve.run_bench`` (its multi-process client, whose own CPU use is reported per run);
 offline the same token ids (``bench_serve.make_workload`` with the same seed) go through

@@ -1,5 +1,5 @@
-"""Online serving benchmark (BENCHMARKS.md, workload 4), against tidal or any OpenAI-compatible
-server.
+"""Online serving benchmark (docs/BENCHMARKS.md, workload 4), against tidal or any
+OpenAI-compatible server.
 
     python tools/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
         --input-len 128 --output-len 64 --request-rate inf [--max-concurrency 32]

@@ -1,4 +1,5 @@
-"""Offline throughput through the normal ``LLM`` API with dummy weights (BENCHMARKS.md 1, 2, 5).
+"""Offline throughput through the normal ``LLM`` API with dummy weights (docs/BENCHMARKS.md
+workloads 1, 2, 5).
 
     python tools/bench_throughput.py --shape qwen3-0.6b --workloads nano,fixed1024,fixed128
     python tools/bench_throughput.py --compare-hf            # HF generate() on the same shape
@@ -15,7 +16,8 @@ Workloads:
 Each workload reports output and total tokens/s (median and min-max of ``--repeats`` runs; the
 prefix cache is reset between runs) and the ratio to a roofline lower bound computed from the same
 requests: every decode step reads the weights once, every sequence's KV once per step
-(BENCHMARKS.md), prefill costs 2·params FLOPs per prompt token at the measured matmul peak.
+(docs/BENCHMARKS.md), prefill costs 2·params FLOPs per prompt token at the measured matmul
+peak.
 
 ``--compare-hf``: HF transformers ``generate()`` (greedy, dynamic cache) on the same shape and
 random weights, batch 1 and 128, prompt 128, 256 new tokens, next to tidal on the same requests.

@@ -36,6 +36,7 @@ class RowExtras:
     prompt_logprobs_from: int
     logit_bias: tuple[np.ndarray, np.ndarray] | None  # (token ids, biases)
     stop_ids: np.ndarray  # tokens banned until min_tokens is reached
+    allowed_ids: np.ndarray | None = None  # the only tokens it may sample (allowed_token_ids)
 
 
 class InputBatch:
@@ -108,6 +109,12 @@ class InputBatch:
                 raise ValueError(f"logit_bias token id outside the vocabulary [0, {vocab_size})")
             vals = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
             bias = (ids, vals)
+        allowed = None
+        if p.allowed_token_ids is not None:
+            allowed = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+            if allowed.size and (allowed[0] < 0 or allowed[-1] >= vocab_size):
+                raise ValueError(f"allowed_token_ids holds a token id outside the vocabulary "
+                                 f"[0, {vocab_size})")
         stop_ids = np.unique(np.concatenate((self.eos_token_ids,
                                              np.asarray(p.stop_token_ids, dtype=np.int64))))
         stop_ids = stop_ids[(stop_ids >= 0) & (stop_ids < vocab_size)]
@@ -117,7 +124,8 @@ class InputBatch:
         self.row_of[new.req_id] = row
         self._membership += 1
         self.generation[row] += 1
-        self.extras[row] = RowExtras(new.req_id, p, new.prompt_logprobs_from, bias, stop_ids)
+        self.extras[row] = RowExtras(new.req_id, p, new.prompt_logprobs_from, bias, stop_ids,
+                                     allowed)
 
         self.token_ids[row, :n_prompt] = new.prompt_token_ids
         self.token_ids[row, n_prompt:n_prompt + n_out] = new.output_token_ids
@@ -148,6 +156,7 @@ class InputBatch:
             or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0 or bias is not None or p.min_tokens > 0
             or (p.seed is not None and p.temperature > 0) or p.logprobs is not None
+            or allowed is not None
         )
 
     def remove(self, req_id: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.frontend.server.errors import APIError
+from tidal.frontend.server.errors import APIError, engine_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +34,25 @@ logger = logging.getLogger(__name__)
 class AdmissionBoard:
     """Admission counts shared by the API server processes of one server.
 
-    Rows ``0..count-1``: (sequences pending a first token, sequences in flight) of each process;
-    row ``count``, column 0: the engine's latest ``num_waiting``. Each cell is written by one
-    process at a time (its own row; the waiting count by whichever process got the report), and
-    a read may mix rows from slightly different moments: fine for an estimate.
+    Rows ``0..count-1``: (sequences pending a first token, sequences in flight, HTTP requests
+    counted by ``GET /load``) of each process; row ``count``, column 0: the engine's latest
+    ``num_waiting``. Each cell is written by one process at a time (its own row; the waiting
+    count by whichever process got the report), and a read may mix rows from slightly different
+    moments: fine for an estimate.
     """
 
     __slots__ = ("_cells", "_row")
+    _COLUMNS = 3
 
     def __init__(self, cells: np.ndarray, index: int) -> None:
-        self._cells = cells.reshape(-1, 2)
+        self._cells = cells.reshape(-1, self._COLUMNS)
         self._row = self._cells[index]
 
     @staticmethod
     def allocate(count: int, ctx: Any) -> Any:
         """Shared memory for ``count`` processes (a ``multiprocessing`` ``RawArray``, which
         can be handed to spawned processes)."""
-        return ctx.RawArray("q", 2 * (count + 1))
+        return ctx.RawArray("q", AdmissionBoard._COLUMNS * (count + 1))
 
     @classmethod
     def attach(cls, raw: Any, index: int) -> AdmissionBoard:
@@ -58,7 +60,14 @@ class AdmissionBoard:
 
     @classmethod
     def private(cls) -> AdmissionBoard:
-        return cls(np.zeros(4, dtype=np.int64), 0)
+        return cls(np.zeros(2 * cls._COLUMNS, dtype=np.int64), 0)
+
+    def add_load(self, delta: int) -> None:
+        self._row[2] += delta
+
+    def load_total(self) -> int:
+        """Requests counted by ``GET /load``, summed over the processes."""
+        return int(self._cells[:-1, 2].sum())
 
     def publish(self, pending: int, active: int) -> None:
         row = self._row
@@ -95,6 +104,9 @@ class Admission:
     board: AdmissionBoard = field(default_factory=AdmissionBoard.private)
     draining: bool = False
     engine_dead: bool = False
+    # A standalone engine-core gone for now (the client reconnects): set and cleared by the
+    # server's engine watchdog, so a new stream gets its 503 before its 200 goes out.
+    engine_unavailable: bool = False
     tickets: set[Ticket] = field(default_factory=set)
     _pending: int = 0
     _active: int = 0  # sequences in flight (pending or producing)
@@ -131,6 +143,8 @@ class Admission:
         if self.engine_dead:
             raise APIError(503, "the engine has stopped; this server cannot take requests",
                            code="engine_dead")
+        if self.engine_unavailable:
+            raise engine_unavailable()
         if self.draining:
             raise APIError(503, "the server is shutting down and takes no new requests; retry "
                            "against another replica", code="server_draining",

@@ -16,6 +16,9 @@ Acting as one server:
 * ``--max-queued-requests``: the admission counts of all processes live on one shared
   ``AdmissionBoard``, so the limit holds for the server, not per process.
 * ``/health``, ``--api-key``: the same settings in every process.
+* ``GET /load`` (``--enable-server-load-tracking``): each process counts its requests in its
+  row of the ``AdmissionBoard``; any process answers with the sum. ``--max-connections`` and
+  the header/body timeouts hold per process.
 * SIGTERM / SIGINT go to the supervisor, which passes each on as SIGUSR1: every API server
   drains (503 to new requests, in-flight ones finish, up to ``--shutdown-timeout``) and exits;
   then the engine is stopped; exit code 0. A second signal aborts what still runs. API servers
@@ -132,7 +135,9 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     ``ConfigError``/``ValueError`` for a bad configuration."""
     from tidal.frontend.mp_client import start_engine_process, stop_process
     from tidal.frontend.server.admission import AdmissionBoard
+    from tidal.frontend.server.connections import raise_fd_limit
 
+    raise_fd_limit()  # here once: the API server processes inherit it
     config = engine_args.create_config() if engine_address is None else None
     ctx = multiprocessing.get_context("spawn")
     board = AdmissionBoard.allocate(count, ctx)
@@ -289,6 +294,7 @@ async def _serve_one(index: int, count: int, settings: ServerSettings, engine_ad
     try:
         if config_bytes is None:  # a standalone engine-core: its config comes with READY
             engine = AsyncLLM.from_address(engine_address, tokenizer=tokenizer,
+                                           timeout_s=settings.engine_connect_timeout,
                                            stream_interval=settings.stream_interval)
         else:
             # HELLO goes out now; the tokenizer loads while the engine starts (the supervisor

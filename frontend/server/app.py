@@ -4,12 +4,16 @@ Lifecycle: serve until SIGTERM/SIGINT, then drain: ``/health`` and new requests 
 in-flight requests finish, for up to ``--shutdown-timeout`` seconds; what is still running then
 is aborted (its clients see ``finish_reason="abort"``), the listener closes, the engine shuts
 down, and ``serve`` returns 0. If the engine dies, the server fails in-flight requests, turns
-``/health`` to 503, and returns 1.
+``/health`` to 503, and returns 1; a server of a standalone ``engine-core`` (``--engine-address``)
+instead stays up, answering 503 ``engine_unavailable`` until the engine is back at its address.
+A stall (requests wait, no engine step finishes for ``--engine-stall-timeout`` s) turns
+``/health`` to 503 ``engine_stalled`` until the engine makes progress again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 import logging
 import os
@@ -27,9 +31,19 @@ from tidal.engine_core.protocol import SchedulerStats
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.frontend.output_processor import StepRecord
 from tidal.frontend.server.admission import Admission, AdmissionBoard
-from tidal.frontend.server.auth import check_api_key
+from tidal.frontend.server.auth import PUBLIC_PATHS, check_api_key
 from tidal.frontend.server.common import json_response
-from tidal.frontend.server.errors import APIError, internal_error
+from tidal.frontend.server.connections import (
+    GuardedAppRunner,
+    connection_limits,
+    raise_fd_limit,
+)
+from tidal.frontend.server.errors import (
+    APIError,
+    engine_stalled,
+    engine_unavailable,
+    internal_error,
+)
 from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.frontend.server.openai_protocol import ModelCard, ModelList
 from tidal.frontend.server.serving_chat import create_chat_completion
@@ -73,7 +87,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Every error leaves as OpenAI's envelope; unexpected ones are logged, never shown."""
     state = get_state(request)
     try:
-        if state.settings.api_key is not None:
+        if (state.settings.api_key is not None
+                and route_path(request.path, state.settings.root_path) not in PUBLIC_PATHS):
             check_api_key(request, state.settings.api_key.encode("utf-8"))
         return await handler(request)
     except APIError as err:
@@ -120,12 +135,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def _engine_health(state: ServerState) -> None:
+    """503 unless the engine lives, is reachable, and makes progress on the work it has."""
+    from tidal.frontend.async_llm import EngineUnavailableError
+
     try:
         await state.engine.check_health()
-    except Exception:  # noqa: BLE001 - any failure means "not healthy"
+    except EngineUnavailableError:
+        state.admission.engine_unavailable = True
+        raise engine_unavailable() from None  # a standalone engine-core, gone for now
+    except Exception:  # noqa: BLE001 - any other failure means "not healthy", for good
         state.admission.engine_dead = True
         raise APIError(503, "the engine has stopped; this server cannot take requests",
                        code="engine_dead") from None
+    state.admission.engine_unavailable = False
+    stalled = state.engine.seconds_without_progress()
+    if stalled >= state.settings.engine_stall_timeout:
+        raise engine_stalled(stalled)
 
 
 async def version(request: web.Request) -> web.Response:
@@ -145,6 +170,39 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE})
 
 
+async def load(request: web.Request) -> web.Response:
+    """vLLM's ``GET /load``: generation requests in flight on the whole server (every API
+    server process), counted only with ``--enable-server-load-tracking``; 0 without it, as
+    vLLM answers."""
+    state = get_state(request)
+    count = state.admission.board.load_total() if state.settings.enable_server_load_tracking \
+        else 0
+    return json_response({"server_load": count})
+
+
+def _count_load(handler: Handler) -> Handler:
+    """``handler`` counted in ``/load`` while it runs (a stream until its last chunk)."""
+
+    @functools.wraps(handler)
+    async def counted(request: web.Request) -> web.StreamResponse:
+        board = get_state(request).admission.board
+        board.add_load(1)
+        try:
+            return await handler(request)
+        finally:
+            board.add_load(-1)
+
+    return counted
+
+
+def route_path(path: str, root_path: str) -> str:
+    """``path`` without the ``--root-path`` prefix, if it has it."""
+    if root_path and path.startswith(root_path) and (len(path) == len(root_path)
+                                                      or path[len(root_path)] == "/"):
+        return path[len(root_path):] or "/"
+    return path
+
+
 # --- the app -------------------------------------------------------------------------------------
 
 
@@ -160,7 +218,7 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
         settings=settings,
         admission=Admission(max_num_seqs=config.scheduler.max_num_seqs, max_queued=max_queued,
                             board=board or AdmissionBoard.private()),
-        metrics=ServerMetrics(model_name),
+        metrics=ServerMetrics.from_config(config, settings.metrics_prefix),
         model_name=model_name,
         max_model_len=config.model.max_model_len,
         task=config.model.task,
@@ -176,20 +234,29 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
 
 
 def build_app(state: ServerState) -> web.Application:
+    """The routes, each served at its path and, with ``--root-path /p``, at ``/p`` + its path
+    too: behind a proxy that strips the prefix, and for clients that send it (a proxy that
+    does not strip it, or a client talking to the server directly with the public URL)."""
     # The body limit is checked again by the handlers, to answer 413 in the API's envelope.
     app = web.Application(client_max_size=state.limits.max_body_bytes,
                           middlewares=[error_middleware])
     app[STATE_KEY] = state
-    app.router.add_get("/health", health)
-    app.router.add_get("/ping", health)
-    app.router.add_get("/version", version)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_post("/v1/embeddings", create_embedding)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    get_routes: list[tuple[str, Handler]] = [
+        ("/health", health), ("/ping", health), ("/version", version), ("/metrics", metrics),
+        ("/load", load), ("/v1/models", models)]
+    # (path, handler, counted in /load: the generation endpoints, as vLLM counts them)
+    post_routes: list[tuple[str, Handler, bool]] = [
+        ("/v1/completions", create_completion, True),
+        ("/v1/chat/completions", create_chat_completion, True),
+        ("/v1/embeddings", create_embedding, True),
+        ("/tokenize", tokenize, False), ("/detokenize", detokenize, False)]
+    tracking = state.settings.enable_server_load_tracking
+    for prefix in ("", state.settings.root_path) if state.settings.root_path else ("",):
+        for path, handler in get_routes:
+            app.router.add_get(prefix + path, handler)
+        for path, handler, counted in post_routes:
+            app.router.add_post(prefix + path, _count_load(handler) if counted and tracking
+                                else handler)
     return app
 
 
@@ -251,10 +318,15 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
     logger.info("%s warmed up with one request in %.3f s", label, seconds)
     state = create_state(engine, settings, board)
     app = build_app(state)
+    limits = connection_limits(settings, raise_fd_limit())
+    logger.info("%s: at most %d connections (--max-connections), header timeout %g s, body "
+                "timeout %g s, keep-alive %g s", label, limits.max_connections,
+                limits.header_timeout, limits.body_timeout, limits.keep_alive_timeout)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
     # requests in the engine (non-streaming ones included).
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0,
-                           access_log=logger if settings.access_log else None)
+    runner = GuardedAppRunner(app, limits, on_error=state.metrics.error,
+                              handler_cancellation=True, shutdown_timeout=2.0,
+                              access_log=logger if settings.access_log else None)
     await runner.setup()
     try:
         if sock is None:
@@ -319,15 +391,44 @@ async def _drain(state: ServerState, timeout: float, force: asyncio.Event) -> No
 
 
 async def _watch_engine(state: ServerState, stop: asyncio.Event) -> None:
+    """Stop the server when the engine dies. A standalone engine-core that is gone is waited
+    for instead (the client reconnects; 503 engine_unavailable meanwhile), and a stall is only
+    logged, when it begins and when it ends (``/health`` answers 503 engine_stalled)."""
+    from tidal.frontend.async_llm import EngineUnavailableError
+
+    unavailable_since: float | None = None
+    stalled_since: float | None = None
+    timeout = state.settings.engine_stall_timeout
     # check_health also notices an engine that died while idle (no output loop running).
     while True:
         await asyncio.sleep(_ENGINE_POLL_S)
         try:
             await state.engine.check_health()
-        except Exception:  # noqa: BLE001 - any failure means the engine is gone
+        except EngineUnavailableError as exc:
+            state.admission.engine_unavailable = True
+            if unavailable_since is None:
+                unavailable_since = time.monotonic()
+                logger.error("the engine is unavailable (%s); answering 503 engine_unavailable "
+                             "until it is back", exc)
+            continue
+        except Exception:  # noqa: BLE001 - any other failure means the engine is gone
             state.admission.engine_dead = True
         if state.admission.engine_dead:
             logger.error("the engine died (%s); the server stops",
                          state.engine.dead_error or "health check failed")
             stop.set()
             return
+        if unavailable_since is not None:
+            state.admission.engine_unavailable = False
+            logger.info("the engine is back after %.1f s", time.monotonic() - unavailable_since)
+            unavailable_since = None
+        waited = state.engine.seconds_without_progress()
+        if stalled_since is None and waited >= timeout:
+            stalled_since = time.monotonic() - waited
+            logger.warning("the engine is stalled: no step finished for %.0f s while %d "
+                           "request(s) wait; /health answers 503 engine_stalled", waited,
+                           state.admission.num_in_flight)
+        elif stalled_since is not None and waited < timeout:
+            logger.warning("the engine made progress again after a stall of %.1f s",
+                           time.monotonic() - stalled_since - waited)
+            stalled_since = None

@@ -9,8 +9,9 @@ from aiohttp import web
 
 from tidal.frontend.server.errors import APIError
 
-# Probes and scrapers must work without the key (load balancers, Prometheus).
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
+# Probes and scrapers must work without the key (load balancers, Prometheus, routers
+# polling /load).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})
 
 
 def check_api_key(request: web.Request, expected: bytes) -> None:

@@ -84,12 +84,32 @@ def internal_error(request_id: str | None) -> APIError:
                     "has the details", code="internal_error")
 
 
+def engine_unavailable() -> APIError:
+    """A frontend of a standalone engine-core that is gone for now (it reconnects)."""
+    return APIError(503, "the engine is unreachable (it stopped or restarts); this server "
+                    "reconnects when it is back: retry shortly or against another replica",
+                    code="engine_unavailable", headers={"Retry-After": "1"})
+
+
+def engine_stalled(seconds: float) -> APIError:
+    """Requests wait and the engine has finished no step for ``seconds``."""
+    return APIError(503, f"the engine has made no progress for {seconds:.0f} s (stalled: "
+                    "paused, or stuck in a step); requests in flight continue if it resumes",
+                    code="engine_stalled")
+
+
 def from_exception(exc: BaseException, request_id: str | None = None) -> APIError:
     """Map an exception from validation or the engine to what the client sees."""
-    from tidal.frontend.async_llm import EngineDeadError, RequestFailedError
+    from tidal.frontend.async_llm import (
+        EngineDeadError,
+        EngineUnavailableError,
+        RequestFailedError,
+    )
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineUnavailableError):
+        return engine_unavailable()
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine has stopped and this server can no longer generate; "
                         "retry against a healthy replica", code="engine_dead")

@@ -1,10 +1,30 @@
-"""Prometheus metrics of one server (``tidal:`` prefix).
+"""Prometheus metrics of one server, in vLLM V1's shape: every family vLLM's
+``PrometheusStatLogger`` registers for a server without speculative decoding, LoRA or a KV
+connector has the same name after the prefix, the same type, labels and buckets here, so vLLM's
+dashboards and alerts work unchanged with ``--metrics-prefix vllm`` (default prefix: ``tidal``).
 
-Per-step engine state (running / waiting requests, KV usage) and engine counters (tokens,
-preemptions, prefix-cache lookups) come from ``AsyncLLM.add_stat_observer`` with the step's
-``SchedulerStats``; per-request latencies (TTFT, inter-token, end-to-end) and finish reasons from
-the step's ``StepRecord``, which the output processor fills as outputs arrive.
-``request_success`` counts finished sequences (each of a request's ``n``) by finish reason.
+Where the figures come from (vLLM's split: the engine reports state and counters, the frontend
+measures requests):
+
+* Engine state and counters (running / waiting, KV usage, preemptions, generated tokens,
+  prefix-cache lookups, tokens per step) arrive with each step's ``SchedulerStats``.
+* Per-request figures come from the step's ``StepRecord``, which the output processor fills:
+  TTFT and end-to-end latency on this process's clock; queue / prefill / decode / inference
+  times on the engine's clock (the engine sends when a request was queued and first scheduled
+  with its first output; the steps' timestamps give its first and last tokens). Prompt tokens
+  are counted as vLLM counts them: a sequence's whole prompt when its first token comes, split
+  by source (computed here, or found in the prefix cache).
+* As in vLLM, each of a request's ``n`` sequences counts as a request (success, token and
+  latency histograms); ``request_params_n`` and ``request_max_num_generation_tokens`` are
+  observed once per request. Unlike vLLM, TTFT and inter-token latency are observed once per
+  request and step (the ``n`` sequences share them).
+
+Families that stay at zero until tidal has the feature behind them: the external (KV
+connector) prefix cache and multi-modal cache counters, ``prompt_tokens_by_source`` for
+``external_kv_transfer`` and ``prompt_tokens_recomputed`` (the prefix cache never supplies a
+prompt's last token). ``engine_sleep_state`` always shows an awake engine (no sleep mode).
+``time_per_output_token_seconds`` (deprecated by vLLM 0.11 for ``inter_token_latency_seconds``,
+still read by older dashboards) is rendered as a copy of the latter.
 
 With several API server processes (``--api-server-count``) every process writes its values to
 files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode) and ``/metrics``
@@ -20,24 +40,79 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from tidal.engine_core.protocol import SchedulerStats
 from tidal.frontend.output_processor import StepRecord
 
+if TYPE_CHECKING:
+    from tidal.engine_core.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
+DEFAULT_PREFIX = "tidal"
+_PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# vLLM's buckets, verbatim (its loggers.py).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+_LABELS = ("model_name", "engine")
+# Rendered under another name too: (family, its deprecated vLLM name).
+_ALIASES = (("inter_token_latency_seconds", "time_per_output_token_seconds"),)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def check_prefix(prefix: str) -> str:
+    """``prefix`` if it can start a Prometheus metric name (``{prefix}:{family}``)."""
+    if not _PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"the metrics prefix must be letters, digits and underscores, not "
+                         f"starting with a digit (e.g. 'vllm'); got {prefix!r}")
+    return prefix
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+def cache_config_info(config: EngineConfig) -> dict[str, str]:
+    """``cache_config_info``'s labels: vLLM's names for what tidal's cache config has (the
+    prefix-hash seed stays out: it is what keeps block hashes unguessable)."""
+    cache = config.cache
+    return {
+        "block_size": str(cache.block_size),
+        "cache_dtype": "auto",  # the model's dtype
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+        "num_gpu_blocks": str(cache.num_blocks),
+        "prefix_caching_hash_algo": "sha256",
+    }
 
 
 def multiprocess_dir() -> str | None:
@@ -66,78 +141,292 @@ def observe_many(hist: Histogram, values: list[float]) -> None:
         hist._buckets[i].inc(k)
 
 
+@dataclass(slots=True)
+class _Families:
+    """The registered families (label children are made per engine, in ``_EngineSeries``)."""
+
+    running: Gauge
+    waiting: Gauge
+    sleep_state: Gauge
+    kv_usage: Gauge
+    prefix_queries: Counter
+    prefix_hits: Counter
+    external_prefix_queries: Counter
+    external_prefix_hits: Counter
+    mm_queries: Counter
+    mm_hits: Counter
+    preemptions: Counter
+    prompt_tokens: Counter
+    prompt_by_source: Counter
+    prompt_cached: Counter
+    prompt_recomputed: Counter
+    generation_tokens: Counter
+    success: Counter
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    iteration_tokens: Histogram
+    max_num_generation_tokens: Histogram
+    params_n: Histogram
+    params_max_tokens: Histogram
+    ttft: Histogram
+    itl: Histogram
+    request_tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    inference_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    prefill_kv_computed: Histogram
+
+
+@dataclass(slots=True)
+class _EngineSeries:
+    """One engine's children of every family (label values: model name, engine index)."""
+
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    prefix_queries: Counter
+    prefix_hits: Counter
+    preemptions: Counter
+    prompt_tokens: Counter
+    prompt_by_source: dict[str, Counter]
+    prompt_cached: Counter
+    generation_tokens: Counter
+    success: dict[str, Counter]
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    iteration_tokens: Histogram
+    max_num_generation_tokens: Histogram
+    params_n: Histogram
+    params_max_tokens: Histogram
+    ttft: Histogram
+    itl: Histogram
+    request_tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    inference_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    prefill_kv_computed: Histogram
+
+    @classmethod
+    def bind(cls, f: _Families, model: str, engine: str) -> _EngineSeries:
+        for state in SLEEP_STATES:  # no sleep mode: always awake
+            f.sleep_state.labels(model, engine, state).set(1 if state == "awake" else 0)
+        # Families nothing feeds yet still show a zero series, as vLLM's do.
+        for family in (f.external_prefix_queries, f.external_prefix_hits, f.mm_queries,
+                       f.mm_hits, f.prompt_recomputed):
+            family.labels(model, engine)
+        return cls(
+            running=f.running.labels(model, engine),
+            waiting=f.waiting.labels(model, engine),
+            kv_usage=f.kv_usage.labels(model, engine),
+            prefix_queries=f.prefix_queries.labels(model, engine),
+            prefix_hits=f.prefix_hits.labels(model, engine),
+            preemptions=f.preemptions.labels(model, engine),
+            prompt_tokens=f.prompt_tokens.labels(model, engine),
+            prompt_by_source={s: f.prompt_by_source.labels(model, engine, s)
+                              for s in PROMPT_SOURCES},
+            prompt_cached=f.prompt_cached.labels(model, engine),
+            generation_tokens=f.generation_tokens.labels(model, engine),
+            success={r: f.success.labels(model, engine, r) for r in FINISH_REASONS},
+            request_prompt_tokens=f.request_prompt_tokens.labels(model, engine),
+            request_generation_tokens=f.request_generation_tokens.labels(model, engine),
+            iteration_tokens=f.iteration_tokens.labels(model, engine),
+            max_num_generation_tokens=f.max_num_generation_tokens.labels(model, engine),
+            params_n=f.params_n.labels(model, engine),
+            params_max_tokens=f.params_max_tokens.labels(model, engine),
+            ttft=f.ttft.labels(model, engine),
+            itl=f.itl.labels(model, engine),
+            request_tpot=f.request_tpot.labels(model, engine),
+            e2e=f.e2e.labels(model, engine),
+            queue_time=f.queue_time.labels(model, engine),
+            inference_time=f.inference_time.labels(model, engine),
+            prefill_time=f.prefill_time.labels(model, engine),
+            decode_time=f.decode_time.labels(model, engine),
+            prefill_kv_computed=f.prefill_kv_computed.labels(model, engine),
+        )
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 2048,
+                 prefix: str = DEFAULT_PREFIX, cache_info: dict[str, str] | None = None) -> None:
         self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.prefix = check_prefix(prefix)
         self.multiprocess = multiprocess_dir() is not None
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self._aliases = {f"{prefix}:{name}": f"{prefix}:{alias}" for name, alias in _ALIASES}
         r = self.registry
-        m = self.model_name
-        # Engine state: one engine, whichever process reported it last.
-        mode = "mostrecent"
-        self.running = Gauge("tidal:num_requests_running", "Sequences in the running batch.",
-                             labels, registry=r, multiprocess_mode=mode).labels(m)
-        self.waiting = Gauge("tidal:num_requests_waiting", "Sequences waiting to be scheduled.",
-                             labels, registry=r, multiprocess_mode=mode).labels(m)
-        self.kv_usage = Gauge("tidal:kv_cache_usage_perc",
-                              "Fraction of KV cache blocks in use (1 = full).",
-                              labels, registry=r, multiprocess_mode=mode).labels(m)
-        self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens computed (prefill).",
-                                     labels, registry=r).labels(m)
-        self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.",
-                                         labels, registry=r).labels(m)
-        self.preemptions = Counter("tidal:num_preemptions", "Sequences preempted.",
-                                   labels, registry=r).labels(m)
-        self.prefix_queries = Counter("tidal:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.",
-                                      labels, registry=r).labels(m)
-        self.prefix_hits = Counter("tidal:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.",
-                                   labels, registry=r).labels(m)
-        self.ttft = Histogram("tidal:time_to_first_token_seconds",
-                              "Time from arrival to the first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=r).labels(m)
-        self.itl = Histogram("tidal:inter_token_latency_seconds",
-                             "Time between successive outputs of a request.", labels,
-                             buckets=_ITL_BUCKETS, registry=r).labels(m)
-        self.e2e = Histogram("tidal:e2e_request_latency_seconds",
-                             "Time from arrival to the last output.", labels,
-                             buckets=_E2E_BUCKETS, registry=r).labels(m)
-        success = Counter("tidal:request_success", "Finished sequences by finish reason.",
-                          labels + ["finished_reason"], registry=r)
-        self.success = {reason: success.labels(m, reason) for reason in FINISH_REASONS}
-        self.http_errors = Counter("tidal:http_request_errors",
+        labels = list(_LABELS)
+
+        def gauge(name: str, doc: str, extra: Iterable[str] = ()) -> Gauge:
+            # The engine's state: one engine, whichever process reported it last.
+            return Gauge(f"{prefix}:{name}", doc, [*labels, *extra], registry=r,
+                         multiprocess_mode="mostrecent")
+
+        def counter(name: str, doc: str, extra: Iterable[str] = ()) -> Counter:
+            return Counter(f"{prefix}:{name}", doc, [*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=tuple(buckets),
+                             registry=r)
+
+        tokens = build_1_2_5_buckets(max_model_len)
+        self._families = _Families(
+            running=gauge("num_requests_running", "Number of requests in model execution "
+                          "batches."),
+            waiting=gauge("num_requests_waiting", "Number of requests waiting to be processed."),
+            sleep_state=gauge("engine_sleep_state", "Engine sleep state; awake = 0 means engine "
+                              "is sleeping; awake = 1 means engine is awake; weights_offloaded "
+                              "= 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+                              ["sleep_state"]),
+            kv_usage=gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            prefix_queries=counter("prefix_cache_queries", "Prefix cache queries, in terms of "
+                                   "number of queried tokens."),
+            prefix_hits=counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                "cached tokens."),
+            external_prefix_queries=counter(
+                "external_prefix_cache_queries", "External prefix cache queries from KV "
+                "connector cross-instance cache sharing, in terms of number of queried tokens."),
+            external_prefix_hits=counter(
+                "external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                "cross-instance cache sharing, in terms of number of cached tokens."),
+            mm_queries=counter("mm_cache_queries", "Multi-modal cache queries, in terms of "
+                               "number of queried items."),
+            mm_hits=counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of "
+                            "cached items."),
+            preemptions=counter("num_preemptions", "Cumulative number of preemption from the "
+                                "engine."),
+            prompt_tokens=counter("prompt_tokens", "Number of prefill tokens processed."),
+            prompt_by_source=counter("prompt_tokens_by_source", "Number of prompt tokens by "
+                                     "source.", ["source"]),
+            prompt_cached=counter("prompt_tokens_cached", "Number of cached prompt tokens "
+                                  "(local + external)."),
+            prompt_recomputed=counter("prompt_tokens_recomputed", "Number of cached tokens "
+                                      "recomputed for forward pass."),
+            generation_tokens=counter("generation_tokens", "Number of generation tokens "
+                                      "processed."),
+            success=counter("request_success", "Count of successfully processed requests.",
+                            ["finished_reason"]),
+            request_prompt_tokens=histogram("request_prompt_tokens", "Number of prefill tokens "
+                                            "processed.", tokens),
+            request_generation_tokens=histogram("request_generation_tokens", "Number of "
+                                                "generation tokens processed.", tokens),
+            iteration_tokens=histogram("iteration_tokens_total", "Histogram of number of tokens "
+                                       "per engine_step.", _ITERATION_TOKEN_BUCKETS),
+            max_num_generation_tokens=histogram(
+                "request_max_num_generation_tokens", "Histogram of maximum number of requested "
+                "generation tokens.", tokens),
+            params_n=histogram("request_params_n", "Histogram of the n request parameter.",
+                               _N_BUCKETS),
+            params_max_tokens=histogram("request_params_max_tokens", "Histogram of the "
+                                        "max_tokens request parameter.", tokens),
+            ttft=histogram("time_to_first_token_seconds", "Histogram of time to first token in "
+                           "seconds.", _TTFT_BUCKETS),
+            itl=histogram("inter_token_latency_seconds", "Histogram of inter-token latency in "
+                          "seconds.", _ITL_BUCKETS),
+            request_tpot=histogram("request_time_per_output_token_seconds", "Histogram of "
+                                   "time_per_output_token_seconds per request.", _ITL_BUCKETS),
+            e2e=histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                          "seconds.", _REQUEST_LATENCY_BUCKETS),
+            queue_time=histogram("request_queue_time_seconds", "Histogram of time spent in "
+                                 "WAITING phase for request.", _REQUEST_LATENCY_BUCKETS),
+            inference_time=histogram("request_inference_time_seconds", "Histogram of time "
+                                     "spent in RUNNING phase for request.",
+                                     _REQUEST_LATENCY_BUCKETS),
+            prefill_time=histogram("request_prefill_time_seconds", "Histogram of time spent in "
+                                   "PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS),
+            decode_time=histogram("request_decode_time_seconds", "Histogram of time spent in "
+                                  "DECODE phase for request.", _REQUEST_LATENCY_BUCKETS),
+            prefill_kv_computed=histogram("request_prefill_kv_computed_tokens", "Histogram of "
+                                          "new KV tokens computed during prefill (excluding "
+                                          "cached tokens).", tokens),
+        )
+        self._engines: dict[int, _EngineSeries] = {}
+        # An info metric (a gauge at 1), as vLLM emulates one; its labels are the config.
+        info = dict(cache_info or {})
+        self._cache_info = Gauge(f"{prefix}:cache_config_info",
+                                 "Information of the LLMEngine CacheConfig",
+                                 [*info, "engine"], registry=r, multiprocess_mode="mostrecent")
+        self._cache_info_values = info
+        self.http_errors = Counter(f"{prefix}:http_request_errors",
                                    "Requests answered with an error, by status.",
-                                   labels + ["status"], registry=r)
+                                   ["model_name", "status"], registry=r)
+        self._series(0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, prefix: str = DEFAULT_PREFIX) -> ServerMetrics:
+        return cls(config.model.served_model_name, config.model.max_model_len, prefix,
+                   cache_config_info(config))
+
+    def _series(self, engine: int) -> _EngineSeries:
+        series = self._engines.get(engine)
+        if series is None:
+            label = str(engine)
+            series = _EngineSeries.bind(self._families, self.model_name, label)
+            self._cache_info.labels(**self._cache_info_values, engine=label).set(1)
+            self._engines[engine] = series
+        return series
 
     # --- engine observer (called once per engine step; keep it cheap) -------------------------
 
     def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:
+        e = self._series(record.engine_index)
         if stats is not None:
-            self.running.set(stats.num_running)
-            self.waiting.set(stats.num_waiting)
-            self.kv_usage.set(stats.kv_cache_usage)
-            if stats.num_prompt_tokens:
-                self.prompt_tokens.inc(stats.num_prompt_tokens)
+            e.running.set(stats.num_running)
+            e.waiting.set(stats.num_waiting)
+            e.kv_usage.set(stats.kv_cache_usage)
             if stats.num_generation_tokens:
-                self.generation_tokens.inc(stats.num_generation_tokens)
+                e.generation_tokens.inc(stats.num_generation_tokens)
             if stats.num_preemptions:
-                self.preemptions.inc(stats.num_preemptions)
+                e.preemptions.inc(stats.num_preemptions)
             if stats.prefix_cache_queries:
-                self.prefix_queries.inc(stats.prefix_cache_queries)
+                e.prefix_queries.inc(stats.prefix_cache_queries)
             if stats.prefix_cache_hits:
-                self.prefix_hits.inc(stats.prefix_cache_hits)
+                e.prefix_hits.inc(stats.prefix_cache_hits)
+            for n in stats.iteration_tokens:
+                e.iteration_tokens.observe(n)
+        if record.prompt_tokens:
+            cached = record.cached_prompt_tokens
+            e.prompt_tokens.inc(record.prompt_tokens)
+            e.prompt_by_source["local_compute"].inc(record.prompt_tokens - cached)
+            if cached:
+                e.prompt_by_source["local_cache_hit"].inc(cached)
+                e.prompt_cached.inc(cached)
         if record.time_to_first_tokens:
-            observe_many(self.ttft, record.time_to_first_tokens)
+            observe_many(e.ttft, record.time_to_first_tokens)
         if record.inter_token_latencies:
-            observe_many(self.itl, record.inter_token_latencies)
+            observe_many(e.itl, record.inter_token_latencies)
         for done in record.finished:
-            self.e2e.observe(done.e2e_latency)
-            for reason in done.finish_reasons:
-                counter = self.success.get(reason)
+            e.params_n.observe(done.n)
+            if done.sequences:
+                e.max_num_generation_tokens.observe(
+                    max(s.num_generation_tokens for s in done.sequences))
+            # vLLM's servers always resolve max_tokens (to the rest of the context).
+            max_tokens = done.max_tokens if done.max_tokens is not None \
+                else max(0, self.max_model_len - done.num_prompt_tokens)
+            for seq in done.sequences:
+                counter = e.success.get(seq.finish_reason)
                 if counter is not None:
                     counter.inc()
+                e.e2e.observe(seq.e2e_latency)
+                e.request_prompt_tokens.observe(done.num_prompt_tokens)
+                e.request_generation_tokens.observe(seq.num_generation_tokens)
+                e.prefill_kv_computed.observe(done.num_prompt_tokens - seq.num_cached_tokens)
+                if max_tokens:
+                    e.params_max_tokens.observe(max_tokens)
+                if seq.decode_time is not None:
+                    assert seq.queue_time is not None and seq.prefill_time is not None
+                    assert seq.inference_time is not None
+                    e.queue_time.observe(seq.queue_time)
+                    e.prefill_time.observe(seq.prefill_time)
+                    e.decode_time.observe(seq.decode_time)
+                    e.inference_time.observe(seq.inference_time)
+                    # As vLLM: the decode time over the tokens after the first (0 if none).
+                    n = seq.num_generation_tokens - 1
+                    e.request_tpot.observe(seq.decode_time / n if n > 0 else 0.0)
 
     # --- server side ---------------------------------------------------------------------------
 
@@ -145,14 +434,15 @@ class ServerMetrics:
         """An API request is done; ``aborted_sequences`` of it never finished in the engine
         (client gone, drain timeout) and count as aborted."""
         if aborted_sequences:
-            self.success["abort"].inc(aborted_sequences)
+            self._series(0).success["abort"].inc(aborted_sequences)
 
     def engine_idle(self) -> None:
         """Nothing is in flight here; with several processes others may be busy, and the
         engine's own idle report sets the gauges."""
         if not self.multiprocess:
-            self.running.set(0)
-            self.waiting.set(0)
+            for e in self._engines.values():
+                e.running.set(0)
+                e.waiting.set(0)
 
     def error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
@@ -163,5 +453,28 @@ class ServerMetrics:
 
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry)
-        return generate_latest(self.registry)
+            return generate_latest(_Rendered(registry, self._aliases))
+        return generate_latest(_Rendered(self.registry, self._aliases))
+
+
+class _Rendered:
+    """What ``/metrics`` shows of a registry: its families without the ``_created`` samples
+    (multiprocess mode has none; one shape either way), plus the aliased families again under
+    their deprecated names."""
+
+    def __init__(self, source: CollectorRegistry, aliases: dict[str, str]) -> None:
+        self.source = source
+        self.aliases = aliases
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
+            alias = self.aliases.get(family.name)
+            if alias is not None:
+                copy = Metric(alias, family.documentation + " DEPRECATED: use "
+                              f"{family.name} instead.", family.type)
+                copy.samples = [s._replace(name=alias + s.name[len(family.name):])
+                                for s in family.samples]
+                yield copy

@@ -2,18 +2,22 @@
 
 Requests are decoded strictly (wrong types are a 400 naming the field; no silent coercion);
 fields this server does not know are ignored, with a debug log, as OpenAI's clients send newer
-fields freely. Responses are encoded with ``msgspec.json.encode``.
+fields freely, except the result-changing ones of OpenAI's and vLLM's APIs that ``unsupported``
+lists: those are a 400 naming the field. Responses are encoded with ``msgspec.json.encode``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
 from tidal.frontend.server.errors import APIError, bad_request
+from tidal.frontend.server.json_depth import check_json_depth
+from tidal.frontend.server.unsupported import GENERATION, Unsupported, reject_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +31,15 @@ PromptInput = str | list[str | int | list[int]]
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    # Unset follows continuous_usage_stats: vLLM defaults it to true, so a stream that asks only
+    # for continuous usage still ends with the usage chunk there.
+    include_usage: bool | None = None
+    continuous_usage_stats: bool = False  # usage so far on every chunk (vLLM)
+
+    @property
+    def final_usage(self) -> bool:
+        """Whether the stream ends with a chunk of the whole request's usage."""
+        return self.continuous_usage_stats if self.include_usage is None else self.include_usage
 
 
 class ContentPart(msgspec.Struct):
@@ -39,6 +51,10 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # passed to the chat template
+    # Declared to be rejected (tools are not supported), not dropped silently.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -67,13 +83,20 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     echo: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    # Beam search (vLLM's extension; frontend/server/serving_beam.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str | None = None  # true, false or "never"; unset: "never"
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None  # None: the server's default
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptInput | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
-    best_of: int | None = None
+    best_of: int | None = None  # the beam width with use_beam_search; else it must equal n
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -102,6 +125,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -116,17 +141,34 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Only with --enable-prompt-tokens-details (absent otherwise, as in vLLM).
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               details: bool = False) -> Usage:
+    """``details``: add ``prompt_tokens_details`` (``--enable-prompt-tokens-details``)."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens)
+                 if details else None)
+
+
+class PromptLogprob(msgspec.Struct):
+    """One entry of ``prompt_logprobs`` (vLLM's shape: token id -> this)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first has none): token id -> its log-probability, the prompt's own
+# token first, then the top-N.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -142,6 +184,12 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class CompletionResponseChoice(CompletionChoice):
+    """A choice of a whole response (stream chunks carry no prompt log-probabilities)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -193,6 +241,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     object: str = "chat.completion"
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -253,6 +302,7 @@ class TokenizeResponse(msgspec.Struct):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(msgspec.Struct):
@@ -263,6 +313,10 @@ class DetokenizeResponse(msgspec.Struct):
 
 _PATH_IN_ERROR = re.compile(r" - at `\$(.*)`$")
 _KNOWN_FIELDS: dict[type, frozenset[str]] = {}
+# Fields these requests do not declare but reject when set (see unsupported.py).
+_UNSUPPORTED: dict[type, Mapping[str, Unsupported]] = {
+    CompletionRequest: GENERATION, ChatCompletionRequest: GENERATION, TokenizeRequest: GENERATION,
+}
 
 
 def decode_request(body: bytes, cls: type[T]) -> T:
@@ -276,6 +330,7 @@ def decode_request(body: bytes, cls: type[T]) -> T:
                           code="invalid_json") from None
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    check_json_depth(body)  # the decoder recurses per level: a deep body would be a 500
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -289,6 +344,9 @@ def decode_request(body: bytes, cls: type[T]) -> T:
         known = _KNOWN_FIELDS[cls] = frozenset(f.encode_name for f in msgspec.structs.fields(cls))
     unknown = [k for k in raw if k not in known]
     if unknown:
+        table = _UNSUPPORTED.get(cls)
+        if table is not None:
+            reject_unsupported(raw, unknown, table)
         logger.debug("ignoring unknown request field(s) of %s: %s", cls.__name__,
                      ", ".join(sorted(unknown)[:20]))
     try:

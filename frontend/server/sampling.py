@@ -24,6 +24,7 @@ class ServerLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_logit_bias: int = 1024
+    max_allowed_token_ids: int = 8192
     max_prompts: int = 64  # prompts in one completion / embedding request
     max_body_bytes: int = 4 << 20
     max_temperature: float = 100.0
@@ -31,17 +32,21 @@ class ServerLimits:
 
 def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:
     if req.best_of is not None and req.best_of != req.n:
-        raise bad_request(f"best_of={req.best_of} is not supported (only best_of == n)",
-                          "best_of")
+        raise bad_request(f"best_of={req.best_of} differs from n={req.n}: best_of is the beam "
+                          "width with use_beam_search; without it, only best_of == n", "best_of")
     if req.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     if req.logprobs is not None:
         _range("logprobs", req.logprobs, 0, limits.max_logprobs)
     if req.max_tokens is not None:
         _range("max_tokens", req.max_tokens, 1, _INT64_MAX)
+    prompt_logprobs = _prompt_logprobs(req, limits)
+    if req.echo and req.logprobs is not None:
+        # The echoed prompt's logprobs come from the same engine output (the wider of the two
+        # asks; each view keeps its own top-N).
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     return _build(req, limits, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                  prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-                  else None)
+                  prompt_logprobs=prompt_logprobs)
 
 
 def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
@@ -56,13 +61,28 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingPar
     max_tokens = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
     if max_tokens is not None:
         _range(name, max_tokens, 1, _INT64_MAX)
-    return _build(req, limits, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=None)
+    return _build(req, limits, max_tokens=max_tokens, logprobs=logprobs,
+                  prompt_logprobs=_prompt_logprobs(req, limits))
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
+                     limits: ServerLimits) -> int | None:
+    if req.prompt_logprobs is None:
+        return None
+    _range("prompt_logprobs", req.prompt_logprobs, 0, limits.max_logprobs)
+    if req.stream:
+        # Only whole responses carry them (as in vLLM).
+        raise bad_request("prompt_logprobs is not available with stream: true", "prompt_logprobs")
+    return req.prompt_logprobs
 
 
 def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, *,
            max_tokens: int | None, logprobs: int | None,
            prompt_logprobs: int | None) -> SamplingParams:
     _range("n", req.n, 1, limits.max_n)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    allowed = _allowed_token_ids(req.allowed_token_ids, limits)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_strings:
         raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}",
@@ -105,6 +125,7 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias,
+            allowed_token_ids=allowed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=stop,
@@ -140,6 +161,23 @@ def _logit_bias(raw: dict[str, float] | None, limits: ServerLimits) -> dict[int,
             raise bad_request("logit_bias values must be finite numbers", "logit_bias")
         bias[tok] = value
     return bias
+
+
+def _allowed_token_ids(raw: list[int] | None, limits: ServerLimits) -> list[int] | None:
+    """The list as given (the vocabulary bound is checked with the engine's own validation)."""
+    if raw is None:
+        return None
+    if not raw:
+        raise bad_request("allowed_token_ids must hold at least one token id (leave it out to "
+                          "allow every token)", "allowed_token_ids")
+    if len(raw) > limits.max_allowed_token_ids:
+        raise bad_request(f"allowed_token_ids has {len(raw)} ids; the limit is "
+                          f"{limits.max_allowed_token_ids}", "allowed_token_ids")
+    low = min(raw)
+    if low < 0:
+        raise bad_request(f"allowed_token_ids holds {low}; token ids are >= 0",
+                          "allowed_token_ids")
+    return raw
 
 
 def _range(name: str, value: int, low: int, high: int) -> None:

@@ -16,7 +16,7 @@ from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.logprobs import chat_logprob_entries
+from tidal.frontend.server.logprobs import chat_logprob_entries, prompt_logprobs, tokens_as_ids
 from tidal.frontend.server.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -28,6 +28,7 @@ from tidal.frontend.server.openai_protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    PromptLogprobs,
     Usage,
     decode_request,
     encode,
@@ -35,6 +36,7 @@ from tidal.frontend.server.openai_protocol import (
 )
 from tidal.frontend.server.prompts import check_context
 from tidal.frontend.server.sampling import chat_params
+from tidal.frontend.server.serving_beam import create_beam_chat
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
 
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 ROLE = "assistant"
 MAX_MESSAGES = 1024
+# What chat templates know; anything else would be rendered (or dropped) by guesswork.
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 @dataclass(slots=True)
@@ -64,6 +68,13 @@ def messages_to_dicts(messages: list[ChatMessage] | None, param: str = "messages
                           param)
     out = []
     for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise bad_request(f"unknown message role {m.role[:40]!r}; use one of "
+                              f"{', '.join(sorted(ROLES))}", f"{param}[{i}].role")
+        if m.tool_calls or m.function_call is not None:
+            name = "tool_calls" if m.tool_calls else "function_call"
+            raise bad_request("tool and function calling is not supported yet",
+                              f"{param}[{i}].{name}")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -78,16 +89,28 @@ def messages_to_dicts(messages: list[ChatMessage] | None, param: str = "messages
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """The two ways to end a chat prompt exclude each other (as in vLLM)."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message needs add_generation_prompt: false (the "
+                          "prompt either opens a new assistant message or continues the last "
+                          "one)", "continue_final_message")
+
+
 async def render_chat(state: ServerState, messages: list[dict[str, Any]],
-                      add_generation_prompt: bool, chat_template: str | None) -> list[int]:
+                      add_generation_prompt: bool, chat_template: str | None,
+                      continue_final_message: bool = False) -> list[int]:
     """Token ids of ``messages`` through the chat template; template failures are a 400."""
     try:
-        return await state.engine.apply_chat_template(messages, add_generation_prompt,
-                                                      chat_template)
+        return await state.engine.apply_chat_template(
+            messages, add_generation_prompt, chat_template,
+            continue_final_message=continue_final_message)
     except ValueError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
     except Exception as exc:  # noqa: BLE001 - jinja2 errors: the messages don't fit the template
@@ -103,11 +126,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = decode_request(await read_body(request, state), ChatCompletionRequest)
     model = state.check_model(req.model)
     state.require_task("generate", "/v1/chat/completions")
+    if req.use_beam_search:
+        return await create_beam_chat(state, req, model)
     params = chat_params(req, state.limits)
+    check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
     ids = await render_chat(state, messages, req.add_generation_prompt,
-                            state.settings.chat_template)
+                            state.settings.chat_template, req.continue_final_message)
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else \
         "max_tokens"
     check_context(len(ids), params.max_tokens, state.max_model_len, budget_param, "messages")
@@ -121,27 +147,42 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
                      req.cache_salt)
     choices = [_Choice(i) for i in range(params.n)]
-    top_n = req.top_logprobs or 0
+    view = _View(want_logprobs=req.logprobs, top_n=req.top_logprobs or 0,
+                 as_ids=tokens_as_ids(req.return_tokens_as_token_ids,
+                                      state.settings.return_tokens_as_token_ids),
+                 prompt_ids=ids, prompt_top_n=req.prompt_logprobs,
+                 details=state.settings.enable_prompt_tokens_details)
     try:
         if req.stream:
-            return await _stream(request, state, req, gen, choices, len(ids), model,
-                                 request_id, echo, top_n)
-        return await _whole(gen, choices, len(ids), model, request_id, echo, req.logprobs,
-                            top_n)
+            return await _stream(request, state, req, gen, choices, view, model, request_id,
+                                 echo)
+        return await _whole(gen, choices, view, model, request_id, echo)
     finally:
         gen.close()
         num_open = sum(1 for c in choices if c.finish_reason is None)
         state.release(ticket, 0 if gen.failed else num_open)
 
 
-def _apply(choices: list[_Choice], c: CompletionOutput, want_logprobs: bool,
-           top_n: int) -> list[ChatLogprobEntry] | None:
+@dataclass(slots=True, frozen=True)
+class _View:
+    """How the request asked to see its outputs."""
+
+    want_logprobs: bool
+    top_n: int  # top_logprobs
+    as_ids: bool  # tokens as "token_id:<id>"
+    prompt_ids: list[int]
+    prompt_top_n: int | None  # prompt_logprobs
+    details: bool  # usage.prompt_tokens_details
+
+
+def _apply(choices: list[_Choice], c: CompletionOutput,
+           view: _View) -> list[ChatLogprobEntry] | None:
     choice = choices[c.index]
     choice.text.append(c.text)
     choice.num_tokens += len(c.token_ids)
     entries = None
-    if want_logprobs and c.logprobs is not None:
-        entries = chat_logprob_entries(c.logprobs, c.token_ids, top_n)
+    if view.want_logprobs and c.logprobs is not None:
+        entries = chat_logprob_entries(c.logprobs, c.token_ids, view.top_n, view.as_ids)
         choice.logprobs.extend(entries)
     if c.finish_reason is not None:
         choice.finish_reason = c.finish_reason
@@ -149,18 +190,22 @@ def _apply(choices: list[_Choice], c: CompletionOutput, want_logprobs: bool,
     return entries
 
 
-def _usage(choices: list[_Choice], n_prompt: int, gen: Generation) -> Usage:
-    return make_usage(n_prompt, sum(c.num_tokens for c in choices), gen.num_cached_tokens)
+def _usage(choices: list[_Choice], view: _View, gen: Generation) -> Usage:
+    return make_usage(len(view.prompt_ids), sum(c.num_tokens for c in choices),
+                      gen.num_cached_tokens, view.details)
 
 
-async def _whole(gen: Generation, choices: list[_Choice], n_prompt: int, model: str,
-                 request_id: str, echo: str, want_logprobs: bool, top_n: int) -> web.Response:
+async def _whole(gen: Generation, choices: list[_Choice], view: _View, model: str,
+                 request_id: str, echo: str) -> web.Response:
+    prompt_lp = None
     try:
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
                 for _, out in batch:
+                    if out.prompt_logprobs is not None:
+                        prompt_lp = out.prompt_logprobs
                     for c in out.outputs:
-                        _apply(choices, c, want_logprobs, top_n)
+                        _apply(choices, c, view)
     except (asyncio.CancelledError, APIError):
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error envelope
@@ -168,38 +213,47 @@ async def _whole(gen: Generation, choices: list[_Choice], n_prompt: int, model: 
     if gen.aborted:
         for c in choices:
             c.finish_reason = c.finish_reason or "abort"
+    shown: PromptLogprobs | None = None
+    if view.prompt_top_n is not None:
+        shown = prompt_logprobs(prompt_lp, view.prompt_ids, view.prompt_top_n)
     body = ChatCompletionResponse(
-        id=request_id, created=int(time.time()), model=model, usage=_usage(choices, n_prompt, gen),
+        id=request_id, created=int(time.time()), model=model, usage=_usage(choices, view, gen),
         choices=[ChatChoice(
             index=c.index,
             message=ChatResponseMessage(role=ROLE, content=echo + "".join(c.text)),
-            logprobs=ChatLogprobs(content=c.logprobs) if want_logprobs else None,
+            logprobs=ChatLogprobs(content=c.logprobs) if view.want_logprobs else None,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices],
+        prompt_logprobs=shown,
     )
     return json_response(body)
 
 
 async def _stream(request: web.Request, state: ServerState, req: ChatCompletionRequest,
-                  gen: Generation, choices: list[_Choice], n_prompt: int, model: str,
-                  request_id: str, echo: str, top_n: int) -> web.StreamResponse:
+                  gen: Generation, choices: list[_Choice], view: _View, model: str,
+                  request_id: str, echo: str) -> web.StreamResponse:
     writer = SSEWriter(request)
     created = int(time.time())
+    opts = req.stream_options
+    continuous = opts is not None and opts.continuous_usage_stats
 
-    def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+    def chunk(item: ChatChunkChoice | None, usage: Usage | None = None) -> bytes:
+        if continuous and item is not None:
+            # Usage so far of this chunk's choice, as vLLM's continuous_usage_stats reports it.
+            usage = make_usage(len(view.prompt_ids), choices[item.index].num_tokens, 0)
         return encode(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                          choices=items, usage=usage))
+                                          choices=[] if item is None else [item], usage=usage))
 
     try:
         await writer.start()
-        await writer.send_many([chunk([ChatChunkChoice(c.index, ChatDelta(role=ROLE,
-                                                                          content=echo))])
+        await writer.send_many([chunk(ChatChunkChoice(c.index, ChatDelta(role=ROLE,
+                                                                          content=echo)))
                                 for c in choices])
         tail: list[bytes] = []  # what leaves with the end of the stream, in its one write
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
                 payloads: list[bytes] = []
                 for _, out in batch:
-                    _chunks(payloads, chunk, choices, out, req.logprobs, top_n)
+                    _chunks(payloads, chunk, choices, out, view)
                 if all(c.finish_reason is not None for c in choices):
                     tail = payloads  # the last news: the stream ends right after it
                 elif payloads:
@@ -208,10 +262,10 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
             for c in choices:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
-                    tail.append(chunk([ChatChunkChoice(c.index, ChatDelta(),
-                                                       finish_reason="abort")]))
-        if req.stream_options is not None and req.stream_options.include_usage:
-            tail.append(chunk([], _usage(choices, n_prompt, gen)))
+                    tail.append(chunk(ChatChunkChoice(c.index, ChatDelta(),
+                                                      finish_reason="abort")))
+        if opts is not None and opts.final_usage:
+            tail.append(chunk(None, _usage(choices, view, gen)))
         return await writer.finish(tail)
     except asyncio.CancelledError:
         raise
@@ -225,17 +279,16 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
 
 
 def _chunks(payloads: list[bytes], chunk: Any, choices: list[_Choice], out: RequestOutput,
-            want_logprobs: bool, top_n: int) -> None:
+            view: _View) -> None:
     """Fold ``out`` into the choices and append its SSE chunks (one per choice with news)."""
     for c in out.outputs:
-        entries = _apply(choices, c, want_logprobs, top_n)
+        entries = _apply(choices, c, view)
         if not c.text and not entries and c.finish_reason is None:
             continue
-        item = ChatChunkChoice(
+        payloads.append(chunk(ChatChunkChoice(
             index=c.index,
             delta=ChatDelta(content=c.text) if c.text else ChatDelta(),
-            logprobs=ChatLogprobs(content=entries) if want_logprobs else None,
+            logprobs=ChatLogprobs(content=entries) if view.want_logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
-        )
-        payloads.append(chunk([item]))
+        )))

@@ -20,12 +20,19 @@ from tidal.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOu
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
+from tidal.frontend.server.logprobs import (
+    extend_completion_logprobs,
+    extend_prompt_logprobs,
+    prompt_logprobs,
+    tokens_as_ids,
+)
 from tidal.frontend.server.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
+    PromptLogprobs,
     Usage,
     decode_request,
     encode,
@@ -33,6 +40,7 @@ from tidal.frontend.server.openai_protocol import (
 )
 from tidal.frontend.server.prompts import Prompt, check_context, split_prompts, tokenize_prompts
 from tidal.frontend.server.sampling import completion_params
+from tidal.frontend.server.serving_beam import create_beam_completion
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
 
@@ -61,6 +69,8 @@ class _Completion:
         self.prompts = prompts
         self.n = params.n
         self.want_logprobs = req.logprobs is not None
+        self.as_ids = tokens_as_ids(req.return_tokens_as_token_ids,
+                                    state.settings.return_tokens_as_token_ids)
         self.choices = [_Choice(i) for i in range(len(prompts) * self.n)]
         self._prompt_lp: dict[int, list[PositionLogprobs | None]] = {}
 
@@ -84,10 +94,11 @@ class _Completion:
                 if chunk_lp is not None:
                     first = decode_token(self.state.tokenizer, prompt.token_ids[0])
                     choice.offset = extend_prompt_logprobs(
-                        chunk_lp, self._prompt_lp.get(prompt_index, []), prompt.token_ids, first)
+                        chunk_lp, self._prompt_lp.get(prompt_index, []), prompt.token_ids, first,
+                        self.as_ids, self.req.logprobs)
         if chunk_lp is not None and c.logprobs is not None:
             choice.offset = extend_completion_logprobs(chunk_lp, c.logprobs, c.token_ids,
-                                                       choice.offset)
+                                                       choice.offset, self.as_ids)
         if chunk_lp is not None and choice.logprobs is not None:
             _merge(choice.logprobs, chunk_lp)
         choice.text.append(text)
@@ -119,7 +130,21 @@ class _Completion:
 
     def usage(self, cached_tokens: int) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        return make_usage(prompt, sum(c.num_tokens for c in self.choices), cached_tokens)
+        return make_usage(prompt, sum(c.num_tokens for c in self.choices), cached_tokens,
+                          self.state.settings.enable_prompt_tokens_details)
+
+    def choice_usage(self, index: int) -> Usage:
+        """Usage so far of one choice (continuous usage stats, per chunk, as vLLM reports it)."""
+        prompt = len(self.prompts[index // self.n].token_ids)
+        return make_usage(prompt, self.choices[index].num_tokens, 0)
+
+    def prompt_logprobs(self, index: int) -> PromptLogprobs | None:
+        """``prompt_logprobs`` of choice ``index`` (its prompt's), when the request asked."""
+        top_n = self.req.prompt_logprobs
+        if top_n is None:
+            return None
+        i = index // self.n
+        return prompt_logprobs(self._prompt_lp.get(i), self.prompts[i].token_ids, top_n)
 
 
 def _merge(into: CompletionLogprobs, part: CompletionLogprobs) -> None:
@@ -134,6 +159,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = decode_request(await read_body(request, state), CompletionRequest)
     model = state.check_model(req.model)
     state.require_task("generate", "/v1/completions")
+    if req.use_beam_search:
+        return await create_beam_completion(state, req, model)
     params = completion_params(req, state.limits)
     raw = split_prompts(req.prompt, "prompt", state.limits.max_prompts)
     state.admission.check_available()
@@ -169,9 +196,10 @@ async def _whole(state: ServerState, gen: Generation, folded: _Completion, model
         raise from_exception(exc, request_id) from None
     if gen.aborted:
         folded.abort_open()
-    choices = [
-        CompletionChoice(index=c.index, text="".join(c.text), logprobs=c.logprobs,
-                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    choices: list[CompletionChoice] = [
+        CompletionResponseChoice(index=c.index, text="".join(c.text), logprobs=c.logprobs,
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                 prompt_logprobs=folded.prompt_logprobs(c.index))
         for c in folded.choices
     ]
     return json_response(CompletionResponse(id=request_id, created=int(time.time()), model=model,
@@ -189,6 +217,12 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
         return encode(CompletionResponse(id=request_id, created=created, model=model,
                                          choices=choices, usage=usage))
 
+    opts = req.stream_options
+    continuous = opts is not None and opts.continuous_usage_stats
+
+    def one(choice: CompletionChoice) -> bytes:
+        return chunk([choice], folded.choice_usage(choice.index) if continuous else None)
+
     try:
         await writer.start()
         tail: list[bytes] = []  # what leaves with the end of the stream, in its one write
@@ -199,14 +233,14 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
                     for choice in folded.apply(index, out):
                         has_tokens = choice.logprobs is not None and choice.logprobs.tokens
                         if choice.text or has_tokens or choice.finish_reason is not None:
-                            payloads.append(chunk([choice]))
+                            payloads.append(one(choice))
                 if folded.num_open == 0:
                     tail = payloads  # the last news: the stream ends right after it
                 elif payloads:
                     await writer.send_many(payloads)
         if gen.aborted:
-            tail.extend(chunk([choice]) for choice in folded.abort_open())
-        if req.stream_options is not None and req.stream_options.include_usage:
+            tail.extend(one(choice) for choice in folded.abort_open())
+        if opts is not None and opts.final_usage:
             tail.append(chunk([], folded.usage(gen.num_cached_tokens)))
         return await writer.finish(tail)
     except asyncio.CancelledError:

@@ -17,7 +17,11 @@ from tidal.frontend.server.openai_protocol import (
     decode_request,
 )
 from tidal.frontend.server.prompts import tokenize_text
-from tidal.frontend.server.serving_chat import messages_to_dicts, render_chat
+from tidal.frontend.server.serving_chat import (
+    check_generation_prompt,
+    messages_to_dicts,
+    render_chat,
+)
 from tidal.frontend.server.state import get_state
 
 
@@ -28,12 +32,18 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if req.prompt is not None:
+        if req.continue_final_message:
+            raise bad_request("continue_final_message applies to messages, not to a prompt",
+                              "continue_final_message")
         ids = await tokenize_text(state, req.prompt, req.add_special_tokens)
     else:
+        check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
         ids = await render_chat(state, messages_to_dicts(req.messages), req.add_generation_prompt,
-                                state.settings.chat_template)
+                                state.settings.chat_template, req.continue_final_message)
+    # The tokenizer's own pieces (e.g. "Ġhello"), as vLLM's return_token_strs gives them.
+    strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,
-                                          tokens=ids))
+                                          tokens=ids, token_strs=strs))
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -28,6 +28,22 @@ class ServerSettings:
     chat_template: str | None = None  # overrides the model's own
     access_log: bool = False
     stream_interval: int = 1  # tokens between stream chunks (the first and last always go)
+    # /health answers 503 engine_stalled once requests wait this long with no engine step done
+    engine_stall_timeout: float = 60.0
+    metrics_prefix: str = "tidal"  # /metrics names are "{prefix}:{vLLM's family name}"
+    # Connection guard (see ``connections``): per API server process; None: from the
+    # open-file limit.
+    max_connections: int | None = None
+    header_timeout: float = 10.0  # s from a connection's (or request's) first byte to its header
+    body_timeout: float = 60.0  # s from a request's header to the end of its body
+    keep_alive_timeout: float = 75.0  # s an idle kept-alive connection stays open
+    root_path: str = ""  # --root-path: routes are served under it too ("" or "/prefix")
+    enable_server_load_tracking: bool = False  # GET /load counts requests in flight
+    engine_connect_timeout: float = 30.0  # seconds for a standalone engine-core to answer
+    # usage.prompt_tokens_details (cached prompt tokens) in responses
+    enable_prompt_tokens_details: bool = False
+    # logprob tokens as "token_id:<id>" unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
 
 
 @dataclass(slots=True)
@@ -73,6 +89,20 @@ class ServerState:
                            + ("use /v1/embeddings" if self.task == "embed"
                               else "serve an embedding model (--task embed) for /v1/embeddings"),
                            param="model", code="wrong_model_task")
+
+
+def normalize_root_path(value: str) -> str:
+    """``--root-path`` as the routes use it: "" for none, else "/a/b" (one leading slash, no
+    trailing one). Raises ValueError for what cannot be a path prefix."""
+    value = value.strip()
+    if value in ("", "/"):
+        return ""
+    if not value.startswith("/"):
+        raise ValueError(f"must start with '/', got {value!r}")
+    if any(c in value for c in "?#%\\ \t") or "//" in value or any(
+            part in (".", "..") for part in value.split("/")):
+        raise ValueError(f"must be a plain URL path like /llm or /team/llm, got {value!r}")
+    return value.rstrip("/")
 
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("tidal_state", ServerState)

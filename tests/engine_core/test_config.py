@@ -127,5 +127,8 @@ def test_cli_flags_map_to_engine_args():
     assert off.enable_prefix_caching is False and off.max_num_seqs == 7
     assert off.prefix_hash_seed == 3
     text = " ".join(parser.format_help().split())
-    assert f"--max-num-seqs MAX_NUM_SEQS default: {default.max_num_seqs}" in text
-    assert "(default: None) (default: None)" not in text  # each default shown once
+    # A default decided at start-up (None) is explained, once, never shown as "None".
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step; default: 512 on a GPU" in text
+    assert "default: None" not in text
+    assert (f"--block-size BLOCK_SIZE tokens per KV cache block (a power of two, at most 256) "
+            f"(default: {EngineArgs().block_size}) --gpu-memory") in text

@@ -11,6 +11,7 @@ import time
 import msgspec
 import psutil
 import pytest
+import torch
 
 from tidal.engine_core.config import EngineArgs
 from tidal.engine_core.control import GetKVStats, KVStats, Ping, Pong, ResetPrefixCache
@@ -97,7 +98,8 @@ def engine(tiny_models):
 
 def test_ready_carries_the_resolved_config(engine):
     config = engine.config
-    per_block = 2 * 3 * 16 * 2 * 32 * 4  # K+V, layers, block size, KV heads, head dim, fp32
+    itemsize = torch.empty(0, dtype=getattr(torch, config.model.dtype)).element_size()
+    per_block = 2 * 3 * 16 * 2 * 32 * itemsize  # K+V, layers, block size, KV heads, head dim
     assert config.cache.num_blocks == (2 << 20) // per_block
     assert config.model.max_model_len == 512
     stats = engine.call(GetKVStats())

@@ -8,6 +8,7 @@ requests and when no next step follows."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import time
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _args(folder, **kw) -> EngineArgs:
+    # Two CPU ranks whatever the machine: a one-GPU host has no device for rank 1.
     return EngineArgs(model=str(folder), tensor_parallel_size=2, distributed_executor_backend="mp",
-                      num_kv_blocks=256, cpu_threads=1, **kw)
+                      num_kv_blocks=256, cpu_threads=1, device="cpu", **kw)
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -98,6 +100,11 @@ def test_idle_workers_block_then_kill_9_fails_every_request(tiny_models):
         share = (_cpu_seconds(idle) - before) / (time.monotonic() - t0)
         print(f"idle engine + 2 workers: {100 * share:.1f}% of one core")
         assert share < 0.05
+        # Rank 0's rendezvous store and gloo's connections listen on loopback alone.
+        listening = [c.laddr.ip for p in idle for c in p.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and all(ipaddress.ip_address(ip).is_loopback for ip in listening), \
+            listening
         results, elapsed = asyncio.run(main())
     finally:
         llm.shutdown()
@@ -203,7 +210,7 @@ def test_held_step_replies_come_back_in_order_around_control_requests(tiny_model
         return tokens
 
     ref_core = EngineCore(EngineArgs(model=str(folder), num_kv_blocks=256, cpu_threads=1,
-                                     async_scheduling=True).create_config())
+                                     async_scheduling=True, device="cpu").create_config())
     try:
         reference = run(ref_core, lambda core, step: [])
     finally:

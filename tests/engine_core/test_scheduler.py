@@ -258,7 +258,11 @@ def _lockstep_run(cfg, seed: int, inflight: int) -> int:
             if q and (len(q) >= inflight or not launched):
                 so, result = q.pop(0)
                 result.sampled_token_ids = [[token]] * len(result.req_ids)
-                outs[id(s)] = (so, s.update_from_output(so, result), s.make_stats())
+                # (Clock readings differ between the two; which outputs carry them must not.)
+                untimed = [msgspec.structs.replace(o, queued_ts=float(o.queued_ts > 0),
+                                                   scheduled_ts=float(o.scheduled_ts > 0))
+                           for o in s.update_from_output(so, result)]
+                outs[id(s)] = (so, untimed, s.make_stats())
             s.kv.check_invariants()
         assert outs.get(id(fast)) == outs.get(id(slow)), f"seed {seed}, step {step}"
         if n_added >= 40 and not fast.has_unfinished() and not queues[id(fast)]:
@@ -273,3 +277,57 @@ def test_decode_fast_path_matches_the_general_loop(base_config, async_scheduling
     served = sum(_lockstep_run(cfg, seed, 2 if async_scheduling else 1) for seed in range(6))
     print(f"fast path served every running request in {served} steps")
     assert served > 100  # the workload did exercise decode-only steps
+
+
+def test_first_outputs_carry_schedule_times_and_stats_count_each_step(base_config):
+    """What the frontend's vLLM-style metrics are made of: a request's first output with tokens
+    (and only that one) carries its queue and schedule times and its prefix-cache hit, and each
+    step's scheduled tokens reach the stats, one entry per step."""
+    s = make_scheduler(base_config)  # a 64-token budget, prefix caching on
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks a later request can share
+    add(s, "a", 0, prompt=list(prompt), max_tokens=3, ignore_eos=True)
+    _, (first,) = fake_step(s)
+    stats = s.make_stats()
+    assert 0 < first.queued_ts <= first.scheduled_ts and first.num_cached_tokens == 0
+    assert stats.iteration_tokens == [40]
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (40, 0)
+
+    add(s, "b", 0, prompt=list(prompt), max_tokens=1)  # its one token is also its last
+    add(s, "c", 100, max_tokens=2, ignore_eos=True)  # prefilled over two steps
+    _, outs = fake_step(s)
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["a"].scheduled_ts == 0.0 and by_id["a"].queued_ts == 0.0
+    b = by_id["b"]
+    assert b.finished and b.num_cached_tokens == 32 and b.scheduled_ts >= first.scheduled_ts
+    assert "c" not in by_id  # its prompt is not done: no output, nothing carried yet
+    stats = s.make_stats()
+    assert stats.iteration_tokens == [1 + 8 + 55]  # a decodes, b's 8 uncached, c's first chunk
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (140, 32)
+
+    c_scheduled = s.requests["c"].scheduled_ts
+    _, outs = fake_step(s)  # c's last chunk and first token; a's last token
+    assert {o.request_id: o.scheduled_ts for o in outs} == {"a": 0.0, "c": c_scheduled}
+    _, outs = fake_step(s)  # c's last token, again without times
+    assert [(o.request_id, o.scheduled_ts, o.finished) for o in outs] == [("c", 0.0, True)]
+    # Two steps since the last report: two entries.
+    assert s.make_stats().iteration_tokens == [1 + 45, 1]
+
+
+def test_prefix_lookups_count_new_prompts_only(base_config):
+    """As vLLM counts them: a preempted request's lookup on resuming is not a query, and with
+    prefix caching off nothing is."""
+    s = make_scheduler(base_config, num_blocks=6, max_num_batched_tokens=128)
+    reqs = [add(s, rid, 30, max_tokens=40, ignore_eos=True) for rid in "abc"]
+    fake_step(s)
+    assert s.make_stats().prefix_cache_queries == 90
+    queries = 0
+    while s.has_unfinished():
+        fake_step(s)
+        queries += s.make_stats().prefix_cache_queries
+    assert reqs[2].num_preemptions >= 1 and queries == 0
+
+    off = make_scheduler(base_config)
+    off.kv.enable_caching = False
+    add(off, "a", 30)
+    fake_step(off)
+    assert off.make_stats().prefix_cache_queries == 0

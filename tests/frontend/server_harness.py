@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,10 +44,12 @@ def minilm_path() -> str | None:
 
 class ServerProcess:
     def __init__(self, args: list[str], api_key: str | None = API_KEY,
-                 new_session: bool = False) -> None:
+                 new_session: bool = False, preexec_fn: Callable[[], None] | None = None,
+                 ) -> None:
         self.args = list(args)
         self.api_key = api_key
         self.new_session = new_session  # a process group of its own (to signal it whole)
+        self.preexec_fn = preexec_fn  # run in the child before exec (e.g. to lower a limit)
         self.port = free_port()
         self.log_path = Path(tempfile.mkstemp(prefix="tidal-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
@@ -72,7 +75,8 @@ class ServerProcess:
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=self.new_session)
+                                         start_new_session=self.new_session,
+                                         preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -135,7 +139,8 @@ def require_smollm2() -> None:
 def generation_server() -> ServerProcess:
     """The bundled SmolLM2 behind the default flags the API and client tests share."""
     require_smollm2()
-    return shared_server(SMALL_ENGINE)
+    # Usage with prompt_tokens_details: the prefix-cache tests read cached_tokens.
+    return shared_server(SMALL_ENGINE + ["--enable-prompt-tokens-details"])
 
 
 def embedding_server() -> ServerProcess:

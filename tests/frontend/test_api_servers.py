@@ -122,6 +122,16 @@ def test_two_api_servers_act_as_one():
             running = [line for line in text.splitlines()
                        if line.startswith("tidal:num_requests_running")]
             assert len(running) == 1 and "pid=" not in running[0]
+            # Prompt tokens counted by each frontend (summed) and looked up by the engine
+            # (counted once) agree; per-request phases are summed over both.
+            prompt = _metric(text, "tidal:prompt_tokens_total") - \
+                _metric(before, "tidal:prompt_tokens_total")
+            assert prompt > 0 and prompt == _metric(text, "tidal:prefix_cache_queries_total") \
+                - _metric(before, "tidal:prefix_cache_queries_total")
+            assert _metric(text, "tidal:request_queue_time_seconds_count") - \
+                _metric(before, "tidal:request_queue_time_seconds_count") == len(results)
+            assert len([line for line in text.splitlines()
+                        if line.startswith("tidal:cache_config_info")]) == 1
 
         # SIGTERM to the server's whole process group (as Ctrl-C or ``timeout`` send it)
         # drains both API servers once while a request runs: it completes; exit code 0.

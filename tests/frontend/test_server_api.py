@@ -241,7 +241,7 @@ def metric_values(server) -> dict[str, float]:
     return values
 
 
-MODEL_LABEL = 'model_name="SmolLM2-135M-Instruct"'
+MODEL_LABEL = 'engine="0",model_name="SmolLM2-135M-Instruct"'  # (labels print sorted)
 
 
 def test_metrics(server):
@@ -255,7 +255,8 @@ def test_metrics(server):
     model = MODEL_LABEL
     assert values[f"tidal:prompt_tokens_total{{{model}}}"] > 0
     assert values[f"tidal:generation_tokens_total{{{model}}}"] >= 3
-    assert values[f'tidal:request_success_total{{finished_reason="length",{model}}}'] >= 1
+    length = 'engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"'
+    assert values[f"tidal:request_success_total{{{length}}}"] >= 1
     assert values[f"tidal:time_to_first_token_seconds_count{{{model}}}"] >= 1
     assert values[f"tidal:e2e_request_latency_seconds_count{{{model}}}"] >= 1
     assert values[f"tidal:inter_token_latency_seconds_count{{{model}}}"] >= 2

@@ -19,6 +19,9 @@ pytestmark = pytest.mark.slow
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello", "Embeddings map text to "
          "vectors; similar meanings land close together. " * 4]
+# The packaged model lives in a folder named `model`; it is served under its own name (its
+# model card's title).
+MODEL = "all-MiniLM-L6-v2"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def reference():
 
 def test_embeddings_match_reference(server, reference):
     ref, ids = reference
-    name = minilm_path().rstrip("/").split("/")[-1]
+    name = MODEL
 
     async def go():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
@@ -64,6 +67,18 @@ def test_embeddings_match_reference(server, reference):
     assert (torch.tensor(from_ids.data[0].embedding) - ref[1]).abs().max().item() < 1e-5
 
 
+def test_served_under_the_models_own_name(server):
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            listed = [m.id async for m in c.models.list()]
+            with pytest.raises(openai.NotFoundError):
+                await c.embeddings.create(model="model", input="hi")  # the folder's name
+            return listed
+
+    assert run(go()) == [MODEL]
+
+
 def test_embedding_server_rejects_generation(server):
     req = urllib.request.Request(server.url + "/v1/completions",
                                  data=json.dumps({"prompt": "hi"}).encode(),
@@ -79,7 +94,7 @@ def test_embedding_input_too_long(server):
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
                                       max_retries=0) as c:
             with pytest.raises(openai.BadRequestError) as err:
-                await c.embeddings.create(model="model", input="word " * 600)
+                await c.embeddings.create(model=MODEL, input="word " * 600)
             return err.value
 
     err = run(go())
@@ -91,7 +106,7 @@ def test_embedding_input_of_exactly_the_context_length(server):
     async def go():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
                                       max_retries=0) as c:
-            return await c.embeddings.create(model="model", input=[101] + [2773] * 510 + [102])
+            return await c.embeddings.create(model=MODEL, input=[101] + [2773] * 510 + [102])
 
     out = run(go())
     assert len(out.data) == 1 and len(out.data[0].embedding) == 384

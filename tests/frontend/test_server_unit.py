@@ -20,11 +20,11 @@ from tidal.engine_core.config import (
     SchedulerConfig,
 )
 from tidal.engine_core.model_arch import ArchSpec
-from tidal.frontend.async_llm import EngineDeadError
+from tidal.frontend.async_llm import EngineDeadError, EngineUnavailableError
 from tidal.frontend.output_processor import OutputCollector
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.frontend.server.admission import Admission, AdmissionBoard
-from tidal.frontend.server.app import _drain, build_app, create_state
+from tidal.frontend.server.app import _drain, _watch_engine, build_app, create_state
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.state import ServerSettings
 
@@ -76,6 +76,8 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.started = asyncio.Event()
         self.is_dead = False
+        self.unavailable = False  # a standalone engine-core gone for now
+        self.stalled_s = 0.0  # what seconds_without_progress says
         self.dead_error: BaseException | None = None
         self._tok = FakeTokenizer()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -89,17 +91,24 @@ class FakeEngine:
     async def check_health(self) -> None:
         if self.is_dead:
             raise EngineDeadError("gone")
+        if self.unavailable:
+            raise EngineUnavailableError("gone for now")
+
+    def seconds_without_progress(self) -> float:
+        return self.stalled_s
 
     async def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   add_generation_prompt: bool = True,
-                                  chat_template: str | None = None) -> list[int]:
+                                  chat_template: str | None = None,
+                                  continue_final_message: bool = False) -> list[int]:
         return self._tok.encode(" ".join(m["content"] for m in messages))
 
     async def add_request(self, request_id: str, ids: list[int], params: Any, *,
                           collector: OutputCollector, **kw: Any) -> OutputCollector:
+        await self.check_health()
         self._tasks[request_id] = asyncio.create_task(self._script(request_id, ids, collector))
         return collector
 
@@ -243,12 +252,58 @@ def test_dead_engine_answers_503():
     assert health == 503 and status == 503 and body["error"]["code"] == "engine_dead"
 
 
+def test_stalled_or_unreachable_engine_answers_503_until_it_is_back():
+    """A stall turns /health to 503 engine_stalled, requests are still taken; an engine-core
+    that is gone for now answers 503 engine_unavailable to /health and to new requests (a
+    stream too: before its 200) without stopping the server; both clear once the engine is
+    back."""
+    engine = FakeEngine()
+
+    async def go():
+        state, client = _serve(engine, engine_stall_timeout=2.0)
+        stop = asyncio.Event()
+        watchdog = asyncio.create_task(_watch_engine(state, stop))
+
+        async def health() -> tuple[int, str | None]:
+            resp = await client.get("/health")
+            return resp.status, None if resp.status == 200 else (await resp.json())["error"]["code"]
+
+        async def post(**body: Any) -> tuple[int, str]:
+            resp = await client.post("/v1/completions", json={"prompt": "hi", **body})
+            return resp.status, await resp.text()
+
+        async with client:
+            seen = [await health()]
+            engine.stalled_s = 2.5
+            seen += [await health(), await post()]
+            engine.stalled_s = 0.0
+            seen.append(await health())
+            engine.unavailable = True
+            await asyncio.sleep(0.7)  # the watchdog polls every 0.5 s
+            seen += [await health(), await post(), await post(stream=True)]
+            engine.unavailable = False
+            seen += [await health(), await post()]
+            await asyncio.sleep(0.7)
+        watchdog.cancel()
+        return seen, stop.is_set(), state.admission.engine_dead
+
+    seen, stopped, dead = _run(go())
+    assert seen[0] == (200, None)
+    assert seen[1] == (503, "engine_stalled") and seen[2][0] == 200  # stalled, still served
+    assert seen[3] == (200, None)
+    assert seen[4] == (503, "engine_unavailable")
+    for status, body in seen[5:7]:
+        assert status == 503 and json.loads(body)["error"]["code"] == "engine_unavailable"
+    assert seen[7] == (200, None) and seen[8][0] == 200
+    assert not stopped and not dead
+
+
 def test_unknown_fields_are_ignored():
     async def go():
         state, client = _serve(FakeEngine())
         async with client:
             resp = await client.post("/v1/completions", json={
-                "prompt": "hi", "some_future_field": {"x": 1}, "response_format": "y"})
+                "prompt": "hi", "some_future_field": {"x": 1}, "service_tier": "auto"})
             return resp.status, await resp.json()
 
     status, body = _run(go())

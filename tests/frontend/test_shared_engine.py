@@ -5,6 +5,7 @@ the others keep working, and a killed engine fails every remote frontend's reque
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import json
 import os
@@ -26,6 +27,11 @@ from tidal.frontend.async_llm import AsyncLLM, EngineDeadError
 
 def _engine_core_command() -> list[str]:
     script = Path(sys.executable).with_name("engine-core")  # the console script
+    try:
+        importlib.metadata.version("tidal")
+    except importlib.metadata.PackageNotFoundError:
+        # Not installed (a GPU image running the repo from PYTHONPATH): no console script.
+        return [sys.executable, "-m", "tidal.engine_core.cli"]
     assert script.is_file(), f"the engine-core console script is not installed at {script}"
     return [str(script)]
 

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU: these tests run the model runner's GPU path (CUDA graphs, "
                 "pinned staging, side-stream output copies)", allow_module_level=True)

@@ -138,6 +138,9 @@ def test_older_triton_hooks_on_jitfunction(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "triton", fake)
     monkeypatch.setitem(sys.modules, "triton.runtime", runtime_pkg)
     monkeypatch.setitem(sys.modules, "triton.runtime.jit", jit_mod)
+    # Where the real Triton was imported, its knobs module stays cached: hide it (None in
+    # sys.modules makes the import fail, as on Triton < 3.4).
+    monkeypatch.setitem(sys.modules, "triton.knobs", None)
     watch = JitWatch()
     assert watch.install() is True and watch.api == "JITFunction"
     zero = watch.mark_ready()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU: the all-reduce kernel runs only on one",
                 allow_module_level=True)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip(
         "needs a CUDA GPU: the Triton/CUDA attention kernels run only on one",

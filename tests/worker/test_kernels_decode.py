@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip(
         "needs a CUDA GPU: the Triton decode kernels run only on one", allow_module_level=True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip(
         "needs a CUDA GPU: the Triton/CUDA op kernels run only on one", allow_module_level=True

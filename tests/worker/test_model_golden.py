@@ -26,7 +26,9 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 def test_tiny_models_match_hf(tiny_models, family):
     folder, hf = tiny_models[family]
     prompts = _prompts(hf.config.vocab_size, seed=hash(family) % 1000)
-    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=256, max_num_seqs=16)
+    # float32 on a GPU too ("auto" would pick bfloat16 there).
+    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=256, max_num_seqs=16,
+              dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -44,7 +46,7 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_models):
     assert (folder / "model.safetensors.index.json").is_file()
     assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
     prompt = list(range(3, 40))
-    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=64)
+    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=64, dtype="float32")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference.hf_greedy(hf, prompt, 16)[0]

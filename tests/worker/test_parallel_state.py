@@ -1,5 +1,6 @@
 """Process groups on CPU (gloo): rendezvous on a free port served by rank 0, the tensor-/pipeline-
-parallel layout of a TP=2 x PP=2 world, and every collective of ``ParallelGroup``.
+parallel layout of a TP=2 x PP=2 world, and every collective of ``ParallelGroup``. Every rank
+listens on loopback only (the store, and gloo's connections).
 
 Two worlds run at the same time on this host (4 ranks and 2 ranks), each on a port the kernel
 picked, to show that engines can share a host. Children report over a Pipe with msgspec bytes.
@@ -7,6 +8,7 @@ picked, to show that engines can share a host. Children report over a Pipe with 
 
 from __future__ import annotations
 
+import ipaddress
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 
@@ -48,6 +50,8 @@ def _child(rank: int, tp_size: int, pp_size: int, conn: Connection) -> None:
                                   store=store)
         t_rank, p_rank = rank_layout(rank, tp_size)
         checks["layout"] = tp.rank == t_rank and pp.rank == p_rank
+        # The store (rank 0) and gloo's own listeners: nothing reachable from the network.
+        checks["listens_on_loopback_only"] = _listens_on_loopback_only()
 
         x = torch.full((3,), float(rank + 1))
         tp.all_reduce(x)
@@ -97,6 +101,19 @@ def _child(rank: int, tp_size: int, pp_size: int, conn: Connection) -> None:
                                                       f"{type(exc).__name__}: {exc}")))
 
 
+def _listening_ips(port: int | None = None) -> list[str]:
+    """The addresses this process listens on (TCP), on ``port`` or on any."""
+    import psutil
+
+    return [c.laddr.ip for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and port in (None, c.laddr.port)]
+
+
+def _listens_on_loopback_only() -> bool:
+    ips = _listening_ips()
+    return bool(ips) and all(ipaddress.ip_address(ip).is_loopback for ip in ips)
+
+
 def _start_world(tp_size: int, pp_size: int):
     procs, conns = [], []
     for rank in range(tp_size * pp_size):
@@ -140,6 +157,27 @@ def test_groups_and_collectives_two_worlds_on_one_host():
     assert {"send_recv", "send_recv_cpu"} <= set(by_rank[2].checks)
     small_by_rank = {r.rank: r for r in small_reports}
     assert small_by_rank[1].tp == (1, 2, [0, 1]) and small_by_rank[1].pp == (0, 1, [1])
+
+
+def test_store_listens_on_its_host_only():
+    """torch's TCPStore binds every interface (the wildcard) whatever host it is given; the
+    store rank 0 serves listens on its host alone, and still serves clients there."""
+    import datetime
+
+    import torch
+
+    from tidal.worker.distributed.parallel_state import serve_store
+
+    store = serve_store("127.0.0.1")
+    try:
+        assert _listening_ips(store.port) == ["127.0.0.1"]
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, None, False,
+                                            timeout=datetime.timedelta(seconds=10))
+        client.set("rank1", b"ready")
+        assert store.get("rank1") == b"ready"
+        del client
+    finally:
+        del store
 
 
 def test_single_process_group_is_a_no_op():

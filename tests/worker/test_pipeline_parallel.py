@@ -22,8 +22,9 @@ def _prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:
 def _engine(folder, **kw) -> LLM:
     # max_num_seqs below the number of prompts: the scheduler fills a second batch from the
     # waiting queue while the first is still in the pipeline.
+    # On the CPU whatever the machine (see test_tensor_parallel._generate).
     return LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=256, cpu_threads=1,
-               max_num_seqs=4, max_num_batched_tokens=96, **kw)
+               max_num_seqs=4, max_num_batched_tokens=96, device="cpu", **kw)
 
 
 def _tokens(llm: LLM, prompts) -> list[list[int]]:

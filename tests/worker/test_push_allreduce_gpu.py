@@ -12,6 +12,7 @@ import pytest
 import torch
 from gpu_ranks import join_world, replayed, run_ranks
 
+pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs: the fused all-reduce runs between GPUs",
                 allow_module_level=True)

@@ -91,7 +91,7 @@ def _assert_every_feature(spy: _Spy, config) -> None:
 def test_warmup_samples_every_way_and_leaves_the_runner_clean(tiny_models):
     folder, _ = tiny_models["qwen3"]
     config = EngineArgs(model=str(folder), num_kv_blocks=128, max_model_len=256,
-                        cpu_threads=1, async_scheduling=True).create_config()
+                        cpu_threads=1, async_scheduling=True, device="cpu").create_config()
     worker = Worker(config)
     worker.load_model()
     runner = worker.runner
@@ -188,7 +188,7 @@ def test_multiprocess_workers_warm_up_and_report_compiles(tiny_models, capfd):
     """Tensor parallel over the shared-memory executor: every rank warms up (same steps, so
     their collectives pair up) and answers the compile-stats control call."""
     folder, _ = tiny_models["llama"]
-    llm = _llm(folder, tensor_parallel_size=2, distributed_executor_backend="mp")
+    llm = _llm(folder, tensor_parallel_size=2, distributed_executor_backend="mp", device="cpu")
     try:
         stats = llm.engine.call(GetCompileStats())
         assert stats.ready and not stats.active and stats.after_ready == 0

@@ -13,13 +13,18 @@ pipeline group is the ranks with the same ``tp_rank``, one per stage.
 
 Rendezvous: rank 0 hosts a ``TCPStore`` on port 0 of its host (the kernel picks a free port, so
 there is never a fixed port and two engines can share a host) and reports the port to the
-executor, which hands it to the other ranks (`serve_store`, `init_distributed`).
+executor, which hands it to the other ranks (`serve_store`, `init_distributed`). The store
+listens on that host's address only: loopback for the multiprocess executor, the head node's
+address for Ray.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 # How long a rank waits for the others at start-up (store connect, group creation). Steps
 # themselves are never waited on with this: a rank that dies is noticed by the executor.
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
+# Connections the store's listener queues: every rank connects at once at start-up.
+_STORE_BACKLOG = 512
 
 
 @dataclass(slots=True)
@@ -154,10 +161,59 @@ def rank_layout(rank: int, tp_size: int) -> tuple[int, int]:
 
 
 def serve_store(host: str) -> Any:
-    """Rank 0: host the rendezvous store on a free port of ``host`` (read it from ``.port``).
-    Keep the returned object alive for as long as the process group is in use."""
-    return torch.distributed.TCPStore(host, 0, None, True, timeout=RENDEZVOUS_TIMEOUT,
-                                      wait_for_workers=False)
+    """Rank 0: host the rendezvous store on a free port of ``host`` (read it from ``.port``),
+    listening there only. Keep the returned object alive while the process group is in use.
+
+    torch's TCPStore listens on every interface whatever host it is given (it binds the
+    wildcard address), and anyone who reaches the store can join or disturb the group. So
+    the listening socket is made here, bound to ``host`` alone (127.0.0.1 for one host; the
+    head node's address for Ray), and handed over: the store owns it from then on.
+    """
+    listener = _listen(host)
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store closes it
+    try:
+        return torch.distributed.TCPStore(host, port, None, True, timeout=RENDEZVOUS_TIMEOUT,
+                                          wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _gloo_on_loopback(host: str) -> None:
+    """Gloo's connections between ranks listen on the address this host's name resolves to,
+    often one the network reaches; with a loopback rendezvous (every rank on this host) they
+    use the loopback interface instead, unless the user chose one (``GLOO_SOCKET_IFNAME``,
+    read when a gloo group is created)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(host):
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name  # this worker process's own environment
+            return
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+def _listen(host: str) -> socket.socket:
+    """A TCP socket listening on a free port of ``host`` (IPv4 or IPv6, as the host is)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(_STORE_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: int,
@@ -170,6 +226,7 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     dist = torch.distributed
     if store is None:
         store = dist.TCPStore(host, port, None, False, timeout=RENDEZVOUS_TIMEOUT)
+    _gloo_on_loopback(host)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":

@@ -44,6 +44,10 @@ class SamplingMetadata:
     bias_vals: torch.Tensor | None = None
     ban_rows: torch.Tensor | None = None  # min_tokens: stop tokens banned until reached
     ban_cols: torch.Tensor | None = None
+    # allowed_token_ids: the (row, token) pairs a restricted row may sample; every row with a
+    # pair is restricted to its pairs (an allowed list is never empty).
+    allowed_rows: torch.Tensor | None = None
+    allowed_cols: torch.Tensor | None = None
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -154,6 +158,8 @@ class SamplingMetadataBuilder:
     def _sparse(self, b: InputBatch, rows: np.ndarray, meta: SamplingMetadata,
                 stage: Stage) -> None:
         bias_r, bias_c, bias_v, ban_r, ban_c = [], [], [], [], []
+        allow_r: list[np.ndarray] = []
+        allow_c: list[np.ndarray] = []
         n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
         for i in np.nonzero(b.special[rows])[0]:
             row = int(rows[i])
@@ -164,6 +170,9 @@ class SamplingMetadataBuilder:
                 bias_r.append(np.full(len(ids), i, dtype=np.int64))
                 bias_c.append(ids)
                 bias_v.append(vals)
+            if extra.allowed_ids is not None:
+                allow_r.append(np.full(len(extra.allowed_ids), i, dtype=np.int64))
+                allow_c.append(extra.allowed_ids)
             if n_out[i] < b.min_tokens[row]:
                 stops = extra.stop_ids
                 if extra.params.ignore_eos:
@@ -174,6 +183,9 @@ class SamplingMetadataBuilder:
             meta.bias_rows = stage(np.concatenate(bias_r), torch.int64)
             meta.bias_cols = stage(np.concatenate(bias_c), torch.int64)
             meta.bias_vals = stage(np.concatenate(bias_v), torch.float32)
+        if allow_r:
+            meta.allowed_rows = stage(np.concatenate(allow_r), torch.int64)
+            meta.allowed_cols = stage(np.concatenate(allow_c), torch.int64)
         if ban_r and sum(len(r) for r in ban_r):
             meta.ban_rows = stage(np.concatenate(ban_r), torch.int64)
             meta.ban_cols = stage(np.concatenate(ban_c), torch.int64)

@@ -1,9 +1,10 @@
 """The sampler: logits of a batch → one token per row (and log-probabilities when asked).
 
-Order of processing: logit bias, min_tokens bans, penalties, temperature; log-probabilities are
-taken here (the "processed" distribution); then top-k, top-p and min-p truncate, and tokens are
-drawn with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs one random
-number per vocabulary entry and lets seeded rows draw from their own generator.
+Order of processing: the allowed-token mask, logit bias, min_tokens bans, penalties,
+temperature; log-probabilities are taken here (the "processed" distribution); then top-k, top-p
+and min-p truncate, and tokens are drawn with the exponential-race trick (argmax of p / q,
+q ~ Exp(1)), which needs one random number per vocabulary entry and lets seeded rows draw from
+their own generator.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.presence_penalty is not None:
         logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor,
+                            cols: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) every token of a restricted row but its allowed ones; a row is restricted
+    when it has at least one (row, token) pair. One scatter and one fill for the whole batch."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.index_put_((rows, cols), keep.new_ones(()))
+    return logits.masked_fill(keep.any(dim=1, keepdim=True) & ~keep, _NEG_INF)
 
 
 def apply_top_k_top_p(
@@ -99,7 +109,8 @@ def compute_logprobs(
 def _plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row greedy, and nothing that changes or reports the distribution."""
     return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
-            and meta.ban_rows is None and meta.output_counts is None)
+            and meta.ban_rows is None and meta.output_counts is None
+            and meta.allowed_rows is None)
 
 
 class Sampler:
@@ -110,6 +121,9 @@ class Sampler:
             # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
             return SamplerOutput(ops.argmax(logits), None)
         logits = logits.float()
+        if meta.allowed_rows is not None:
+            assert meta.allowed_cols is not None
+            logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_cols)
         if meta.bias_rows is not None:
             logits = logits.index_put(
                 (meta.bias_rows, meta.bias_cols), meta.bias_vals, accumulate=True

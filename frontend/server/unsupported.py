@@ -1,0 +1,134 @@
+"""Request fields of OpenAI's and vLLM's APIs that this server does not implement.
+
+Each would change the result, so a request that sets one (to anything but its no-op value) is a
+400 naming it, never a silent success. Fields the request structs declare are implemented (or
+checked where they are used); fields in neither place are ignored with a debug log, as OpenAI's
+clients send newer fields freely: ``HARMLESS`` lists the known ones that have no effect on the
+result here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.frontend.server.errors import bad_request
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 0)
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value == "none"
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _text_modality(value: Any) -> bool:
+    return value is None or value == ["text"]
+
+
+def _no_thinking_budget(value: Any) -> bool:
+    return value is None or (type(value) is int and value == -1)
+
+
+@dataclass(slots=True, frozen=True)
+class Unsupported:
+    reason: str  # completes "<field> is not supported: ..."
+    no_op: Callable[[Any], bool] = _unset  # values that ask for nothing
+
+
+_TOOLS = "tool and function calling is not supported yet"
+_STRUCTURED = ("structured output (JSON schema, regex, choice or grammar constrained decoding) "
+               "is not supported yet")
+
+# Completions, chat completions and /tokenize (a chat field in a completion request asks for
+# something the endpoint cannot do either).
+GENERATION: Mapping[str, Unsupported] = {
+    "tools": Unsupported(_TOOLS, _empty),
+    "tool_choice": Unsupported(f"{_TOOLS}; only \"none\" is accepted", _no_tool_choice),
+    "functions": Unsupported(_TOOLS, _empty),
+    "function_call": Unsupported(f"{_TOOLS}; only \"none\" is accepted", _no_tool_choice),
+    "response_format": Unsupported(f"{_STRUCTURED}; only {{\"type\": \"text\"}} is accepted",
+                                   _text_format),
+    "structured_outputs": Unsupported(_STRUCTURED, _empty),
+    "guided_json": Unsupported(_STRUCTURED),
+    "guided_regex": Unsupported(_STRUCTURED),
+    "guided_choice": Unsupported(_STRUCTURED),
+    "guided_grammar": Unsupported(_STRUCTURED),
+    "structural_tag": Unsupported(_STRUCTURED),
+    "guided_decoding_backend": Unsupported(_STRUCTURED),
+    "guided_whitespace_pattern": Unsupported(_STRUCTURED),
+    "logits_processors": Unsupported("custom logits processors are not accepted in requests",
+                                     _empty),
+    "bad_words": Unsupported("bad_words is not implemented; use logit_bias with -100 for "
+                             "the tokens to avoid", _empty),
+    "logprob_token_ids": Unsupported("use logprobs / top_logprobs", _empty),
+    "truncate_prompt_tokens": Unsupported("prompts are never truncated here; shorten the "
+                                          "prompt"),
+    "truncation_side": Unsupported("prompts are never truncated here; shorten the prompt"),
+    "prompt_embeds": Unsupported("prompt embeddings are not accepted; send text or token ids",
+                                 _empty),
+    "chat_template": Unsupported("the server's chat template applies (tidal serve "
+                                 "--chat-template sets it)"),
+    "chat_template_kwargs": Unsupported("chat template arguments are not supported", _empty),
+    "documents": Unsupported("documents for the chat template are not supported", _empty),
+    "add_special_tokens": Unsupported("the chat template alone decides the special tokens of a "
+                                      "chat prompt", _false),
+    "mm_processor_kwargs": Unsupported("this server takes text only", _empty),
+    "media_io_kwargs": Unsupported("this server takes text only", _empty),
+    "modalities": Unsupported("this server produces text only", _text_modality),
+    "audio": Unsupported("this server produces text only"),
+    "prediction": Unsupported("predicted outputs are not supported"),
+    "web_search_options": Unsupported("web search is not supported"),
+    "verbosity": Unsupported("verbosity is not supported"),
+    "reasoning_effort": Unsupported("reasoning controls are not supported"),
+    "thinking_token_budget": Unsupported("reasoning controls are not supported",
+                                         _no_thinking_budget),
+    "priority": Unsupported("priority scheduling is not supported; requests run first come, "
+                            "first served", _zero),
+    "kv_transfer_params": Unsupported("disaggregated serving is not supported", _empty),
+    "ec_transfer_params": Unsupported("disaggregated serving is not supported", _empty),
+    "vllm_xargs": Unsupported("request extensions are not supported", _empty),
+    "return_token_ids": Unsupported("use logprobs with return_tokens_as_token_ids", _false),
+    "return_prompt_text": Unsupported("the prompt text is not returned", _false),
+    "watermarking": Unsupported("watermarking is not supported", _false),
+    "repetition_detection": Unsupported("repetition detection is not supported"),
+}
+
+# Known fields that change nothing this server returns: identifiers and metadata, hints about
+# caching or routing, chunking of a stream, and switches for features that are absent here
+# (reasoning parsers, routed-expert data, the render endpoints).
+HARMLESS: frozenset[str] = frozenset({
+    "user", "request_id", "session_id", "metadata", "store", "service_tier",
+    "prompt_cache_key", "safety_identifier", "parallel_tool_calls", "include_reasoning",
+    "stream_interval", "routed_experts_prompt_start", "return_token_offsets",
+    "return_mm_kwargs",
+})
+
+
+def reject_unsupported(raw: Mapping[str, Any], fields: Iterable[str],
+                       table: Mapping[str, Unsupported]) -> None:
+    """400 for the first of ``fields`` (keys of the request body ``raw``) that ``table`` lists
+    and that is set to more than its no-op value."""
+    for name in fields:
+        entry = table.get(name)
+        if entry is not None and not entry.no_op(raw[name]):
+            raise bad_request(f"{name} is not supported: {entry.reason}", name,
+                              code="unsupported_field")
