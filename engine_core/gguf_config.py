@@ -20,6 +20,8 @@ from typing import Any
 
 from gguf import GGUFValueType
 
+from tidal.engine_core.model_registry import GGUFFamily, gguf_architectures, gguf_family
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -42,13 +44,6 @@ _SCALAR_FORMATS: dict[int, str] = {
     GGUFValueType.UINT64: "Q",
     GGUFValueType.INT64: "q",
     GGUFValueType.FLOAT64: "d",
-}
-
-# GGUF ``general.architecture`` -> (HF architecture class, HF model_type).
-GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 
 # llama.cpp's converters default the rope base to this when the HF config has none.
@@ -227,13 +222,19 @@ def _parse_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
 
 def gguf_architecture(header: GGUFHeader) -> str:
     """The file's ``general.architecture``; ``ValueError`` unless tidal supports it."""
-    arch = header.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        known = ", ".join(sorted(GGUF_ARCHITECTURES))
+    return header_family(header).arch
+
+
+def header_family(header: GGUFHeader) -> GGUFFamily:
+    """The registry's GGUF mapping for the file's architecture; ``ValueError`` if it has none."""
+    fam = gguf_family(header.architecture)
+    if fam is None:
+        known = ", ".join(gguf_architectures())
         raise ValueError(
-            f"{header.path}: unsupported GGUF architecture {arch!r} (tidal reads {known})"
+            f"{header.path}: unsupported GGUF architecture {header.architecture!r} "
+            f"(tidal reads {known})"
         )
-    return arch
+    return fam
 
 
 def gguf_to_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -253,8 +254,8 @@ def gguf_head_counts(header: GGUFHeader) -> tuple[int, int]:
 
 def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
     """:func:`gguf_to_hf_config` for an already parsed header."""
-    arch = gguf_architecture(header)
-    hf_arch, model_type = GGUF_ARCHITECTURES[arch]
+    fam = header_family(header)
+    arch = fam.arch
     meta = _ArchMetadata(header, arch)
     hidden = meta.required_int("embedding_length")
     num_heads, num_kv_heads = gguf_head_counts(header)
@@ -270,8 +271,8 @@ def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
             header.path,
         )
     config: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [fam.hf_architecture],
+        "model_type": fam.model_type,
         "hidden_size": hidden,
         "intermediate_size": meta.required_int("feed_forward_length"),
         "num_hidden_layers": meta.required_int("block_count"),
@@ -294,6 +295,11 @@ def hf_config_from_header(header: GGUFHeader) -> dict[str, Any]:
         "attention_bias": any(t.name.endswith(".attn_q.bias") for t in header.tensors),
         "mlp_bias": False,
     }
+    config.update(fam.config_defaults)
+    for suffix, hf_key in fam.metadata_keys.items():
+        value = meta.get(suffix)
+        if value is not None:
+            config[hf_key] = value
     config.update(_token_ids(header))
     template = header.metadata.get("tokenizer.chat_template")
     config["_chat_template"] = template if isinstance(template, str) else None

@@ -1,7 +1,8 @@
 """The architecture of a model, normalised from an HF ``config.json`` (or GGUF metadata).
 
-One decoder implementation serves every supported family; this struct carries the few ways the
-families differ, so the worker never reads raw HF configs.
+This struct carries the ways the families differ, so the worker never reads raw HF configs; the
+normalisers here build it, one per family shape. Which architectures exist, and which normaliser
+and model class each uses, is the registry's (:mod:`~tidal.engine_core.model_registry`).
 """
 
 from __future__ import annotations
@@ -9,20 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-# HF architecture name -> family. Families differ only in flags set below.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-EMBEDDING_ARCHITECTURES: dict[str, str] = {
-    "BertModel": "bert",
-    "BertForMaskedLM": "bert",
-}
-
 
 class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     architecture: str
@@ -43,6 +30,15 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     qk_norm: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
+    # Indices of the layers that use ``sliding_window``; None: every layer (Mistral). Qwen2
+    # windows only layers >= max_window_layers (or those its ``layer_types`` marks).
+    window_layers: tuple[int, ...] | None = None
+    # Gemma: c * tanh(x / c) on the attention scores / the final logits; the query scale is
+    # query_pre_attn_scalar ** -0.5; windowed layers rotate with their own rope base (Gemma 3).
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
     # Embedding (encoder) models only.
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
@@ -55,26 +51,40 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_sliding_window(self, layer: int) -> int | None:
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
+
     @property
     def is_embedding(self) -> bool:
-        return self.family in EMBEDDING_ARCHITECTURES.values()
+        # Imported here: the registry imports this module's normalisers.
+        from tidal.engine_core.model_registry import family
+
+        return family(self.family).task == "embed"
 
 
 def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
-    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors."""
-    archs = cfg.get("architectures") or []
-    arch = next(
-        (a for a in archs if a in SUPPORTED_ARCHITECTURES or a in EMBEDDING_ARCHITECTURES), None
-    )
-    if arch is None:
-        known = ", ".join(sorted({*SUPPORTED_ARCHITECTURES, *EMBEDDING_ARCHITECTURES}))
-        raise ValueError(
-            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-            f"tidal supports {known}"
-        )
-    if arch in EMBEDDING_ARCHITECTURES:
-        return _bert_arch(cfg, arch)
-    family = SUPPORTED_ARCHITECTURES[arch]
+    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors.
+
+    The architecture list and each family's normaliser live in
+    :mod:`~tidal.engine_core.model_registry`.
+    """
+    from tidal.engine_core.model_registry import arch_from_hf_dict as from_registry
+
+    return from_registry(cfg, source)
+
+
+def decoder_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str,
+                 qkv_bias: bool | None = None, qk_norm: bool = False,
+                 window_flag: str | None = "use_sliding_window") -> ArchSpec:
+    """The normaliser of the Llama-shaped decoder families.
+
+    ``qkv_bias`` None reads ``attention_bias``; ``window_flag`` names the config flag that turns
+    ``sliding_window`` on for the layers Qwen2's rules pick, None when a set ``sliding_window``
+    applies to every layer (Mistral).
+    """
+    arch = architecture
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -82,9 +92,9 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{source}: unsupported activation {act!r} (tidal supports silu)")
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-    if family == "llama" and arch == "MistralForCausalLM":
-        sliding = cfg.get("sliding_window")
+    enabled = window_flag is None or bool(cfg.get(window_flag, False))
+    sliding = cfg.get("sliding_window") if enabled else None
+    window_layers = _qwen2_window_layers(cfg) if sliding and window_flag is not None else None
     return ArchSpec(
         architecture=arch,
         family=family,
@@ -100,10 +110,22 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qkv_bias=bool(cfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias,
+        qk_norm=qk_norm,
         sliding_window=int(sliding) if sliding else None,
+        window_layers=window_layers if sliding else None,
     )
+
+
+def _qwen2_window_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    # As transformers' Qwen2Config: explicit ``layer_types`` win, else layers from
+    # ``max_window_layers`` (default 28) on are windowed.
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types[:n]) if t == "sliding_attention")
+    first = int(cfg.get("max_window_layers", 28))
+    return tuple(range(first, n))
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -123,13 +145,129 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def _bert_arch(cfg: dict[str, Any], arch: str) -> ArchSpec:
+def phi3_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str) -> ArchSpec:
+    """The normaliser of Phi-3: the decoder's, with a set ``sliding_window`` on every layer and
+    LongRoPE ("su"/"longrope"; HF's Phi3Config reads "yarn" as longrope too), whose trained
+    length hub configs keep at the top level as ``original_max_position_embeddings``."""
+    params = cfg.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial} is not supported "
+                         "(tidal's Phi-3 rotates whole heads)")
+    spec = decoder_arch(cfg, architecture=architecture, family=family, source=source,
+                        qkv_bias=False, window_flag=None)
+    if spec.rope_scaling is None:
+        return spec
+    scaling = dict(spec.rope_scaling)
+    if scaling["rope_type"] not in ("su", "longrope", "yarn"):
+        raise ValueError(f"{source}: unsupported rope scaling {scaling['rope_type']!r} for "
+                         f"{architecture} (tidal supports longrope / su)")
+    scaling["rope_type"] = "longrope"
+    scaling.setdefault("original_max_position_embeddings",
+                       cfg.get("original_max_position_embeddings"))
+    half = spec.head_dim // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != half:
+            raise ValueError(f"{source}: rope scaling {key} must be a list of {half} numbers "
+                             "(half the head size)")
+    if not scaling["original_max_position_embeddings"]:
+        raise ValueError(f"{source}: LongRoPE needs original_max_position_embeddings")
+    return msgspec.structs.replace(spec, rope_scaling=scaling)
+
+
+_GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def gemma_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str) -> ArchSpec:
+    """The normaliser of Gemma 2 and Gemma 3 text. Missing keys take the defaults of HF's config
+    classes (they differ between the two); layers are windowed as ``layer_types`` says, or one
+    global layer in every ``sliding_window_pattern`` (2 for Gemma 2, 6 for Gemma 3)."""
+    gemma3 = family == "gemma3"
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention (Gemma embedding models) is "
+                         "not supported")
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{source}: unsupported hidden_activation {act!r} (tidal's Gemma "
+                         "supports gelu_pytorch_tanh)")
+    window = cfg.get("sliding_window", 4096)
+    if not window:
+        raise ValueError(f"{source}: Gemma's local layers need a sliding_window")
+    n = int(cfg["num_hidden_layers"])
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+    if isinstance(pattern, list):  # GGUF may give one flag per layer (True: windowed)
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        every = int(pattern or (6 if gemma3 else 2))
+        types = list(cfg.get("layer_types") or (
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n)))
+    if len(types) != n or any(t not in _GEMMA_LAYER_TYPES for t in types):
+        raise ValueError(f"{source}: layer_types must give each of the {n} layers one of "
+                         f"{', '.join(_GEMMA_LAYER_TYPES)}")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one rope per kind of layer
+        theta, scaling = _rope({"rope_parameters": params["full_attention"]})
+        local_theta, local_scaling = _rope({"rope_parameters": params.get("sliding_attention")
+                                            or {"rope_theta": 10000.0}})
+    else:
+        theta, scaling = _rope(dict(cfg, rope_theta=cfg.get("rope_theta",
+                                                             1e6 if gemma3 else 10000.0)))
+        local_theta, local_scaling = float(cfg.get("rope_local_base_freq", 10000.0)), None
+    if local_scaling is not None or (scaling is not None and scaling["rope_type"] != "linear"):
+        raise ValueError(f"{source}: unsupported rope scaling {local_scaling or scaling} for "
+                         f"{architecture} (tidal supports linear scaling of the global layers)")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden, head_dim = int(cfg["hidden_size"]), int(cfg.get("head_dim") or 256)
+    scalar = cfg.get("query_pre_attn_scalar")
+    if scalar is None:
+        # Hub configs always set it; GGUF files never do, and llama.cpp derives it: hidden /
+        # heads for the 27B models (46 layers in Gemma 2, 62 in Gemma 3), else head_dim.
+        scalar = hidden // num_heads if n == (62 if gemma3 else 46) else head_dim
+    return ArchSpec(
+        architecture=architecture,
+        family=family,
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=n,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings")
+                                    or (131072 if gemma3 else 8192)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=gemma3,
+        hidden_act=act,
+        sliding_window=int(window),
+        window_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping",
+                                                   None if gemma3 else 50.0)),
+        final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping",
+                                                    None if gemma3 else 30.0)),
+        query_pre_attn_scalar=float(scalar),
+        rope_local_theta=local_theta if gemma3 else None,
+    )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def bert_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str) -> ArchSpec:
+    """The normaliser of BERT encoders (embedding models)."""
+    arch = architecture
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     act = cfg.get("hidden_act", "gelu")
     return ArchSpec(
         architecture=arch,
-        family="bert",
+        family=family,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),

@@ -34,7 +34,6 @@ import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import CompileStats, GetCompileStats
 from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
@@ -173,7 +173,7 @@ class MultiprocExecutor:
         self._ring = ShmRingWriter.create(self.world_size, BROADCAST_SLOT_BYTES, BROADCAST_SLOTS)
         ctx = multiprocessing.get_context("spawn")
         env = {}
-        if "GLOO_SOCKET_IFNAME" not in os.environ:
+        if envs.gloo_socket_ifname() is None:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: gloo's CPU groups stay on loopback
         for rank in range(self.world_size):
             args = WorkerArgs(config=cfg, rank=rank, local_rank=rank, store_host="127.0.0.1",

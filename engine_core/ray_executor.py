@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import ConfigError, EngineConfig
 from tidal.engine_core.control import CompileStats, GetCompileStats
 from tidal.engine_core.multiproc_executor import WorkerDiedError, WorkerError
@@ -242,14 +243,14 @@ class RayExecutor:
                 local_rank = local_seen.get(ip, 0)
                 local_seen[ip] = local_rank + 1
             iface = _iface_of(ip) if ip == here else None
-            if "GLOO_SOCKET_IFNAME" in os.environ:
-                env["GLOO_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"]
+            gloo_ifname = envs.gloo_socket_ifname()
+            if gloo_ifname is not None:
+                env["GLOO_SOCKET_IFNAME"] = gloo_ifname
             elif iface is not None:
                 env["GLOO_SOCKET_IFNAME"] = iface
-            for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                        "NVSHMEM_DISABLE_NVLS", "TIDAL_LOG_LEVEL"):
-                if key in os.environ:
-                    env[key] = os.environ[key]  # actors do not inherit this process's env
+            # Actors do not inherit this process's environment.
+            env.update(envs.forwarded(("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                       "NVSHMEM_DISABLE_NVLS", "TIDAL_LOG_LEVEL")))
             args = WorkerArgs(config=self.config, rank=rank, local_rank=local_rank,
                               store_host=store_host, env=env)
             inits.append(self._actors[rank].init_worker.remote(msgspec.msgpack.encode(args),

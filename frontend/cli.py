@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from tidal.engine_core import envs
 from tidal.engine_core.cli import HelpFormatter, apply_log_level
 from tidal.engine_core.config import EngineArgs
 
@@ -208,7 +209,7 @@ def _server_settings(ns: argparse.Namespace) -> Any:
     return ServerSettings(
         host=ns.host,
         port=ns.port,
-        api_key=ns.api_key or os.environ.get("TIDAL_API_KEY") or None,
+        api_key=ns.api_key or envs.api_key(),
         max_queued_requests=ns.max_queued_requests,
         shutdown_timeout=ns.shutdown_timeout,
         limits=limits,

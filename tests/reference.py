@@ -32,9 +32,40 @@ def tiny_hf_config(family: str, **overrides):
             "original_max_position_embeddings": 64})
     if family == "qwen2":
         return Qwen2Config(**shapes, tie_word_embeddings=True)
+    if family == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**shapes, tie_word_embeddings=False)
     if family == "qwen3":
         return Qwen3Config(**dict(shapes, head_dim=32), tie_word_embeddings=True)
+    if family in ("gemma2", "gemma3"):
+        return _tiny_gemma_config(family, overrides)
+    if family == "phi3":  # overrides may add rope_scaling / sliding_window
+        from transformers import Phi3Config
+
+        # Phi3Config's default special ids (32000) lie outside the tiny vocabulary.
+        return Phi3Config(**shapes, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                          pad_token_id=0, attn_implementation="eager")
     raise ValueError(family)
+
+
+def _tiny_gemma_config(family: str, overrides: dict):
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    # A window much shorter than the test prompts, query_pre_attn_scalar != head_dim, and
+    # soft-caps small enough to change the result on random weights.
+    shapes = dict(TINY_SHAPES, vocab_size=512, head_dim=16, sliding_window=16,
+                  query_pre_attn_scalar=24, initializer_range=0.1,
+                  attn_implementation="eager")
+    if family == "gemma2":
+        shapes.update(num_hidden_layers=4, attn_logit_softcapping=5.0,
+                      final_logit_softcapping=10.0)
+        return Gemma2Config(**{**shapes, **overrides})
+    # Gemma 3: five local layers per global one, local and global rope bases, linear rope
+    # scaling on the global layers only.
+    shapes.update(num_hidden_layers=6, rope_theta=1e6, rope_local_base_freq=1e4,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    return Gemma3TextConfig(**{**shapes, **overrides})
 
 
 def make_tiny_model(family: str, folder: Path, seed: int = 0, max_shard_size: str | None = None,
@@ -51,6 +82,8 @@ def make_tiny_model(family: str, folder: Path, seed: int = 0, max_shard_size: st
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.mul_(3.0)
+            elif family.startswith("gemma"):
+                p.normal_(0.0, 0.3)  # (1 + w) norms start at w = 0: make w matter
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return model

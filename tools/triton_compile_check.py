@@ -51,12 +51,12 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
         consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
                       IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=16, EARLY_V=True, PDL=True,
-                      QPK_P=4, PRELOAD=True, TIMES=times)
+                      QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False, SOFT_CAP=False)
         ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16",
                 "v_cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
                 "part_sum_ptr": "*fp32", "counter_ptr": "*i32", "block_table_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "times_ptr": "*i64",
-                "scale_log2": "fp32"}
+                "scale_log2": "fp32", "softcap_log2": "fp32"}
         sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
                for a in tak._paged_attention_kernel.arg_names}
         cases.append((f"split-decode attention{' + stamps' if times else ''}",

@@ -173,6 +173,7 @@ class ModelRunner:
         if self.on_gpu:
             self._check_weights_fit()
         self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp)
+        self._fit_attention()
         if self.on_gpu and self.tp.world_size > 1 and isinstance(self.model, DecoderForCausalLM):
             from tidal.worker.distributed.push_allreduce import make_push_all_reduce
 
@@ -180,6 +181,14 @@ class ModelRunner:
             self.tp.push_all_reduce = make_push_all_reduce(
                 self.tp, self.device, self.dtype, self.arch.hidden_size,
                 2 * len(self.model.layers))
+
+    def _fit_attention(self) -> None:
+        try:
+            from tidal.worker.attention.selector import fit_attention_to_layers
+        except ImportError:  # as _select_attention: a build without the selector runs torch
+            return
+        self.attn_impl = fit_attention_to_layers(
+            self.attn_impl, self.model, self.config.runner.attention_backend, self.device)
 
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""

@@ -57,6 +57,7 @@ from typing import Any
 
 import msgspec
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import EngineArgs, EngineConfig
 from tidal.frontend.server.state import ServerSettings
 
@@ -146,7 +147,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     # it, so one left from an earlier run would be counted too). API servers read it from
     # their environment when they import prometheus_client.
     metrics_dir = tempfile.mkdtemp(prefix="tidal-metrics-")
-    env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    env_before = envs.prometheus_multiproc_dir()
     stopping: list[int] = []
     engine: BaseProcess | None = None
     engine_tmp: str | None = None

@@ -39,7 +39,6 @@ it goes idle, so the server zeroes running/waiting itself when nothing is in fli
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+from tidal.engine_core import envs
 from tidal.engine_core.protocol import SchedulerStats
 from tidal.frontend.output_processor import StepRecord
 
@@ -117,7 +117,7 @@ def cache_config_info(config: EngineConfig) -> dict[str, str]:
 
 def multiprocess_dir() -> str | None:
     """The shared folder of multiprocess mode, if this process runs in it."""
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+    return envs.prometheus_multiproc_dir() or None
 
 
 def observe_many(hist: Histogram, values: list[float]) -> None:

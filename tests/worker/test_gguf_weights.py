@@ -413,3 +413,49 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     path.write_bytes(b"\x00" * 256)
     with pytest.raises(ValueError, match="not a GGUF file"):
         gguf_tensor_names(path)
+
+
+def test_family_tensor_map_and_norm_offset_come_from_the_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A family's own tensor names and llama.cpp's "1 + w" norm storage (Gemma) are registry
+    # data: renamed as the family says, and only ``*_norm`` weights shifted back.
+    from tidal.engine_core import model_registry as reg
+
+    base = reg.family("llama")
+    blocks = {**reg.LLAMA_GGUF_BLOCK_TENSORS, "post_ffw_norm": "post_feedforward_layernorm"}
+    spec = reg.GGUFFamily("llama", "LlamaForCausalLM", "llama", block_tensors=blocks,
+                          norm_weight_offset=1.0)
+    monkeypatch.setitem(reg._BY_GGUF, "llama", reg.ModelFamily(
+        base.name, base.architectures, base.model_class, base.normalise, gguf=spec))
+
+    rng = np.random.default_rng(0)
+    stored = {
+        "token_embd.weight": rng.standard_normal((16, 32), dtype=np.float32),
+        "output_norm.weight": rng.standard_normal(32, dtype=np.float32),
+        "blk.0.attn_norm.weight": rng.standard_normal(32, dtype=np.float32),
+        "blk.0.post_ffw_norm.weight": rng.standard_normal(32, dtype=np.float32),
+    }
+    path = tmp_path / "family.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    for name, data in stored.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = dict(iter_gguf_weights(path))
+    assert torch.equal(ours["model.embed_tokens.weight"],
+                       torch.from_numpy(stored["token_embd.weight"]))
+    for gguf_name, hf_name in (("output_norm.weight", "model.norm.weight"),
+                               ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight"),
+                               ("blk.0.post_ffw_norm.weight",
+                                "model.layers.0.post_feedforward_layernorm.weight")):
+        assert torch.equal(ours[hf_name], torch.from_numpy(stored[gguf_name] - np.float32(1)))
+    # The stock llama map has no post_ffw_norm: the same file is refused without the family's.
+    monkeypatch.setitem(reg._BY_GGUF, "llama", base)
+    with pytest.raises(ValueError, match="post_ffw_norm"):
+        iter_gguf_weights(path)

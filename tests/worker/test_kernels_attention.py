@@ -116,9 +116,11 @@ def make_batch(
     return Batch(query.to(device, dtype), kv.to(device, dtype), meta, q_lens, seq_lens)
 
 
-def reference_out(batch: Batch, scale: float) -> torch.Tensor:
+def reference_out(batch: Batch, scale: float, window: int | None = None,
+                  cap: float | None = None) -> torch.Tensor:
     ref = torch.zeros(batch.query.shape, dtype=torch.float64, device=batch.query.device)
-    paged_attention_reference(batch.query.double(), batch.kv_cache.double(), batch.meta, scale, ref)
+    paged_attention_reference(batch.query.double(), batch.kv_cache.double(), batch.meta, scale, ref,
+                              window, cap)
     return ref
 
 
@@ -134,13 +136,18 @@ def request_errors(out: torch.Tensor, ref: torch.Tensor, batch: Batch) -> list[f
     return errs
 
 
-def run_and_check(impl, batch: Batch, dtype: torch.dtype, label: str) -> None:
+def run_and_check(impl, batch: Batch, dtype: torch.dtype, label: str, window: int | None = None,
+                  cap: float | None = None) -> None:
     head_dim = batch.query.shape[-1]
     scale = head_dim**-0.5
     out = torch.full_like(batch.query, float("nan"))
-    impl.forward(batch.query, batch.kv_cache, batch.meta, scale, out)
+    if window is None and cap is None:
+        impl.forward(batch.query, batch.kv_cache, batch.meta, scale, out)
+    else:
+        impl.forward(batch.query, batch.kv_cache, batch.meta, scale, out, sliding_window=window,
+                     logits_soft_cap=cap)
     torch.cuda.synchronize()
-    ref = reference_out(batch, scale)
+    ref = reference_out(batch, scale, window, cap)
     errs = request_errors(out, ref, batch)
     worst = max(errs)
     assert worst < TOL[dtype], f"{label}: worst request error {worst:.3g} (all: {errs})"
@@ -187,32 +194,87 @@ def _impl(name: str):
     return CudaAttention()
 
 
-def _check_backend(name: str, combo: tuple[torch.dtype, int, int], seed: int) -> None:
+def _check_backend(name: str, combo: tuple[torch.dtype, int, int], seed: int,
+                   window: int | None = None, cap: float | None = None) -> None:
     dtype, head_dim, qpk = combo
     kv_heads = NUM_HEADS // qpk
     impl = _impl(name)
     rng = random.Random(seed)
+    opts = dict(window=window, cap=cap)
     q_lens, seq_lens = mixed_case(rng)
     batch = make_batch(
         q_lens, seq_lens, kv_heads, head_dim, dtype, pad_reqs=2, pad_tokens=5, seed=seed
     )
-    run_and_check(impl, batch, dtype, f"{name} mixed")
+    _poison_outside_windows(batch, window)
+    run_and_check(impl, batch, dtype, f"{name} mixed", **opts)
     # Small decode batch: few (request, KV head) pairs, so the context is split.
     ctx = [rng.randint(1, 8192) for _ in range(3)] + [8192]
     batch = make_batch(
         [1] * 4, ctx, kv_heads, head_dim, dtype, pad_reqs=1, pad_tokens=2, seed=seed + 1
     )
-    run_and_check(impl, batch, dtype, f"{name} decode split")
+    _poison_outside_windows(batch, window)
+    run_and_check(impl, batch, dtype, f"{name} decode split", **opts)
     # Wide decode batch: enough programs that the context is not split.
     n = max(4, 300 // kv_heads)
     ctx = [rng.randint(1, 700) for _ in range(n)]
     batch = make_batch([1] * n, ctx, kv_heads, head_dim, dtype, seed=seed + 2)
-    run_and_check(impl, batch, dtype, f"{name} decode wide")
+    _poison_outside_windows(batch, window)
+    run_and_check(impl, batch, dtype, f"{name} decode wide", **opts)
+
+
+def _poison_outside_windows(batch: Batch, window: int | None) -> None:
+    """NaN into the cache positions that lie in whole 128-position runs before the first query's
+    window of each request: a kernel must skip those tiles (any tile width divides 128), not
+    load them (a masked score still multiplies a NaN value by 0)."""
+    if window is None:
+        return
+    for i, (q, s) in enumerate(zip(batch.q_lens, batch.seq_lens)):
+        end = max(0, s - q - window + 1) // 128 * 128
+        for pos in range(0, end, BLOCK_SIZE):
+            batch.kv_cache[:, int(batch.meta.block_table[i, pos // BLOCK_SIZE])] = float("nan")
 
 
 @pytest.mark.parametrize("combo", COMBOS + FP32_COMBOS, ids=_id)
 def test_triton_attention_matches_reference(combo) -> None:
     _check_backend("triton", combo, seed=_seed(combo))
+
+
+# (window, soft-cap): windows far shorter than the contexts (tiles skipped, tiles straddling
+# the window start masked, splits starting mid-context), a window of one position, windows longer
+# than every context (must equal no window), a soft-cap small enough to reshape the softmax of
+# unit-variance scores, and both together.
+WINDOW_CASES = [(100, None), (1, None), (777, None), (20000, None), (None, 1.0), (300, 2.0)]
+WINDOW_COMBOS = [(torch.bfloat16, 128, 4), (torch.float16, 64, 2), (torch.float32, 128, 8)]
+
+
+@pytest.mark.parametrize("window,cap", WINDOW_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("combo", WINDOW_COMBOS, ids=_id)
+def test_triton_window_and_soft_cap_match_reference(combo, window, cap) -> None:
+    _check_backend("triton", combo, seed=_seed(combo) + 5, window=window, cap=cap)
+
+
+def test_window_and_soft_cap_cases_change_the_reference() -> None:
+    """The cases above would let a kernel that ignores the options pass unless the options change
+    the answer: they do (and a window past every context changes nothing)."""
+    q_lens, seq_lens = mixed_case(random.Random(1))
+    batch = make_batch(q_lens, seq_lens, 4, 64, torch.float32, seed=1)
+    scale = 64**-0.5
+    plain = reference_out(batch, scale)
+    for window, cap in WINDOW_CASES:
+        diff = float((reference_out(batch, scale, window, cap) - plain).abs().max())
+        if window is not None and window >= max(seq_lens) and cap is None:
+            assert diff == 0.0
+        else:
+            assert diff > 1e-2, (window, cap)
+
+
+def test_triton_window_prefill_only_chunks() -> None:
+    impl = _impl("triton")
+    q_lens = [64, 65, 1, 127, 500]
+    seq_lens = [64, 2000, 5, 127, 7000]
+    batch = make_batch(q_lens, seq_lens, 8, 128, torch.bfloat16, pad_reqs=1, seed=6)
+    _poison_outside_windows(batch, 96)
+    run_and_check(impl, batch, torch.bfloat16, "triton window prefill", window=96, cap=30.0)
 
 
 def _cuda_ext_or_fail():
@@ -240,12 +302,17 @@ def test_prefill_only_chunks() -> None:
     run_and_check(_impl("cuda"), batch, torch.bfloat16, "cuda prefill")
 
 
-@pytest.mark.parametrize("name", ["triton", "cuda"])
-def test_decode_replays_in_cuda_graph(name: str) -> None:
-    """Capture one decode step, grow every context in place, replay: same answer as eager."""
+@pytest.mark.parametrize("name,window,cap", [("triton", None, None), ("cuda", None, None),
+                                             ("triton", 200, None), ("triton", 1000, 3.0)])
+def test_decode_replays_in_cuda_graph(name: str, window: int | None, cap: float | None) -> None:
+    """Capture one decode step, grow every context in place, replay: same answer as eager.
+    A window is a per-layer constant captured with the launch; the window start moves with
+    each context."""
     if name == "cuda":
         _cuda_ext_or_fail()
     impl = _impl(name)
+    opts = {} if window is None and cap is None else dict(sliding_window=window,
+                                                           logits_soft_cap=cap)
     dtype, head_dim, kv_heads = torch.bfloat16, 128, 8
     final_ctx = [3000, 40, 1500, 8000]
     big = make_batch([1] * 4, final_ctx, kv_heads, head_dim, dtype, pad_reqs=2, seed=11)
@@ -254,16 +321,16 @@ def test_decode_replays_in_cuda_graph(name: str) -> None:
     meta.seq_lens.copy_(torch.tensor([17, 1, 300, 64, 0, 0], dtype=torch.int32))
     out = torch.full_like(big.query, float("nan"))
     scale = head_dim**-0.5
-    impl.forward(big.query, big.kv_cache, meta, scale, out)  # warm-up: compile outside capture
+    impl.forward(big.query, big.kv_cache, meta, scale, out, **opts)  # warm-up: compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        impl.forward(big.query, big.kv_cache, meta, scale, out)
+        impl.forward(big.query, big.kv_cache, meta, scale, out, **opts)
     meta.seq_lens.copy_(seq_lens)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = reference_out(big, scale)
+    ref = reference_out(big, scale, window, cap)
     worst = max(request_errors(out, ref, big))
     assert worst < TOL[dtype], f"{name} graph replay: worst request error {worst:.3g}"
 

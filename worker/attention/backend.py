@@ -59,7 +59,14 @@ class AttentionImpl(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
-    ) -> None: ...
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        """Attention of each query row over its causal context. ``sliding_window`` W: the row at
+        position p sees only keys at k with p - W < k <= p. ``logits_soft_cap`` c: the scaled
+        scores become c * tanh(scores / c) before the mask and softmax (Gemma 2)."""
+        ...
 
 
 def kv_cache_shape(

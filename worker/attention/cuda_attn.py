@@ -69,7 +69,16 @@ class CudaAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
+        if sliding_window is not None or logits_soft_cap is not None:
+            # The selector never pairs this backend with such a layer; fail loudly if it is.
+            raise ValueError(
+                "the cuda attention backend has no sliding-window or soft-cap kernel; "
+                "use the triton or torch backend"
+            )
         num_reqs = meta.num_reqs
         if num_reqs == 0:
             return

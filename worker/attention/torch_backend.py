@@ -39,12 +39,51 @@ def gather_kv(
     return k, v
 
 
+def attend_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    first_key_pos: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [H, q_len, D]`` over ``k, v [Hkv, n, D]``, the keys at positions
+    ``first_key_pos .. first_key_pos + n - 1``; the queries are the last ``q_len`` positions of
+    that run. Causal, windowed and soft-capped as ``AttentionImpl.forward`` describes."""
+    q_len, n = q.shape[1], k.shape[1]
+    kv_len = first_key_pos + n
+    mask = None
+    if q_len > 1 or (sliding_window is not None and n > sliding_window):
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        k_pos = torch.arange(first_key_pos, kv_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[0] != q.shape[0]
+        )
+    # SDPA has no hook between the scores and the softmax, so the capped path spells it out.
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if k.shape[0] != q.shape[0]:
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.to(acc)).to(q.dtype)
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     qsl = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
@@ -54,18 +93,12 @@ def paged_attention_reference(
         if q_len == 0 or kv_len == 0:
             continue
         k, v = gather_kv(kv_cache, meta.block_table[i], kv_len)
+        # Keys before the first query's window are invisible to every query: don't read them.
+        first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
         q = query[start:end].transpose(0, 1)  # [H, q, D]
-        k = k.transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
-        v = v.transpose(0, 1).to(q.dtype)
-        mask = None
-        if q_len > 1:
-            # Queries are the last q_len positions of the context.
-            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril_(
-                diagonal=kv_len - q_len
-            )
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[0] != q.shape[0]
-        )
+        k = k[first:].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
+        v = v[first:].transpose(0, 1).to(q.dtype)
+        o = attend_dense(q, k, v, scale, first, sliding_window, logits_soft_cap)
         out[start:end] = o.transpose(0, 1)
 
 
@@ -88,5 +121,10 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
-        paged_attention_reference(query, kv_cache, meta, scale, out)
+        paged_attention_reference(
+            query, kv_cache, meta, scale, out, sliding_window, logits_soft_cap
+        )

@@ -48,6 +48,9 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.run(
             query,
@@ -59,6 +62,8 @@ class TritonAttention:
             meta.max_query_len,
             scale,
             out,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def run(
@@ -72,6 +77,9 @@ class TritonAttention:
         max_query_len: int,
         scale: float,
         out: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Attention for requests described by raw metadata tensors.
 
@@ -103,4 +111,6 @@ class TritonAttention:
             scale,
             out,
             plan,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tidal.engine_core import envs
+
 logger = logging.getLogger(__name__)
 
 # How long a rank waits for the others at start-up (store connect, group creation). Steps
@@ -185,7 +187,7 @@ def _gloo_on_loopback(host: str) -> None:
     often one the network reaches; with a loopback rendezvous (every rank on this host) they
     use the loopback interface instead, unless the user chose one (``GLOO_SOCKET_IFNAME``,
     read when a gloo group is created)."""
-    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(host):
+    if envs.gloo_socket_ifname() is not None or not _is_loopback(host):
         return
     import psutil
 

@@ -41,12 +41,12 @@ keeps working.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tidal.engine_core import envs
 from tidal.worker.distributed.pending_sum import PendingSum
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def make_push_all_reduce(tp: Any, device: torch.device, dtype: torch.dtype, hidd
         return None  # nothing to reduce, and no group to agree over
     # Opt-in: slower than the separate signal-free all-reduce (module doc).
     wanted = (device.type == "cuda" and tp.fast_all_reduce is not None and num_slots > 0
-              and os.environ.get("TIDAL_PUSH_ALLREDUCE", "0") == "1")
+              and envs.push_allreduce())
     if wanted:  # (the kernels' module imports triton: not before a GPU is in play)
         from tidal.worker.ops.triton_decode import PARTS_MAX_K, PUSH_DTYPES
 

@@ -27,15 +27,16 @@ tests); any failure to set one up on any rank drops it on every rank, with one w
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 
+from tidal.engine_core import envs
+
 logger = logging.getLogger(__name__)
 
 # Tensors up to this size take the one-shot path (256 tokens of a 4096-wide bf16 hidden state).
-MAX_BYTES = int(os.environ.get("TIDAL_SYMM_ALLREDUCE_MAX_BYTES", str(2 << 20)))
+MAX_BYTES = envs.symm_allreduce_max_bytes()
 _SUPPORTED_WORLD_SIZES = (2, 4, 8)
 # The dtypes the symmetric-memory reduction kernels are built for.
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -89,7 +90,7 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
     """The one-shot all-reduce for a device group, or None (NCCL only). Collective over the
     group: every member calls it, and all of them get one or all get None."""
     if (device.type != "cuda" or world_size not in _SUPPORTED_WORLD_SIZES
-            or os.environ.get("TIDAL_SYMM_ALLREDUCE", "1") == "0"):
+            or not envs.symm_allreduce()):
         return None
     comm, error = None, ""
     try:
@@ -101,8 +102,7 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
             logger.warning("symmetric-memory all-reduce unavailable (%s); using NCCL only", error)
         return None
     assert comm is not None
-    lamport_env = os.environ.get("TIDAL_LAMPORT_ALLREDUCE", "1")
-    if lamport_env != "0":
+    if envs.lamport_allreduce():
         from tidal.worker.distributed.lamport_allreduce import make_lamport
 
         lamport, error = make_lamport(device_group, torch.distributed.get_rank(device_group),

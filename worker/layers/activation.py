@@ -1,8 +1,10 @@
-"""Gated activation of the MLP: silu(gate) * up over a fused [gate | up] input."""
+"""Gated activations of the MLP over a fused [gate | up] input: silu(gate) * up (SwiGLU) and
+gelu_tanh(gate) * up (GeGLU)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tidal.worker import ops
@@ -11,3 +13,11 @@ from tidal.worker import ops
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU of Gemma: gelu(gate, tanh approximation) * up over a fused [gate | up] input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]

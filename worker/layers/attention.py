@@ -11,13 +11,21 @@ from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 impl: AttentionImpl) -> None:
+                 impl: AttentionImpl, *, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.impl = impl
+        # Per-layer constants: a CUDA graph captures them with the launch, nothing per step.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         # Bound by the model runner once the cache is allocated.
         self.kv_cache = torch.empty(0)
 
@@ -36,5 +44,7 @@ class Attention(nn.Module):
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         out = torch.empty_like(q)
-        self.impl.forward(q, self.kv_cache, meta, self.scale, out)
+        self.impl.forward(q, self.kv_cache, meta, self.scale, out,
+                          sliding_window=self.sliding_window,
+                          logits_soft_cap=self.logits_soft_cap)
         return out.view(n, self.num_heads * self.head_dim)

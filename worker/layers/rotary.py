@@ -55,6 +55,28 @@ def _yarn_inv_freq(base: float, dim: int, s: dict[str, Any]) -> tuple[torch.Tens
     return interpolate * (1 - keep) + extrapolate * keep, float(mscale)
 
 
+def _longrope_inv_freq(base: float, dim: int, max_position: int,
+                       s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    # Phi-3 LongRoPE ("su"): per-frequency divisors, one set for contexts within the trained
+    # length and one beyond it, and cos/sin scaled up to keep attention entropy in check.
+    # HF switches sets per forward pass by the sequence length, which leaves keys already
+    # cached under the other set; tidal chooses once, by the context the table is built for
+    # (vLLM does the same with max_model_len), so the two agree whenever every sequence of a
+    # run stays on the same side of ``original_max_position_embeddings`` as that context.
+    orig = int(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or max_position / orig)
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        mscale = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
+    key = "long_factor" if max_position > orig else "short_factor"
+    ext = torch.tensor(s[key], dtype=torch.float32)
+    if ext.shape != (dim // 2,):
+        raise ValueError(f"rope scaling {key} has {ext.numel()} entries; the rotary dimension "
+                         f"{dim} needs {dim // 2}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**exponents), float(mscale)
+
+
 def build_cos_sin_cache(
     rotary_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
@@ -68,9 +90,11 @@ def build_cos_sin_cache(
         inv_freq = _llama3_inv_freq(_base_inv_freq(base, rotary_dim), scaling)
     elif kind == "yarn":
         inv_freq, mscale = _yarn_inv_freq(base, rotary_dim, scaling)
+    elif kind == "longrope":
+        inv_freq, mscale = _longrope_inv_freq(base, rotary_dim, max_position, scaling)
     else:
         raise ValueError(f"unsupported rope scaling type {kind!r} (tidal supports default, "
-                         "linear, llama3, yarn)")
+                         "linear, llama3, yarn, longrope)")
     t = torch.arange(max_position, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)

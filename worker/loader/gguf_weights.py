@@ -29,43 +29,19 @@ from gguf.quants import dequantize
 from tidal.engine_core.gguf_config import (
     GGUFHeader,
     GGUFTensorInfo,
-    gguf_architecture,
     gguf_head_counts,
+    header_family,
     read_gguf_header,
 )
+from tidal.engine_core.model_registry import GGUFFamily
 
 logger = logging.getLogger(__name__)
-
-_TOP_LEVEL_NAMES: dict[str, str] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-# GGUF per-block tensor stem -> HF module path under ``model.layers.{i}``.
-_BLOCK_MODULES: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Tensors with no HF parameter. rope_freqs holds Llama 3.1-style per-frequency rope factors
 # (transformers drops it too; gguf_config warns that the scaling is not applied).
 _SKIPPED_NAMES = frozenset({"rope_freqs.weight"})
-
-# Architectures whose converter interleaves each Q/K head's rotary halves (llama.cpp's "normal"
-# rope layout); Qwen models use the NEOX layout, which is HF's, and are stored as-is.
-_PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +51,8 @@ class _Entry:
     qtype: GGMLQuantizationType
     # Heads to undo llama.cpp's rotary row permutation over; None when stored in HF order.
     unpermute_heads: int | None
+    # Added to the weights on load (undoes llama.cpp's ``1 +`` on Gemma-style norms).
+    offset: float = 0.0
 
 
 def iter_gguf_weights(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -106,7 +84,8 @@ def gguf_tensor_names(path: str | os.PathLike[str]) -> list[str]:
 
 
 def _plan(header: GGUFHeader) -> list[_Entry]:
-    permuted = gguf_architecture(header) in _PERMUTED_QK_ARCHITECTURES
+    # The tensor-name map, rope layout and norm offset are the family's, from the registry.
+    fam = header_family(header)
     num_heads, num_kv_heads = gguf_head_counts(header)
     heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
     entries: list[_Entry] = []
@@ -115,13 +94,15 @@ def _plan(header: GGUFHeader) -> list[_Entry]:
             logger.debug("%s: skipping %s (no HF parameter)", header.path, info.name)
             continue
         stem = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
-        unpermute_heads = heads.get(stem) if permuted else None
+        unpermute_heads = heads.get(stem) if fam.permuted_qk else None
+        is_norm = (stem or info.name.split(".")[0]).endswith("norm")
         entries.append(
             _Entry(
                 info=info,
-                hf_name=_hf_name(header, info.name),
+                hf_name=_hf_name(header, fam, info.name),
                 qtype=_checked_qtype(header, info),
                 unpermute_heads=unpermute_heads,
+                offset=-fam.norm_weight_offset if is_norm else 0.0,
             )
         )
         if unpermute_heads is not None and info.shape[0] % (2 * unpermute_heads):
@@ -132,12 +113,12 @@ def _plan(header: GGUFHeader) -> list[_Entry]:
     return entries
 
 
-def _hf_name(header: GGUFHeader, name: str) -> str:
-    top = _TOP_LEVEL_NAMES.get(name)
+def _hf_name(header: GGUFHeader, fam: GGUFFamily, name: str) -> str:
+    top = fam.top_tensors.get(name)
     if top is not None:
         return top
     match = _BLOCK_TENSOR.fullmatch(name)
-    module = _BLOCK_MODULES.get(match.group(2)) if match else None
+    module = fam.block_tensors.get(match.group(2)) if match else None
     if match is None or module is None:
         raise ValueError(
             f"{header.path}: tensor {name!r} has no HF equivalent for GGUF architecture "
@@ -207,6 +188,8 @@ def _load(header: GGUFHeader, raw: np.ndarray, entry: _Entry) -> torch.Tensor:
         weights = weights.copy()
     if entry.unpermute_heads is not None:
         weights = _undo_rotary_permutation(weights, entry.unpermute_heads)
+    if entry.offset:
+        weights = weights + np.float32(entry.offset)
     return torch.from_numpy(np.ascontiguousarray(weights))
 
 

@@ -91,7 +91,14 @@ class BertEmbeddingModel(nn.Module):
         (".output.LayerNorm.", ".output_norm.", None),
     )
 
-    def __init__(self, arch: ArchSpec, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: object = None,
+                 tp: object = None, pp: object = None) -> None:
+        # ``impl``/``tp``/``pp`` complete the registry's constructor signature: an encoder has
+        # no KV cache and runs unsharded, so a real split is refused rather than ignored.
+        for group in (tp, pp):
+            if getattr(group, "world_size", 1) > 1:
+                raise ValueError(f"{arch.architecture} does not support tensor or pipeline "
+                                 "parallelism")
         super().__init__()
         self.arch = arch
         self.embeddings = BertEmbeddings(arch, dtype)

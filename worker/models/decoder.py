@@ -38,7 +38,7 @@ class WeightLoadError(ValueError):
 
 class DecoderAttention(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
-                 impl: AttentionImpl) -> None:
+                 impl: AttentionImpl, layer: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
                                           arch.num_kv_heads, arch.qkv_bias, dtype, tp)
@@ -57,7 +57,8 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              self.head_dim**-0.5, impl)
+                              self.head_dim**-0.5, impl,
+                              sliding_window=arch.layer_sliding_window(layer))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -106,9 +107,9 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
-                 impl: AttentionImpl) -> None:
+                 impl: AttentionImpl, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(arch, dtype, tp, impl)
+        self.self_attn = DecoderAttention(arch, dtype, tp, impl, layer)
         self.mlp = DecoderMLP(arch, dtype, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -168,7 +169,7 @@ class DecoderForCausalLM(nn.Module):
         else:
             self.embed_tokens = None
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(arch, dtype, self.tp, impl)
+            str(i): DecoderLayer(arch, dtype, self.tp, impl, i)
             for i in range(self.start_layer, self.end_layer)
         })
         if self.pp.is_last:

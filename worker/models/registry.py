@@ -1,24 +1,33 @@
-"""Which module implements which model family."""
+"""Build the model class the registry (``tidal.engine_core.model_registry``) names for a family.
+
+The list of families lives in engine_core, which never imports worker code; it names each
+implementation as a ``"module:Class"`` string that only the worker imports.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
+from tidal.engine_core.model_registry import family
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
+
+
+def model_class(arch: ArchSpec) -> type[nn.Module]:
+    """The class that implements ``arch``'s family, imported on first use."""
+    target = family(arch.family).model_class
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise ValueError(f"model family {arch.family!r}: {target!r} is not an nn.Module class")
+    return cls
 
 
 def build_model(arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> nn.Module:
     """Create the model's modules (parameters uninitialised) on the current default device."""
-    if arch.family in ("llama", "qwen2", "qwen3"):
-        from tidal.worker.models.decoder import DecoderForCausalLM
-
-        return DecoderForCausalLM(arch, dtype, impl, tp, pp)
-    if arch.family == "bert":
-        from tidal.worker.models.bert import BertEmbeddingModel
-
-        return BertEmbeddingModel(arch, dtype)
-    raise ValueError(f"no model implementation for family {arch.family!r} ({arch.architecture})")
+    return model_class(arch)(arch, dtype, impl, tp, pp)

@@ -13,11 +13,10 @@ neither triton nor the extension.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from tidal.engine_core import envs
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.ops import torch_ops
 from tidal.worker.ops.dispatch import OpDispatch, OpImpl
@@ -80,10 +79,10 @@ def rotary_embedding(
 # GEMV (and the norm / SiLU fusions built on it), ``TIDAL_GEMV_MAX_MB`` keeps larger weights on
 # cuBLAS. Everything else takes the unfused path.
 
-_DECODE_KERNELS = os.environ.get("TIDAL_DECODE_KERNELS", "1") != "0"
-_GEMV = _DECODE_KERNELS and os.environ.get("TIDAL_GEMV", "1") != "0"
+_DECODE_KERNELS = envs.decode_kernels()
+_GEMV = _DECODE_KERNELS and envs.gemv()
 # Weights larger than this (MiB) stay on cuBLAS even for one row (default: no limit).
-_GEMV_MAX_BYTES = float(os.environ.get("TIDAL_GEMV_MAX_MB", "inf")) * 2**20
+_GEMV_MAX_BYTES = envs.gemv_max_bytes()
 GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
 ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
 
@@ -140,7 +139,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # prologue. Under tensor parallelism the signal-free all-reduce before the norm computes its
 # statistics instead, for weights of any size. TIDAL_NORM_APART=0: always the prologue.
 NORM_APART_MIN_BYTES = 16 << 20
-_NORM_APART = os.environ.get("TIDAL_NORM_APART", "1") != "0"
+_NORM_APART = envs.norm_apart()
 
 
 def rms_norm_linear(

@@ -7,11 +7,11 @@ decode step captured in a CUDA graph replays correctly whatever the contexts gro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from tidal.engine_core import envs
 from tidal.worker.ops.gpu_info import device_index, num_sms
 
 MAX_SPLITS = 16  # flash-decoding splits per (request, KV head); the Triton merge kernel's width
@@ -25,7 +25,7 @@ CUDA_PROGRAMS_PER_SM = 4
 # layer from 22.3 to 20.6 us at TP2's heads and from 35.8 to 34.0 at TP1's; at context 4096
 # (four tiles per split) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
 # 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
-SPLIT_STAGES = int(os.environ.get("TIDAL_ATTN_SPLIT_STAGES", "1"))
+SPLIT_STAGES = envs.attn_split_stages()
 
 
 def next_pow2(x: int) -> int:

@@ -42,10 +42,10 @@ def _entries(path: Path) -> int:
 
 def triton_cache_dir() -> tuple[Path, str]:
     """Triton's cache folder and who chose it."""
-    explicit = os.environ.get("TRITON_CACHE_DIR")
+    explicit = envs.triton_cache_dir()
     if explicit:
         return Path(explicit), "TRITON_CACHE_DIR"
-    home = os.environ.get("TRITON_HOME")
+    home = envs.triton_home()
     if home:
         return Path(home) / ".triton" / "cache", "TRITON_HOME"
     return envs.cache_dir() / "triton", "tidal"
@@ -63,7 +63,7 @@ def use_tidal_triton_cache() -> CacheState:
 
 def extension_cache_root() -> tuple[Path, str]:
     """Where the CUDA extension is built (one sub-folder per source hash and arch)."""
-    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    explicit = envs.torch_extensions_dir()
     if explicit:
         return Path(explicit) / "tidal", "TORCH_EXTENSIONS_DIR"
     return envs.cache_dir() / "cuda_ext", "tidal"

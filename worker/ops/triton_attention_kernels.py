@@ -8,17 +8,21 @@ K/V tile it reads feeds all heads that share it. In a decode-only batch (``SPLIT
 context of a request is cut into ``num_splits`` ranges of whole tiles, one program each, and a
 second kernel merges the partial results (flash-decoding).
 
+Per-layer options, each a constexpr so a layer without it compiles to the plain kernel:
+``WINDOW`` (sliding window W: the row at position p sees keys p - W < k <= p; tiles wholly
+before the first row's window are never read, tiles straddling a row's window start are
+masked) and ``SOFT_CAP`` (scores c * tanh(scores / c) before the softmax).
+
 This module imports triton at import time: import it only when a CUDA device and triton exist.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tidal.engine_core import envs
 from tidal.worker.ops.attention_plan import MAX_SPLITS, TritonAttentionPlan, next_pow2
 from tidal.worker.ops.triton_probe import stamp
 
@@ -79,12 +83,16 @@ def _attend_tile(
     scale_log2,
     offs_d,
     d_ok,
+    window,
+    softcap_log2,
     PAGE_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     EARLY_V: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """One online-softmax step over context tile ``t``; returns the new (max, sum, acc).
 
@@ -114,7 +122,7 @@ def _attend_tile(
         v = k  # not used: _attend_kv loads V itself
     return _attend_kv(
         q, acc, m_i, l_i, k, v, pos, pos_ok, row_pos, v_cache_ptr, tok_off, scale_log2, offs_d,
-        d_ok, MASKED, EVEN_D, IEEE_DOT, EARLY_V,
+        d_ok, window, softcap_log2, MASKED, EVEN_D, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
     )  # fmt: skip
 
 
@@ -134,10 +142,14 @@ def _attend_kv(
     scale_log2,
     offs_d,
     d_ok,
+    window,
+    softcap_log2,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     HAVE_V: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """The online-softmax step of ``_attend_tile`` on a loaded K tile (``k [D, TILE_N]``) and,
     with ``HAVE_V``, V tile (else V is loaded here, after the QK^T product)."""
@@ -145,9 +157,17 @@ def _attend_kv(
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = s * scale_log2
+    if SOFT_CAP:
+        # Here scale_log2 is scale / c and softcap_log2 is c * log2(e): c * tanh(scale * s / c)
+        # in the exp2 domain. tanh(x) = 1 - 2 / (e^2x + 1) saturates cleanly at +-1.
+        x = s * scale_log2
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * softcap_log2
+    else:
+        s = s * scale_log2
     if MASKED:
         keep = pos_ok[None, :] & (pos[None, :] <= row_pos[:, None])
+        if WINDOW:
+            keep = keep & (pos[None, :] > row_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that see nothing yet keep max -inf: subtract 0 so p stays 0 rather than NaN.
@@ -184,6 +204,8 @@ def _paged_attention_kernel(
     num_reqs,
     num_splits,
     scale_log2,
+    window,  # sliding window (WINDOW only)
+    softcap_log2,  # soft-cap c * log2(e) (SOFT_CAP only; scale_log2 is then scale / c)
     stride_q_tok: tl.int64,
     stride_q_head: tl.int64,
     stride_o_tok: tl.int64,
@@ -219,6 +241,8 @@ def _paged_attention_kernel(
     # the newest position reloaded. For tools/bench_decode_chain.py; off, nothing is compiled
     # in.
     TIMES: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -242,8 +266,13 @@ def _paged_attention_kernel(
     if PRELOAD:
         # Decode only (one query per request): the context is seq_len positions, the split's
         # tiles as computed below. A padding request (seq_len 0) or an empty split loads nothing.
-        per0 = ((seq_len + TILE_N - 1) // TILE_N + num_splits - 1) // num_splits
-        pos0 = split * per0 * TILE_N + tl.arange(0, TILE_N)
+        if WINDOW:
+            # As the split ranges below: they cover the tiles from the window's first one.
+            first0 = tl.maximum(seq_len - window, 0) // TILE_N
+        else:
+            first0 = 0
+        per0 = ((seq_len + TILE_N - 1) // TILE_N - first0 + num_splits - 1) // num_splits
+        pos0 = (first0 + split * per0) * TILE_N + tl.arange(0, TILE_N)
         ok0 = pos0 < seq_len
         blk0 = tl.load(bt_row + pos0 // PAGE_SIZE, mask=ok0, other=0).to(tl.int64)
         off0 = blk0 * stride_kv_blk + (pos0 % PAGE_SIZE).to(tl.int64) * stride_kv_tok + head_off
@@ -280,12 +309,17 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len), seq_len)
     kv_end = tl.maximum(kv_end, 0)
     num_tiles = (kv_end + TILE_N - 1) // TILE_N
+    if WINDOW:
+        # Tiles that end before the first row's window starts are seen by no row: skipped.
+        tile_first = tl.maximum(ctx_before + q_block * BLOCK_Q - window + 1, 0) // TILE_N
+    else:
+        tile_first = 0
     if SPLIT_KV:
-        per_split = (num_tiles + num_splits - 1) // num_splits
-        tile_lo = split * per_split
+        per_split = (num_tiles - tile_first + num_splits - 1) // num_splits
+        tile_lo = tile_first + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = tile_first
         tile_hi = num_tiles
 
     row_pos = ctx_before + q_idx  # context position of each query row
@@ -310,24 +344,39 @@ def _paged_attention_kernel(
                   + tl.sum(tl.sum(v0.to(tl.float32), axis=1), axis=0))
         m_i, l_i, acc = _attend_kv(
             q, acc, m_i, l_i, k0, v0, pos0, ok0, row_pos, v_cache_ptr, off0, scale_log2, offs_d,
-            d_ok, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, True,
+            d_ok, window, softcap_log2, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, True, WINDOW,
+            SOFT_CAP,
         )  # fmt: skip
         tile_lo += 1
     # Tiles that end at or before the first row's position are visible to every row and lie
     # inside the context: no masks. Only the tiles on the causal diagonal (and the ragged last
     # tile) pay for masking.
     n_full = (ctx_before + q_block * BLOCK_Q + 1) // TILE_N
+    if WINDOW:
+        # With a window the unmasked tiles must also start at or after the last row's window
+        # start; the tiles before that straddle some row's window and are masked.
+        last_row = ctx_before + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+        n_lo = (tl.maximum(last_row - window + 1, 0) + TILE_N - 1) // TILE_N
+        for t in range(tile_lo, tl.minimum(n_lo, tile_hi)):
+            m_i, l_i, acc = _attend_tile(
+                q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row,
+                head_off, stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window,
+                softcap_log2, PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
+                WINDOW, SOFT_CAP,
+            )  # fmt: skip
+        tile_lo = tl.maximum(n_lo, tile_lo)
+        n_full = tl.maximum(n_full, n_lo)
     for t in range(tile_lo, tl.minimum(n_full, tile_hi)):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
-            PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
+            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window, softcap_log2,
+            PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
         )  # fmt: skip
     for t in range(tl.maximum(n_full, tile_lo), tile_hi):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok,
-            PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
+            stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window, softcap_log2,
+            PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
         )  # fmt: skip
 
     # seq_len 0 (padding) or an empty split: acc and l are 0 and the output row is 0.
@@ -509,10 +558,10 @@ _MAX_COUNTERS = 8192
 # Off by default: on H100 (Qwen3 / Llama-8B heads, batch 1, context 1024) the attention kernel
 # followed by the merge kernel, both launched early (PDL), beat the in-kernel merge, whose
 # GPU-scope fence + counter atomic + partial reload sit on the critical path.
-FUSED_MERGE = os.environ.get("TIDAL_ATTN_FUSED_MERGE", "0") == "1"
+FUSED_MERGE = envs.attn_fused_merge()
 # Split decodes load their first tile before the dependent-launch wait (``PRELOAD``);
 # TIDAL_ATTN_PRELOAD=0 loads it after, as every other tile.
-PRELOAD = os.environ.get("TIDAL_ATTN_PRELOAD", "1") != "0"
+PRELOAD = envs.attn_preload()
 
 
 def _pdl_enabled(device: torch.device) -> bool:
@@ -546,6 +595,8 @@ def paged_attention(
     plan: TritonAttentionPlan,
     fused_merge: bool | None = None,
     times: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``.
 
@@ -553,7 +604,8 @@ def paged_attention(
     ``FUSED_MERGE``, env ``TIDAL_ATTN_FUSED_MERGE=1``), inside the attention kernel by the last
     split program of each request and KV head (not when no counter buffer can be had: first
     use inside a graph capture). ``times``: int64 buffers of ``triton_probe.STAMPS`` per
-    program for the attention and the merge kernel, filled with their time stamps."""
+    program for the attention and the merge kernel, filled with their time stamps.
+    ``sliding_window`` / ``logits_soft_cap``: see ``AttentionImpl.forward``."""
     if num_reqs == 0 or query.shape[0] == 0:
         return
     num_tokens, num_heads, head_dim = query.shape
@@ -594,7 +646,9 @@ def paged_attention(
         query_start_loc,
         num_reqs,
         plan.num_splits,
-        scale * _LOG2E,
+        scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap,
+        sliding_window or 0,
+        0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -623,6 +677,8 @@ def paged_attention(
         QPK_P=max(2, next_pow2(qpk)),
         PRELOAD=split and plan.decode_only and PRELOAD,
         TIMES=times is not None,
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal.engine_core import envs
 from tidal.worker.ops.attention_plan import next_pow2
 from tidal.worker.ops.gpu_info import device_index, num_sms
 from tidal.worker.ops.triton_probe import stamp
@@ -43,7 +43,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # predecessor in the stream finishes, prefetch what does not depend on it (weights, step
 # metadata), and wait (griddepcontrol.wait) before touching anything it writes or reads; CUDA
 # graphs keep the programmatic edges. TIDAL_PDL=0 turns it off.
-_PDL = os.environ.get("TIDAL_PDL", "1") != "0"
+_PDL = envs.pdl()
 
 
 @functools.cache
@@ -333,7 +333,7 @@ def _sum_parts_kernel(out_ptr, parts_ptr, bits_ptr, rearm_ptr, rearm_n, K, res_p
 # GEMV weights loaded with the evict-first L2 policy (TIDAL_GEMV_STREAM=0: the default policy).
 # Llama-3.1-8B batch-1 decode on 2xH200, two calls, order swapped: TP1 3.780 -> 3.730 ms, TP2
 # 2.266 -> 2.219 ms; 64 x 1024/1024 unchanged.
-STREAM_WEIGHTS = os.environ.get("TIDAL_GEMV_STREAM", "1") != "0"
+STREAM_WEIGHTS = envs.gemv_stream()
 
 # Launch shapes (BLOCK_N, BLOCK_K, num_warps, PREFETCH) per (N outputs, K, fused gate/up,
 # element size). Qwen3-0.6B (norm as the GEMV's prologue, H100 sweep of
@@ -388,7 +388,7 @@ def _config_overrides(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, 
     return out
 
 
-GEMV_CONFIGS.update(_config_overrides(os.environ.get("TIDAL_GEMV_CONFIGS", "")))
+GEMV_CONFIGS.update(_config_overrides(envs.gemv_configs()))
 
 
 @functools.cache

@@ -1,0 +1,226 @@
+"""The one list of model architectures tidal serves.
+
+Each :class:`ModelFamily` names the HF architectures it serves, the worker class that implements
+it (a ``"module:Class"`` string, imported only in the worker, because ``engine_core`` never
+imports worker code), the function that turns an HF ``config.json`` dict into an
+:class:`~tidal.engine_core.model_arch.ArchSpec`, what the family can do, and, where llama.cpp
+defines the family, how its GGUF files map onto HF names. Config parsing
+(:mod:`~tidal.engine_core.model_arch`), GGUF metadata (:mod:`~tidal.engine_core.gguf_config`),
+GGUF weights (``worker/loader/gguf_weights.py``) and model construction
+(``worker/models/registry.py``) all ask this module; none keeps a list of its own.
+
+Adding a family: one file in ``worker/models/`` and one entry in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from types import MappingProxyType
+from typing import Any, Literal
+
+from tidal.engine_core.model_arch import (
+    ArchSpec,
+    bert_arch,
+    decoder_arch,
+    gemma_arch,
+    phi3_arch,
+)
+
+# ``normalise(cfg, architecture=..., family=..., source=...)``: ``source`` names the config file
+# in error messages.
+Normaliser = Callable[..., ArchSpec]
+Task = Literal["generate", "embed"]
+
+# llama.cpp's names for the tensors outside the blocks -> HF parameter names.
+LLAMA_GGUF_TOP_TENSORS: Mapping[str, str] = MappingProxyType({
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+})
+
+# llama.cpp's per-block tensor stem (``blk.{i}.{stem}.weight``) -> HF module under
+# ``model.layers.{i}``.
+LLAMA_GGUF_BLOCK_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFFamily:
+    """How llama.cpp's GGUF files of one ``general.architecture`` map onto an HF checkpoint."""
+
+    arch: str  # GGUF ``general.architecture``
+    hf_architecture: str  # written to the config's ``architectures``; must be in the family
+    model_type: str
+    # llama.cpp's converter interleaves each Q/K head's rotary halves for the "normal" rope
+    # layout (llama); NEOX-layout families (Qwen) are stored in HF order.
+    permuted_qk: bool = False
+    top_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_TOP_TENSORS)
+    block_tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_BLOCK_TENSORS)
+    # ``{arch}.{suffix}`` metadata key -> HF config key, copied when the file has it.
+    metadata_keys: Mapping[str, str] = field(default_factory=dict)
+    # HF config keys the metadata cannot express but the family fixes (e.g. ``hidden_act``).
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Subtracted from every ``*_norm`` weight on load: llama.cpp stores ``(1 + w)``-style
+    # RMSNorm weights (Gemma) with the 1 already added.
+    norm_weight_offset: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    name: str  # ``ArchSpec.family``
+    architectures: tuple[str, ...]  # HF ``architectures`` names this family serves
+    model_class: str  # "module:Class", constructed as ``Class(arch, dtype, impl, tp, pp)``
+    normalise: Normaliser
+    task: Task = "generate"
+    # False: a config asking for a sliding window is rejected rather than silently attended in
+    # full.
+    supports_sliding_window: bool = False
+    gguf: GGUFFamily | None = None
+
+
+_DECODER = "tidal.worker.models.decoder:DecoderForCausalLM"
+_GEMMA = "tidal.worker.models.gemma2:Gemma2ForCausalLM"
+
+
+def _gemma_gguf(arch: str, hf_architecture: str) -> GGUFFamily:
+    # llama.cpp stores Gemma's norms with the 1 added, names the extra norms of each block
+    # (its ffn_norm is the pre-feed-forward one), keeps rope in HF order, and leaves the local
+    # rope base and, in Gemma 3, the window pattern at the defaults the normaliser also uses.
+    return GGUFFamily(
+        arch, hf_architecture, "gemma3_text" if arch == "gemma3" else arch,
+        block_tensors=MappingProxyType({
+            **LLAMA_GGUF_BLOCK_TENSORS,
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        }),
+        metadata_keys=MappingProxyType({
+            "attention.sliding_window": "sliding_window",
+            "attention.sliding_window_pattern": "sliding_window_pattern",
+            "attn_logit_softcapping": "attn_logit_softcapping",
+            "final_logit_softcapping": "final_logit_softcapping",
+        }),
+        config_defaults=MappingProxyType({"hidden_activation": "gelu_pytorch_tanh"}),
+        norm_weight_offset=1.0,
+    )
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("llama", ("LlamaForCausalLM",), _DECODER, decoder_arch,
+                supports_sliding_window=True,
+                gguf=GGUFFamily("llama", "LlamaForCausalLM", "llama", permuted_qk=True)),
+    # Mistral's window applies whenever the config sets one (no ``use_sliding_window`` flag).
+    ModelFamily("mistral", ("MistralForCausalLM",), _DECODER,
+                partial(decoder_arch, window_flag=None), supports_sliding_window=True),
+    ModelFamily("qwen2", ("Qwen2ForCausalLM",), _DECODER, partial(decoder_arch, qkv_bias=True),
+                supports_sliding_window=True,
+                gguf=GGUFFamily("qwen2", "Qwen2ForCausalLM", "qwen2")),
+    ModelFamily("qwen3", ("Qwen3ForCausalLM",), _DECODER, partial(decoder_arch, qk_norm=True),
+                supports_sliding_window=True,
+                gguf=GGUFFamily("qwen3", "Qwen3ForCausalLM", "qwen3")),
+    # llama.cpp keeps Phi-3's fused q/k/v and gate/up as they are (NEOX rotary, not permuted).
+    # LongRoPE files carry their factors as rope_factors_* tensors, which fail as unknown.
+    ModelFamily("phi3", ("Phi3ForCausalLM",), "tidal.worker.models.phi3:Phi3ForCausalLM",
+                phi3_arch, supports_sliding_window=True,
+                gguf=GGUFFamily("phi3", "Phi3ForCausalLM", "phi3", block_tensors=MappingProxyType({
+                    **LLAMA_GGUF_BLOCK_TENSORS, "attn_qkv": "self_attn.qkv_proj",
+                    "ffn_up": "mlp.gate_up_proj"}),
+                    metadata_keys={"attention.sliding_window": "sliding_window"})),
+    # Gemma 3 text is Gemma 2's code with q/k norms and a local rope base (config only).
+    ModelFamily("gemma2", ("Gemma2ForCausalLM",), _GEMMA, gemma_arch,
+                supports_sliding_window=True,
+                gguf=_gemma_gguf("gemma2", "Gemma2ForCausalLM")),
+    ModelFamily("gemma3", ("Gemma3ForCausalLM",), _GEMMA, gemma_arch,
+                supports_sliding_window=True,
+                gguf=_gemma_gguf("gemma3", "Gemma3ForCausalLM")),
+    ModelFamily("bert", ("BertModel", "BertForMaskedLM"),
+                "tidal.worker.models.bert:BertEmbeddingModel", bert_arch, task="embed"),
+)
+
+
+def _index() -> tuple[dict[str, ModelFamily], dict[str, ModelFamily], dict[str, ModelFamily]]:
+    by_name: dict[str, ModelFamily] = {}
+    by_arch: dict[str, ModelFamily] = {}
+    by_gguf: dict[str, ModelFamily] = {}
+    for fam in FAMILIES:
+        # A duplicate would make lookups depend on list order; fail at import instead.
+        if fam.name in by_name:
+            raise ValueError(f"model family {fam.name!r} registered twice")
+        by_name[fam.name] = fam
+        for arch in fam.architectures:
+            if arch in by_arch:
+                raise ValueError(f"architecture {arch!r} registered by {by_arch[arch].name!r} "
+                                 f"and {fam.name!r}")
+            by_arch[arch] = fam
+        if fam.gguf is not None:
+            if fam.gguf.arch in by_gguf:
+                raise ValueError(f"GGUF architecture {fam.gguf.arch!r} registered twice")
+            if fam.gguf.hf_architecture not in fam.architectures:
+                raise ValueError(f"{fam.name}: GGUF hf_architecture "
+                                 f"{fam.gguf.hf_architecture!r} is not one of its architectures")
+            by_gguf[fam.gguf.arch] = fam
+    return by_name, by_arch, by_gguf
+
+
+_BY_NAME, _BY_ARCH, _BY_GGUF = _index()
+
+
+def family(name: str) -> ModelFamily:
+    """The family an :class:`ArchSpec` names (``arch.family``)."""
+    fam = _BY_NAME.get(name)
+    if fam is None:
+        raise ValueError(f"no model family {name!r}; known: {', '.join(sorted(_BY_NAME))}")
+    return fam
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_ARCH)
+
+
+def gguf_architectures() -> list[str]:
+    return sorted(_BY_GGUF)
+
+
+def family_for_architectures(archs: list[str]) -> tuple[str, ModelFamily] | None:
+    """The first of an HF config's ``architectures`` tidal serves, with its family."""
+    for arch in archs:
+        fam = _BY_ARCH.get(arch)
+        if fam is not None:
+            return arch, fam
+    return None
+
+
+def gguf_family(gguf_arch: str | None) -> GGUFFamily | None:
+    fam = _BY_GGUF.get(gguf_arch) if gguf_arch is not None else None
+    return fam.gguf if fam is not None else None
+
+
+def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
+    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors."""
+    archs = list(cfg.get("architectures") or [])
+    found = family_for_architectures(archs)
+    if found is None:
+        raise ValueError(
+            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"tidal supports {', '.join(supported_architectures())}"
+        )
+    arch, fam = found
+    spec = fam.normalise(cfg, architecture=arch, family=fam.name, source=source)
+    if spec.sliding_window is not None and not fam.supports_sliding_window:
+        raise ValueError(
+            f"{source}: {arch} sets sliding_window={spec.sliding_window}, which tidal's "
+            f"{fam.name} implementation does not support"
+        )
+    return spec

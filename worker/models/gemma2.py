@@ -1,0 +1,188 @@
+"""Gemma 2 and Gemma 3 (text): one implementation for both registry families, which differ
+only in their config.
+
+Both interleave sliding-window ("local") and full ("global") attention layers, wrap each
+sub-block in a pre- and a post-norm (``(1 + w)`` RMSNorm computed in float32), use a GeGLU MLP
+with tanh-GELU, scale queries by ``query_pre_attn_scalar ** -0.5`` and the embedding by
+``sqrt(hidden_size)`` (rounded to the model dtype, as HF does), and (in the released models)
+tie the LM head to the embedding. Gemma 2 alternates local/global layers and soft-caps the
+attention scores and the final logits; Gemma 3 has five local layers per global one, q/k
+RMSNorm, and a rope base of its own for local layers (``rope_local_theta``; rope scaling
+applies to the global layers only).
+
+Parameter names follow HF transformers, except the fused ``qkv_proj`` and ``gate_up_proj``; the
+checkpoint layout is the decoder's, so the decoder's loader is used as is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tidal.engine_core.model_arch import ArchSpec
+from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.layers.activation import GeluTanhAndMul
+from tidal.worker.layers.attention import Attention
+from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tidal.worker.layers.norm import GemmaRMSNorm
+from tidal.worker.layers.rotary import RotaryEmbedding
+from tidal.worker.models.decoder import DecoderForCausalLM, layer_range
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 impl: AttentionImpl, rotary_emb: RotaryEmbedding,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads,
+                                          arch.num_kv_heads, arch.qkv_bias, dtype, tp)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size,
+                                        arch.qkv_bias, dtype, tp)
+        # One table per rope variant, shared by the layers that use it.
+        self.rotary_emb = rotary_emb
+        if arch.qk_norm:
+            self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+            self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        scalar = arch.query_pre_attn_scalar or arch.head_dim
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scalar**-0.5,
+                              impl, sliding_window=sliding_window,
+                              logits_soft_cap=arch.attn_logit_softcap)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, meta))
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False,
+                                                       dtype, tp)
+        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, tp)
+        self.act_fn = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 impl: AttentionImpl, rotary_emb: RotaryEmbedding,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        eps = arch.rms_norm_eps
+        self.self_attn = GemmaAttention(arch, dtype, tp, impl, rotary_emb, sliding_window)
+        self.mlp = GemmaMLP(arch, dtype, tp)
+        self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), meta)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    supports_lazy_weights = True
+
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
+                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp or single_group()
+        self.pp = pp or single_group()
+        self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
+        # HF multiplies by the normaliser cast to the model dtype (sqrt(3072) is 55.5 in bf16).
+        self.embed_scale = float(torch.tensor(math.sqrt(arch.hidden_size), dtype=dtype,
+                                              device="cpu"))
+        if self.pp.is_first or (arch.tie_word_embeddings and self.pp.is_last):
+            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
+                                                       self.tp)
+        else:
+            self.embed_tokens = None
+        full_rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                    arch.rope_theta, arch.rope_scaling)
+        local_rope = full_rope
+        if arch.rope_local_theta is not None:
+            local_rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
+                                         arch.rope_local_theta, None)
+        layers: dict[str, nn.Module] = {}
+        for i in range(self.start_layer, self.end_layer):
+            window = arch.layer_sliding_window(i)
+            layers[str(i)] = GemmaDecoderLayer(arch, dtype, self.tp, impl,
+                                               full_rope if window is None else local_rope, window)
+        self.layers = nn.ModuleDict(layers)
+        if self.pp.is_last:
+            self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, self.tp)
+            if arch.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.norm = None
+            self.lm_head = None
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers.values()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        """Runs this stage's layers (see ``DecoderForCausalLM.forward``). Each Gemma layer adds
+        its own residual, so no separate residual stream passes between stages."""
+        self.tp.begin_step()
+        if self.pp.is_first:
+            hidden = self.embed_tokens(input_ids) * self.embed_scale
+        elif hidden is None:
+            # The memory-profiling pass of a later stage: activations of the right size only.
+            dtype = self.layers[str(self.start_layer)].input_layernorm.weight.dtype
+            hidden = torch.zeros(input_ids.shape[0], self.arch.hidden_size, dtype=dtype,
+                                 device=input_ids.device)
+        for layer in self.layers.values():
+            hidden = layer(positions, hidden, meta)
+        if self.pp.is_last:
+            hidden = self.norm(hidden)
+        return hidden, None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.compute_logits(hidden)
+        if self.arch.final_logit_softcap is not None:
+            logits = soft_cap(logits, self.arch.final_logit_softcap)
+        return logits
+
+    # Same checkpoint names and fused q/k/v, gate/up as the decoder: its loader applies as is.
+    _STACKED = DecoderForCausalLM._STACKED
+    load_weights = DecoderForCausalLM.load_weights
+    _param_name = DecoderForCausalLM._param_name
+    _belongs_elsewhere = DecoderForCausalLM._belongs_elsewhere
