@@ -94,6 +94,11 @@ _EXIT_GRACE_S = 5.0
 _TERM_GRACE_S = 2.0
 
 
+# How long a worker's failure waits to see whether a peer's death caused it (a collective
+# that lost its peer fails at once, while the death reaches the sentinel watcher a moment later).
+_PEER_DEATH_GRACE_S = 0.5
+
+
 class WorkerError(RuntimeError):
     """A worker failed: it raised (and said why) or its process died."""
 
@@ -352,9 +357,23 @@ class MultiprocExecutor:
             reply = self._decoder.decode(frames)
             if isinstance(reply, Failed):
                 r.last_error = reply.error
+                # A peer's death fails the collectives of every survivor, often before the
+                # watcher has seen that death: the dead peer, the cause, is what to report.
+                dead = self._peers_dying(r)
+                if dead:
+                    self._mark_dead(dead)
                 self._set_failure(WorkerError(f"{r.describe()} failed: {reply.error}"))
                 self._raise_if_failed()
             return reply
+
+    def _peers_dying(self, failed: _Rank) -> list[_Rank]:
+        """The other ranks whose processes end within a short grace (none: ``failed`` failed
+        on its own)."""
+        sentinels = {x.proc.sentinel: x for x in self._ranks if x is not failed}
+        if not sentinels:
+            return []
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=_PEER_DEATH_GRACE_S)
+        return [sentinels[s] for s in ready]
 
     # --- failure ------------------------------------------------------------------------------
 

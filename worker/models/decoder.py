@@ -93,13 +93,17 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup) -> None:
+    """Gated MLP: ``down(act(gate) * up)``; SwiGLU unless a family passes its own ``act_fn``
+    (Gemma: GeGLU)."""
+
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 act_fn: nn.Module | None = None) -> None:
         super().__init__()
         inter = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False,
                                                        dtype, tp)
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, tp)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if act_fn is None else act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -143,6 +147,24 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def build_stage_ends(model: nn.Module, arch: ArchSpec, dtype: torch.dtype,
+                     norm_cls: type[nn.Module]) -> None:
+    """Give ``model`` (with ``tp``/``pp`` set) the modules its pipeline stage owns at either
+    end: ``embed_tokens`` (first stage, or the last with tied embeddings), the final ``norm``
+    and ``lm_head`` (last stage); None where the stage has none."""
+    tied = arch.tie_word_embeddings
+    model.embed_tokens = None
+    if model.pp.is_first or (tied and model.pp.is_last):
+        model.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
+                                                    model.tp)
+    model.norm = model.lm_head = None
+    if model.pp.is_last:
+        model.norm = norm_cls(arch.hidden_size, arch.rms_norm_eps, dtype)
+        model.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, model.tp)
+        if tied:
+            model.lm_head.weight = model.embed_tokens.weight
+
+
 def layer_range(num_layers: int, pp: ParallelGroup) -> tuple[int, int]:
     """Layers [start, end) owned by pipeline stage ``pp.rank``: an even split, the remainder
     going to the first stages."""
@@ -163,23 +185,11 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp or single_group()
         self.pp = pp or single_group()
         self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
-        if self.pp.is_first or (arch.tie_word_embeddings and self.pp.is_last):
-            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
-                                                       self.tp)
-        else:
-            self.embed_tokens = None
         self.layers = nn.ModuleDict({
             str(i): DecoderLayer(arch, dtype, self.tp, impl, i)
             for i in range(self.start_layer, self.end_layer)
         })
-        if self.pp.is_last:
-            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, self.tp)
-            if arch.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.norm = None
-            self.lm_head = None
+        build_stage_ends(self, arch, dtype, RMSNorm)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers.values()]

@@ -26,15 +26,15 @@ from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.layers.activation import GeluTanhAndMul
 from tidal.worker.layers.attention import Attention
-from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tidal.worker.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from tidal.worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from tidal.worker.layers.norm import GemmaRMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
-from tidal.worker.models.decoder import DecoderForCausalLM, layer_range
+from tidal.worker.models.decoder import (
+    DecoderForCausalLM,
+    DecoderMLP,
+    build_stage_ends,
+    layer_range,
+)
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -80,19 +80,6 @@ class GemmaAttention(nn.Module):
         return self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, meta))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup) -> None:
-        super().__init__()
-        inter = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False,
-                                                       dtype, tp)
-        self.down_proj = RowParallelLinear(inter, arch.hidden_size, False, dtype, tp)
-        self.act_fn = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
                  impl: AttentionImpl, rotary_emb: RotaryEmbedding,
@@ -100,7 +87,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         eps = arch.rms_norm_eps
         self.self_attn = GemmaAttention(arch, dtype, tp, impl, rotary_emb, sliding_window)
-        self.mlp = GemmaMLP(arch, dtype, tp)
+        self.mlp = DecoderMLP(arch, dtype, tp, GeluTanhAndMul())  # GeGLU
         self.input_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
@@ -127,11 +114,6 @@ class Gemma2ForCausalLM(nn.Module):
         # HF multiplies by the normaliser cast to the model dtype (sqrt(3072) is 55.5 in bf16).
         self.embed_scale = float(torch.tensor(math.sqrt(arch.hidden_size), dtype=dtype,
                                               device="cpu"))
-        if self.pp.is_first or (arch.tie_word_embeddings and self.pp.is_last):
-            self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, dtype,
-                                                       self.tp)
-        else:
-            self.embed_tokens = None
         full_rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings,
                                     arch.rope_theta, arch.rope_scaling)
         local_rope = full_rope
@@ -144,14 +126,7 @@ class Gemma2ForCausalLM(nn.Module):
             layers[str(i)] = GemmaDecoderLayer(arch, dtype, self.tp, impl,
                                                full_rope if window is None else local_rope, window)
         self.layers = nn.ModuleDict(layers)
-        if self.pp.is_last:
-            self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, dtype, self.tp)
-            if arch.tie_word_embeddings:
-                self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.norm = None
-            self.lm_head = None
+        build_stage_ends(self, arch, dtype, GemmaRMSNorm)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers.values()]
