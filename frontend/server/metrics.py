@@ -218,35 +218,14 @@ class _EngineSeries:
         for family in (f.external_prefix_queries, f.external_prefix_hits, f.mm_queries,
                        f.mm_hits, f.prompt_recomputed):
             family.labels(model, engine)
-        return cls(
-            running=f.running.labels(model, engine),
-            waiting=f.waiting.labels(model, engine),
-            kv_usage=f.kv_usage.labels(model, engine),
-            prefix_queries=f.prefix_queries.labels(model, engine),
-            prefix_hits=f.prefix_hits.labels(model, engine),
-            preemptions=f.preemptions.labels(model, engine),
-            prompt_tokens=f.prompt_tokens.labels(model, engine),
-            prompt_by_source={s: f.prompt_by_source.labels(model, engine, s)
-                              for s in PROMPT_SOURCES},
-            prompt_cached=f.prompt_cached.labels(model, engine),
-            generation_tokens=f.generation_tokens.labels(model, engine),
-            success={r: f.success.labels(model, engine, r) for r in FINISH_REASONS},
-            request_prompt_tokens=f.request_prompt_tokens.labels(model, engine),
-            request_generation_tokens=f.request_generation_tokens.labels(model, engine),
-            iteration_tokens=f.iteration_tokens.labels(model, engine),
-            max_num_generation_tokens=f.max_num_generation_tokens.labels(model, engine),
-            params_n=f.params_n.labels(model, engine),
-            params_max_tokens=f.params_max_tokens.labels(model, engine),
-            ttft=f.ttft.labels(model, engine),
-            itl=f.itl.labels(model, engine),
-            request_tpot=f.request_tpot.labels(model, engine),
-            e2e=f.e2e.labels(model, engine),
-            queue_time=f.queue_time.labels(model, engine),
-            inference_time=f.inference_time.labels(model, engine),
-            prefill_time=f.prefill_time.labels(model, engine),
-            decode_time=f.decode_time.labels(model, engine),
-            prefill_kv_computed=f.prefill_kv_computed.labels(model, engine),
-        )
+        # Every other series is its family's child of the same name, labelled (model, engine).
+        keyed = {"prompt_by_source", "success"}
+        plain = {name: getattr(f, name).labels(model, engine)
+                 for name in cls.__dataclass_fields__ if name not in keyed}
+        return cls(**plain,
+                   prompt_by_source={s: f.prompt_by_source.labels(model, engine, s)
+                                     for s in PROMPT_SOURCES},
+                   success={r: f.success.labels(model, engine, r) for r in FINISH_REASONS})
 
 
 class ServerMetrics:
