@@ -94,8 +94,8 @@ _EXIT_GRACE_S = 5.0
 _TERM_GRACE_S = 2.0
 
 
-# How long a worker's failure waits to see whether a peer's death caused it (a collective
-# that lost its peer fails at once, while the death reaches the sentinel watcher a moment later).
+# How long a worker's failure waits to see whether a peer killed by a signal caused it (a
+# collective that lost its peer fails at once; the death reaches the watcher a moment later).
 _PEER_DEATH_GRACE_S = 0.5
 
 
@@ -357,23 +357,33 @@ class MultiprocExecutor:
             reply = self._decoder.decode(frames)
             if isinstance(reply, Failed):
                 r.last_error = reply.error
-                # A peer's death fails the collectives of every survivor, often before the
-                # watcher has seen that death: the dead peer, the cause, is what to report.
-                dead = self._peers_dying(r)
-                if dead:
-                    self._mark_dead(dead)
-                self._set_failure(WorkerError(f"{r.describe()} failed: {reply.error}"))
+                # A peer killed by a signal fails the collectives of every survivor, often
+                # before the watcher has seen that death: the killed peer, the cause, is what
+                # to report. (A peer that exits with an error of its own failed alongside.)
+                killed = self._peers_killed(r)
+                if killed:
+                    self._mark_dead(killed)
+                else:
+                    # This rank's own error is the one to report, also when the watcher, during
+                    # the grace, saw a peer exit that failed alongside it.
+                    with self._lock:
+                        self._failure = WorkerError(f"{r.describe()} failed: {reply.error}")
                 self._raise_if_failed()
             return reply
 
-    def _peers_dying(self, failed: _Rank) -> list[_Rank]:
-        """The other ranks whose processes end within a short grace (none: ``failed`` failed
-        on its own)."""
+    def _peers_killed(self, failed: _Rank) -> list[_Rank]:
+        """The other ranks whose processes end by a signal within a short grace."""
         sentinels = {x.proc.sentinel: x for x in self._ranks if x is not failed}
         if not sentinels:
             return []
         ready = multiprocessing.connection.wait(list(sentinels), timeout=_PEER_DEATH_GRACE_S)
-        return [sentinels[s] for s in ready]
+        killed = []
+        for s in ready:
+            peer = sentinels[s]
+            peer.proc.join(0.5)  # its sentinel fires a moment before its exit code can be read
+            if peer.proc.exitcode is not None and peer.proc.exitcode < 0:
+                killed.append(peer)
+        return killed
 
     # --- failure ------------------------------------------------------------------------------
 
