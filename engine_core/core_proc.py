@@ -56,7 +56,7 @@ import psutil
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tidal.engine_core import envs
+from tidal.engine_core import envs, stack_dump
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.core import EngineCore
 from tidal.engine_core.executor import Executor
@@ -702,6 +702,7 @@ def setup_logging(name: str) -> None:
         format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    stack_dump.install()
 
 
 def watch_parent(stop_signal: signal.Signals = signal.SIGTERM) -> None:

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from tidal.engine_core import envs
+from tidal.engine_core import envs, stack_dump
 from tidal.engine_core.cli import HelpFormatter, apply_log_level
 from tidal.engine_core.config import EngineArgs
 
@@ -139,6 +139,7 @@ def _setup_logging(level: str) -> None:
     apply_log_level(level)  # the engine and worker processes started from here log alike
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stack_dump.install()
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,47 @@ sys.path.insert(0, str(Path(__file__).parent))
 import reference  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# tools/gpu_suite.sh sets it: one wedged test must not eat a device call's whole time limit.
+_TEST_TIMEOUT_S = float(os.environ.get("TIDAL_TEST_TIMEOUT_S", "0"))
+
+
+def _dump_descendants() -> None:
+    """Ask every tidal process below this one to print its stacks (``engine_core.stack_dump``)
+    into the stderr they share with this test, then print this process's own."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+            if "tidal" in cmd or "spawn_main" in cmd and "resource_tracker" not in cmd:
+                child.send_signal(signal.SIGUSR2)
+        except psutil.Error:
+            pass
+    time.sleep(1.0)
+    faulthandler.dump_traceback(file=2, all_threads=True)
+
+
+@pytest.fixture(autouse=True)
+def _test_deadline():
+    """With ``$TIDAL_TEST_TIMEOUT_S``, a test running longer fails (its stacks and those of its
+    engine and worker processes in its captured stderr) and the run goes on."""
+    if _TEST_TIMEOUT_S <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        _dump_descendants()
+        pytest.fail(f"the test ran over {_TEST_TIMEOUT_S:.0f} s ($TIDAL_TEST_TIMEOUT_S); the "
+                    "stacks of its processes are in its captured stderr", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, _TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")

@@ -304,13 +304,14 @@ class WorkerProc:
 
 
 def _setup_logging(rank: int) -> None:
-    from tidal.engine_core import envs
+    from tidal.engine_core import envs, stack_dump
 
     logging.basicConfig(
         level=envs.log_level(),
         format=f"%(asctime)s %(levelname)s Worker{rank}[%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    stack_dump.install()
 
 
 class _DeathPipe:

@@ -203,7 +203,8 @@ PROMPTS = [[5, 17, 42, 9], [100, 3, 250, 7, 7, 30, 1], list(range(40, 60))]
 @pytest.fixture(scope="module")
 def tiny_llama(tiny_models):
     folder, hf = tiny_models["llama"]
-    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=256, max_model_len=256)
+    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=256, max_model_len=256,
+              dtype="float32")
     yield folder, hf, llm
     llm.shutdown()
 
@@ -266,7 +267,8 @@ def eos_llama(tiny_llama, tmp_path_factory):
             cfg = json.loads(path.read_text())
             cfg["eos_token_id"] = eos
             path.write_text(json.dumps(cfg))
-    llm2 = LLM(str(copy), skip_tokenizer_init=True, num_kv_blocks=256, max_model_len=256)
+    llm2 = LLM(str(copy), skip_tokenizer_init=True, num_kv_blocks=256, max_model_len=256,
+              dtype="float32")
     assert llm2.config.model.eos_token_ids == (eos,)
     yield hf, llm2, eos
     llm2.shutdown()
@@ -317,7 +319,7 @@ def test_prompt_forms_and_cache_salt(tiny_llama):
 def test_async_beam_search_and_abort(tiny_llama):
     folder, _, llm = tiny_llama
     engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=str(folder), num_kv_blocks=256, max_model_len=256),
+        EngineArgs(model=str(folder), num_kv_blocks=256, max_model_len=256, dtype="float32"),
         mode="thread", skip_tokenizer_init=True)
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True, length_penalty=0.7,
                               logprobs=2)

@@ -76,7 +76,7 @@ def tiny(tiny_models, tmp_path_factory):
     tok.save_pretrained(folder)
     engine = AsyncLLM.from_engine_args(EngineArgs(
         model=str(folder), served_model_name=MODEL, num_kv_blocks=256, max_num_seqs=16,
-        max_model_len=256, cpu_threads=1))
+        max_model_len=256, cpu_threads=1, dtype="float32"))
     yield engine, hf, tok
     engine.shutdown()
 
