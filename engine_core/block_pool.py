@@ -5,6 +5,10 @@ can be pulled out of the middle in O(1) (a prefix-cache hit on a block nobody ho
 order is the eviction order: new blocks come from the head, freed blocks go to the tail.
 A freed block keeps its hash until it is handed out again (lazy eviction), so a later request
 with the same prefix can still find it.
+
+With several KV groups (``kv_groups``) the groups share the pool: a block belongs to the group
+that allocated it, the prefix cache is keyed by (group, hash) as one dict per group, and the pool
+counts the blocks each group holds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set when the block is full and cached
+    group: int = 0  # the KV group (kv_groups) that owns it, and whose cache holds its hash
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
@@ -77,15 +82,32 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        # block hash -> the block holding it (one block per hash; duplicates are not cached).
-        self.cached: dict[bytes, KVCacheBlock] = {}
+        # Per group: block hash -> the block holding it (one block per hash; duplicates are
+        # not cached). ``cached`` is group 0's.
+        self.group_cached: list[dict[bytes, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        self.cached = self.group_cached[0]
+        # Blocks each group holds (ref count > 0); only kept with several groups.
+        self.group_used = [0] * num_groups
+        # Blocks taken out for good (the null block of sliding-window groups): neither free
+        # nor counted as used.
+        self.num_reserved = 0
+
+    def reserve(self) -> KVCacheBlock:
+        """Take the next free block out of circulation for good."""
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        block.group = -1  # no group's
+        self.num_reserved += 1
+        return block
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,6 +115,9 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
+        if self.num_reserved:
+            usable = self.num_blocks - self.num_reserved
+            return 1.0 - self.num_free_blocks / usable if usable else 1.0
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[KVCacheBlock]:
@@ -107,6 +132,37 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def allocate_for(self, group: int, n: int) -> list[KVCacheBlock]:
+        """``allocate`` for one of several groups: the blocks become ``group``'s."""
+        out = self.allocate(n)
+        for block in out:
+            block.group = group
+        self.group_used[group] += n
+        return out
+
+    def free_grouped(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``free`` with several groups (keeps the per-group counts)."""
+        used = self.group_used
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                used[block.group] -= 1
+                self.free_queue.append(block)
+
+    def touch_grouped(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """``touch`` with several groups (keeps the per-group counts)."""
+        used = self.group_used
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                used[block.group] += 1
+            block.ref_cnt += 1
+
+    def lookup_in(self, group: int, block_hash: bytes) -> KVCacheBlock | None:
+        return self.group_cached[group].get(block_hash)
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; blocks nobody holds join the free list's tail.
@@ -135,24 +191,27 @@ class BlockPool:
         """Record that ``block`` (full, computed) holds the tokens behind ``block_hash``."""
         if block.block_hash is not None:
             return
-        if block_hash in self.cached:
+        cached = self.group_cached[block.group]
+        if block_hash in cached:
             return  # another block already holds these tokens; keep the first
         block.block_hash = block_hash
-        self.cached[block_hash] = block
+        cached[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks + self.num_reserved != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
-        self.cached.clear()
+        for cached in self.group_cached:
+            cached.clear()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            cached = self.group_cached[block.group]
+            if cached.get(block.block_hash) is block:
+                del cached[block.block_hash]
             block.block_hash = None
 
     def check_invariants(self) -> None:
@@ -168,6 +227,16 @@ class BlockPool:
                 raise AssertionError(f"{block}: free-list membership disagrees with ref count")
             if block.ref_cnt < 0:
                 raise AssertionError(f"{block}: negative ref count")
-        for h, block in self.cached.items():
-            if block.block_hash != h:
-                raise AssertionError(f"{block}: cached under a hash it does not hold")
+        for group, cached in enumerate(self.group_cached):
+            for h, block in cached.items():
+                if block.block_hash != h or block.group != group:
+                    raise AssertionError(f"{block}: cached under a hash or group it does not "
+                                         "hold")
+        if len(self.group_cached) > 1:
+            used = [0] * len(self.group_cached)
+            for block in self.blocks:
+                if block.ref_cnt > 0 and block.group >= 0:
+                    used[block.group] += 1
+            if used != self.group_used:
+                raise AssertionError(f"blocks held per group {used} but counted "
+                                     f"{self.group_used}")

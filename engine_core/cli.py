@@ -60,6 +60,9 @@ _HELP = {
     "num_kv_blocks": "number of KV cache blocks, instead of measuring; default: measured at "
                      "start-up",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes shared between requests",
+    "disable_hybrid_kv_cache_manager": "keep every layer's KV cache whole, sliding-window "
+                                       "layers too (one KV group, as before the hybrid KV "
+                                       "cache manager)",
     "prefix_hash_seed": "integer seed of the prefix-cache block hashes; default: random per "
                         "process",
     "max_num_seqs": "most sequences in one step; default: 512 on a GPU, 64 on a CPU",
@@ -77,7 +80,17 @@ _HELP = {
                                     "default: uni for one worker, mp for several",
     "device": "auto, cpu or cuda; auto picks cuda when torch sees a GPU",
     "attention_backend": "torch, triton or cuda; default: the best available on the device",
+    "ops_backend": "fused ops (norms, rotary, SiLU) on a GPU: auto, torch, triton or cuda; "
+                   "default: --kernel-config's ops, else auto (the CUDA extension if it builds, "
+                   "else Triton, else torch)",
+    "kernel_config": "JSON object of kernel choices (README: Kernel policy), e.g. "
+                     "'{\"gemv\": false, \"pdl\": false}'; flags win over it, it over the "
+                     "TIDAL_* variables; default: none",
     "enforce_eager": "never capture CUDA graphs (always so on a CPU)",
+    "max_mixed_cudagraph_tokens": "steps that mix prompt tokens into the decodes replay CUDA "
+                                  "graphs up to this many tokens (padded to a captured size); "
+                                  "0 runs them eagerly; default: 2048, at most "
+                                  "max-num-batched-tokens",
     "max_logprobs": "most logprobs / top_logprobs a request may ask for",
     "cpu_threads": "torch threads of a CPU worker; default: torch's own choice",
     "hf_overrides": "JSON object merged into the model's HF config before anything reads it, "
@@ -140,8 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
-    if values.get("hf_overrides") is None:
-        values.pop("hf_overrides")
+    for name in ("hf_overrides", "kernel_config"):  # unset: the dataclass's factory
+        if values.get(name) is None:
+            values.pop(name)
     return EngineArgs.from_kwargs(**values)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
+from tidal.engine_core.kv_groups import KVLayout, layout_for
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
 
@@ -58,6 +60,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int | None = None  # forced by the user, or measured at start-up
     enable_prefix_caching: bool = True
     prefix_hash_seed: int | None = None  # None: a random seed per process
+    # Every layer's KV kept whole, sliding-window layers too (one KV group: kv_groups).
+    disable_hybrid_kv_cache_manager: bool = False
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,11 +89,15 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str  # "cpu" | "cuda"
-    attention_backend: str | None = None  # None: the best available
+    attention_backend: str | None = None  # None: the best available (= kernels.attention_backend)
     enforce_eager: bool = False
     max_cudagraph_batch: int = 512
+    # Mixed (prefill + decode) steps of up to this many tokens replay CUDA graphs too; 0: eager.
+    max_mixed_graph_tokens: int = 0
     max_logprobs: int = 20
     cpu_threads: int | None = None  # torch intra-op threads of a CPU worker; None: torch's default
+    # Every kernel choice (kernel_config.py); each worker resolves it against its device.
+    kernels: KernelConfig = msgspec.field(default_factory=KernelConfig)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,9 +107,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     parallel: ParallelConfig
     runner: RunnerConfig
 
+    def kv_layout(self) -> KVLayout:
+        """How the layers share the KV cache (groups by attention type: ``kv_groups``)."""
+        return layout_for(self.model.arch, not self.cache.disable_hybrid_kv_cache_manager,
+                          self.model.max_model_len)
+
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         capacity = num_blocks * self.cache.block_size
-        if capacity < self.model.max_model_len:
+        layout = self.kv_layout()
+        if layout.hybrid:
+            # A lone request shrinks its prompt chunks until they fit (the scheduler), so it
+            # needs room for one token at a time; without chunked prefill for a whole prompt.
+            chunk = 1 if self.scheduler.enable_chunked_prefill else self.model.max_model_len
+            need = layout.blocks_per_seq(self.model.max_model_len, self.cache.block_size, chunk)
+            if num_blocks < need:
+                raise ConfigError(
+                    f"the KV cache has {num_blocks} blocks but one sequence of max_model_len "
+                    f"{self.model.max_model_len} needs {need} over its {layout.num_groups} KV "
+                    "group(s): give the cache more memory (--gpu-memory-utilization / "
+                    "kv_cache_memory_bytes) or lower --max-model-len")
+        elif capacity < self.model.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
                 f"{self.cache.block_size}) but max_model_len is {self.model.max_model_len}: "
@@ -142,6 +167,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     prefix_hash_seed: int | None = None
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -152,7 +178,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     device: str = "auto"
     attention_backend: str | None = None
+    ops_backend: str | None = None
+    # The kernel section as JSON (kernel_config.py); flags above win over it, it over $TIDAL_*.
+    kernel_config: dict[str, Any] = field(default_factory=dict)
     enforce_eager: bool = False
+    max_mixed_cudagraph_tokens: int | None = None
     max_logprobs: int = 20
     cpu_threads: int | None = None
     # Applied to the model's HF config before anything reads it (e.g. shapes for benchmarks).
@@ -220,20 +250,20 @@ class EngineArgs:
             cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
+        kernels = build_kernel_config(self.kernel_config, attention_backend=self.attention_backend,
+                                      ops=self.ops_backend)
         runner = RunnerConfig(
             device=device,
-            attention_backend=self.attention_backend,
+            attention_backend=kernels.attention_backend,
             enforce_eager=self.enforce_eager or device == "cpu",
             max_cudagraph_batch=min(512, scheduler.max_num_seqs),
+            max_mixed_graph_tokens=self._mixed_graph_tokens(scheduler),
             max_logprobs=self.max_logprobs,
             cpu_threads=self.cpu_threads,
+            kernels=kernels,
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.attention_backend not in (None, "torch", "triton", "cuda"):
-            raise ConfigError(
-                f"attention_backend must be torch, triton or cuda, got {self.attention_backend!r}"
-            )
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner
         )
@@ -262,7 +292,16 @@ class EngineArgs:
             num_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_hash_seed=self.prefix_hash_seed,
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
         )
+
+    def _mixed_graph_tokens(self, scheduler: SchedulerConfig) -> int:
+        value = self.max_mixed_cudagraph_tokens
+        if value is None:
+            value = 2048
+        elif value < 0:
+            raise ConfigError(f"max_mixed_cudagraph_tokens must be >= 0, got {value}")
+        return min(value, scheduler.max_num_batched_tokens)
 
     def _scheduler_config(self, max_model_len: int, device: str, task: str) -> SchedulerConfig:
         chunked = self.enable_chunked_prefill and task == "generate"

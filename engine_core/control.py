@@ -96,7 +96,8 @@ def execute(core: EngineCore, call: ControlCall) -> ControlResult:
     match call:
         case GetKVStats():
             return KVStats(
-                num_blocks=sched.kv.pool.num_blocks,
+                # Usable blocks: without the null block a hybrid pool reserves for good.
+                num_blocks=sched.kv.pool.num_blocks - sched.kv.pool.num_reserved,
                 num_free_blocks=sched.kv.num_free_blocks,
                 num_running=len(sched.running),
                 num_waiting=len(sched.waiting),

@@ -1,9 +1,9 @@
 """Every environment setting tidal reads, in one typed place.
 
 Each function reads the environment when called, so two engines in one process see the same
-thing and tests can set them. Settings that pick a kernel variant are read once by the module
-that uses them, into a module-level constant (the check sits on the decode hot path, and
-benchmarks flip those constants directly).
+thing and tests can set them. Settings that pick a kernel or a kernel variant are defaults of
+the engine config's kernel section (``tidal.engine_core.kernel_config``): read once, when the
+config is built, and never by worker code (which gets them resolved, in its ``KernelPolicy``).
 
 Only this module reads ``os.environ`` (``tests/test_structure.py`` checks it). Code elsewhere
 may *set* variables for the processes it starts or for libraries that read them (Triton,
@@ -15,14 +15,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-
-
-def _flag(name: str, default: bool) -> bool:
-    # The knobs' historical rule: "0" is off for a default-on flag, only "1" is on for a
-    # default-off one.
-    if default:
-        return os.environ.get(name, "1") != "0"
-    return os.environ.get(name, "0") == "1"
 
 
 # --- general --------------------------------------------------------------------------------
@@ -87,77 +79,31 @@ def forwarded(names: Iterable[str]) -> dict[str, str]:
     return {name: os.environ[name] for name in names if name in os.environ}
 
 
-# --- kernel variants (read once, at import, by the module that uses each) -------------------
+# --- kernel choices: defaults of the engine config's kernel section ------------------------
+
+# KernelConfig field -> the environment variable that gives its default. Only
+# ``tidal.engine_core.kernel_config.build_kernel_config`` reads these (once, when the engine
+# config is built); flags and ``--kernel-config`` JSON override them. Values are returned raw:
+# the builder parses and validates them, naming the variable on an error.
+KERNEL_ENV: dict[str, str] = {
+    "decode_kernels": "TIDAL_DECODE_KERNELS",
+    "gemv": "TIDAL_GEMV",
+    "gemv_max_mb": "TIDAL_GEMV_MAX_MB",
+    "gemv_stream": "TIDAL_GEMV_STREAM",
+    "gemv_configs": "TIDAL_GEMV_CONFIGS",
+    "norm_apart": "TIDAL_NORM_APART",
+    "pdl": "TIDAL_PDL",
+    "attn_fused_merge": "TIDAL_ATTN_FUSED_MERGE",
+    "attn_preload": "TIDAL_ATTN_PRELOAD",
+    "attn_split_stages": "TIDAL_ATTN_SPLIT_STAGES",
+    "symm_allreduce": "TIDAL_SYMM_ALLREDUCE",
+    "symm_allreduce_max_bytes": "TIDAL_SYMM_ALLREDUCE_MAX_BYTES",
+    "lamport_allreduce": "TIDAL_LAMPORT_ALLREDUCE",
+    "push_allreduce": "TIDAL_PUSH_ALLREDUCE",
+}
 
 
-def decode_kernels() -> bool:
-    """``$TIDAL_DECODE_KERNELS`` (default 1): 0 turns off the fused Triton decode ops."""
-    return _flag("TIDAL_DECODE_KERNELS", True)
-
-
-def gemv() -> bool:
-    """``$TIDAL_GEMV`` (default 1): 0 turns off only the one-row GEMV and its fusions."""
-    return _flag("TIDAL_GEMV", True)
-
-
-def gemv_max_bytes() -> float:
-    """``$TIDAL_GEMV_MAX_MB`` in bytes: larger weights stay on cuBLAS (default: no limit)."""
-    return float(os.environ.get("TIDAL_GEMV_MAX_MB", "inf")) * 2**20
-
-
-def gemv_stream() -> bool:
-    """``$TIDAL_GEMV_STREAM`` (default 1): 0 loads GEMV weights with the default L2 policy."""
-    return _flag("TIDAL_GEMV_STREAM", True)
-
-
-def gemv_configs() -> str:
-    """``$TIDAL_GEMV_CONFIGS``: GEMV launch-shape overrides (``triton_decode`` parses them)."""
-    return os.environ.get("TIDAL_GEMV_CONFIGS", "")
-
-
-def norm_apart() -> bool:
-    """``$TIDAL_NORM_APART`` (default 1): 0 always fuses the RMSNorm into the GEMV prologue."""
-    return _flag("TIDAL_NORM_APART", True)
-
-
-def pdl() -> bool:
-    """``$TIDAL_PDL`` (default 1): 0 turns off programmatic dependent launch."""
-    return _flag("TIDAL_PDL", True)
-
-
-def attn_fused_merge() -> bool:
-    """``$TIDAL_ATTN_FUSED_MERGE`` (default 0): 1 merges split-decode partials in-kernel."""
-    return _flag("TIDAL_ATTN_FUSED_MERGE", False)
-
-
-def attn_preload() -> bool:
-    """``$TIDAL_ATTN_PRELOAD`` (default 1): 0 loads a split's first tile after the PDL wait."""
-    return _flag("TIDAL_ATTN_PRELOAD", True)
-
-
-def attn_split_stages() -> int:
-    """``$TIDAL_ATTN_SPLIT_STAGES`` (default 1): software-pipeline stages of split decode."""
-    return int(os.environ.get("TIDAL_ATTN_SPLIT_STAGES", "1"))
-
-
-# --- tensor-parallel all-reduce (read when the all-reduce is set up) ------------------------
-
-
-def symm_allreduce() -> bool:
-    """``$TIDAL_SYMM_ALLREDUCE`` (default 1): 0 leaves every all-reduce to NCCL."""
-    return _flag("TIDAL_SYMM_ALLREDUCE", True)
-
-
-def symm_allreduce_max_bytes() -> int:
-    """``$TIDAL_SYMM_ALLREDUCE_MAX_BYTES`` (default 2 MiB): largest one-shot all-reduce."""
-    return int(os.environ.get("TIDAL_SYMM_ALLREDUCE_MAX_BYTES", str(2 << 20)))
-
-
-def lamport_allreduce() -> bool:
-    """``$TIDAL_LAMPORT_ALLREDUCE`` (default 1): 0 turns off the Lamport-flag all-reduce."""
-    return _flag("TIDAL_LAMPORT_ALLREDUCE", True)
-
-
-def push_allreduce() -> bool:
-    """``$TIDAL_PUSH_ALLREDUCE`` (default 0): 1 fuses the all-reduce into decode GEMVs."""
-    return _flag("TIDAL_PUSH_ALLREDUCE", False)
+def kernel_env() -> dict[str, tuple[str, str]]:
+    """The kernel knobs set in the environment: ``{field: (variable, raw value)}``."""
+    return {field: (name, os.environ[name]) for field, name in KERNEL_ENV.items()
+            if name in os.environ}

@@ -1,6 +1,9 @@
 """Which KV blocks each request holds: allocation, release and prefix-cache hits on top of the
 block pool.
 
+This is the manager of models with one KV group of full-attention layers (``kv_groups``);
+``HybridKVCacheManager`` takes models with sliding-window layers.
+
 With prefix caching, every full block a request computes is registered under its chained hash
 as soon as it is scheduled (the K/V are written in the same forward pass, before any other
 request of that step reads them), and a new request starts from the longest run of cached
@@ -141,6 +144,14 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Tables of KV groups beyond the first: none here (one group of full attention; models
+        with several use ``HybridKVCacheManager``)."""
+        return []
+
+    def group_usage(self) -> list[float]:
+        return []
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

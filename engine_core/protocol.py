@@ -97,6 +97,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # Tokens scheduled by each step since the previous report (one entry as a rule; more when
     # reports of steps without outputs were folded in), for the tokens-per-step histogram.
     iteration_tokens: list[int] = []
+    # Several KV groups only: the share of the KV pool each group holds (the total is
+    # ``kv_cache_usage``).
+    kv_cache_usage_groups: list[float] = []
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -112,7 +115,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     def gauges(self) -> SchedulerStats:
         """The state part only (counters zero): what every frontend but one gets, so counters
         summed over frontends count each event once."""
-        return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage)
+        return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage,
+                              kv_cache_usage_groups=self.kv_cache_usage_groups)
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
@@ -219,10 +223,12 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # KV group 0's block table
     num_computed_tokens: int
     # Prompt logprobs already delivered for positions below this (a resumed request skips them).
     prompt_logprobs_from: int = 0
+    # The block tables of KV groups 1.. (``kv_groups``); empty with one group (not on the wire).
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -238,6 +244,9 @@ class CachedRequestData(msgspec.Struct, **_WIRE):
     # tokens sampled since the request was last scheduled; they end at the last position
     # scheduled this step. Empty lists otherwise.
     new_token_ids: list[list[int]] = []
+    # Several KV groups only (empty, and not on the wire, with one): parallel to
+    # ``new_block_ids``, the new entries of groups 1.. (``new_block_ids`` holds group 0's).
+    new_group_block_ids: list[list[list[int]]] = []
 
 
 class SchedulerOutput(msgspec.Struct, **_WIRE):
@@ -279,8 +288,8 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 3  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
-# (and Heartbeat.steps)
+PROTOCOL_VERSION = 4  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+# (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from tidal.engine_core.config import EngineConfig
+from tidal.engine_core.hybrid_kv_cache_manager import HybridKVCacheManager
 from tidal.engine_core.kv_cache_manager import KVCacheManager
 from tidal.engine_core.protocol import (
     CachedRequestData,
@@ -43,10 +44,23 @@ class Scheduler:
         self.token_budget = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.max_model_len = config.model.max_model_len
-        self.kv = KVCacheManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            config.cache.prefix_hash_seed,
-        )
+        layout = config.kv_layout()
+        # Several KV groups (sliding-window layers): per-group block tables over one pool; its
+        # allocations come back as one list of new entries per group.
+        self.hybrid_kv = layout.hybrid
+        self.kv: KVCacheManager | HybridKVCacheManager
+        if layout.hybrid:
+            self.kv = HybridKVCacheManager(
+                layout, config.cache.num_blocks, config.cache.block_size,
+                config.cache.enable_prefix_caching, config.cache.prefix_hash_seed)
+        else:
+            self.kv = KVCacheManager(
+                config.cache.num_blocks, config.cache.block_size,
+                config.cache.enable_prefix_caching, config.cache.prefix_hash_seed,
+            )
+        logger.info("KV cache layout: %s", layout.describe())
+        for i, group in enumerate(layout.groups):
+            logger.debug("KV group %d: %s, layers %s", i, group.kind, list(group.layers))
         # Steps may be scheduled before earlier ones return (async scheduling, pipeline
         # parallelism). Async scheduling lets a request decode on a token still being sampled
         # (the worker fills it in); otherwise a request waits for its in-flight step.
@@ -155,6 +169,12 @@ class Scheduler:
             if computed + num_new > noop_limit.get(rid, -1):
                 new_blocks = allocate(req, num_new)
                 while new_blocks is None:
+                    if num_new > 1 and self.hybrid_kv and running[-1] is req:
+                        # Nothing left to preempt but itself: a sliding-window group needs
+                        # fewer blocks for a shorter chunk (its window moves on meanwhile).
+                        num_new //= 2
+                        new_blocks = allocate(req, num_new)
+                        continue
                     victim = running.pop()
                     self._preempt(victim)
                     preempted_now = True
@@ -200,7 +220,13 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             req.num_computed_tokens = num_hit
-            if self.kv.allocate_slots(req, num_new, hits) is None:
+            ok = self.kv.allocate_slots(req, num_new, hits) is not None
+            while not ok and self.hybrid_kv and not self.running and num_new > 1:
+                # Alone, it would wait forever: a shorter chunk needs fewer sliding-window
+                # blocks (the config guarantees one token of a lone request always fits).
+                num_new //= 2
+                ok = self.kv.allocate_slots(req, num_new, hits) is not None
+            if not ok:
                 req.num_computed_tokens = 0
                 break
             self.kv.record_lookup(req, num_hit)
@@ -223,6 +249,7 @@ class Scheduler:
                     output_token_ids=req.output_token_ids if resumed else [],
                     sampling_params=req.sampling_params,
                     block_ids=self.kv.block_ids(req.request_id),
+                    group_block_ids=self.kv.group_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
                     prompt_logprobs_from=req.prompt_logprobs_sent,
                 )
@@ -230,6 +257,10 @@ class Scheduler:
             num_scheduled.append(num_new)
             budget -= num_new
 
+        if self.hybrid_kv and c_block_ids:
+            # Each entry holds every group's new entries: group 0's go where one group's do.
+            cached.new_group_block_ids = [e[1:] for e in c_block_ids]
+            cached.new_block_ids = [e[0] for e in c_block_ids]
         total = self.token_budget - budget
         out = SchedulerOutput(
             step_id=self._step_id,
@@ -431,6 +462,7 @@ class Scheduler:
             num_prompt_tokens=self._prompt_tokens_step,
             num_generation_tokens=num_generation_tokens,
             iteration_tokens=self._step_tokens,
+            kv_cache_usage_groups=self.kv.group_usage() if self.hybrid_kv else [],
         )
         self._num_preemptions = 0
         self._prompt_tokens_step = 0

@@ -56,6 +56,9 @@ class StatsLogger:
                 self._prompt / elapsed, self._generated / elapsed, self._preempted, hit_rate,
                 self._steps, 1e3 * self._step_s / max(1, self._steps), 1e3 * self._step_max_s,
                 gc_count, 1e3 * gc_s, 1e3 * gc_max_s)
+            if stats.kv_cache_usage_groups:
+                logger.info("KV cache usage per group: %s", ", ".join(
+                    f"{g}: {100.0 * u:.1f}%" for g, u in enumerate(stats.kv_cache_usage_groups)))
         self._last_log = now
         self._prompt = self._generated = self._preempted = self._steps = 0
         self._step_s = self._step_max_s = 0.0

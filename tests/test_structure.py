@@ -322,3 +322,82 @@ def test_registered_model_class_resolves(name: str) -> None:
     assert cls_name in classes, f"{name}: {path} defines no class {cls_name}"
     cls = getattr(importlib.import_module(module), cls_name)
     assert isinstance(cls, type) and issubclass(cls, nn.Module)
+
+
+# --- one kernel policy ------------------------------------------------------------------------
+
+# Worker modules that read settings through envs, and why: none of them picks a kernel (those
+# settings are the engine config's kernel section, read once by engine_core/kernel_config.py
+# and handed to the workers resolved, as their KernelPolicy).
+WORKER_ENV_READERS: dict[str, str] = {
+    "worker/worker.py": "TIDAL_WARMUP: whether start-up runs the warm-up at all",
+    "worker/worker_proc.py": "TIDAL_LOG_LEVEL: the log level of the spawned worker process",
+    "worker/ops/kernel_cache.py": "where compiled kernels are cached (TIDAL_CACHE_DIR, Triton's "
+                                  "and torch's own folder variables)",
+    "worker/distributed/parallel_state.py": "GLOO_SOCKET_IFNAME: the network interface the "
+                                            "user chose for gloo",
+}
+# Names a layer's or model's forward must not touch: the process-wide choosers of old and
+# the policy's build-time entry points (a forward uses the kernels its constructor bound).
+POLICY_GLOBALS = frozenset({"ops", "envs", "kernel_policy", "current_kernels",
+                            "reference_kernels", "kernels_for", "triton_available", "DISPATCH"})
+
+
+def _envs_users(tree: ast.Module, package: str) -> list[int]:
+    return [node.lineno for node, module, _ in _imports(tree, package)
+            if module == "tidal.engine_core.envs" or module.startswith("tidal.engine_core.envs.")]
+
+
+def forward_policy_refs(tree: ast.Module) -> list[tuple[int, str]]:
+    """``(line, name)`` for every policy global a ``forward`` method refers to."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "forward":
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Name) and inner.id in POLICY_GLOBALS:
+                    found.append((inner.lineno, inner.id))
+                elif isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    found.append((inner.lineno, "import"))
+    return found
+
+
+def test_policy_checker_finds_a_global_in_a_forward() -> None:
+    code = """
+class L:
+    def __init__(self):
+        self.k = current_kernels()
+    def forward(self, x):
+        if ops.gemv_applies(x):
+            return x
+        return self.k.linear(x)
+class M:
+    def forward(self, x):
+        from tidal.worker import ops
+        return x
+"""
+    assert forward_policy_refs(ast.parse(code)) == [(6, "ops"), (11, "import")]
+
+
+def test_only_the_kernel_config_builder_reads_kernel_settings() -> None:
+    bad = []
+    for path, tree in SOURCES.items():
+        users = _envs_users(tree, _package(path))
+        if path.startswith("worker/") and users and path not in WORKER_ENV_READERS:
+            bad.append(f"{path}:{users[0]}: reads envs (a kernel choice belongs in "
+                       "KernelConfig; anything else: add the file to WORKER_ENV_READERS)")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "kernel_env"
+                    and path != "engine_core/kernel_config.py"):
+                bad.append(f"{path}:{node.lineno}: envs.kernel_env outside the builder")
+    assert not bad, "\n".join(bad)
+    stale = {p for p in WORKER_ENV_READERS if not _envs_users(SOURCES[p], _package(p))}
+    assert not stale, f"stale WORKER_ENV_READERS entries: {stale}"
+
+
+def test_forwards_use_the_kernels_bound_at_construction() -> None:
+    bad = [f"{path}:{line}: {name}"
+           for path, tree in SOURCES.items()
+           if path.startswith(("worker/models/", "worker/layers/"))
+           for line, name in forward_policy_refs(tree)]
+    assert not bad, ("a forward must not consult a global kernel setting (take the kernels in "
+                     "the constructor, kernel_policy.current_kernels):\n" + "\n".join(bad))

@@ -200,9 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    from tidal.worker import ops
-
-    ops.set_op_impl(ns.ops)
     ceilings = {} if ns.no_ceilings else measure_ceilings()
     bw, peak = ceilings.get("hbm_GBps"), ceilings.get("matmul_TFLOPs")
     batches = [int(x) for x in ns.batches.split(",") if x]
@@ -219,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_seqs=max(batches + [8]),
                           max_num_batched_tokens=ns.max_num_batched_tokens,
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
-                          enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend)
+                          enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
+                          ops_backend=ns.ops)
         t0 = now()
         core = EngineCore(args.create_config())
         startup = now() - t0
@@ -234,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                        "cuda_graphs": graphs is not None and len(graphs) > 0,
                        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else None,
                        "graph_pool_MiB": round(graphs.pool_bytes / 2**20, 1) if graphs else None,
-                       "attention": runner.attn_impl.name, "ops": ops.prepare_ops(runner.device),
+                       "attention": runner.attn_impl.name, "ops": runner.kernels.name,
                        "kv_blocks": core.config.cache.num_blocks, "startup_s": round(startup, 2),
                        # Switches of the batch-1 decode kernels (unset: on, no GEMV size limit).
                        "decode_kernel_env": {k: os.environ[k] for k in (

@@ -57,12 +57,9 @@ def _child(ns: argparse.Namespace) -> int:
     from tidal.engine_core.core import EngineCore
     from tidal.engine_core.protocol import EngineCoreRequest
     from tidal.engine_core.sampling_params import SamplingParams
-    from tidal.worker import ops
-
-    ops.set_op_impl(ns.ops)
     imported = time.time()
     args = EngineArgs(model=ns.model_dir, load_format="dummy", dtype=ns.dtype, device=ns.device,
-                      max_model_len=ns.max_model_len,
+                      max_model_len=ns.max_model_len, ops_backend=ns.ops,
                       distributed_executor_backend="uni")
     t0 = time.perf_counter()
     core = EngineCore(args.create_config())

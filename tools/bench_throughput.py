@@ -209,9 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    from tidal.worker import ops
-
-    ops.set_op_impl(ns.ops)
     ceilings = {} if ns.no_ceilings else measure_ceilings()
     facts = shape_facts(ns.shape)
     result: dict[str, Any] = {"benchmark": "throughput", "device": device_name(),
@@ -223,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       async_scheduling=bool(ns.async_scheduling), enforce_eager=ns.enforce_eager,
-                      attention_backend=ns.attention_backend)
+                      attention_backend=ns.attention_backend, ops_backend=ns.ops)
         t0 = time.perf_counter()
         llm = LLM(model, skip_tokenizer_init=ns.tokenizer is None, **kwargs)
         runner = llm.engine.core.executor.worker.runner
@@ -232,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_blocks": llm.config.cache.num_blocks, "async_scheduling": bool(ns.async_scheduling),
             "cuda_graphs": runner.graphs is not None,
             "graph_capture_s": round(runner.graphs.capture_seconds, 2) if runner.graphs else None,
-            "attention": runner.attn_impl.name, "ops": ops.prepare_ops(runner.device),
+            "attention": runner.attn_impl.name, "ops": runner.kernels.name,
             "detokenize": ns.tokenizer is not None, "max_num_seqs": ns.max_num_seqs,
             "max_num_batched_tokens": llm.config.scheduler.max_num_batched_tokens,
         }

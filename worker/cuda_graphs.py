@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: capture the model's forward once per batch size, replay it.
+"""CUDA graphs for decode steps and mixed steps: capture the model's forward once per batch
+size, replay it.
 
 A decode step of a small model is hundreds of tiny kernel launches; replaying a graph turns them
 into one launch, so the GPU never waits for Python. Graphs are captured for batch sizes 1, 2, 4,
@@ -6,6 +7,15 @@ into one launch, so the GPU never waits for Python. Graphs are captured for batc
 form, capped at 512), largest first into one shared memory pool: each smaller graph reuses the
 memory of the larger ones instead of adding its own. A decode batch runs the graph of the next
 captured size, its extra rows padded (no context, no query, KV slot -1).
+
+Mixed steps (prompt tokens, with or without decodes) are captured per token count
+(``mixed_capture_sizes``) with as many request slots as the count allows (at most the batch's
+request limit): the Triton attention launch of a mixed batch depends only on the token and
+request counts once the longest query fills a tile (``ops.attention_plan``), so a step of any
+split of its tokens into requests replays the graph of the next captured count. Without them an
+arrival's prefill step runs eagerly: hundreds of launches from Python, 10-35 ms of host time for
+a 0.6B model on an H100 against a 2 ms decode step, which was the whole inter-token-latency tail
+under Poisson arrivals (issue 17).
 
 Graphs read their inputs from the runner's fixed device buffers (``StepBuffers``), which the
 runner refreshes in place before each replay. Attention launches depend only on the request and
@@ -37,17 +47,43 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class CudaGraphRunner:
-    """Captured decode graphs, keyed by padded batch size."""
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts to capture for mixed steps of up to ``max_tokens`` tokens, ascending: every
+    64 up to 256, every 128 up to 1024, every 256 beyond. Padding adds fewer tokens than that
+    step, so the padded rows' matmul work stays small next to the step's attention and
+    launch savings."""
+    if max_tokens < 1:
+        return []
+    sizes = [s for s in range(64, 257, 64) if s <= max_tokens]
+    sizes += [s for s in range(384, 1025, 128) if s <= max_tokens]
+    sizes += list(range(1280, max_tokens + 1, 256))
+    if not sizes or sizes[-1] < max_tokens:
+        sizes.append(max_tokens)
+    return sizes
 
-    def __init__(self, sizes: list[int]) -> None:
+
+class CudaGraphRunner:
+    """Captured decode graphs, keyed by padded batch size, and mixed-step graphs, keyed by
+    padded token count."""
+
+    def __init__(self, sizes: list[int], mixed_sizes: list[int] | None = None) -> None:
         self.sizes = sorted(sizes)
+        self.mixed_sizes = sorted(mixed_sizes or [])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._graphs) + len(self._mixed)
+
+    def mixed_size_for(self, num_tokens: int) -> int | None:
+        """The captured token count a mixed step of ``num_tokens`` runs at, or None (eager)."""
+        i = bisect.bisect_left(self.mixed_sizes, num_tokens)
+        if i == len(self.mixed_sizes):
+            return None
+        size = self.mixed_sizes[i]
+        return size if size in self._mixed else None
 
     def size_for(self, num_reqs: int) -> int | None:
         """The captured size a decode batch of ``num_reqs`` runs at, or None (run eagerly)."""
@@ -58,32 +94,52 @@ class CudaGraphRunner:
         return size if size in self._graphs else None
 
     def capture(self, prepare: Callable[[int], None],
-                forward: Callable[[int], torch.Tensor]) -> None:
+                forward: Callable[[int], torch.Tensor],
+                prepare_mixed: Callable[[int], None] | None = None,
+                forward_mixed: Callable[[int], torch.Tensor] | None = None) -> None:
         """Capture ``forward(size)`` (the model on the fixed buffers) for every size, largest
-        first, into one memory pool. ``prepare(size)`` fills the buffers with a dummy decode
-        batch first, outside the capture (writes inside it would be replayed too)."""
+        first, into one memory pool, and ``forward_mixed(tokens)`` for every mixed size (before
+        the decode sizes: they are the larger). ``prepare(size)`` / ``prepare_mixed(tokens)``
+        fill the buffers with a dummy batch first, outside the capture (writes inside it would
+        be replayed too)."""
         start = time.perf_counter()
         reserved = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            prepare(size)
+        plan = [(self._graphs, prepare, forward, size) for size in reversed(self.sizes)]
+        if prepare_mixed is not None and forward_mixed is not None:
+            plan = [(self._mixed, prepare_mixed, forward_mixed, size)
+                    for size in reversed(self.mixed_sizes)] + plan
+        for table, prep, fwd, size in plan:
+            prep(size)
             # Eager warm-up first: Triton compiles and cuBLAS heuristics must not run inside a
             # capture.
-            forward(size)
+            fwd(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = forward(size)
-            self._graphs[size] = (graph, out)
+                out = fwd(size)
+            # The first launch of a graph uploads it to the device (milliseconds for a model's
+            # worth of kernels): pay that here, not in the first request that needs the size.
+            # The dummy batch writes no KV (slots -1).
+            graph.replay()
+            table[size] = (graph, out)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
-        logger.info("captured %d CUDA graphs (decode batches %d..%d) in %.2f s, %.0f MiB",
-                    len(self._graphs), self.sizes[0], self.sizes[-1], self.capture_seconds,
+        mixed = (f", mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens"
+                 if self._mixed else ", mixed steps eager")
+        logger.info("captured %d CUDA graphs (decode batches %d..%d%s) in %.2f s, %.0f MiB",
+                    len(self), self.sizes[0], self.sizes[-1], mixed, self.capture_seconds,
                     self.pool_bytes / 2**20)
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of ``size``; returns its (static) output, ``size`` rows."""
         graph, out = self._graphs[size]
+        graph.replay()
+        return out
+
+    def replay_mixed(self, tokens: int) -> torch.Tensor:
+        """Run the mixed-step graph of ``tokens``; returns its (static) output, ``tokens`` rows."""
+        graph, out = self._mixed[tokens]
         graph.replay()
         return out

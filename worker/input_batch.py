@@ -12,6 +12,8 @@ device instead.
 
 The block table itself lives on the device (the runner owns it); rows here only log the block ids
 they gained since the last step (``take_block_updates``), so each step ships only what changed.
+With several KV groups (``engine_core.kv_groups``) every group has its own table: the device keeps
+them one after the other, each ``max_num_reqs * max_blocks_per_req + 1`` entries long.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class RowExtras:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
+        self.num_kv_groups = num_kv_groups
+        # Flat offset of group g's table in the device's tables (see the module docstring).
+        self.group_stride = max_num_reqs * max_blocks_per_req + 1
         self.eos_token_ids = np.asarray(eos_token_ids, dtype=np.int64)
         self.row_of: dict[str, int] = {}
         # Bumped whenever a request joins or leaves, so ``rows_of`` knows when its last answer
@@ -62,9 +67,13 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # placeholders included
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        # (row, first column, block ids) written since the last ``take_block_updates``.
-        self._block_updates: list[tuple[int, int, list[int]]] = []
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)  # group 0's table
+        # Groups 1..'s (all of a request's tables have the same length).
+        self.group_num_blocks = np.zeros((max(0, num_kv_groups - 1), max_num_reqs),
+                                         dtype=np.int32)
+        # (flat index of the first entry, block ids) written since the last
+        # ``take_block_updates``.
+        self._block_updates: list[tuple[int, list[int]]] = []
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -102,6 +111,9 @@ class InputBatch:
                              f"{self.max_model_len}")
         if len(new.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"{len(new.block_ids)} blocks exceed the block table")
+        if len(new.group_block_ids) != self.num_kv_groups - 1:
+            raise ValueError(f"{len(new.group_block_ids) + 1} KV group tables for "
+                             f"{self.num_kv_groups} KV groups")
         bias = None
         if p.logit_bias:
             ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
@@ -134,6 +146,10 @@ class InputBatch:
         self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
+        if self.num_kv_groups > 1:
+            self.group_num_blocks[:, row] = 0
+            for g, ids in enumerate(new.group_block_ids, 1):
+                self.append_blocks(row, ids, g)
 
         self.temperature[row] = p.temperature
         self.top_k[row] = p.top_k
@@ -193,38 +209,41 @@ class InputBatch:
         self._rows_for = (list(req_ids), self._membership, rows, all_known)
         return rows, all_known
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: list[int], group: int = 0) -> None:
         if not block_ids:
             return
-        n = int(self.num_blocks[row])
+        counts = self.num_blocks if group == 0 else self.group_num_blocks[group - 1]
+        n = int(counts[row])
         if n + len(block_ids) > self.max_blocks_per_req:
             raise ValueError(f"{n + len(block_ids)} blocks exceed the block table")
-        self._block_updates.append((row, n, block_ids))
-        self.num_blocks[row] = n + len(block_ids)
+        start = row * self.max_blocks_per_req + n
+        if group:
+            start += group * self.group_stride
+        self._block_updates.append((start, block_ids))
+        counts[row] = n + len(block_ids)
 
     def take_block_updates(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Block-table entries written since the last call: (flat index row * width + column,
-        block id), or None when nothing changed."""
+        """Block-table entries written since the last call: (flat index group * group_stride +
+        row * width + column, block id), or None when nothing changed."""
         ups = self._block_updates
         if not ups:
             return None
         self._block_updates = []
-        width = self.max_blocks_per_req
-        if all(len(u[2]) == 1 for u in ups):  # decode steps: one new block per request
-            flat = np.array([u[0] * width + u[1] for u in ups], dtype=np.int64)
-            vals = np.array([u[2][0] for u in ups], dtype=np.int32)
+        if all(len(u[1]) == 1 for u in ups):  # decode steps: one new block per request
+            flat = np.array([u[0] for u in ups], dtype=np.int64)
+            vals = np.array([u[1][0] for u in ups], dtype=np.int32)
         elif len(ups) == 1:
-            row, col, ids = ups[0]
-            flat = np.arange(row * width + col, row * width + col + len(ids), dtype=np.int64)
+            start, ids = ups[0]
+            flat = np.arange(start, start + len(ids), dtype=np.int64)
             vals = np.asarray(ids, dtype=np.int32)
         else:
-            lens = np.fromiter((len(u[2]) for u in ups), np.int64, len(ups))
-            starts = np.fromiter((u[0] * width + u[1] for u in ups), np.int64, len(ups))
+            lens = np.fromiter((len(u[1]) for u in ups), np.int64, len(ups))
+            starts = np.fromiter((u[0] for u in ups), np.int64, len(ups))
             # start of each run, repeated over the run, plus the offset inside the run
             offsets = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(
                 np.cumsum(lens) - lens, lens)
             flat = np.repeat(starts, lens) + offsets
-            vals = np.fromiter(itertools.chain.from_iterable(u[2] for u in ups), np.int32,
+            vals = np.fromiter(itertools.chain.from_iterable(u[1] for u in ups), np.int32,
                                int(lens.sum()))
         return flat, vals
 

@@ -10,6 +10,7 @@ ids on the device (a placeholder fill), never through the host.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ import torch
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.protocol import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
-from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.attention.selector import attention_impl
 from tidal.worker.input_batch import InputBatch
+from tidal.worker.kernel_policy import kernels_for
 from tidal.worker.loader.model_loader import load_model, torch_dtype
 from tidal.worker.models.decoder import DecoderForCausalLM
 from tidal.worker.sample.metadata import (
@@ -63,6 +66,8 @@ class StepInputs:
     logits_indices: torch.Tensor | None  # None: every token samples, in order
     sampling: SamplingMetadata | None
     graph_size: int | None  # the captured batch size this step replays, if any
+    # The captured token count of a mixed step's graph, if it replays one.
+    mixed_graph_tokens: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -114,18 +119,6 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _select_attention(name: str | None, device: torch.device):
-    try:
-        from tidal.worker.attention.selector import get_attention_impl
-    except ImportError:
-        from tidal.worker.attention.torch_backend import TorchAttention
-
-        if name not in (None, "torch"):
-            raise ValueError(f"attention backend {name!r} is not available in this build")
-        return TorchAttention()
-    return get_attention_impl(name, device)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device,
                  tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
@@ -138,20 +131,29 @@ class ModelRunner:
         self.vocab_size = self.arch.vocab_size
         self.block_size = config.cache.block_size
         self.dtype = torch_dtype(config.model.dtype)
-        self.attn_impl = _select_attention(config.runner.attention_backend, device)
+        # Every kernel choice, resolved once against this device (kernel_policy.py): the model
+        # is built with these kernels, the attention backend is the policy's.
+        self.kernels = kernels_for(device, config.runner.kernels, self.arch, config.parallel)
+        self.kernel_policy = self.kernels.policy
+        self.attn_impl = attention_impl(self.kernel_policy.attention)
         max_reqs = config.scheduler.max_num_seqs
         self.max_num_reqs = max_reqs
+        # Which layers share which cache tensor and block table (engine_core.kv_groups).
+        self.kv_layout = config.kv_layout()
+        self.num_kv_groups = self.kv_layout.num_groups
         self.batch = InputBatch(max_reqs, config.model.max_model_len, config.max_blocks_per_seq,
-                                config.model.eos_token_ids)
+                                config.model.eos_token_ids, self.num_kv_groups)
         # A step holds at most the token budget, but never fewer rows than a padded graph batch.
         self.max_num_tokens = max(config.scheduler.max_num_batched_tokens, max_reqs)
         self.bufs = StepBuffers(max_reqs, self.max_num_tokens, config.max_blocks_per_seq,
-                                self.block_size, device)
-        self.sampler = Sampler()
+                                self.block_size, device, self.num_kv_groups)
+        self.sampler = Sampler(self.kernels)
         self.sampling_builder = SamplingMetadataBuilder(self.vocab_size, device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        # Off only while the warm-up compiles the eager launches of mixed steps.
+        self.mixed_graphs_on = True
         # Hand outputs back before their tokens reach the host only when the EngineCore will
         # schedule the next step meanwhile; otherwise a step returns its output directly.
         self.defer_output = config.scheduler.async_scheduling
@@ -172,23 +174,16 @@ class ModelRunner:
     def load_model(self) -> None:
         if self.on_gpu:
             self._check_weights_fit()
-        self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp)
-        self._fit_attention()
+        self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp,
+                                self.kernels)
         if self.on_gpu and self.tp.world_size > 1 and isinstance(self.model, DecoderForCausalLM):
             from tidal.worker.distributed.push_allreduce import make_push_all_reduce
 
             # Two row-parallel all-reduces per decoder layer of this stage.
             self.tp.push_all_reduce = make_push_all_reduce(
                 self.tp, self.device, self.dtype, self.arch.hidden_size,
-                2 * len(self.model.layers))
-
-    def _fit_attention(self) -> None:
-        try:
-            from tidal.worker.attention.selector import fit_attention_to_layers
-        except ImportError:  # as _select_attention: a build without the selector runs torch
-            return
-        self.attn_impl = fit_attention_to_layers(
-            self.attn_impl, self.model, self.config.runner.attention_backend, self.device)
+                2 * len(self.model.layers), enabled=self.kernel_policy.push_allreduce,
+                kernels=self.kernels)
 
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""
@@ -196,7 +191,8 @@ class ModelRunner:
 
         try:
             with torch.device("meta"):
-                shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp)
+                shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp,
+                                    self.kernels)
         except Exception as exc:  # noqa: BLE001 - the estimate is a courtesy, loading decides
             logger.debug("could not size the model before loading: %s", exc)
             return
@@ -218,14 +214,25 @@ class ModelRunner:
                 "smaller dtype, or raise --gpu-memory-utilization"
             )
 
+    def _layer_slots(self) -> list[tuple[int, int]]:
+        """(KV group, cache tensor slot) of each of this stage's attention layers."""
+        assert self.model is not None
+        start = getattr(self.model, "start_layer", 0)
+        lay = self.kv_layout
+        return [(lay.layer_group[start + i], lay.layer_slot[start + i])
+                for i in range(len(self.model.attention_layers()))]
+
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one pool block on this stage: the cache tensors its layers use (one per
+        layer with one KV group; one per slot shared by the groups otherwise)."""
         assert self.model is not None
         layers = self.model.attention_layers()
         if not layers:
             return 0
         a = layers[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+        n_tensors = len({slot for _, slot in self._layer_slots()})
+        return 2 * n_tensors * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: forced by the config, or from the memory budget."""
@@ -257,7 +264,10 @@ class ModelRunner:
         if self.config.cache.kv_cache_memory_bytes is not None:
             budget = self.config.cache.kv_cache_memory_bytes
         blocks = budget // per_block
-        need = -(-self.config.model.max_model_len // self.block_size)
+        sched = self.config.scheduler
+        need = self.kv_layout.blocks_per_seq(
+            self.config.model.max_model_len, self.block_size,
+            1 if sched.enable_chunked_prefill else self.config.model.max_model_len)
         if blocks < need:
             short = (need - max(blocks, 0)) * per_block
             raise RuntimeError(
@@ -279,7 +289,8 @@ class ModelRunner:
         captured batch (scaled from the profiled token budget), doubled, plus slack."""
         if not self._graphs_enabled():
             return 0
-        largest = capture_sizes(self._max_graph_batch())[-1]
+        largest = max(capture_sizes(self._max_graph_batch())[-1],
+                      max(self._mixed_graph_sizes(), default=0))
         share = activations * largest / max(1, self.config.scheduler.max_num_batched_tokens)
         return int(2 * share) + (64 << 20)
 
@@ -330,12 +341,18 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> None:
         assert self.model is not None
         self.kv_caches = []
-        for layer in self.model.attention_layers():
-            shape = kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
-                                   layer.head_dim)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # One tensor per slot: the slot-j layer of every KV group shares it (a pool block
+        # belongs to one group at a time). With one group every layer has its own slot.
+        by_slot: dict[int, torch.Tensor] = {}
+        for layer, (group, slot) in zip(self.model.attention_layers(), self._layer_slots()):
+            cache = by_slot.get(slot)
+            if cache is None:
+                shape = kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
+                                       layer.head_dim)
+                cache = by_slot[slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.kv_caches.append(cache)
             layer.kv_cache = cache
-            self.kv_caches.append(cache)
+            layer.kv_group = group
 
     def _release_kv(self) -> None:
         assert self.model is not None
@@ -405,12 +422,24 @@ class ModelRunner:
             return "max_cudagraph_batch < 1"
         return None
 
+    def _mixed_graph_sizes(self) -> list[int]:
+        """Token counts of the mixed-step graphs: none unless the attention backend plans a
+        mixed batch from its token and request counts alone (Triton; the CUDA backend splits
+        the batch on the host)."""
+        if self.attn_impl.name != "triton":
+            return []
+        return mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
+                                       self.bufs.input_ids.shape[0]))
+
+    def _mixed_graph_reqs(self, tokens: int) -> int:
+        """Request slots of the mixed graph of ``tokens`` (every request has a token)."""
+        return min(tokens, self.max_num_reqs)
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        from tidal.worker import ops
-
-        ops.prepare_ops(self.device)  # build / pick the fused ops before any capture
-        graphs = CudaGraphRunner(capture_sizes(self._max_graph_batch()))
+        # The fused ops were picked (and the extension built) when the policy was resolved.
+        graphs = CudaGraphRunner(capture_sizes(self._max_graph_batch()),
+                                 self._mixed_graph_sizes())
         bufs = self.bufs
         r = self.max_num_reqs
 
@@ -419,8 +448,8 @@ class ModelRunner:
             bufs.meta32[: size + 1] = torch.arange(size + 1, dtype=torch.int32,
                                                    device=self.device)
             bufs.meta32[r + 1:r + 1 + size] = 1
-            bufs.slot_mapping[:size] = -1
-            bufs.step_block_table[:size] = 0
+            bufs.slot_mappings[:, :size] = -1
+            bufs.step_block_tables[:, :size] = 0
 
         def forward(size: int) -> torch.Tensor:
             assert self.model is not None
@@ -428,19 +457,52 @@ class ModelRunner:
             hidden, _ = self.model(bufs.input_ids[:size], bufs.positions[:size], meta)
             return hidden
 
-        graphs.capture(prepare, forward)
+        def prepare_mixed(tokens: int) -> None:
+            # A dummy mixed batch: one long prompt chunk, then one-token requests; nothing
+            # written to the cache (slots -1), every context read from block 0.
+            reqs = self._mixed_graph_reqs(tokens)
+            first = tokens - reqs + 1
+            starts = torch.arange(reqs + 1, dtype=torch.int32, device=self.device)
+            starts[1:] += first - 1
+            bufs.meta32[: reqs + 1] = starts
+            bufs.meta32[r + 1:r + 1 + reqs] = 1
+            bufs.meta32[r + 1] = first
+            bufs.slot_mappings[:, :tokens] = -1
+            bufs.step_block_tables[:, :reqs] = 0
+            bufs.positions[:tokens] = 0
+
+        def forward_mixed(tokens: int) -> torch.Tensor:
+            assert self.model is not None
+            # The longest query is taken as the whole step, so the attention plan is the one
+            # for long prompts whatever the split (see ops.attention_plan).
+            meta = self._graph_meta(tokens, self._mixed_graph_reqs(tokens), max_query_len=tokens)
+            hidden, _ = self.model(bufs.input_ids[:tokens], bufs.positions[:tokens], meta)
+            return hidden
+
+        graphs.capture(prepare, forward, prepare_mixed, forward_mixed)
         self.graphs = graphs
 
-    def _graph_meta(self, size: int) -> AttentionMetadata:
+    def _graph_meta(self, size: int, num_reqs: int | None = None,
+                    max_query_len: int = 1) -> AttentionMetadata:
+        """Metadata over the fixed buffers for a graph of ``size`` tokens and ``num_reqs``
+        requests (a decode batch by default: one token each)."""
         bufs = self.bufs
+        reqs = size if num_reqs is None else num_reqs
         host = np.zeros(0, dtype=np.int32)  # graph-capable backends never read host metadata
-        return AttentionMetadata(
-            num_actual_tokens=size, num_reqs=size, max_query_len=1,
+        meta = AttentionMetadata(
+            num_actual_tokens=size, num_reqs=reqs, max_query_len=max_query_len,
             max_seq_len=self.config.model.max_model_len,
-            query_start_loc=bufs.query_start_loc(size), seq_lens=bufs.seq_lens(size),
-            block_table=bufs.step_block_table[:size], slot_mapping=bufs.slot_mapping[:size],
-            query_start_loc_cpu=host, seq_lens_cpu=host, num_decodes=size,
+            query_start_loc=bufs.query_start_loc(reqs), seq_lens=bufs.seq_lens(reqs),
+            block_table=bufs.step_block_table[:reqs], slot_mapping=bufs.slot_mapping[:size],
+            query_start_loc_cpu=host, seq_lens_cpu=host,
+            num_decodes=reqs if max_query_len == 1 else 0,
         )
+        if self.num_kv_groups > 1:
+            meta.groups = (meta,) + tuple(
+                dataclasses.replace(meta, block_table=bufs.step_block_tables[g, :reqs],
+                                    slot_mapping=bufs.slot_mappings[g, :size])
+                for g in range(1, self.num_kv_groups))
+        return meta
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -478,6 +540,12 @@ class ModelRunner:
             row = int(rows[i])
             if row >= 0:
                 b.append_blocks(row, blocks)
+        if cr.new_group_block_ids:  # several KV groups: groups 1..'s new entries
+            for i, per_group in zip(cr.new_block_index, cr.new_group_block_ids):
+                row = int(rows[i])
+                if row >= 0:
+                    for g, blocks in enumerate(per_group, 1):
+                        b.append_blocks(row, blocks, g)
         forwarded = cr.new_token_ids
         if forwarded:
             for i, new in enumerate(forwarded):
@@ -529,6 +597,10 @@ class ModelRunner:
         if inputs.graph_size is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(inputs.graph_size)[:num_tokens]
+            residual = None
+        elif inputs.mixed_graph_tokens is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.replay_mixed(inputs.mixed_graph_tokens)[:num_tokens]
             residual = None
         else:
             hidden, residual = self.model(
@@ -586,11 +658,18 @@ class ModelRunner:
             positions = (np.repeat((computed - cu[:-1]).astype(np.int64), n_sched)
                          + self._arange64[:total])
         ids = b.token_ids[token_rows, positions]
-        graph_size = None
-        if decode_only and self.graphs is not None:
-            graph_size = self.graphs.size_for(num_reqs)
-        padded_reqs = graph_size or num_reqs
-        padded_tokens = graph_size or total
+        graph_size = mixed_tokens = None
+        padded_reqs, padded_tokens = num_reqs, total
+        if self.graphs is not None:
+            if decode_only:
+                graph_size = self.graphs.size_for(num_reqs)
+                if graph_size is not None:
+                    padded_reqs = padded_tokens = graph_size
+            elif self.mixed_graphs_on:
+                mixed_tokens = self.graphs.mixed_size_for(total)
+                if mixed_tokens is not None:
+                    padded_reqs = self._mixed_graph_reqs(mixed_tokens)
+                    padded_tokens = mixed_tokens
 
         hs.ids_np[:total] = ids
         hs.pos_np[:total] = positions
@@ -664,6 +743,12 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             num_decodes=leading_decodes,
         )
+        if self.num_kv_groups > 1:
+            per_group = bufs.group_tables(slot_in[:padded_tokens], slot_in[padded_tokens:],
+                                          padded_tokens, rows_d, num_reqs)
+            meta.groups = (meta,) + tuple(
+                dataclasses.replace(meta, block_table=table, slot_mapping=slots)
+                for slots, table in per_group)
         return StepInputs(
             input_ids=views.input_ids,
             positions=views.positions,
@@ -676,6 +761,7 @@ class ModelRunner:
             logits_indices=logits_d,
             sampling=sampling,
             graph_size=graph_size,
+            mixed_graph_tokens=mixed_tokens,
         )
 
     def _placeholder_fill(self, ids: np.ndarray, token_rows: np.ndarray,

@@ -64,7 +64,7 @@ def _host(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 class StepBuffers:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, num_kv_groups: int = 1) -> None:
         self.device = device
         self.on_gpu = device.type == "cuda"
         self.max_num_reqs = max_num_reqs
@@ -96,17 +96,27 @@ class StepBuffers:
             self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=dev) for dt in _DTYPES}
         else:
             self._use_host_set_as_device()
-        # Computed on the device from the block table (``compute_slots``).
-        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=dev)
+        # Computed on the device from the block table (``compute_slots``); one row per KV
+        # group (``engine_core.kv_groups``), ``slot_mapping`` is group 0's.
+        self.num_kv_groups = num_kv_groups
+        self.slot_mappings = torch.full((num_kv_groups, max_num_tokens), -1, dtype=torch.int64,
+                                        device=dev)
+        self.slot_mapping = self.slot_mappings[0]
         # The block table, row-indexed like the InputBatch, plus one trailing -1 entry: padding
-        # tokens look it up so that their slot comes out as -1 (see ``compute_slots``).
-        self.block_table_flat = torch.zeros(max_num_reqs * self.width + 1, dtype=torch.int32,
-                                            device=dev)
-        self.block_table_flat[-1] = -1
-        self.block_table = self.block_table_flat[:-1].view(max_num_reqs, self.width)
-        # This step's block table, one row per request in batch order.
-        self.step_block_table = torch.zeros(max_num_reqs, self.width, dtype=torch.int32,
-                                            device=dev)
+        # tokens look it up so that their slot comes out as -1 (see ``compute_slots``). Each KV
+        # group has one such table, ``group_stride`` entries apart.
+        self.group_stride = max_num_reqs * self.width + 1
+        self.block_table_flat = torch.zeros(num_kv_groups * self.group_stride,
+                                            dtype=torch.int32, device=dev)
+        self.block_table_flat[self.group_stride - 1::self.group_stride] = -1
+        self.group_block_tables = [
+            self.block_table_flat[g * self.group_stride:(g + 1) * self.group_stride - 1].view(
+                max_num_reqs, self.width) for g in range(num_kv_groups)]
+        self.block_table = self.group_block_tables[0]
+        # This step's block table, one row per request in batch order (per group).
+        self.step_block_tables = torch.zeros(num_kv_groups, max_num_reqs, self.width,
+                                             dtype=torch.int32, device=dev)
+        self.step_block_table = self.step_block_tables[0]
 
     def _use_host_set_as_device(self) -> None:
         """CPU device: the (single) host set is what the model reads."""
@@ -238,6 +248,20 @@ class StepBuffers:
     def gather_block_table(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The step's block table (``out``: ``views(...).block_table``): the rows' entries."""
         torch.index_select(self.block_table, 0, rows, out=out)
+        return out
+
+    def group_tables(self, flat_block_idx: torch.Tensor, offsets: torch.Tensor, n: int,
+                     rows: torch.Tensor, num_reqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """KV groups 1..: each one's slot mapping (``n`` tokens, as ``compute_slots``) and step
+        block table (``num_reqs`` rows, as ``gather_block_table``), in the fixed buffers."""
+        out = []
+        for g in range(1, self.num_kv_groups):
+            slots = self.slot_mappings[g, :n]
+            blocks = torch.take(self.block_table_flat, flat_block_idx + g * self.group_stride)
+            torch.add(offsets, blocks, alpha=self.block_size, out=slots)
+            table = self.step_block_tables[g, :num_reqs]
+            torch.index_select(self.group_block_tables[g], 0, rows, out=table)
+            out.append((slots, table))
         return out
 
 

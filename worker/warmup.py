@@ -121,6 +121,7 @@ class _ToyScheduler:
         self._ids = itertools.count()
         self._steps = itertools.count()
         self.live: dict[str, _Dummy] = {}
+        self.num_kv_groups = 1
 
     @property
     def free_blocks(self) -> int:
@@ -157,12 +158,15 @@ class _ToyScheduler:
                 raise ValueError(f"{d.req_id}: {n} tokens scheduled past its end")
             added = self._grow(d, d.computed + n)
             if d.new:
-                new_reqs.append(NewRequestData(d.req_id, list(d.prompt), [], d.params,
-                                               list(d.blocks), d.computed))
+                new_reqs.append(NewRequestData(
+                    d.req_id, list(d.prompt), [], d.params, list(d.blocks), d.computed,
+                    group_block_ids=[list(d.blocks)] * (self.num_kv_groups - 1)))
                 continue
             if added:
                 cr.new_block_index.append(len(cr.req_ids))
                 cr.new_block_ids.append(added)
+                if self.num_kv_groups > 1:
+                    cr.new_group_block_ids.append([added] * (self.num_kv_groups - 1))
             cr.req_ids.append(d.req_id)
             cr.num_computed_tokens.append(d.computed)
             if self.forward_tokens:
@@ -255,6 +259,8 @@ class Warmup:
         pp = worker.pp
         self.toy = _ToyScheduler(num_blocks, self.block_size, self.vocab,
                                  forward_tokens=pp is not None and pp.world_size > 1)
+        # Several KV groups: every group's table gets the same blocks (timing only).
+        self.toy.num_kv_groups = getattr(runner, "num_kv_groups", 1)
         self.driver = _Driver(worker, self.toy)
         self.report = WarmupReport()
         self._plans: dict[int, Any] = {}  # longest query -> mixed attention plan
@@ -269,7 +275,13 @@ class Warmup:
             self._sampling_rounds()
             if self.on_gpu:
                 self._wide_rounds()
-                self._attention_steps()
+                # Mixed steps above the largest mixed graph run eagerly, with launch variants
+                # the graphs' capture did not compile: warm those up with the graphs aside.
+                self.runner.mixed_graphs_on = False
+                try:
+                    self._attention_steps()
+                finally:
+                    self.runner.mixed_graphs_on = True
             else:
                 self.report.skipped = "CPU: nothing is compiled just in time, so only a " \
                                       "small sampling round ran"

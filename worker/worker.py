@@ -28,6 +28,7 @@ from tidal.engine_core.control import CompileStats
 from tidal.engine_core.protocol import SchedulerOutput
 from tidal.engine_core.startup_log import StartupLog
 from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.kernel_policy import log_policy
 from tidal.worker.model_runner import IntermediateTensors, ModelRunner
 from tidal.worker.ops.jit_watch import JIT_WATCH
 from tidal.worker.warmup import WarmupReport, warm_up
@@ -129,6 +130,8 @@ class Worker:
             self.runner = PoolingRunner(config, self.device)
         else:
             self.runner = ModelRunner(config, self.device, tp, pp)
+            # The resolved kernel policy, one line per choice (with why where one is off).
+            log_policy(self.runner.kernel_policy, rank)
         multi_stage = pp is not None and pp.world_size > 1
         self._sender = PipeSender(pp) if multi_stage and not pp.is_last else None
         self._receiver: PipeReceiver | None = None

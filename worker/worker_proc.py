@@ -213,7 +213,8 @@ class WorkerProc:
         self.store = store  # rank 0 serves it: keep it alive with the process group
         tp, pp = init_distributed(rank=args.rank, tp_size=par.tensor_parallel_size,
                                   pp_size=par.pipeline_parallel_size, host=args.store_host,
-                                  port=port, device=device, store=store)
+                                  port=port, device=device, store=store,
+                                  kernels=config.runner.kernels)
         logger.info("rank %d: process groups ready in %.2f s", self.rank,
                     time.perf_counter() - start)
         self.worker = Worker(config, args.rank, args.local_rank, tp, pp)

@@ -149,6 +149,7 @@ class _Families:
     waiting: Gauge
     sleep_state: Gauge
     kv_usage: Gauge
+    kv_group_usage: Gauge  # per KV group (label ``group``), models with several only
     prefix_queries: Counter
     prefix_hits: Counter
     external_prefix_queries: Counter
@@ -262,6 +263,9 @@ class ServerMetrics:
                               "= 1 means sleep level 1; discard_all = 1 means sleep level 2.",
                               ["sleep_state"]),
             kv_usage=gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+            kv_group_usage=gauge("kv_cache_group_usage_perc", "Share of the KV-cache pool each "
+                                 "KV group (layers of one attention type) holds; only for "
+                                 "models with several. 1 means 100 percent.", ["group"]),
             prefix_queries=counter("prefix_cache_queries", "Prefix cache queries, in terms of "
                                    "number of queried tokens."),
             prefix_hits=counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
@@ -357,6 +361,11 @@ class ServerMetrics:
             e.running.set(stats.num_running)
             e.waiting.set(stats.num_waiting)
             e.kv_usage.set(stats.kv_cache_usage)
+            if stats.kv_cache_usage_groups:
+                family = self._families.kv_group_usage
+                engine = str(record.engine_index)
+                for g, usage in enumerate(stats.kv_cache_usage_groups):
+                    family.labels(self.model_name, engine, str(g)).set(usage)
             if stats.num_generation_tokens:
                 e.generation_tokens.inc(stats.num_generation_tokens)
             if stats.num_preemptions:

@@ -38,12 +38,23 @@ def test_config_is_resolved_and_frozen(folder):
     (dict(num_kv_blocks=8, max_model_len=512), "KV cache holds"),
     (dict(attention_backend="magic"), "attention_backend"),
     (dict(device="tpu"), "device"),
+    (dict(max_mixed_cudagraph_tokens=-1), "max_mixed_cudagraph_tokens"),
     (dict(async_scheduling=True, pipeline_parallel_size=2, distributed_executor_backend="mp"),
      "pipeline parallelism"),
 ])
 def test_impossible_values_are_refused(folder, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(model=folder, **kwargs).create_config()
+
+
+def test_mixed_graph_tokens_default_and_cap(folder):
+    def tokens(**kw):
+        return EngineArgs(model=folder, num_kv_blocks=100, **kw).create_config() \
+            .runner.max_mixed_graph_tokens
+
+    assert tokens(max_num_batched_tokens=4096) == 2048
+    assert tokens(max_num_batched_tokens=1024) == 1024  # never above the step's token budget
+    assert tokens(max_num_batched_tokens=4096, max_mixed_cudagraph_tokens=0) == 0
 
 
 def test_unknown_argument_is_named():

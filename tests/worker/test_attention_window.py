@@ -1,6 +1,6 @@
 """Sliding-window and logit soft-cap attention: the torch backend (the CPU path and the reference
 the GPU kernels are tested against) against a dense float64 attention written from the
-definition, the layer's interface, and the backend selection for such layers; plus tiny Mistral
+definition, and the layer's interface; plus tiny Mistral
 and Qwen2 models with a window shorter than their prompts against HF transformers."""
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import reference
-from tidal.engine_core.config import ConfigError
 from tidal.worker.attention.backend import AttentionMetadata
-from tidal.worker.attention.selector import fit_attention_to_layers
 from tidal.worker.attention.torch_backend import TorchAttention, write_kv_reference
 from tidal.worker.layers.attention import Attention
 
@@ -166,29 +163,8 @@ def test_attention_layer_passes_its_options():
         Attention(HEADS, DIM, KV_HEADS, SCALE, TorchAttention(), logits_soft_cap=-1.0)
 
 
-class _NoFeatureBackend(TorchAttention):
-    name = "cuda"  # stands for the CUDA-extension backend, which has no window/soft-cap kernel
-
-
-def _model(impl, **layer_kwargs) -> nn.Module:
-    return nn.ModuleList([Attention(HEADS, DIM, KV_HEADS, SCALE, impl),
-                          Attention(HEADS, DIM, KV_HEADS, SCALE, impl, **layer_kwargs)])
-
-
-@pytest.mark.parametrize("kwargs,what", [({"sliding_window": 8}, "sliding window 8"),
-                                         ({"logits_soft_cap": 50.0}, "soft-cap 50.0")])
-def test_backend_without_the_kernels_is_not_used(kwargs, what):
-    impl = _NoFeatureBackend()
-    model = _model(impl, **kwargs)
-    with pytest.raises(ConfigError, match=f"{what} \\(attention layer 1\\).*triton, torch"):
-        fit_attention_to_layers(impl, model, "cuda", torch.device("cpu"))
-    # Not asked for by name: every layer moves to a backend that has the kernels.
-    fitted = fit_attention_to_layers(impl, model, None, torch.device("cpu"))
-    assert fitted.name in ("triton", "torch")
-    assert all(layer.impl is fitted for layer in model)
-    # Plain layers keep whatever backend they were given.
-    plain = _model(impl)
-    assert fit_attention_to_layers(impl, plain, "cuda", torch.device("cpu")) is impl
+# Which backend a windowed or soft-capped layer may run on is the kernel policy's rule:
+# tests/worker/test_kernel_policy.py.
 
 
 # --- tiny models against HF transformers -----------------------------------------------------

@@ -50,16 +50,9 @@ def _make_tiny(family: str, folder):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fused_ops():
-    """Triton fused ops by default: building the CUDA extension takes minutes on a fresh
-    machine and is covered by the kernel tests (TIDAL_GPU_TEST_OPS=auto uses it here too)."""
-    from tidal.worker import ops
-
-    before = ops.get_op_impl()
-    ops.set_op_impl(os.environ.get("TIDAL_GPU_TEST_OPS", "triton"))
-    yield
-    ops.set_op_impl(before)
+# Triton fused ops by default (--ops-backend): building the CUDA extension takes minutes on a
+# fresh machine and is covered by the kernel tests (TIDAL_GPU_TEST_OPS=auto uses it here too).
+OPS = os.environ.get("TIDAL_GPU_TEST_OPS", "triton")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +71,7 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 def _llm(folder, **kw) -> LLM:
     kw.setdefault("num_kv_blocks", 512)
+    kw.setdefault("ops_backend", OPS)
     return LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda", **kw)
 
 
@@ -150,6 +144,39 @@ def test_graph_replay_matches_eager(gpu_models, family, backend):
                 assert abs(pa[tok].logprob - pb[tok].logprob) < 1e-3
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_step_graphs_match_eager(gpu_models, family):
+    """Steps that mix prompt chunks with decodes replay the mixed graphs (token counts padded to
+    a captured size, request slots padded) and give eager's tokens and log-probabilities."""
+    folder, hf = gpu_models[family]
+    prompts = _prompts(hf.config.vocab_size, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    # A small token budget: the long prompts are prefilled in chunks while the short ones decode.
+    kw = dict(attention_backend="triton", max_num_batched_tokens=128, max_num_seqs=16)
+    eager = _llm(folder, enforce_eager=True, **kw)
+    ref = eager.generate(prompts, params, use_tqdm=False)
+    _close(eager)
+    graphed = _llm(folder, **kw)
+    runner = _runner(graphed)
+    assert runner.graphs is not None and runner.graphs.mixed_sizes == [64, 128]
+    mixed: dict[int, int] = {}
+    original = runner.graphs.replay_mixed
+
+    def counting(tokens: int):
+        mixed[tokens] = mixed.get(tokens, 0) + 1
+        return original(tokens)
+
+    runner.graphs.replay_mixed = counting
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    _close(graphed)
+    assert sum(mixed.values()) >= 5, f"mixed graphs replayed: {mixed}"
+    assert _tokens(got) == _tokens(ref)
+    for a, b in zip(got, ref):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in pb:
+                assert abs(pa[tok].logprob - pb[tok].logprob) < 1e-3
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_gpu_greedy_matches_hf(gpu_models, family):
     folder, hf = gpu_models[family]
@@ -210,7 +237,7 @@ def test_async_scheduling_matches_sync_on_gpu(gpu_models, num_blocks):
 def test_kv_cache_sized_from_profile(gpu_models):
     folder, _ = gpu_models["llama"]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda",
-              gpu_memory_utilization=0.3, max_model_len=1024)
+              gpu_memory_utilization=0.3, max_model_len=1024, ops_backend=OPS)
     blocks = llm.config.cache.num_blocks
     total = torch.cuda.mem_get_info()[1]
     per_block = _runner(llm).kv_bytes_per_block()
@@ -226,6 +253,6 @@ def test_model_that_does_not_fit_says_by_how_much(gpu_models):
     folder, _ = gpu_models["llama"]
     with pytest.raises(RuntimeError, match="short by"):
         LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda",
-            gpu_memory_utilization=0.001)
+            gpu_memory_utilization=0.001, ops_backend=OPS)
     gc.collect()
     torch.cuda.empty_cache()

@@ -42,16 +42,9 @@ VOCAB = SHAPE["vocab_size"]
 MAX_SEQS = 320
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fused_ops():
-    """Triton fused ops, as the other GPU engine tests (the CUDA extension takes minutes to
-    build on a fresh machine; TIDAL_GPU_TEST_OPS=auto uses it)."""
-    from tidal.worker import ops
-
-    before = ops.get_op_impl()
-    ops.set_op_impl(os.environ.get("TIDAL_GPU_TEST_OPS", "triton"))
-    yield
-    ops.set_op_impl(before)
+# Triton fused ops, as the other GPU engine tests (the CUDA extension takes minutes to build
+# on a fresh machine; TIDAL_GPU_TEST_OPS=auto uses it).
+OPS = os.environ.get("TIDAL_GPU_TEST_OPS", "triton")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +121,7 @@ def _check_no_compile_after_ready(llm: LLM) -> CompileStats:
 def _engine(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                device="cuda", max_model_len=2048, max_num_seqs=MAX_SEQS,
-               num_kv_blocks=16384, **kw)
+               num_kv_blocks=16384, ops_backend=OPS, **kw)
 
 
 def _close(llm: LLM) -> None:

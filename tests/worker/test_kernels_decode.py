@@ -34,11 +34,15 @@ if not torch.cuda.is_available():
     )
 pytest.importorskip("triton", reason="needs triton: the decode kernels are written in it")
 
-from tidal.worker import ops  # noqa: E402
+from tidal.engine_core.kernel_config import KernelConfig  # noqa: E402
+from tidal.worker.kernel_policy import building, kernels_for  # noqa: E402
+from tidal.worker.ops import kernels as kernels_module  # noqa: E402
 from tidal.worker.ops import torch_ops  # noqa: E402
 from tidal.worker.ops import triton_decode as td  # noqa: E402
 
 DEVICE = torch.device("cuda")
+# The fused ops of a GPU worker with the default kernel config (Triton ops: no extension build).
+K = kernels_for(DEVICE, KernelConfig(ops="triton"))
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
@@ -141,25 +145,25 @@ def test_gemv_model_shapes() -> None:
 
 
 def test_ops_dispatch_one_row() -> None:
-    """``ops.linear`` / ``ops.rms_norm_linear`` take the kernel for one CUDA row and agree with
-    the torch path; more rows stay on F.linear."""
+    """``Kernels.linear`` / ``Kernels.rms_norm_linear`` take the kernel for one CUDA row and
+    agree with the torch path; more rows stay on F.linear."""
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     dt = torch.bfloat16
     x = torch.randn((1, 512), device=DEVICE, generator=gen).to(dt)
     w = torch.randn((768, 512), device=DEVICE, generator=gen).to(dt)
-    assert ops.gemv_applies(x, w)
-    assert not ops.gemv_applies(torch.randn((2, 512), device=DEVICE, dtype=dt), w)
-    assert not ops.gemv_applies(x.cpu(), w.cpu())
+    assert K.gemv_applies(x, w)
+    assert not K.gemv_applies(torch.randn((2, 512), device=DEVICE, dtype=dt), w)
+    assert not K.gemv_applies(x.cpu(), w.cpu())
     ref = F.linear(x.double(), w.double())
-    _check(ops.linear(x, w), ref, F.linear(x, w), dt, "ops.linear")
+    _check(K.linear(x, w), ref, F.linear(x, w), dt, "Kernels.linear")
     nw = torch.randn(512, device=DEVICE, generator=gen).to(dt)
     r = torch.randn((1, 512), device=DEVICE, generator=gen).to(dt)
-    y, res = ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=True)
+    y, res = K.rms_norm_linear(x, r, nw, 1e-6, w, silu=True)
     y_ref, res_ref = torch_ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=True)
     assert y.shape == y_ref.shape == (1, 384)
     assert torch.equal(res, res_ref)
     _check(y, torch_ops.rms_norm_linear(x.double(), r.double(), nw.double(), 1e-6, w.double(),
-                                        silu=True)[0], y_ref, dt, "ops.rms_norm_linear")
+                                        silu=True)[0], y_ref, dt, "Kernels.rms_norm_linear")
 
 
 # ----------------------------------------------------- q/k norm + rotary + K/V cache write
@@ -196,7 +200,7 @@ def test_qk_norm_rope_write_kv(dtype, heads, kv_heads, head_dim, norm) -> None:
             cs.double(), torch.zeros((2, blocks, page, kv_heads, head_dim), dtype=torch.float64,
                                      device=DEVICE), slots[:n_slots])  # fmt: skip
         _poison(qkv.numel() * 4)
-        assert ops.qk_norm_rope_applies(qkv, head_dim, cs, True, cache)
+        assert K.qk_norm_rope_applies(qkv, head_dim, cs, True, cache)
         q = td.qk_norm_rope_write_kv(qkv, *args, cache, slots[:n_slots])
         label = f"qk_norm_rope {dtype} t={t} {heads}/{kv_heads}x{head_dim} norm={norm}"
         _check(q, q64, q_ref, dtype, label)
@@ -230,7 +234,7 @@ def test_argmax_matches_torch(dtype: torch.dtype) -> None:
         got = td.argmax(x)
         assert got.dtype == torch.int64
         assert torch.equal(got, x.argmax(dim=-1)), f"argmax {rows}x{cols} {dtype}"
-        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+        assert torch.equal(K.argmax(x), x.argmax(dim=-1))
     # A strided view (a slice of a wider logits buffer).
     wide = torch.randn((4, 1000), generator=gen).to(DEVICE, dtype)
     assert torch.equal(td.argmax(wide[:, :900]), wide[:, :900].argmax(dim=-1))
@@ -346,17 +350,18 @@ def test_lm_head_takes_the_gemv_only_for_tuned_shapes(monkeypatch) -> None:
 
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     vocab, hidden = 1000, 256
-    head = ParallelLMHead(vocab, hidden, torch.bfloat16).to(DEVICE)
+    with building(K):  # the head takes its ops from the model build's kernels
+        head = ParallelLMHead(vocab, hidden, torch.bfloat16).to(DEVICE)
     head.weight.data.copy_(torch.randn(vocab, hidden, generator=gen, device=DEVICE) * 0.05)
     x = torch.randn(1, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
     ref64 = x.double() @ head.weight.double().T
-    assert not ops.gemv_tuned(x, head.weight)
+    assert not K.gemv_tuned(x, head.weight)
     assert torch.equal(head.compute_logits(x), F.linear(x, head.weight))
     calls = []
     real_gemv = td.gemv
     monkeypatch.setattr(td, "gemv", lambda *a, **k: calls.append(1) or real_gemv(*a, **k))
     monkeypatch.setitem(td.GEMV_CONFIGS, (vocab, hidden, False, 2), (4, 256, 4, 1))
-    assert ops.gemv_tuned(x, head.weight)
+    assert K.gemv_tuned(x, head.weight)
     got = head.compute_logits(x)
     assert calls, "the tuned shape did not run the GEMV"
     _check(got, ref64, F.linear(x, head.weight), torch.bfloat16, "LM head GEMV")
@@ -656,16 +661,16 @@ def test_add_rms_norm_row(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_apart_from_large_gemvs(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
-    """``ops.rms_norm_linear`` before a weight of ``NORM_APART_MIN_BYTES`` or more: the one-row
+    """``Kernels.rms_norm_linear`` before a weight of ``NORM_APART_MIN_BYTES`` or more: the one-row
     norm kernel, then the plain GEMV; the same result as the prologue path up to the norm's
     summation order, and the same new residual."""
     gen = torch.Generator(device=DEVICE).manual_seed(17)
     x, w, _, nw, r = _gemv_case(256 * (2 if silu else 1), 2048, torch.bfloat16, gen, True, True,
                                 False)
-    monkeypatch.setattr(ops, "NORM_APART_MIN_BYTES", 1 << 40)
-    y0, res0 = ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
-    monkeypatch.setattr(ops, "NORM_APART_MIN_BYTES", 0)
-    y1, res1 = ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
+    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_BYTES", 1 << 40)
+    y0, res0 = K.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
+    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_BYTES", 0)
+    y1, res1 = K.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
     assert torch.equal(res0, res1)
     ref, got_torch, _ = _gemv_refs(x, w, None, nw, r, 1e-6, silu)
     _check(y1, ref, got_torch, torch.bfloat16, "norm apart")

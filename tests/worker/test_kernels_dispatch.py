@@ -1,5 +1,5 @@
 """Kernel dispatch and backend selection on any machine: the CPU path never touches triton or
-the CUDA extension, and the choices are validated."""
+the CUDA extension, and the choices are validated. (The policy itself: test_kernel_policy.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from tidal.worker import ops
+from tidal.engine_core.kernel_config import KernelConfig
 from tidal.worker.attention.selector import get_attention_impl
+from tidal.worker.kernel_policy import kernels_for, reference_kernels
 from tidal.worker.ops import torch_ops
 
 
@@ -30,25 +31,13 @@ def test_importing_ops_loads_no_gpu_toolchain() -> None:
 
 def test_cpu_tensors_take_the_torch_path() -> None:
     x = torch.randn(3, 64)
-    assert ops.DISPATCH.impl_for(x) is torch_ops
-    assert ops.prepare_ops(torch.device("cpu")) == "torch"
+    kernels = kernels_for(torch.device("cpu"), KernelConfig(ops="cuda"))
+    assert kernels.impl_for(x) is torch_ops and kernels.name == "torch"
     w = torch.randn(64)
-    assert torch.equal(ops.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
-    out, res = ops.fused_add_rms_norm(x, x, w, 1e-6)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
+    out, res = kernels.fused_add_rms_norm(x, x, w, 1e-6)
     ref_out, ref_res = torch_ops.fused_add_rms_norm(x, x, w, 1e-6)
     assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
-
-
-def test_op_choice_is_validated_and_restorable() -> None:
-    previous = ops.get_op_impl()
-    try:
-        ops.set_op_impl("torch")
-        assert ops.get_op_impl() == "torch"
-        with pytest.raises(ValueError):
-            ops.set_op_impl("fastest")  # type: ignore[arg-type]
-        assert ops.get_op_impl() == "torch"
-    finally:
-        ops.set_op_impl(previous)
 
 
 def test_selector_on_cpu() -> None:
@@ -99,19 +88,20 @@ def test_pending_sum_is_completed_where_no_kernel_takes_it() -> None:
             calls.append("stats")
 
     res, nw, w = torch.randn(1, 64), torch.randn(64) + 1, torch.randn(96, 64)
-    assert ops.one_row_fusion_applies(Finished())
-    y, new_res = ops.rms_norm_linear(Finished(), res, nw, 1e-6, w, silu=True)
+    kernels = reference_kernels()
+    assert kernels.one_row_fusion_applies(Finished())
+    y, new_res = kernels.rms_norm_linear(Finished(), res, nw, 1e-6, w, silu=True)
     ref_y, ref_res = torch_ops.rms_norm_linear(total, res, nw, 1e-6, w, silu=True)
     assert calls == ["wait"]
     assert torch.equal(y, ref_y) and torch.equal(new_res, ref_res)
 
 
-def test_fused_allreduce_needs_a_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_allreduce_needs_a_group() -> None:
     """Asked for in a group of one, the fused all-reduce is simply absent (no collective)."""
     from tidal.worker.distributed.parallel_state import single_group
     from tidal.worker.distributed.push_allreduce import make_push_all_reduce
 
-    monkeypatch.setenv("TIDAL_PUSH_ALLREDUCE", "1")
     group = single_group()
-    assert make_push_all_reduce(group, torch.device("cpu"), torch.float32, 64, 8) is None
+    assert make_push_all_reduce(group, torch.device("cpu"), torch.float32, 64, 8,
+                                enabled=True) is None
     group.begin_step()  # no fused all-reduce: nothing to reset

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
     )
 pytest.importorskip("triton", reason="needs triton: the Triton op kernels are written in it")
 
-from tidal.worker import ops  # noqa: E402
+from tidal.engine_core.kernel_config import KernelConfig  # noqa: E402
+from tidal.worker.kernel_policy import kernels_for  # noqa: E402
 from tidal.worker.ops import torch_ops  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -151,22 +152,19 @@ def test_rotary_embedding(
 
 
 def test_dispatch_routes_cuda_tensors() -> None:
-    """auto -> the CUDA extension here; torch forced -> the reference; outputs agree."""
+    """ops auto -> the CUDA extension here; triton; torch forced -> the reference; outputs
+    agree."""
     x = torch.randn(8, 1024, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(1024, device=DEVICE, dtype=torch.bfloat16)
-    previous = ops.get_op_impl()
-    try:
-        ops.set_op_impl("auto")
-        assert ops.prepare_ops(DEVICE) == "cuda", "the CUDA extension should build on this machine"
-        fast = ops.rms_norm(x, w, 1e-6)
-        ops.set_op_impl("triton")
-        assert ops.prepare_ops(DEVICE) == "triton"
-        tri = ops.rms_norm(x, w, 1e-6)
-        ops.set_op_impl("torch")
-        assert ops.prepare_ops(DEVICE) == "torch"
-        slow = ops.rms_norm(x, w, 1e-6)
-    finally:
-        ops.set_op_impl(previous)
+    auto = kernels_for(DEVICE, KernelConfig(ops="auto"))
+    assert auto.name == "cuda", "the CUDA extension should build on this machine"
+    fast = auto.rms_norm(x, w, 1e-6)
+    triton_k = kernels_for(DEVICE, KernelConfig(ops="triton"))
+    assert triton_k.name == "triton"
+    tri = triton_k.rms_norm(x, w, 1e-6)
+    torch_k = kernels_for(DEVICE, KernelConfig(ops="torch"))
+    assert torch_k.name == "torch"
+    slow = torch_k.rms_norm(x, w, 1e-6)
     ref = torch_ops.rms_norm(x.double(), w.double(), 1e-6)
     assert _rel(fast, ref) < TOL[torch.bfloat16] and _rel(tri, ref) < TOL[torch.bfloat16]
     assert torch.equal(slow, torch_ops.rms_norm(x, w, 1e-6))
@@ -193,4 +191,5 @@ def test_vocab_shard_embedding(dtype: torch.dtype) -> None:
             got = triton_ops.vocab_shard_embedding(ids, weight, start)
             want = torch_ops.vocab_shard_embedding(ids, weight, start)
             assert got.shape == want.shape and torch.equal(got, want), (start, shape)
-            assert torch.equal(ops.vocab_shard_embedding(ids, weight, start), want)
+            assert torch.equal(kernels_for(DEVICE, KernelConfig(ops="triton"))
+                               .vocab_shard_embedding(ids, weight, start), want)

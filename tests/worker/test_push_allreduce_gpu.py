@@ -24,10 +24,11 @@ HIDDEN, K_IN, N_NEXT, SLOTS, STEPS = 4096, 2048, 1536, 6, 12
 def _rank(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from tidal.worker import ops
+    from tidal.engine_core.kernel_config import KernelConfig
     from tidal.worker.distributed.parallel_state import ParallelGroup
     from tidal.worker.distributed.push_allreduce import make_push_all_reduce
     from tidal.worker.distributed.symm_allreduce import SymmAllReduce
+    from tidal.worker.kernel_policy import kernels_for
     from tidal.worker.ops import triton_decode as td
 
     device, cpu = join_world(rank, world, port)
@@ -35,7 +36,10 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                        cpu_group=cpu, ranks=tuple(range(world)))
     # Forced on: whether P2P beats NCCL on this host is the start-up check's business.
     tp.fast_all_reduce = SymmAllReduce(dist.group.WORLD, device)
-    push = make_push_all_reduce(tp, device, torch.bfloat16, HIDDEN, SLOTS)
+    ops = kernels_for(device, KernelConfig(ops="triton"))  # a GPU worker's fused ops
+    # The fusion is opt-in (KernelConfig.push_allreduce).
+    push = make_push_all_reduce(tp, device, torch.bfloat16, HIDDEN, SLOTS, enabled=True,
+                                kernels=ops)
     assert push is not None, "the fused all-reduce did not set up"
     gen = torch.Generator(device=device).manual_seed(100 + rank)
     shared = torch.Generator(device=device).manual_seed(7)  # the same on every rank
@@ -96,6 +100,5 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
 
 def test_fused_allreduce_across_two_gpus(monkeypatch) -> None:
-    # The fusion is opt-in: the children inherit the switch.
-    got = run_ranks(_rank, 2, monkeypatch, env={"TIDAL_PUSH_ALLREDUCE": "1"})
+    got = run_ranks(_rank, 2, monkeypatch)
     assert got == {0: [], 1: []}, got

@@ -37,6 +37,13 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     num_decodes: int = 0  # requests whose query length is 1 (they come first when sorted)
+    # Several KV groups (``engine_core.kv_groups``): each group's metadata (its block table
+    # and slot mapping, the rest shared; entry 0 is this one). None: one group.
+    groups: tuple[AttentionMetadata, ...] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        groups = self.groups
+        return self if groups is None else groups[group]
 
 
 class AttentionImpl(Protocol):

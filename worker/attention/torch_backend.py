@@ -28,14 +28,18 @@ def write_kv_reference(
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one request, ``[seq_len, num_kv_heads, head_dim]`` each, read through its blocks."""
+    """K and V of one request's positions ``first .. seq_len - 1``, ``[seq_len - first,
+    num_kv_heads, head_dim]`` each, read through its blocks. Blocks wholly before ``first`` are
+    not read (a sliding-window KV group has given them back: their entries are stale)."""
     block_size = kv_cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table_row[:n_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+    b0 = first // block_size
+    blocks = block_table_row[b0:n_blocks].long()
+    skip = first - b0 * block_size
+    k = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[skip:seq_len - b0 * block_size]
+    v = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[skip:seq_len - b0 * block_size]
     return k, v
 
 
@@ -92,12 +96,12 @@ def paged_attention_reference(
         q_len, kv_len = end - start, int(seq_lens[i])
         if q_len == 0 or kv_len == 0:
             continue
-        k, v = gather_kv(kv_cache, meta.block_table[i], kv_len)
         # Keys before the first query's window are invisible to every query: don't read them.
         first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
+        k, v = gather_kv(kv_cache, meta.block_table[i], kv_len, first)
         q = query[start:end].transpose(0, 1)  # [H, q, D]
-        k = k[first:].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
-        v = v[first:].transpose(0, 1).to(q.dtype)
+        k = k.transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
+        v = v.transpose(0, 1).to(q.dtype)
         o = attend_dense(q, k, v, scale, first, sliding_window, logits_soft_cap)
         out[start:end] = o.transpose(0, 1)
 

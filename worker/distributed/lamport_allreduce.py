@@ -14,7 +14,7 @@ on 2×H200). It covers up to 256 Ki elements per call, a decode step of 64 seque
 4096-wide model; the buffers take 2 x world x 512 KiB per rank.
 
 In a batch-1 decode step the row-parallel GEMV's partial row is not summed at once: it becomes
-an ``UnreducedRow`` (``ParallelGroup.defer_all_reduce``), and the next ``ops.rms_norm_linear``
+an ``UnreducedRow`` (``ParallelGroup.defer_all_reduce``), and the next ``Kernels.rms_norm_linear``
 runs the all-reduce with the residual added and each chunk's sum of squares written out. The
 GEMV after it then norms a finished row from eight numbers instead of reading the whole row in
 every one of its programs (2.39 against 2.60 ms per TP=2 step of Llama-3.1-8B on 2×H200).

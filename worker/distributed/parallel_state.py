@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tidal.engine_core import envs
+from tidal.engine_core.kernel_config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class ParallelGroup:
 
     def defer_all_reduce(self, x: torch.Tensor) -> Any:
         """The sum of one row ``x`` over the group, as a ``PendingSum`` that the next norm
-        finishes (``ops.rms_norm_linear``) where the signal-free all-reduce takes ``x``, else
+        finishes (``Kernels.rms_norm_linear``) where the signal-free all-reduce takes ``x``, else
         as ``all_reduce`` returns it."""
         lamport = getattr(self.fast_all_reduce, "lamport", None)
         if self.world_size > 1 and lamport is not None:
@@ -219,11 +220,12 @@ def _listen(host: str) -> socket.socket:
 
 
 def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: int,
-                     device: torch.device, store: Any = None) -> tuple[ParallelGroup,
-                                                                      ParallelGroup]:
+                     device: torch.device, store: Any = None,
+                     kernels: KernelConfig | None = None) -> tuple[ParallelGroup, ParallelGroup]:
     """Join the world (rank 0 passes the store it serves; others connect to ``host:port``) and
     build the tensor- and pipeline-parallel groups of ``rank``. Collective: every rank calls it
-    with the same sizes."""
+    with the same sizes (and the same ``kernels``, whose all-reduce choices apply; None: the
+    defaults)."""
     world = tp_size * pp_size
     dist = torch.distributed
     if store is None:
@@ -245,8 +247,10 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     if tp.world_size > 1:
         from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
 
-        tp.fast_all_reduce = make_symm_allreduce(tp.device_group, tp.cpu_group, tp.world_size,
-                                                 device)
+        kc = kernels or KernelConfig()
+        tp.fast_all_reduce = make_symm_allreduce(
+            tp.device_group, tp.cpu_group, tp.world_size, device, enabled=kc.symm_allreduce,
+            lamport=kc.lamport_allreduce, max_bytes=kc.symm_allreduce_max_bytes)
     logger.info("rank %d joined the %s world of %d (tp rank %d/%d, pp rank %d/%d)", rank,
                 backend, world, tp_rank, tp_size, pp_rank, pp_size)
     return tp, pp

@@ -1,5 +1,5 @@
 """The output of a row-parallel GEMV in a batch-1 decode step whose tensor-parallel all-reduce
-has not run yet. ``ops.rms_norm_linear`` completes it inside the norm before the next GEMV
+has not run yet. ``Kernels.rms_norm_linear`` completes it inside the norm before the next GEMV
 when it can; anything else calls ``wait()``. Two kinds exist: rows already pushed to every rank
 (``push_allreduce.PushedRows``) and a partial row the signal-free all-reduce will sum
 (``lamport_allreduce.UnreducedRow``)."""

@@ -32,8 +32,8 @@ flags measured 3.43 against 3.25 ms on 4×H200. Since the norm's statistics come
 summing kernel (``PushedRows.reduce_add_stats``: ``sum_parts`` with the residual, then a GEMV
 that reads one finished row) it measured 2.398 against 2.390 ms for the separate signal-free
 all-reduce doing the same: moving the stores into the producer saves nothing once the consumer
-GEMVs no longer poll. So it is off unless ``TIDAL_PUSH_ALLREDUCE=1``,
-which turns it on for 16-bit hidden states of up to ``PARTS_MAX_K`` wherever symmetric memory
+GEMVs no longer poll. So it is off unless ``KernelConfig.push_allreduce``
+(``TIDAL_PUSH_ALLREDUCE=1``), which turns it on for 16-bit hidden states of up to ``PARTS_MAX_K`` wherever symmetric memory
 works. Everything else, and any consumer that cannot take pushed rows (``PushedRows.wait``),
 keeps working.
 """
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from tidal.engine_core import envs
 from tidal.worker.distributed.pending_sum import PendingSum
+from tidal.worker.ops.kernels import Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,17 @@ class PushAllReduce:
     """Buffers and slot bookkeeping of one tensor-parallel group (see the module doc)."""
 
     def __init__(self, group: Any, rank: int, world: int, device: torch.device,
-                 dtype: torch.dtype, hidden: int, num_slots: int) -> None:
+                 dtype: torch.dtype, hidden: int, num_slots: int,
+                 kernels: Kernels | None = None) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from tidal.worker.ops import triton_decode
+
+        if kernels is None:  # outside a worker (tests): this device's default policy
+            from tidal.worker.kernel_policy import kernels_for
+
+            kernels = kernels_for(device)
+        self._gemv_applies = kernels.gemv_applies
 
         if dtype not in triton_decode.PUSH_DTYPES:
             raise ValueError(f"the fused all-reduce moves 16-bit floats, not {dtype}")
@@ -120,10 +127,8 @@ class PushAllReduce:
         self._next = 0
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        from tidal.worker import ops
-
         return (self._next < self.num_slots and x.dtype == self.dtype
-                and weight.shape[0] == self.hidden and ops.gemv_applies(x, weight))
+                and weight.shape[0] == self.hidden and self._gemv_applies(x, weight))
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> PushedRows:
         """``x @ weight.T``, pushed to every rank for summing; check ``applies`` first."""
@@ -147,16 +152,18 @@ class PushAllReduce:
 
 
 def make_push_all_reduce(tp: Any, device: torch.device, dtype: torch.dtype, hidden: int,
-                         num_slots: int) -> PushAllReduce | None:
+                         num_slots: int, *, enabled: bool = False,
+                         kernels: Kernels | None = None) -> PushAllReduce | None:
     """The fused all-reduce for tensor-parallel group ``tp``, or None. Collective over the
-    group: every member calls it after loading the same model; all get one or all get None."""
+    group: every member calls it after loading the same model; all get one or all get None.
+    ``enabled``: the worker's ``KernelPolicy`` (``push_allreduce``); ``kernels``: its ops."""
     from tidal.worker.distributed.symm_allreduce import agree
 
     if tp.world_size == 1:
         return None  # nothing to reduce, and no group to agree over
     # Opt-in: slower than the separate signal-free all-reduce (module doc).
     wanted = (device.type == "cuda" and tp.fast_all_reduce is not None and num_slots > 0
-              and envs.push_allreduce())
+              and enabled)
     if wanted:  # (the kernels' module imports triton: not before a GPU is in play)
         from tidal.worker.ops.triton_decode import PARTS_MAX_K, PUSH_DTYPES
 
@@ -166,7 +173,7 @@ def make_push_all_reduce(tp: Any, device: torch.device, dtype: torch.dtype, hidd
     comm, error = None, ""
     try:
         comm = PushAllReduce(tp.device_group, tp.rank, tp.world_size, device, dtype, hidden,
-                             num_slots)
+                             num_slots, kernels)
         torch.cuda.synchronize(device)  # every slot armed before any peer can push (agree)
     except Exception as exc:  # noqa: BLE001 - any failure means the unfused path, agreed below
         error = f"{type(exc).__name__}: {exc}"

@@ -19,9 +19,10 @@ no barrier).
 
 Each path is used only where it wins: at start-up every rank times all of them on a
 decode-sized tensor, and the ranks agree (over the CPU group) to keep a path only if it was
-faster on all of them. ``TIDAL_SYMM_ALLREDUCE=0`` turns both off (NCCL only),
-``TIDAL_LAMPORT_ALLREDUCE=0`` only the signal-free one (``force`` keeps it without timing, for
-tests); any failure to set one up on any rank drops it on every rank, with one warning.
+faster on all of them. ``KernelConfig.symm_allreduce`` off (``TIDAL_SYMM_ALLREDUCE=0``)
+turns both off (NCCL only), ``lamport_allreduce`` "off" (``TIDAL_LAMPORT_ALLREDUCE=0``) only the
+signal-free one ("force" keeps it without timing, for tests); any failure to set one up on
+any rank drops it on every rank, with one warning.
 """
 
 from __future__ import annotations
@@ -31,12 +32,10 @@ from typing import Any
 
 import torch
 
-from tidal.engine_core import envs
-
 logger = logging.getLogger(__name__)
 
 # Tensors up to this size take the one-shot path (256 tokens of a 4096-wide bf16 hidden state).
-MAX_BYTES = envs.symm_allreduce_max_bytes()
+MAX_BYTES = 2 << 20  # KernelConfig.symm_allreduce_max_bytes
 _SUPPORTED_WORLD_SIZES = (2, 4, 8)
 # The dtypes the symmetric-memory reduction kernels are built for.
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -86,15 +85,16 @@ class SymmAllReduce:
 
 
 def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
-                        device: torch.device) -> SymmAllReduce | None:
+                        device: torch.device, *, enabled: bool = True, lamport: str = "on",
+                        max_bytes: int = MAX_BYTES) -> SymmAllReduce | None:
     """The one-shot all-reduce for a device group, or None (NCCL only). Collective over the
-    group: every member calls it, and all of them get one or all get None."""
-    if (device.type != "cuda" or world_size not in _SUPPORTED_WORLD_SIZES
-            or not envs.symm_allreduce()):
+    group: every member calls it, and all of them get one or all get None. ``enabled``,
+    ``lamport`` ("on" | "off" | "force") and ``max_bytes``: the worker's ``KernelPolicy``."""
+    if device.type != "cuda" or world_size not in _SUPPORTED_WORLD_SIZES or not enabled:
         return None
     comm, error = None, ""
     try:
-        comm = SymmAllReduce(device_group, device)
+        comm = SymmAllReduce(device_group, device, max_bytes)
     except Exception as exc:  # noqa: BLE001 - any failure means NCCL, agreed below
         error = f"{type(exc).__name__}: {exc}"
     if not agree(comm is not None, cpu_group):
@@ -102,19 +102,20 @@ def make_symm_allreduce(device_group: Any, cpu_group: Any, world_size: int,
             logger.warning("symmetric-memory all-reduce unavailable (%s); using NCCL only", error)
         return None
     assert comm is not None
-    if envs.lamport_allreduce():
+    if lamport != "off":
         from tidal.worker.distributed.lamport_allreduce import make_lamport
 
-        lamport, error = make_lamport(device_group, torch.distributed.get_rank(device_group),
-                                      world_size, device)
-        if agree(lamport is not None, cpu_group):
-            comm.lamport = lamport
+        signal_free, error = make_lamport(device_group,
+                                          torch.distributed.get_rank(device_group), world_size,
+                                          device)
+        if agree(signal_free is not None, cpu_group):
+            comm.lamport = signal_free
         elif error:
             logger.warning("signal-free all-reduce unavailable (%s); not using it", error)
     # Where peers are reached over PCIe rather than NVLink these paths can lose to NCCL: time
     # them on a decode-sized tensor and keep each only if it wins everywhere.
     us = _time_paths(comm, device_group, device)
-    if (comm.lamport is not None and lamport_env != "force"
+    if (comm.lamport is not None and lamport != "force"
             and not agree(us["lamport"] < min(us["one_shot"], us["nccl"]), cpu_group)):
         comm.lamport = None
     comm.one_shot = agree(us["one_shot"] < us["nccl"], cpu_group)

@@ -7,12 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.worker import ops
+from tidal.worker.kernel_policy import current_kernels
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = current_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
+        return self.kernels.silu_and_mul(x)
 
 
 class GeluTanhAndMul(nn.Module):

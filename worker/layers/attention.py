@@ -26,8 +26,14 @@ class Attention(nn.Module):
         # Per-layer constants: a CUDA graph captures them with the launch, nothing per step.
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        # Bound by the model runner once the cache is allocated.
+        # Bound by the model runner once the cache is allocated, with the KV group whose block
+        # table and slot mapping address it (``engine_core.kv_groups``).
         self.kv_cache = torch.empty(0)
+        self.kv_group = 0
+
+    def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """This layer's view of the step's metadata (its KV group's block table and slots)."""
+        return meta if meta.groups is None else meta.groups[self.kv_group]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -35,6 +41,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        meta = self.group_meta(meta)
         self.impl.write_kv(k, v, self.kv_cache, meta)
         return self.attend(q, meta)
 
@@ -44,6 +51,7 @@ class Attention(nn.Module):
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         out = torch.empty_like(q)
+        meta = self.group_meta(meta)
         self.impl.forward(q, self.kv_cache, meta, self.scale, out,
                           sliding_window=self.sliding_window,
                           logits_soft_cap=self.logits_soft_cap)

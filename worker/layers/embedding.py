@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.worker import ops
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.linear import WeightShapeError, set_weight_loader
 
 
@@ -19,6 +19,7 @@ class VocabParallelEmbedding(nn.Module):
                  tp: ParallelGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or single_group()
+        self.kernels = current_kernels()
         world = self.tp.world_size
         self.vocab_size = vocab_size
         self.padded_vocab = -(-vocab_size // world) * world
@@ -44,7 +45,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
-        return self.tp.all_reduce(ops.vocab_shard_embedding(input_ids, self.weight, self.start))
+        return self.tp.all_reduce(self.kernels.vocab_shard_embedding(input_ids, self.weight,
+                                                                     self.start))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -56,8 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # measured (Llama-3.1-8B at TP 1 and 2 on H200: 8-9 us under cuBLAS per step, and it
         # launches early behind the norm); other shapes keep cuBLAS, which reads the LM head
         # at ~95 % of the copy rate.
-        if ops.gemv_tuned(hidden, self.weight):
-            logits = ops.linear(hidden, self.weight)
+        if self.kernels.gemv_tuned(hidden, self.weight):
+            logits = self.kernels.linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp.world_size > 1:

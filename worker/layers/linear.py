@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.worker import ops
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
+from tidal.worker.kernel_policy import current_kernels
 
 
 class WeightShapeError(ValueError):
@@ -74,6 +74,7 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp or single_group()
+        self.kernels = current_kernels()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
@@ -90,8 +91,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear, except a single row on the GPU (batch-1 decode), which takes the GEMV
-        # kernel: cuBLAS runs such shapes on too few CTAs.
-        return ops.linear(x, self.weight, self.bias)
+        # kernel where the policy has it: cuBLAS runs such shapes on too few CTAs.
+        return self.kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -182,13 +183,13 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | PendingSum:
         """``defer_reduce``: the caller takes a ``PendingSum`` (a batch-1 decode step feeding
-        ``ops.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
+        ``Kernels.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
         if defer_reduce and self.reduce_results and self.bias is None:
             push = self.tp.push_all_reduce
             if push is not None and push.applies(x, self.weight):
                 return push.gemv(x, self.weight)
-            return self.tp.defer_all_reduce(ops.linear(x, self.weight))
-        y = ops.linear(x, self.weight)
+            return self.tp.defer_all_reduce(self.kernels.linear(x, self.weight))
+        y = self.kernels.linear(x, self.weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

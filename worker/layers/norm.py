@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.worker import ops
+from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.linear import default_weight_loader, set_weight_loader
 
 
@@ -13,6 +13,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = current_kernels()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         set_weight_loader(self.weight, lambda p, t, shard_id=None: default_weight_loader(p, t))
 
@@ -20,8 +21,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidal.worker import ops
+from tidal.worker.kernel_policy import current_kernels
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -105,9 +105,10 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None, is_neox: bool = True) -> None:
         super().__init__()
         self.is_neox = is_neox
+        self.kernels = current_kernels()
         cache = build_cos_sin_cache(head_dim, max_position, base, scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+        return self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)

@@ -13,6 +13,7 @@ from tidal.engine_core.config import ModelConfig
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.models.registry import build_model
+from tidal.worker.ops.kernels import Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
-               tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> nn.Module:
+               tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
+               kernels: Kernels | None = None) -> nn.Module:
     start = time.perf_counter()
     dtype = torch_dtype(config.dtype)
     # Parameters are created directly where they will live: no CPU copy of the whole model.
     with torch.device(device):
-        model = build_model(config.arch, dtype, impl, tp, pp)
+        model = build_model(config.arch, dtype, impl, tp, pp, kernels)
     model.eval()
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
-from tidal.worker import ops
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
+from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -59,6 +59,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim**-0.5, impl,
                               sliding_window=arch.layer_sliding_window(layer))
+        self.kernels = current_kernels()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -67,19 +68,22 @@ class DecoderAttention(nn.Module):
     def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                    defer_reduce: bool = False) -> torch.Tensor | PendingSum:
         """Everything after the q/k/v projection: norms, rotary, K/V write, attention, o_proj.
-        On the GPU the first four are one kernel (``ops.qk_norm_rope_write_kv``).
+        Where the policy has the decode kernels (a GPU) the first four are one kernel
+        (``Kernels.qk_norm_rope_write_kv``) for the tensors it supports.
         ``defer_reduce``: see ``RowParallelLinear.forward``."""
         n = qkv.shape[0]
         rope = self.rotary_emb
         kv_cache = self.attn.kv_cache
-        if ops.qk_norm_rope_applies(qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox,
-                                    kv_cache):
+        kernels = self.kernels
+        if kernels.qk_norm_rope_applies(qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox,
+                                        kv_cache):
             qn = self.q_norm
-            q = ops.qk_norm_rope_write_kv(
+            q = kernels.qk_norm_rope_write_kv(
                 qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim,
                 None if qn is None else qn.weight,
                 None if qn is None else self.k_norm.weight,
-                0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache, meta.slot_mapping)
+                0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache,
+                self.attn.group_meta(meta).slot_mapping)
             return self.o_proj(self.attn.attend(q.view(n, -1), meta), defer_reduce)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -109,6 +113,26 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+class NormLinear:
+    """``(linear(norm(x + residual)), x + residual)`` as one op (``Kernels.rms_norm_linear``):
+    for one row on the GPU, where the policy has the GEMV, the norm runs inside (or just
+    before) the GEMV and SiLU-and-mul (``silu``) inside it; everywhere else the plain ops, in
+    the order the math reads. A plain object, not a module: it borrows the parameters of
+    ``norm`` and ``linear``, which stay where the checkpoint names them."""
+
+    __slots__ = ("_op", "_norm", "_linear", "_silu")
+
+    def __init__(self, norm: RMSNorm, linear: nn.Module, silu: bool = False) -> None:
+        self._op = norm.kernels.rms_norm_linear
+        self._norm, self._linear, self._silu = norm, linear, silu
+
+    def __call__(self, x: torch.Tensor | PendingSum,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, linear = self._norm, self._linear
+        return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                        silu=self._silu)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
                  impl: AttentionImpl, layer: int = 0) -> None:
@@ -117,34 +141,22 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(arch, dtype, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.norm_qkv = NormLinear(self.input_layernorm, self.self_attn.qkv_proj)
+        self.norm_gate_up = NormLinear(self.post_attention_layernorm, self.mlp.gate_up_proj,
+                                       silu=True)
+        # With the one-row GEMV (a GPU policy) the row-parallel outputs of a batch-1 decode
+        # step may come back as a PendingSum, whose all-reduce the next norm completes; the
+        # choice is the policy's, fixed here (and so in every captured graph).
+        self.defer_reduce = self.input_layernorm.kernels.policy.gemv
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
                 residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor | PendingSum, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        if ops.one_row_fusion_applies(hidden):
-            # One token on the GPU (batch-1 decode): each norm runs inside or just before the
-            # GEMV after it, and SiLU-and-mul inside the gate/up GEMV (each falls back to the
-            # separate ops when its weight stays on cuBLAS). Under tensor parallelism the
-            # row-parallel outputs may come back as PendingSum: their all-reduce then
-            # completes together with the next norm.
-            ln = self.input_layernorm
-            qkv, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
-                                                attn.qkv_proj.weight, attn.qkv_proj.bias)
-            hidden = attn.attend_qkv(positions, qkv, meta, defer_reduce=True)
-            ln = self.post_attention_layernorm
-            act, residual = ops.rms_norm_linear(hidden, residual, ln.weight, ln.eps,
-                                                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                                silu=True)
-            return mlp.down_proj(act, defer_reduce=True), residual
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # norm -> attention -> norm -> MLP, each norm with the residual add before it.
+        qkv, residual = self.norm_qkv(hidden, residual)
+        hidden = self.self_attn.attend_qkv(positions, qkv, meta, self.defer_reduce)
+        act, residual = self.norm_gate_up(hidden, residual)  # SiLU(gate) * up
+        return self.mlp.down_proj(act, self.defer_reduce), residual
 
 
 def build_stage_ends(model: nn.Module, arch: ArchSpec, dtype: torch.dtype,

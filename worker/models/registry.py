@@ -15,6 +15,8 @@ from tidal.engine_core.model_arch import ArchSpec
 from tidal.engine_core.model_registry import family
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.kernel_policy import building, current_kernels
+from tidal.worker.ops.kernels import Kernels
 
 
 def model_class(arch: ArchSpec) -> type[nn.Module]:
@@ -28,6 +30,10 @@ def model_class(arch: ArchSpec) -> type[nn.Module]:
 
 
 def build_model(arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
-                tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> nn.Module:
-    """Create the model's modules (parameters uninitialised) on the current default device."""
-    return model_class(arch)(arch, dtype, impl, tp, pp)
+                tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
+                kernels: Kernels | None = None) -> nn.Module:
+    """Create the model's modules (parameters uninitialised) on the current default device.
+    Its layers take their fused ops from ``kernels`` (the worker's policy; None: those of an
+    enclosing ``kernel_policy.building``, else the torch ones)."""
+    with building(kernels or current_kernels()):
+        return model_class(arch)(arch, dtype, impl, tp, pp)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.engine_core import envs
 from tidal.worker.ops.gpu_info import device_index, num_sms
 
 MAX_SPLITS = 16  # flash-decoding splits per (request, KV head); the Triton merge kernel's width
@@ -20,12 +19,13 @@ MAX_SPLITS = 16  # flash-decoding splits per (request, KV head); the Triton merg
 # split 47 us), the Triton kernel peaks near 2 (its programs already keep more loads in flight).
 TRITON_PROGRAMS_PER_SM = 2
 CUDA_PROGRAMS_PER_SM = 4
-# Software-pipeline stages of split-decode attention (TIDAL_ATTN_SPLIT_STAGES). Batch-1 chain
+# Software-pipeline stages of split-decode attention (KernelConfig.attn_split_stages, set by
+# ``kernel_policy.apply_tuning``; TIDAL_ATTN_SPLIT_STAGES). Batch-1 chain
 # of Llama-3.1-8B heads on H100 (tools/bench_decode_chain.py, context 128): 1 stage took a
 # layer from 22.3 to 20.6 us at TP2's heads and from 35.8 to 34.0 at TP1's; at context 4096
 # (four tiles per split) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
 # 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
-SPLIT_STAGES = envs.attn_split_stages()
+SPLIT_STAGES = 1
 
 
 def next_pow2(x: int) -> int:

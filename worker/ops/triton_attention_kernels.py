@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.engine_core import envs
 from tidal.worker.ops.attention_plan import MAX_SPLITS, TritonAttentionPlan, next_pow2
 from tidal.worker.ops.triton_probe import stamp
 
@@ -558,10 +557,19 @@ _MAX_COUNTERS = 8192
 # Off by default: on H100 (Qwen3 / Llama-8B heads, batch 1, context 1024) the attention kernel
 # followed by the merge kernel, both launched early (PDL), beat the in-kernel merge, whose
 # GPU-scope fence + counter atomic + partial reload sit on the critical path.
-FUSED_MERGE = envs.attn_fused_merge()
+# KernelConfig.attn_fused_merge (TIDAL_ATTN_FUSED_MERGE=1) turns it on.
+FUSED_MERGE = False
 # Split decodes load their first tile before the dependent-launch wait (``PRELOAD``);
-# TIDAL_ATTN_PRELOAD=0 loads it after, as every other tile.
-PRELOAD = envs.attn_preload()
+# KernelConfig.attn_preload off (TIDAL_ATTN_PRELOAD=0) loads it after, as every other tile.
+PRELOAD = True
+
+
+def configure(*, fused_merge: bool, preload: bool) -> None:
+    """The variants of this worker's ``KernelPolicy`` (``kernel_policy.apply_tuning``): set
+    once at start-up, before any attention kernel compiles or a graph is captured."""
+    global FUSED_MERGE, PRELOAD
+    FUSED_MERGE = fused_merge
+    PRELOAD = preload
 
 
 def _pdl_enabled(device: torch.device) -> bool:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.engine_core import envs
+from tidal.engine_core.kernel_config import GemvShapes
 from tidal.worker.ops.attention_plan import next_pow2
 from tidal.worker.ops.gpu_info import device_index, num_sms
 from tidal.worker.ops.triton_probe import stamp
@@ -42,8 +42,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Programmatic dependent launch (Hopper and later): the decode kernels launch while their
 # predecessor in the stream finishes, prefetch what does not depend on it (weights, step
 # metadata), and wait (griddepcontrol.wait) before touching anything it writes or reads; CUDA
-# graphs keep the programmatic edges. TIDAL_PDL=0 turns it off.
-_PDL = envs.pdl()
+# graphs keep the programmatic edges. KernelConfig.pdl (TIDAL_PDL=0) turns it off.
+_PDL = True
 
 
 @functools.cache
@@ -330,10 +330,11 @@ def _sum_parts_kernel(out_ptr, parts_ptr, bits_ptr, rearm_ptr, rearm_n, K, res_p
     tl.store(out_ptr + kk, x, mask=km)
 
 
-# GEMV weights loaded with the evict-first L2 policy (TIDAL_GEMV_STREAM=0: the default policy).
+# GEMV weights loaded with the evict-first L2 policy (KernelConfig.gemv_stream off,
+# TIDAL_GEMV_STREAM=0: the default policy).
 # Llama-3.1-8B batch-1 decode on 2xH200, two calls, order swapped: TP1 3.780 -> 3.730 ms, TP2
 # 2.266 -> 2.219 ms; 64 x 1024/1024 unchanged.
-STREAM_WEIGHTS = envs.gemv_stream()
+STREAM_WEIGHTS = True
 
 # Launch shapes (BLOCK_N, BLOCK_K, num_warps, PREFETCH) per (N outputs, K, fused gate/up,
 # element size). Qwen3-0.6B (norm as the GEMV's prologue, H100 sweep of
@@ -367,28 +368,20 @@ GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
 }
 
 
-def _config_overrides(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int, int, int]]:
-    """``TIDAL_GEMV_CONFIGS``: launch shapes for 16-bit GEMVs, for tuning on another GPU or
-    model, as ``NxK=BLOCK_N,BLOCK_K,WARPS,PREFETCH`` entries separated by ``;`` (``NxKs=``
-    for the gate/up GEMV with SiLU, ``N`` its output rows)."""
-    out = {}
-    for entry in filter(None, (e.strip() for e in spec.split(";"))):
-        try:
-            key, val = entry.split("=")
-            silu = key.endswith("s")
-            n, k = (int(v) for v in key.rstrip("s").split("x"))
-            bn, bk, warps, prefetch = (int(v) for v in val.split(","))
-        except ValueError:
-            raise ValueError(f"TIDAL_GEMV_CONFIGS entry {entry!r}: expected "
-                             "NxK[s]=BLOCK_N,BLOCK_K,WARPS,PREFETCH") from None
-        if bn & (bn - 1) or bk & (bk - 1) or warps not in (1, 2, 4, 8, 16) or prefetch < 1:
-            raise ValueError(f"TIDAL_GEMV_CONFIGS entry {entry!r}: BLOCK_N and BLOCK_K must be "
-                             "powers of two, WARPS 1-16, PREFETCH >= 1")
-        out[(n, k, silu, 2)] = (bn, bk, warps, prefetch)
-    return out
+_MEASURED_GEMV_CONFIGS = dict(GEMV_CONFIGS)
 
 
-GEMV_CONFIGS.update(_config_overrides(envs.gemv_configs()))
+def configure(*, pdl: bool, stream_weights: bool, gemv_configs: GemvShapes) -> None:
+    """The kernel variants of this worker's ``KernelPolicy`` (``kernel_policy.apply_tuning``):
+    set once at start-up, before anything compiles or a graph is captured. ``gemv_configs``
+    (``KernelConfig.gemv_configs``, parsed) add to or replace the measured launch shapes."""
+    global _PDL, STREAM_WEIGHTS
+    _PDL = pdl
+    STREAM_WEIGHTS = stream_weights
+    GEMV_CONFIGS.clear()
+    GEMV_CONFIGS.update(_MEASURED_GEMV_CONFIGS)
+    GEMV_CONFIGS.update(gemv_configs)
+    gemv_config.cache_clear()
 
 
 @functools.cache

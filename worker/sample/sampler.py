@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.worker import ops
+from tidal.worker.ops.kernels import Kernels
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -114,12 +114,19 @@ def _plain_greedy(meta: SamplingMetadata) -> bool:
 
 
 class Sampler:
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        if kernels is None:  # outside a worker: the torch ops
+            from tidal.worker.kernel_policy import reference_kernels
+
+            kernels = reference_kernels()
+        self._argmax = kernels.argmax
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if _plain_greedy(meta):
             # Converting bf16/fp16 to float32 is exact, so the argmax (first maximum) is the
             # same without the [B, V] float copy. A few rows on the GPU take a two-stage
             # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
-            return SamplerOutput(ops.argmax(logits), None)
+            return SamplerOutput(self._argmax(logits), None)
         logits = logits.float()
         if meta.allowed_rows is not None:
             assert meta.allowed_cols is not None

@@ -1,0 +1,251 @@
+"""The fused ops of one ``KernelPolicy``: what the layers call.
+
+A ``Kernels`` is built once per worker from its policy (``kernel_policy.kernels_for``) and
+handed to the layers as the model is built; it holds the implementation module for GPU tensors
+(the CUDA extension's ``cuda_ops``, ``triton_ops`` or ``torch_ops``) and which Triton decode
+fusions exist, so nothing here reads a global setting. CPU tensors always take ``torch_ops``.
+What is left to decide per call is the shape: the one-row (batch-1 decode) kernels apply to one
+row on the GPU only; a CUDA graph fixes that choice when it is captured.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from tidal.worker.distributed.pending_sum import PendingSum
+from tidal.worker.ops import torch_ops
+
+if TYPE_CHECKING:
+    from tidal.worker.kernel_policy import KernelPolicy
+
+GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
+ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
+# The RMSNorm before a GEMV of at least this many bytes runs once, in its own one-program kernel,
+# rather than as the GEMV's prologue (which every one of the GEMV's programs runs over the whole
+# row): measured on H200 for Llama-3.1-8B's q/k/v (50 MB) 12.2 + 1.2 us against 15.5, and
+# 3.32 against 3.58 ms for a whole TP=1 step's GEMVs. Qwen3-0.6B's weights (8-12 MB) keep the
+# prologue. Under tensor parallelism the signal-free all-reduce before the norm computes its
+# statistics instead, for weights of any size. KernelConfig.norm_apart off: always the prologue.
+NORM_APART_MIN_BYTES = 16 << 20
+
+_OP_MODULES = {"cuda": "tidal.worker.ops.cuda_ops", "triton": "tidal.worker.ops.triton_ops",
+               "torch": "tidal.worker.ops.torch_ops"}
+
+
+def op_module(name: str) -> ModuleType:
+    """The implementation module of the fused ops called ``name`` (imported on first use)."""
+    return importlib.import_module(_OP_MODULES[name])
+
+
+def _decode_module() -> ModuleType | None:
+    try:
+        return importlib.import_module("tidal.worker.ops.triton_decode")
+    except ImportError:
+        # Only a policy written by hand for a machine without triton gets here (a resolved
+        # one has the decode kernels only where triton imports): its CPU tensors never reach
+        # the decode kernels, and a CUDA tensor would fail loudly on the missing module.
+        return None
+
+
+class Kernels:
+    """Fused ops bound to one policy. Immutable after construction."""
+
+    __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
+                 "_vocab", "_td")
+
+    def __init__(self, policy: KernelPolicy) -> None:
+        self.policy = policy
+        self.gpu: ModuleType = op_module(policy.ops)
+        self._decode = policy.decode_kernels
+        self._gemv = policy.gemv
+        self._gemv_max_bytes = policy.gemv_max_bytes
+        self._norm_apart = policy.norm_apart
+        self._vocab = policy.vocab_embedding
+        # The decode kernels' module imports triton: only where the policy runs them.
+        self._td: ModuleType | None = _decode_module() if self._decode else None
+
+    def __copy__(self) -> Kernels:
+        return self  # immutable, and holds modules (which do not copy)
+
+    def __deepcopy__(self, memo: dict) -> Kernels:
+        return self
+
+    @property
+    def name(self) -> str:
+        """'cuda', 'triton' or 'torch': what the fused ops on this policy's device run on."""
+        return self.policy.ops
+
+    def impl_for(self, x: torch.Tensor) -> ModuleType:
+        return self.gpu if x.is_cuda else torch_ops
+
+    # --- elementwise fused ops ------------------------------------------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.impl_for(x).rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(rms_norm(x + residual), x + residual)``."""
+        return self.impl_for(x).fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impl_for(x).silu_and_mul(x)
+
+    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos_sin_cache: torch.Tensor,
+                         is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.impl_for(query).rotary_embedding(positions, query, key, cos_sin_cache,
+                                                     is_neox)
+
+    # --- one-row (batch-1 decode) GEMV and its fusions ------------------------------------------
+
+    def one_row_fusion_applies(self, x: torch.Tensor | PendingSum) -> bool:
+        """Whether a layer fed ``x`` (one row on the GPU, the GEMV on) should go through
+        ``rms_norm_linear``: it fuses where the GEMV applies and composes the plain ops
+        elsewhere. A ``PendingSum`` (only ever made for such rows) always does."""
+        if isinstance(x, PendingSum):
+            return True
+        return self._gemv and x.is_cuda and x.dim() >= 1 and x.numel() == x.shape[-1]
+
+    def gemv_applies(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether ``linear`` / ``rms_norm_linear`` on ``x`` run the one-row GEMV kernel."""
+        if not (self._gemv and x.is_cuda and x.dim() >= 1 and x.numel() == x.shape[-1]):
+            return False
+        td = self._td
+        return all(td.gemv_supported(x, w)
+                   and w.numel() * w.element_size() <= self._gemv_max_bytes for w in weights)
+
+    def gemv_tuned(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """``gemv_applies`` and the weight's shape has a measured launch shape (for weights
+        where cuBLAS is already close to the copy rate, such as LM heads, only a tuned GEMV
+        beats it)."""
+        if not self.gemv_applies(x, weight):
+            return False
+        return (weight.shape[0], weight.shape[1], False, weight.element_size()) in \
+            self._td.GEMV_CONFIGS
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``; a single row on the GPU runs the GEMV kernel."""
+        if self.gemv_applies(x, weight) and (bias is None or bias.dtype == x.dtype):
+            y, _ = self._td.gemv(x, weight, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
+
+    def rms_norm_linear(
+        self,
+        x: torch.Tensor | PendingSum,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        silu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
+        One row on the GPU: the GEMV kernel with the norm as its prologue (or, before a large
+        weight, a one-row norm kernel first) and SiLU-and-mul as its epilogue. ``x`` may be a
+        tensor-parallel ``PendingSum``: its all-reduce then completes inside the GEMV (pushed
+        rows, summed as they are read) or inside the all-reduce kernel that hands the GEMV the
+        norm's statistics."""
+        pending = x if isinstance(x, PendingSum) else None
+        if pending is not None:
+            x = pending.like
+        fused = (self.gemv_applies(x, weight) and norm_weight.dtype == x.dtype
+                 and (residual is None
+                      or (residual.dtype == x.dtype and residual.shape == x.shape))
+                 and (bias is None or (bias.dtype == x.dtype and not silu))
+                 and not (silu and weight.shape[0] % 2))
+        td = self._td
+        parts = stats = None
+        if pending is not None:
+            if fused and residual is not None:
+                # The sum, residual add and norm statistics in one small kernel, so the GEMV
+                # reads a finished row; else pushed rows summed by the GEMV as it reads them.
+                if self._norm_apart:
+                    stats = pending.reduce_add_stats(residual)
+                if stats is None:
+                    parts = pending.parts()
+            if parts is None and stats is None:
+                # No kernel can take the pending sum (or, with no residual, the sum itself
+                # would be returned as one): complete the all-reduce first.
+                x = pending.wait()
+        n = weight.shape[0] // 2 if silu else weight.shape[0]
+        if stats is not None:
+            h, ss = stats
+            y, _ = td.gemv(h, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
+                           norm_ss=ss)
+            return y.view(*h.shape[:-1], n), h
+        if (fused and parts is None and self._norm_apart
+                and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.numel() * weight.element_size() >= NORM_APART_MIN_BYTES
+                and x.shape[-1] <= td.ADD_NORM_MAX):
+            h, residual = td.add_rms_norm_row(x, residual, norm_weight, eps)
+            y, _ = td.gemv(h, weight, bias, silu=silu)
+            return y.view(*h.shape[:-1], n), residual
+        if fused:
+            y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
+                             eps=eps, silu=silu, parts=parts)
+            return y.view(*x.shape[:-1], n), res
+        if residual is None:
+            h, residual = self.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        y = F.linear(h, weight, bias)
+        return (self.silu_and_mul(y) if silu else y), residual
+
+    # --- other decode fusions -------------------------------------------------------------------
+
+    def qk_norm_rope_applies(self, qkv: torch.Tensor, head_dim: int,
+                             cos_sin_cache: torch.Tensor, is_neox: bool,
+                             kv_cache: torch.Tensor) -> bool:
+        """Whether ``qk_norm_rope_write_kv`` has a kernel for these tensors (else: the unfused
+        ops)."""
+        if not (self._decode and qkv.is_cuda):
+            return False
+        return self._td.qk_norm_rope_supported(qkv, head_dim, cos_sin_cache, is_neox, kv_cache)
+
+    def qk_norm_rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q/k RMSNorm (Qwen3), neox rotary and the K/V cache write in one pass; returns q
+        ``[T, H, D]``. Semantics: ``torch_ops.qk_norm_rope_write_kv``."""
+        args = (qkv, positions, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
+                eps, cos_sin_cache, kv_cache, slot_mapping)
+        if self.qk_norm_rope_applies(qkv, head_dim, cos_sin_cache, True, kv_cache):
+            return self._td.qk_norm_rope_write_kv(*args)
+        return torch_ops.qk_norm_rope_write_kv(*args)
+
+    def vocab_shard_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
+                              start: int) -> torch.Tensor:
+        """Embedding rows of ``ids`` from the vocabulary shard ``weight`` that starts at token
+        ``start``; zeros for tokens outside it. Semantics: ``torch_ops.vocab_shard_embedding``."""
+        if self._vocab and ids.is_cuda:
+            from tidal.worker.ops import triton_ops
+
+            return triton_ops.vocab_shard_embedding(ids, weight, start)
+        return torch_ops.vocab_shard_embedding(ids, weight, start)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of ``[rows, n]``; few rows on the GPU: a two-stage kernel that
+        spreads each row over many programs (torch reduces a row in one block)."""
+        if (self._decode and x.is_cuda and x.dim() == 2 and x.shape[0] <= ARGMAX_MAX_ROWS
+                and self._td.argmax_supported(x)):
+            return self._td.argmax(x)
+        return x.argmax(dim=-1)
