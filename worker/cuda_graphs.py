@@ -13,9 +13,9 @@ Mixed steps (prompt tokens, with or without decodes) are captured per token coun
 request limit): the Triton attention launch of a mixed batch depends only on the token and
 request counts once the longest query fills a tile (``ops.attention_plan``), so a step of any
 split of its tokens into requests replays the graph of the next captured count. Without them an
-arrival's prefill step runs eagerly: hundreds of launches from Python, 10-35 ms of host time for
-a 0.6B model on an H100 against a 2 ms decode step, which was the whole inter-token-latency tail
-under Poisson arrivals (issue 17).
+arrival's prefill step runs eagerly: hundreds of launches from Python. For a 0.6B model on an
+H100 such a step took 6.5 ms median and up to 35 ms, against 2 ms for a decode step, and these
+steps were the inter-token-latency tail under Poisson arrivals (tools/results/README.md).
 
 Graphs read their inputs from the runner's fixed device buffers (``StepBuffers``), which the
 runner refreshes in place before each replay. Attention launches depend only on the request and
