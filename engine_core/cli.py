@@ -73,6 +73,9 @@ _HELP = {
                         "GPU with one pipeline stage, else off",
     "max_queued_requests": "most requests waiting beyond the running batch; more get 429; "
                            "default: no limit",
+    "structured_outputs_backend": "grammar backend of structured outputs (response_format, "
+                                  "guided_*): auto or guidance (llguidance); xgrammar is not "
+                                  "available yet",
     "tensor_parallel_size": "worker processes (GPUs) every layer is sharded across",
     "pipeline_parallel_size": "pipeline stages (worker processes) the layers are split into",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "

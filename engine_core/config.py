@@ -70,6 +70,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
     max_queued_requests: int | None = None
+    # Constrained decoding's grammar backend (engine_core/structured_output): guidance.
+    structured_outputs_backend: str = "guidance"
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -173,6 +175,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None  # None: on for generation on CUDA with one stage
     max_queued_requests: int | None = None
+    structured_outputs_backend: str = "auto"  # auto | guidance | xgrammar (not yet)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -348,6 +351,7 @@ class EngineArgs:
             enable_chunked_prefill=chunked,
             async_scheduling=async_scheduling,
             max_queued_requests=self.max_queued_requests,
+            structured_outputs_backend=check_backend(self.structured_outputs_backend),
         )
 
     def _parallel_config(self, arch: ArchSpec) -> ParallelConfig:
@@ -379,6 +383,20 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend
         )
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
+
+
+def check_backend(name: str) -> str:
+    """The grammar backend for ``--structured-outputs-backend``: auto is guidance for now."""
+    if name in ("auto", "guidance"):
+        return "guidance"
+    if name == "xgrammar":
+        raise ConfigError("--structured-outputs-backend xgrammar is not available yet; use "
+                          "auto or guidance (llguidance)")
+    raise ConfigError("--structured-outputs-backend must be one of "
+                      f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {name!r}")
 
 
 def _resolve_device(device: str) -> str:

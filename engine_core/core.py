@@ -27,6 +27,7 @@ from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.engine_core.startup_log import StartupLog
 from tidal.engine_core.stats_logger import StatsLogger
+from tidal.engine_core.structured_output.manager import StructuredOutputManager
 from tidal.engine_core.validation import validate_request
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class EngineCore:
             note.detail = "KV cache allocated, graphs captured, warmed up on every worker"
         self.scheduler = Scheduler(self.config)
         self._eos = frozenset(config.model.eos_token_ids)
+        # Constrained requests wait here for their grammar, then run with a mask per step.
+        self.structured = StructuredOutputManager(
+            config.model, config.scheduler.structured_outputs_backend)
         self.stats_logger = StatsLogger()
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
@@ -124,16 +128,26 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request. Raises ``RequestValidationError`` (a ValueError) if it is invalid,
         and ValueError if its id is already in use; nothing is queued then."""
-        validate_request(req.prompt_token_ids, req.sampling_params, self.config)
-        self.scheduler.add_request(
-            Request.from_engine_request(req, self.config.model.max_model_len, self._eos)
-        )
+        validate_request(req.prompt_token_ids, req.sampling_params, self.config,
+                         check_grammar=False)
+        request = Request.from_engine_request(req, self.config.model.max_model_len, self._eos)
+        if request.structured:
+            rid = request.request_id
+            if rid in self.scheduler.requests or rid in self.structured.pending:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.structured.submit(request)  # joins the scheduler once its grammar compiled
+            return
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+        if self.structured.pending or self.structured.states:
+            self.structured.drop(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.batch_queue)
+        return (self.scheduler.has_unfinished() or bool(self.batch_queue)
+                or bool(self.structured.pending))
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once; returns the new outputs (possibly none).
@@ -145,9 +159,14 @@ class EngineCore:
         start = time.perf_counter()
         outputs: list[EngineCoreOutput] = []
         launched = False
+        structured = self.structured
+        if structured.pending:
+            outputs.extend(self._admit_compiled())
         if len(self.batch_queue) < self.max_inflight and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if sched.total_num_scheduled_tokens:
+                if structured.states:
+                    self._attach_grammar_masks(sched)
                 pending = (self.executor.execute_model(sched, non_block=True)
                            if self.max_inflight > 1 else self.executor.execute_model(sched))
                 self.batch_queue.append((sched, pending))
@@ -155,15 +174,70 @@ class EngineCore:
         if self.batch_queue and (len(self.batch_queue) >= self.max_inflight or not launched):
             sched, pending = self.batch_queue.popleft()
             result = pending.result() if self.max_inflight > 1 else pending
-            outputs = self.scheduler.update_from_output(sched, result)
+            # (Added to the failed compiles' outputs, if any.)
+            outputs += self.scheduler.update_from_output(sched, result)
+            if structured.states:
+                self._advance_grammars(outputs)
+        if not launched and not self.batch_queue and structured.pending and not outputs:
+            # Only compiles are left: wait for one rather than spin (nothing else can run).
+            structured.wait_for_compiles(0.005)
         stats = self.scheduler.make_stats()  # counts the tokens update_from_output appended
+        if structured.has_report:
+            stats.grammar_compile_s, stats.structured_requests = structured.take_report()
         self.stats_logger.record(stats, time.perf_counter() - start)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
+
+    # --- structured outputs ------------------------------------------------------------------
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand the requests whose grammar compiled to the scheduler; fail those whose did not."""
+        ready, failed = self.structured.take_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        outs = []
+        for req, why in failed:
+            logger.warning("request %s: %s", req.request_id, why)
+            outs.append(EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR,
+                                         error=why))
+        return outs
+
+    def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
+        """The next-token masks of the constrained requests that sample this step. A request
+        samples when its scheduled tokens reach its end: the scheduler then counts the token
+        as a placeholder (never one before, for a constrained request)."""
+        states = self.structured.states
+        requests = self.scheduler.requests
+        ids = [rid for rid in sched.req_ids
+               if rid in states and requests[rid].num_placeholders > 0]
+        if ids:
+            sched.grammar_req_ids = ids
+            sched.grammar_bitmask = self.structured.fill_bitmask(ids)
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        structured = self.structured
+        for out in outputs:
+            rid = out.request_id
+            if rid not in structured.states:
+                continue
+            verdict = None if out.finished else structured.advance(rid, out.new_token_ids)
+            if verdict is not None:
+                # The grammar is complete (or, should a masked token slip through, broken):
+                # the request ends here rather than sampling past it.
+                error = verdict != "stop"
+                reason = FinishReason.ERROR if error else FinishReason.STOP
+                for req in self.scheduler.finish_requests([rid], reason):
+                    out.finish_reason = reason
+                    out.num_cached_tokens = max(req.num_cached_tokens, 0)
+                if error:
+                    out.error = verdict
+            if out.finished:
+                structured.drop((rid,))
 
     def handle_control(self, call: control.ControlCall) -> control.ControlResult:
         """Run a typed control call (``tidal.engine_core.control``) between two steps."""
         return control.execute(self, call)
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

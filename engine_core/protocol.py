@@ -100,6 +100,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # Several KV groups only: the share of the KV pool each group holds (the total is
     # ``kv_cache_usage``).
     kv_cache_usage_groups: list[float] = []
+    # Structured outputs since the previous report: grammar compile times (seconds), and the
+    # kind (json, json_object, regex, choice, grammar) of each constrained request that arrived.
+    grammar_compile_s: list[float] = []
+    structured_requests: list[str] = []
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -111,6 +115,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
         self.num_generation_tokens += earlier.num_generation_tokens
         if earlier.iteration_tokens:
             self.iteration_tokens = earlier.iteration_tokens + self.iteration_tokens
+        if earlier.grammar_compile_s:
+            self.grammar_compile_s = earlier.grammar_compile_s + self.grammar_compile_s
+        if earlier.structured_requests:
+            self.structured_requests = earlier.structured_requests + self.structured_requests
 
     def gauges(self) -> SchedulerStats:
         """The state part only (counters zero): what every frontend but one gets, so counters
@@ -259,6 +267,11 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     total_num_scheduled_tokens: int = 0
     # The worker drops these (finished, aborted or preempted since the last step).
     finished_req_ids: list[str] = []
+    # Structured outputs: the requests that sample under a grammar this step, and row i of the
+    # bitmask (int32 [len, ceil(vocab / 32)], bit t of word w allows token 32 w + t) is the
+    # next-token mask of grammar_req_ids[i] (engine_core/structured_output).
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def req_ids(self) -> list[str]:
@@ -288,8 +301,9 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 4  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
-# (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups
+PROTOCOL_VERSION = 5  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+# (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
+# and structured_requests
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

@@ -52,11 +52,15 @@ class Request:
     stop_candidates: frozenset[int] = field(init=False)
     length_limit: int = field(init=False)
     num_prompt_tokens: int = field(init=False)  # a plain attribute: read in hot loops
+    # Under a grammar: its next mask needs its previous token, so it never decodes on a
+    # placeholder (async scheduling skips it while its token is in flight).
+    structured: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.stop_candidates = self.eos_token_ids.union(self.sampling_params.stop_token_ids)
         self.length_limit = self.num_prompt_tokens + self.max_tokens
+        self.structured = self.sampling_params.structured_outputs is not None
 
     @classmethod
     def from_engine_request(

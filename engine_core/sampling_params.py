@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import json as _json
+from typing import Any
 
 import msgspec
 
@@ -19,6 +21,52 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary in use
+MAX_GRAMMAR_CHARS = 1 << 17  # a schema, regex or grammar, as text
+MAX_CHOICES = 1024
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Constrain the output: exactly one of a JSON schema (a dict or its JSON text), any JSON
+    object, a regular expression, one of a list of strings, or a Lark grammar (llguidance's
+    dialect; GBNF is converted). The engine compiles it with llguidance and masks every sampled
+    token to what the constraint allows; the request stops when the constraint is complete.
+    A dict schema is turned into its JSON text when built (one form on the wire)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        _check(len(set_) == 1, "structured_outputs",
+               f"needs exactly one of json, json_object, regex, choice, grammar; got "
+               f"{', '.join(set_) or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json, ensure_ascii=False)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(0 < len(value) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{name}",
+                       f"must be 1 to {MAX_GRAMMAR_CHARS} characters, got {len(value)}")
+        if self.choice is not None:
+            _check(0 < len(self.choice) <= MAX_CHOICES, "structured_outputs.choice",
+                   f"must hold 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
+            _check(all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", "choices must be non-empty strings")
+            _check(sum(map(len, self.choice)) <= MAX_GRAMMAR_CHARS, "structured_outputs.choice",
+                   f"the choices hold more than {MAX_GRAMMAR_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        """json | json_object | regex | choice | grammar (metrics, the compile cache key)."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -33,6 +81,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     ``allowed_token_ids`` restricts sampling to those ids: every other logit is masked to -inf
     before anything else is applied.
+
+    ``structured_outputs`` constrains the output to a grammar (``StructuredOutputsParams``):
+    its next-token mask applies first of all, and the request stops where the grammar ends.
     """
 
     n: int = 1
@@ -57,6 +108,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # Constrained decoding (engine_core/structured_output); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +186,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
             _check(min(self.allowed_token_ids) >= 0, "allowed_token_ids",
                    "token ids must be >= 0")
+        if self.structured_outputs is not None:
+            # The grammar may leave only the end-of-sequence token allowed: banning it would
+            # leave nothing to sample.
+            _check(self.min_tokens == 0, "min_tokens",
+                   "must be 0 with structured outputs (the grammar decides where output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -154,6 +154,7 @@ class Scheduler:
             placeholders = req.num_placeholders
             if placeholders and (
                 not async_ok  # its next input token is still being sampled
+                or req.structured  # its grammar mask needs that token first
                 # stop once the tokens in flight already reach the length limit
                 or n_tokens + placeholders >= req.length_limit
             ):
@@ -305,7 +306,8 @@ class Scheduler:
         for req in running:
             n_tokens = len(req.all_token_ids)
             placeholders = req.num_placeholders
-            if placeholders and (not async_ok or n_tokens + placeholders >= req.length_limit):
+            if placeholders and (not async_ok or req.structured
+                                 or n_tokens + placeholders >= req.length_limit):
                 skipped += 1  # as in the general loop: its tokens in flight come first
                 continue
             computed = req.num_computed_tokens

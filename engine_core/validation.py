@@ -19,8 +19,11 @@ class RequestValidationError(ValueError):
 
 
 def validate_request(
-    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
+    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig,
+    check_grammar: bool = True,
 ) -> None:
+    """``check_grammar``: also check that a structured-outputs spec compiles (frontends do; the
+    EngineCore compiles it off its loop instead, failing that request alone)."""
     max_len = config.model.max_model_len
     vocab = config.model.vocab_size
     n = len(prompt_token_ids)
@@ -49,6 +52,13 @@ def validate_request(
         raise RequestValidationError(
             f"token id {top} in {where} is outside the vocabulary [0, {vocab})", where
         )
+    if params.structured_outputs is not None and check_grammar:
+        from tidal.engine_core.structured_output.spec import validate
+
+        try:
+            validate(params.structured_outputs)
+        except SamplingParamError as exc:
+            raise RequestValidationError(str(exc), exc.param) from None
     limit = config.runner.max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)

@@ -228,15 +228,22 @@ class AsyncLLM:
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   add_generation_prompt: bool = True,
                                   chat_template: str | None = None,
-                                  continue_final_message: bool = False) -> list[int]:
+                                  continue_final_message: bool = False,
+                                  tools: list[dict[str, Any]] | None = None,
+                                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """``continue_final_message``: leave the last message open for the model to continue
-        (HF's argument; exclusive with ``add_generation_prompt``)."""
+        (HF's argument; exclusive with ``add_generation_prompt``). ``tools`` and
+        ``template_kwargs`` (e.g. ``enable_thinking``) are variables of the template."""
         loop = asyncio.get_running_loop()
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         return await loop.run_in_executor(
             self._tokenize_pool,
             lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt,
                                         chat_template,
-                                        continue_final_message=continue_final_message))
+                                        continue_final_message=continue_final_message,
+                                        **extra))
 
     async def add_request(
         self,

@@ -121,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="show logprob tokens as 'token_id:<id>' (a request's own "
                         "return_tokens_as_token_ids overrides this)")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split chat outputs into reasoning_content and content (qwen3, "
+                        "deepseek_r1; default: none, the output is all content)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of chat outputs for tools with tool_choice "
+                        "\"auto\" (needs --tool-call-parser)")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format: hermes, llama3_json, mistral, pythonic, "
+                        "or one a --tool-parser-plugin registers (default: none)")
+    s.add_argument("--tool-parser-plugin", default=None, metavar="PATH",
+                   help="a Python file that registers tool parsers "
+                        "(tidal.frontend.tool_parsers.register_tool_parser; default: none)")
 
     gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout",
                          description="Generate a continuation of one prompt and stream the text "
@@ -204,6 +216,13 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         root_path = normalize_root_path(ns.root_path)
     except ValueError as exc:
         raise SystemExit(f"tidal: --root-path: {exc}") from None
+    from tidal.frontend.server.chat_parsing import server_parsers
+
+    try:
+        server_parsers(ns.reasoning_parser, ns.tool_call_parser, ns.enable_auto_tool_choice,
+                       ns.tool_parser_plugin)
+    except ValueError as exc:
+        raise SystemExit(f"tidal: {exc}") from None
     limits = ServerLimits()
     if ns.max_request_bytes is not None:
         limits = ServerLimits(max_body_bytes=ns.max_request_bytes)
@@ -222,6 +241,10 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         engine_stall_timeout=ns.engine_stall_timeout,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        reasoning_parser=ns.reasoning_parser,
+        tool_call_parser=ns.tool_call_parser,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_parser_plugin=ns.tool_parser_plugin,
         max_connections=ns.max_connections,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,

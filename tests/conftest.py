@@ -85,6 +85,19 @@ def smollm2_llm(smollm2_path):
     llm.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_smol_path(smollm2_tokenizer, tmp_path_factory):
+    """A tiny random-weight Llama with SmolLM2's real tokenizer (49,152 tokens): constrained
+    decoding tests need a real byte-level vocabulary, and the weights must not matter."""
+    folder = tmp_path_factory.mktemp("tiny-smol")
+    reference.make_tiny_model("llama", folder, vocab_size=len(smollm2_tokenizer),
+                              hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              bos_token_id=smollm2_tokenizer.bos_token_id,
+                              eos_token_id=smollm2_tokenizer.eos_token_id)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
 QWEN3_TOKENIZER = Path(__file__).parent / "data" / "qwen3"
 
 

@@ -34,6 +34,7 @@ from tidal.worker.sample.metadata import (
     needs_token_history,
     position_seed,
 )
+from tidal.worker.sample.grammar_mask import bitmask_rows
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
 from tidal.worker.step_buffers import StepBuffers
 
@@ -623,6 +624,8 @@ class ModelRunner:
             sampled_ids = [r for r, m in zip(req_ids, mask) if m]
         picked = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
         logits = self.model.compute_logits(picked)
+        if so.grammar_req_ids:
+            self._attach_grammar(so, inputs.sampling, sampled_ids)
         out, bad = self._sample(logits, inputs.sampling, sample_rows, sampled_ids)
         for rid, why in bad.items():
             failed[rid] = why
@@ -790,6 +793,14 @@ class ModelRunner:
 
     # --- sampling and outputs ---------------------------------------------------------------------
 
+    def _attach_grammar(self, so: SchedulerOutput, meta: SamplingMetadata,
+                        sampled_ids: list[str]) -> None:
+        """The step's grammar bitmasks on the sampling rows: one host-to-device copy."""
+        assert so.grammar_bitmask is not None
+        rows = bitmask_rows(so.grammar_req_ids, so.grammar_bitmask, sampled_ids)
+        if rows is not None:
+            meta.grammar_bitmask = torch.from_numpy(rows).to(self.device, non_blocking=True)
+
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray,
                 req_ids: list[str]) -> tuple[SamplerOutput, dict[str, str]]:
         """Sample the batch; if that raises, sample row by row so only the rows that fail are
@@ -808,6 +819,8 @@ class ModelRunner:
         for i, rid in enumerate(req_ids):
             try:
                 one = self.sampling_builder.build(self.batch, rows[i:i + 1], direct)
+                if meta.grammar_bitmask is not None:
+                    one.grammar_bitmask = meta.grammar_bitmask[i:i + 1]
                 out = self.sampler(logits[i:i + 1], one)
                 tokens[i] = out.token_ids[0]
             except Exception as exc:  # noqa: BLE001 - reported to that request only

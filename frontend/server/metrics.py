@@ -69,6 +69,8 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                    5.0, 10.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -337,6 +339,19 @@ class ServerMetrics:
         self.http_errors = Counter(f"{prefix}:http_request_errors",
                                    "Requests answered with an error, by status.",
                                    ["model_name", "status"], registry=r)
+        self.tool_parse_failures = Counter(
+            f"{prefix}:tool_call_parse_failures",
+            "Tool-call sections of outputs that did not parse (returned as content).",
+            ["model_name"], registry=r)
+        # Structured outputs (engine_core/structured_output): compiles and requests by kind.
+        self.grammar_compile = Histogram(
+            f"{prefix}:structured_output_compile_seconds",
+            "Time to compile a structured-output grammar (off the engine loop).",
+            ["model_name"], buckets=_COMPILE_BUCKETS, registry=r)
+        self.structured_requests = Counter(
+            f"{prefix}:structured_output_requests",
+            "Constrained requests, by kind (json, json_object, regex, choice, grammar).",
+            ["model_name", "kind"], registry=r)
         self._series(0)
 
     @classmethod
@@ -376,6 +391,11 @@ class ServerMetrics:
                 e.prefix_hits.inc(stats.prefix_cache_hits)
             for n in stats.iteration_tokens:
                 e.iteration_tokens.observe(n)
+            if stats.grammar_compile_s:
+                observe_many(self.grammar_compile.labels(self.model_name),
+                             stats.grammar_compile_s)
+            for kind in stats.structured_requests:
+                self.structured_requests.labels(self.model_name, kind).inc()
         if record.prompt_tokens:
             cached = record.cached_prompt_tokens
             e.prompt_tokens.inc(record.prompt_tokens)
@@ -434,6 +454,9 @@ class ServerMetrics:
 
     def error(self, status: int) -> None:
         self.http_errors.labels(self.model_name, str(status)).inc()
+
+    def tool_parse_failed(self, count: int) -> None:
+        self.tool_parse_failures.labels(self.model_name).inc(count)
 
     def render(self) -> bytes:
         if self.multiprocess:

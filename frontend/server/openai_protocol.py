@@ -47,14 +47,39 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as the model produced it
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call of an earlier assistant message (rendered through the chat template)."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # passed to the chat template
-    # Declared to be rejected (tools are not supported), not dropped silently.
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    # Declared to be rejected (the legacy functions API is not supported), not dropped silently.
     function_call: Any = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDefinition
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -90,6 +115,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's default
+    # Structured outputs: one form per request (frontend/server/structured.py checks them).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -109,6 +141,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Tool calling and template arguments (frontend/server/chat_parsing.py checks them).
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # false: drop reasoning_content (--reasoning-parser)
+    parallel_tool_calls: bool | None = None  # false: at most one parsed call
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -221,9 +259,17 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprobEntry] | None = None
 
 
-class ChatResponseMessage(msgspec.Struct):
+class ResponseToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -244,9 +290,23 @@ class ChatCompletionResponse(msgspec.Struct):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

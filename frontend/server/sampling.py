@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tidal.engine_core.sampling_params import OutputKind, SamplingParamError, SamplingParams
 from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tidal.frontend.server.structured import structured_params
 
 _INT64_MAX = (1 << 63) - 1
 
@@ -100,6 +101,7 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
     for t in stop_ids:
         _range("stop_token_ids", t, 0, _INT64_MAX)
     bias = _logit_bias(req.logit_bias, limits)
+    structured = structured_params(req)
     if req.seed is not None:
         _range("seed", req.seed, -(1 << 63), _INT64_MAX)
     if req.top_k is not None:
@@ -137,6 +139,7 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=OutputKind.DELTA,
+            structured_outputs=structured,
         )
     except SamplingParamError as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -13,6 +13,15 @@ from typing import Any
 from aiohttp import web
 
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.frontend.reasoning import DeltaMessage
+from tidal.frontend.server.chat_parsing import (
+    OutputParse,
+    check_tools,
+    new_output_parse,
+    server_parsers,
+    template_kwargs,
+    template_tool_calls,
+)
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
@@ -28,7 +37,11 @@ from tidal.frontend.server.openai_protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
     PromptLogprobs,
+    ResponseToolCall,
     Usage,
     decode_request,
     encode,
@@ -56,6 +69,7 @@ class _Choice:
     logprobs: list[ChatLogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    parse: OutputParse | None = None  # reasoning / tool-call parsers of this choice
 
 
 def messages_to_dicts(messages: list[ChatMessage] | None, param: str = "messages"
@@ -71,10 +85,12 @@ def messages_to_dicts(messages: list[ChatMessage] | None, param: str = "messages
         if m.role not in ROLES:
             raise bad_request(f"unknown message role {m.role[:40]!r}; use one of "
                               f"{', '.join(sorted(ROLES))}", f"{param}[{i}].role")
-        if m.tool_calls or m.function_call is not None:
-            name = "tool_calls" if m.tool_calls else "function_call"
-            raise bad_request("tool and function calling is not supported yet",
-                              f"{param}[{i}].{name}")
+        if m.function_call is not None:
+            raise bad_request("the legacy function_call is not supported; use tool_calls",
+                              f"{param}[{i}].function_call")
+        if m.tool_calls and m.role != ROLE:
+            raise bad_request("only assistant messages carry tool_calls",
+                              f"{param}[{i}].tool_calls")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -91,6 +107,8 @@ def messages_to_dicts(messages: list[ChatMessage] | None, param: str = "messages
             d["name"] = m.name
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = template_tool_calls(m.tool_calls, f"{param}[{i}].tool_calls")
         out.append(d)
     return out
 
@@ -105,12 +123,20 @@ def check_generation_prompt(add_generation_prompt: bool, continue_final_message:
 
 async def render_chat(state: ServerState, messages: list[dict[str, Any]],
                       add_generation_prompt: bool, chat_template: str | None,
-                      continue_final_message: bool = False) -> list[int]:
-    """Token ids of ``messages`` through the chat template; template failures are a 400."""
+                      continue_final_message: bool = False,
+                      tools: list[dict[str, Any]] | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of ``messages`` through the chat template; template failures are a 400.
+    ``tools`` and ``template_kwargs`` (chat_template_kwargs) reach the template as variables."""
+    extra: dict[str, Any] = {}
+    if tools:
+        extra["tools"] = tools
+    if template_kwargs:
+        extra["template_kwargs"] = template_kwargs
     try:
         return await state.engine.apply_chat_template(
             messages, add_generation_prompt, chat_template,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, **extra)
     except ValueError as exc:
         raise bad_request(f"cannot apply the chat template: {exc}", "messages") from None
     except Exception as exc:  # noqa: BLE001 - jinja2 errors: the messages don't fit the template
@@ -126,14 +152,24 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = decode_request(await read_body(request, state), ChatCompletionRequest)
     model = state.check_model(req.model)
     state.require_task("generate", "/v1/chat/completions")
+    cfg = state.settings
+    parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
+                             cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
+    tools = check_tools(req, parsers)
+    kwargs = template_kwargs(req)
     if req.use_beam_search:
+        if tools.tools or kwargs or parsers.reasoning is not None:
+            raise bad_request("use_beam_search does not take tools or chat_template_kwargs, "
+                              "nor run on a server with --reasoning-parser, yet",
+                              "use_beam_search")
         return await create_beam_chat(state, req, model)
     params = chat_params(req, state.limits)
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
     ids = await render_chat(state, messages, req.add_generation_prompt,
-                            state.settings.chat_template, req.continue_final_message)
+                            state.settings.chat_template, req.continue_final_message,
+                            tools.tools, kwargs)
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else \
         "max_tokens"
     check_context(len(ids), params.max_tokens, state.max_model_len, budget_param, "messages")
@@ -146,7 +182,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ticket = state.admission.admit(params.n)
     gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
                      req.cache_salt)
-    choices = [_Choice(i) for i in range(params.n)]
+    choices = [_Choice(i, parse=new_output_parse(parsers, tools.parse, req.include_reasoning,
+                                                 req.parallel_tool_calls))
+               for i in range(params.n)]
     view = _View(want_logprobs=req.logprobs, top_n=req.top_logprobs or 0,
                  as_ids=tokens_as_ids(req.return_tokens_as_token_ids,
                                       state.settings.return_tokens_as_token_ids),
@@ -161,6 +199,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         gen.close()
         num_open = sum(1 for c in choices if c.finish_reason is None)
         state.release(ticket, 0 if gen.failed else num_open)
+        failures = sum(c.parse.failures for c in choices if c.parse is not None)
+        if failures:
+            state.metrics.tool_parse_failed(failures)
 
 
 @dataclass(slots=True, frozen=True)
@@ -220,12 +261,44 @@ async def _whole(gen: Generation, choices: list[_Choice], view: _View, model: st
         id=request_id, created=int(time.time()), model=model, usage=_usage(choices, view, gen),
         choices=[ChatChoice(
             index=c.index,
-            message=ChatResponseMessage(role=ROLE, content=echo + "".join(c.text)),
+            message=message,
             logprobs=ChatLogprobs(content=c.logprobs) if view.want_logprobs else None,
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in choices],
+            finish_reason=_finish_reason(c), stop_reason=c.stop_reason)
+            # The message first: its parse decides the finish reason.
+            for c, message in [(c, _message(c, echo)) for c in choices]],
         prompt_logprobs=shown,
     )
     return json_response(body)
+
+
+def _message(c: _Choice, echo: str) -> ChatResponseMessage:
+    if c.parse is None:
+        return ChatResponseMessage(role=ROLE, content=echo + "".join(c.text))
+    parsed = c.parse.whole("".join(c.text))
+    content = echo + (parsed.content or "") if echo else parsed.content
+    calls = [ResponseToolCall(id=t.id, function=FunctionCall(t.name, t.arguments), type=t.type)
+             for t in parsed.calls]
+    return ChatResponseMessage(role=ROLE, content=content,
+                               reasoning_content=parsed.reasoning, tool_calls=calls or None)
+
+
+def _finish_reason(c: _Choice) -> str | None:
+    """"tool_calls" when an output that stopped by itself held calls (one cut by max_tokens
+    keeps "length": calls may have been lost)."""
+    if c.finish_reason == "stop" and c.parse is not None and c.parse.tools is not None \
+            and c.parse.tools.num_calls_found > 0:
+        return "tool_calls"
+    return c.finish_reason
+
+
+def _delta(msg: DeltaMessage | None) -> ChatDelta:
+    if msg is None:
+        return ChatDelta()
+    calls = [DeltaToolCall(index=d.index, id=d.id, type=d.type,
+                           function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+             for d in msg.tool_calls]
+    return ChatDelta(content=msg.content, reasoning_content=msg.reasoning_content,
+                     tool_calls=calls or None)
 
 
 async def _stream(request: web.Request, state: ServerState, req: ChatCompletionRequest,
@@ -262,7 +335,8 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
             for c in choices:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
-                    tail.append(chunk(ChatChunkChoice(c.index, ChatDelta(),
+                    held = c.parse.delta("", True) if c.parse is not None else None
+                    tail.append(chunk(ChatChunkChoice(c.index, _delta(held),
                                                       finish_reason="abort")))
         if opts is not None and opts.final_usage:
             tail.append(chunk(None, _usage(choices, view, gen)))
@@ -283,12 +357,18 @@ def _chunks(payloads: list[bytes], chunk: Any, choices: list[_Choice], out: Requ
     """Fold ``out`` into the choices and append its SSE chunks (one per choice with news)."""
     for c in out.outputs:
         entries = _apply(choices, c, view)
-        if not c.text and not entries and c.finish_reason is None:
+        choice = choices[c.index]
+        if choice.parse is not None:
+            # Parsers hold back what may still change, so a piece of text can bring no news.
+            delta = _delta(choice.parse.delta(c.text, c.finish_reason is not None))
+        else:
+            delta = ChatDelta(content=c.text) if c.text else ChatDelta()
+        if delta == ChatDelta() and not entries and c.finish_reason is None:
             continue
         payloads.append(chunk(ChatChunkChoice(
             index=c.index,
-            delta=ChatDelta(content=c.text) if c.text else ChatDelta(),
+            delta=delta,
             logprobs=ChatLogprobs(content=entries) if view.want_logprobs else None,
-            finish_reason=c.finish_reason,
+            finish_reason=_finish_reason(choice) if c.finish_reason is not None else None,
             stop_reason=c.stop_reason,
         )))

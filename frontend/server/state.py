@@ -44,6 +44,11 @@ class ServerSettings:
     enable_prompt_tokens_details: bool = False
     # logprob tokens as "token_id:<id>" unless a request says otherwise
     return_tokens_as_token_ids: bool = False
+    # Chat output parsers (frontend/server/chat_parsing.py): names as vLLM's flags take them.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_parser_plugin: str | None = None  # a Python file that registers tool parsers
 
 
 @dataclass(slots=True)

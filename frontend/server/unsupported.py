@@ -36,8 +36,8 @@ def _no_tool_choice(value: Any) -> bool:
     return value is None or value == "none"
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+def _this_backend(value: Any) -> bool:
+    return value is None or value in ("auto", "guidance", "llguidance")
 
 
 def _text_modality(value: Any) -> bool:
@@ -54,26 +54,28 @@ class Unsupported:
     no_op: Callable[[Any], bool] = _unset  # values that ask for nothing
 
 
-_TOOLS = "tool and function calling is not supported yet"
-_STRUCTURED = ("structured output (JSON schema, regex, choice or grammar constrained decoding) "
-               "is not supported yet")
+# Chat completions declare tools, tool_choice and chat_template_kwargs (chat_parsing.py);
+# these entries answer the other endpoints.
+_TOOLS = "tool calling is available in /v1/chat/completions only"
+_FUNCTIONS = "the legacy functions API is not supported; use tools in /v1/chat/completions"
+_STRUCTURED = ("structural tags, a per-request grammar backend and whitespace patterns are "
+               "not supported yet (JSON schema, JSON object, regex, choice and grammar are: "
+               "response_format, structured_outputs, guided_*)")
 
 # Completions, chat completions and /tokenize (a chat field in a completion request asks for
 # something the endpoint cannot do either).
 GENERATION: Mapping[str, Unsupported] = {
     "tools": Unsupported(_TOOLS, _empty),
     "tool_choice": Unsupported(f"{_TOOLS}; only \"none\" is accepted", _no_tool_choice),
-    "functions": Unsupported(_TOOLS, _empty),
-    "function_call": Unsupported(f"{_TOOLS}; only \"none\" is accepted", _no_tool_choice),
-    "response_format": Unsupported(f"{_STRUCTURED}; only {{\"type\": \"text\"}} is accepted",
-                                   _text_format),
-    "structured_outputs": Unsupported(_STRUCTURED, _empty),
-    "guided_json": Unsupported(_STRUCTURED),
-    "guided_regex": Unsupported(_STRUCTURED),
-    "guided_choice": Unsupported(_STRUCTURED),
-    "guided_grammar": Unsupported(_STRUCTURED),
+    "functions": Unsupported(_FUNCTIONS, _empty),
+    "function_call": Unsupported(f"{_FUNCTIONS}; only \"none\" is accepted",
+                                 _no_tool_choice),
+    # response_format, structured_outputs and guided_json/regex/choice/grammar are request
+    # fields (frontend/server/structured.py); these parts of structured outputs are not yet.
     "structural_tag": Unsupported(_STRUCTURED),
-    "guided_decoding_backend": Unsupported(_STRUCTURED),
+    "guided_decoding_backend": Unsupported(
+        "the grammar backend is the server's (--structured-outputs-backend); only \"auto\" "
+        "or \"guidance\" are accepted", _this_backend),
     "guided_whitespace_pattern": Unsupported(_STRUCTURED),
     "logits_processors": Unsupported("custom logits processors are not accepted in requests",
                                      _empty),
@@ -87,7 +89,8 @@ GENERATION: Mapping[str, Unsupported] = {
                                  _empty),
     "chat_template": Unsupported("the server's chat template applies (tidal serve "
                                  "--chat-template sets it)"),
-    "chat_template_kwargs": Unsupported("chat template arguments are not supported", _empty),
+    "chat_template_kwargs": Unsupported("chat template arguments are taken by "
+                                        "/v1/chat/completions only", _empty),
     "documents": Unsupported("documents for the chat template are not supported", _empty),
     "add_special_tokens": Unsupported("the chat template alone decides the special tokens of a "
                                       "chat prompt", _false),

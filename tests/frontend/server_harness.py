@@ -139,8 +139,11 @@ def require_smollm2() -> None:
 def generation_server() -> ServerProcess:
     """The bundled SmolLM2 behind the default flags the API and client tests share."""
     require_smollm2()
-    # Usage with prompt_tokens_details: the prefix-cache tests read cached_tokens.
-    return shared_server(SMALL_ENGINE + ["--enable-prompt-tokens-details"])
+    # Usage with prompt_tokens_details: the prefix-cache tests read cached_tokens. The tool
+    # parser acts only on requests with tools (tests/frontend/test_server_tools.py).
+    return shared_server(SMALL_ENGINE + ["--enable-prompt-tokens-details",
+                                         "--enable-auto-tool-choice", "--tool-call-parser",
+                                         "hermes"])
 
 
 def embedding_server() -> ServerProcess:

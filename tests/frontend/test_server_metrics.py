@@ -61,7 +61,10 @@ CACHE_CONFIG_INFO = "cache_config_info"
 # Deprecated by vLLM 0.11 (hidden from 0.12); kept: older dashboards plot it.
 DEPRECATED = {"time_per_output_token_seconds": "histogram"}
 # tidal's own.
-TIDAL_EXTRAS = {"http_request_errors": "counter", "kv_cache_group_usage_perc": "gauge"}
+TIDAL_EXTRAS = {"http_request_errors": "counter", "kv_cache_group_usage_perc": "gauge",
+                "tool_call_parse_failures": "counter",
+                "structured_output_compile_seconds": "histogram",
+                "structured_output_requests": "counter"}
 # Pending, feature absent in tidal (vLLM registers them only with the feature on): they must
 # not be exposed until the feature is there.
 PENDING = {

@@ -48,6 +48,9 @@ class SamplingMetadata:
     # pair is restricted to its pairs (an allowed list is never empty).
     allowed_rows: torch.Tensor | None = None
     allowed_cols: torch.Tensor | None = None
+    # Structured outputs: int32 [B, ceil(V / 32)] next-token bitmasks (grammar_mask.py); rows
+    # without a grammar are all ones. None when no row has a grammar.
+    grammar_bitmask: torch.Tensor | None = None
 
 
 def position_seed(seed: int, position: int) -> int:

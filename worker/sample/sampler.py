@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.worker.ops.kernels import Kernels
+from tidal.worker.sample.grammar_mask import apply_token_bitmask
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -110,7 +111,7 @@ def _plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row greedy, and nothing that changes or reports the distribution."""
     return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
             and meta.ban_rows is None and meta.output_counts is None
-            and meta.allowed_rows is None)
+            and meta.allowed_rows is None and meta.grammar_bitmask is None)
 
 
 class Sampler:
@@ -128,6 +129,8 @@ class Sampler:
             # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
             return SamplerOutput(self._argmax(logits), None)
         logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, meta.grammar_bitmask)
         if meta.allowed_rows is not None:
             assert meta.allowed_cols is not None
             logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_cols)

@@ -1,0 +1,70 @@
+"""The llguidance backend: the model's tokenizer as an ``LLTokenizer``, one ``LLMatcher`` per
+constrained sequence, and batched next-token bitmask fills (llguidance's own thread pool, the
+GIL released)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from tidal.engine_core.config import ModelConfig
+from tidal.engine_core.gguf_tokenizer import load_gguf_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_tokenizer(model: ModelConfig) -> Any:
+    """The model's HF tokenizer (an HF folder, or rebuilt from a GGUF file's metadata). The
+    frontend loads its own copy; the engine needs one only once a constrained request comes."""
+    from transformers import AutoTokenizer
+
+    path = model.tokenizer
+    if path.endswith(".gguf"):
+        # The frontend's cached rebuild, when it made one (seconds saved).
+        return load_gguf_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+class GuidanceBackend:
+    """Compiles grammars against one tokenizer and fills bitmasks for a batch of matchers.
+    Built in a compile thread (building the tokenizer tables takes about a second)."""
+
+    def __init__(self, model: ModelConfig) -> None:
+        import llguidance
+        import llguidance.hf
+
+        start = time.perf_counter()
+        hf = load_hf_tokenizer(model)
+        self.vocab_size = model.vocab_size  # the logits' width: the mask covers every id
+        if len(hf) > self.vocab_size:
+            raise ValueError(f"the tokenizer has {len(hf)} tokens, more than the model's "
+                             f"vocabulary ({self.vocab_size}): cannot build token masks")
+        eos = list(model.eos_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+        self.words = (self.vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor()
+        logger.info("llguidance tokenizer built in %.2f s (%d tokens)",
+                    time.perf_counter() - start, self.vocab_size)
+
+    def compile(self, grammar: str) -> Any:
+        """A matcher at the grammar's start (the compile cache keeps it as a template and
+        hands out copies). Raises ValueError with llguidance's reason if it does not compile."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def fill(self, matchers: list[Any], out: np.ndarray) -> None:
+        """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
+        if len(matchers) == 1:
+            m = matchers[0]
+            m.unsafe_compute_mask_ptr(out.ctypes.data, out.shape[1] * 4)
+            return
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, out.shape[1] * 4,
+            out.shape[0])

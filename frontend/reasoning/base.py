@@ -1,0 +1,140 @@
+"""The reasoning parser interface, and the one implementation ``<think>``-style models share.
+
+A parser instance serves one output stream (one choice of one request): ``extract`` parses a
+whole output, ``extract_delta`` / ``finish`` parse it as it arrives. Both run the same
+left-to-right scanner, and a stream only emits what no later text can change, so the joined
+deltas always equal the whole-output answer (tests/frontend/test_parser_stream_fuzz.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tidal.frontend.reasoning.text_stream import Stripper, partial_suffix
+
+
+@dataclass(slots=True)
+class DeltaToolCall:
+    """One ``tool_calls`` delta of a stream (OpenAI's shape; unset parts are omitted)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
+@dataclass(slots=True)
+class DeltaMessage:
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.reasoning_content and not self.content and not self.tool_calls
+
+
+class ReasoningParser(ABC):
+    """Splits an output into (reasoning, content). Subclasses set ``name`` and register with
+    ``tidal.frontend.reasoning.register_reasoning_parser``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of a whole output; None where there is none."""
+
+    @abstractmethod
+    def extract_delta(self, delta_text: str) -> DeltaMessage | None:
+        """The news of one more piece of this parser's stream (None: nothing yet)."""
+
+    @abstractmethod
+    def finish(self) -> DeltaMessage | None:
+        """The stream ended: whatever was held back."""
+
+
+@dataclass(slots=True)
+class _ThinkScan:
+    text: str = ""
+    pos: int = 0  # text before this is decided
+    state: str = "start"  # start | reasoning | content
+    reasoning: Stripper = field(default_factory=Stripper)
+    content: Stripper = field(default_factory=Stripper)
+
+
+class ThinkTagParser(ReasoningParser):
+    """``<think>reasoning</think>content``. ``implicit_start``: the opening tag may be missing
+    (it was in the prompt, as DeepSeek-R1's template does), so text before ``</think>`` is
+    reasoning, and an output that never closes it is all reasoning. Without it an output that
+    does not open with ``<think>`` is all content (Qwen3 with thinking off); one that opens it
+    and is cut short is all reasoning. Both parts are stripped of surrounding whitespace."""
+
+    name = "think"
+    start_tag = "<think>"
+    end_tag = "</think>"
+    implicit_start = False
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        super().__init__(tokenizer)
+        self._stream = _ThinkScan()
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        st = _ThinkScan(text=text)
+        reasoning, content = self._scan(st, final=True)
+        return reasoning or None, content or None
+
+    def extract_delta(self, delta_text: str) -> DeltaMessage | None:
+        st = self._stream
+        st.text += delta_text
+        return self._message(*self._scan(st, final=False))
+
+    def finish(self) -> DeltaMessage | None:
+        return self._message(*self._scan(self._stream, final=True))
+
+    @staticmethod
+    def _message(reasoning: str, content: str) -> DeltaMessage | None:
+        if not reasoning and not content:
+            return None
+        return DeltaMessage(reasoning_content=reasoning or None, content=content or None)
+
+    def _scan(self, st: _ThinkScan, final: bool) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        text = st.text
+        if st.state == "start":
+            rest = text[st.pos:].lstrip()
+            if rest.startswith(self.start_tag):
+                st.pos = text.index(self.start_tag, st.pos) + len(self.start_tag)
+                st.state = "reasoning"
+            elif not final and self.start_tag.startswith(rest):
+                return "", ""  # may still become the opening tag
+            else:
+                st.state = "reasoning" if self.implicit_start else "content"
+        if st.state == "reasoning":
+            end = text.find(self.end_tag, st.pos)
+            if end >= 0:
+                reasoning.append(st.reasoning.feed(text[st.pos:end]))
+                st.pos = end + len(self.end_tag)
+                st.state = "content"
+            else:
+                stop = len(text) if final else len(text) - partial_suffix(text, self.end_tag)
+                reasoning.append(st.reasoning.feed(text[st.pos:stop]))
+                st.pos = stop
+        if st.state == "content":
+            content.append(st.content.feed(text[st.pos:]))
+            st.pos = len(text)
+        return "".join(reasoning), "".join(content)
+
+
+class Qwen3ReasoningParser(ThinkTagParser):
+    name = "qwen3"
+
+
+class DeepSeekR1ReasoningParser(ThinkTagParser):
+    name = "deepseek_r1"
+    implicit_start = True

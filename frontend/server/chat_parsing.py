@@ -1,0 +1,243 @@
+"""What a chat request's output goes through after generation: the server's reasoning parser
+(``--reasoning-parser``) and, for ``tools`` with ``tool_choice: "auto"``, its tool-call parser
+(``--tool-call-parser`` with ``--enable-auto-tool-choice``); plus the checks of ``tools``,
+``tool_choice`` and ``chat_template_kwargs`` (400s naming the field, before the engine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.frontend.reasoning import DeltaMessage, ReasoningParser, get_reasoning_parser
+from tidal.frontend.reasoning.base import DeltaToolCall
+from tidal.frontend.server.errors import bad_request
+from tidal.frontend.server.openai_protocol import ChatCompletionRequest, ChatTool
+from tidal.frontend.tool_parsers import (
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+    load_tool_parser_plugin,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32
+# Arguments the server itself gives the template (or the tokenizer's call): a request must not
+# replace them through chat_template_kwargs.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens",
+})
+_ENFORCED = ("needs grammar-enforced decoding of tool calls, which is not available yet; use "
+             "tool_choice \"auto\" (parsed from free output) or \"none\"")
+
+
+@dataclass(slots=True, frozen=True)
+class ChatParsers:
+    """The server's parser classes, resolved once per process from its flags."""
+
+    reasoning: type[ReasoningParser] | None = None
+    tools: type[ToolParser] | None = None  # None unless --enable-auto-tool-choice
+
+
+def resolve_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
+                    enable_auto_tool_choice: bool, tool_parser_plugin: str | None = None
+                    ) -> ChatParsers:
+    """Raises ValueError for an unknown name, a plugin that does not load, or a tool parser
+    without --enable-auto-tool-choice (and the other way round)."""
+    if tool_parser_plugin:
+        load_tool_parser_plugin(tool_parser_plugin)
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if tool_call_parser and not enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser needs --enable-auto-tool-choice (as in vLLM)")
+    parsers = ChatParsers(
+        reasoning=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+        tools=get_tool_parser(tool_call_parser) if tool_call_parser else None)
+    if reasoning_parser or tool_call_parser:
+        logger.info("chat output parsers: reasoning %s, tool calls %s", reasoning_parser,
+                    tool_call_parser)
+    return parsers
+
+
+@dataclass(slots=True, frozen=True)
+class ChatTools:
+    tools: list[dict[str, Any]] | None  # for the chat template
+    parse: bool  # tool_choice "auto": parse the output for calls
+
+
+def check_tools(req: ChatCompletionRequest, parsers: ChatParsers) -> ChatTools:
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        raise bad_request(f"tool_choice naming a function {_ENFORCED}", "tool_choice",
+                          code="unsupported_field")
+    if choice not in (None, "none", "auto", "required"):
+        raise bad_request(f"tool_choice must be \"none\", \"auto\", \"required\" or a named "
+                          f"function, got {str(choice)[:40]!r}", "tool_choice")
+    if choice == "required":
+        raise bad_request(f"tool_choice \"required\" {_ENFORCED}", "tool_choice",
+                          code="unsupported_field")
+    if not req.tools:
+        if choice == "auto":
+            raise bad_request("tool_choice \"auto\" needs tools", "tool_choice")
+        return ChatTools(None, False)
+    if len(req.tools) > MAX_TOOLS:
+        raise bad_request(f"tools has {len(req.tools)} entries; the limit is {MAX_TOOLS}",
+                          "tools")
+    tools = [_tool(t, i) for i, t in enumerate(req.tools)]
+    if choice == "none":
+        return ChatTools(tools, False)
+    if parsers.tools is None:  # "auto", given or (tools present) by default
+        raise bad_request("tool_choice \"auto\" (the default when tools are given) needs the "
+                          "server started with --enable-auto-tool-choice and "
+                          "--tool-call-parser; send tool_choice \"none\" to show the tools to "
+                          "the model without parsing calls",
+                          "tool_choice" if choice else "tools", code="unsupported_field")
+    return ChatTools(tools, True)
+
+
+def _tool(tool: ChatTool, i: int) -> dict[str, Any]:
+    if tool.type != "function":
+        raise bad_request(f"tools of type {tool.type[:40]!r} are not supported; use "
+                          "\"function\"", f"tools[{i}].type")
+    fn = tool.function
+    if fn.strict:
+        raise bad_request(f"strict function schemas {_ENFORCED}", f"tools[{i}].function.strict",
+                          code="unsupported_field")
+    if not fn.name or len(fn.name) > 64:
+        raise bad_request("a function name must have 1 to 64 characters",
+                          f"tools[{i}].function.name")
+    out: dict[str, Any] = {"name": fn.name}
+    if fn.description is not None:
+        out["description"] = fn.description
+    if fn.parameters is not None:
+        out["parameters"] = fn.parameters
+    return {"type": "function", "function": out}
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = req.chat_template_kwargs or {}
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(f"chat_template_kwargs has {len(kwargs)} entries; the limit is "
+                          f"{MAX_TEMPLATE_KWARGS}", "chat_template_kwargs")
+    for key in kwargs:
+        if key in _RESERVED_KWARGS or not key.isidentifier():
+            raise bad_request(f"chat_template_kwargs cannot set {key[:40]!r}"
+                              + (" (the request's own field sets it)"
+                                 if key in _RESERVED_KWARGS else ""), "chat_template_kwargs")
+    return dict(kwargs)
+
+
+def template_tool_calls(calls: list[Any], param: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates read them: arguments decoded (the
+    templates serialize them again)."""
+    if len(calls) > MAX_TOOLS:
+        raise bad_request(f"a message may carry at most {MAX_TOOLS} tool calls", param)
+    out = []
+    for j, call in enumerate(calls):
+        if call.type != "function":
+            raise bad_request(f"tool calls of type {call.type[:40]!r} are not supported; use "
+                              "\"function\"", f"{param}[{j}].type")
+        try:
+            args = json.loads(call.function.arguments)
+        except (ValueError, RecursionError):  # the body's depth check does not see inside
+            args = None
+        if not isinstance(args, dict):
+            raise bad_request("function.arguments must be a JSON object (as a string)",
+                              f"{param}[{j}].function.arguments")
+        out.append({"id": call.id, "type": call.type,
+                    "function": {"name": call.function.name, "arguments": args}})
+    return out
+
+
+@dataclass(slots=True)
+class ParsedMessage:
+    reasoning: str | None
+    content: str | None
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class OutputParse:
+    """One choice's parsers: reasoning first, then tool calls in what is left."""
+
+    reasoning: ReasoningParser | None
+    tools: ToolParser | None
+    include_reasoning: bool = True  # false: parsed out, then dropped
+    one_call: bool = False  # parallel_tool_calls false: calls after the first are dropped
+
+    @property
+    def failures(self) -> int:
+        return 0 if self.tools is None else self.tools.failures
+
+    def whole(self, text: str) -> ParsedMessage:
+        reasoning, content = None, text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(text)
+            reasoning = reasoning if self.include_reasoning else None
+        if self.tools is None:
+            return ParsedMessage(reasoning, content)
+        body, calls = self.tools.extract_tool_calls(content or "")
+        return ParsedMessage(reasoning, body, calls[:1] if self.one_call else calls)
+
+    def delta(self, text: str, final: bool) -> DeltaMessage | None:
+        """The news of ``text``; ``final``: the output ended, so flush what was held."""
+        if self.reasoning is None:
+            steps: list[DeltaMessage | None] = [DeltaMessage(content=text)]
+        else:
+            steps = [self.reasoning.extract_delta(text)]
+            if final:
+                steps.append(self.reasoning.finish())
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[DeltaToolCall] = []
+        for msg in steps:
+            if msg is None:
+                continue
+            reasoning.append(msg.reasoning_content or "")
+            if self.tools is None:
+                content.append(msg.content or "")
+            elif msg.content:
+                self._take(self.tools.extract_tool_calls_streaming(msg.content), content, calls)
+        if final and self.tools is not None:
+            self._take(self.tools.finish_streaming(), content, calls)
+        if not self.include_reasoning:
+            reasoning.clear()
+        if self.one_call:
+            calls = [c for c in calls if c.index == 0]
+        out = DeltaMessage(reasoning_content="".join(reasoning) or None,
+                           content="".join(content) or None, tool_calls=calls)
+        return None if out.is_empty() else out
+
+    @staticmethod
+    def _take(msg: DeltaMessage | None, content: list[str], calls: list[DeltaToolCall]) -> None:
+        if msg is not None:
+            content.append(msg.content or "")
+            calls.extend(msg.tool_calls)
+
+
+_RESOLVED: dict[tuple[Any, ...], ChatParsers] = {}
+
+
+def server_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
+                   enable_auto_tool_choice: bool, tool_parser_plugin: str | None) -> ChatParsers:
+    """``resolve_parsers``, once per process (the CLI checked the flags at start-up)."""
+    key = (reasoning_parser, tool_call_parser, enable_auto_tool_choice, tool_parser_plugin)
+    parsers = _RESOLVED.get(key)
+    if parsers is None:
+        parsers = _RESOLVED[key] = resolve_parsers(*key)
+    return parsers
+
+
+def new_output_parse(parsers: ChatParsers, parse_tools: bool, include_reasoning: bool = True,
+                     parallel_tool_calls: bool | None = None) -> OutputParse | None:
+    tools = parsers.tools() if parse_tools and parsers.tools is not None else None
+    reasoning = parsers.reasoning() if parsers.reasoning is not None else None
+    if tools is None and reasoning is None:
+        return None
+    return OutputParse(reasoning, tools, include_reasoning, parallel_tool_calls is False)

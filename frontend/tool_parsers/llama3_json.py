@@ -1,0 +1,68 @@
+"""Llama 3.x JSON tool calls: ``{"name": ..., "parameters": {...}}``, several separated by
+``;``, at the start of the output or after ``<|python_tag|>``."""
+
+from __future__ import annotations
+
+import json
+
+from tidal.frontend.reasoning.text_stream import partial_suffix
+from tidal.frontend.tool_parsers.base import Piece, ScanState, ToolParser, call_from_object
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Calls start where the output opens with ``{`` or at ``<|python_tag|>`` (a special
+    token: serve with ``skip_special_tokens: false`` to keep it in the text). Each JSON object
+    is one call; text after the last one is content."""
+
+    name = "llama3_json"
+
+    def _scan(self, st: ScanState, final: bool) -> list[Piece]:
+        pieces: list[Piece] = []
+        text = st.text
+        while True:
+            if st.mode == "text" and st.pos == 0 and not st.content.started:
+                rest = text.lstrip()
+                if not rest and not final:
+                    return pieces
+                if rest.startswith("{"):
+                    st.pos = len(text) - len(rest)
+                    st.mode = "calls"
+                else:
+                    st.mode = "text_only"
+            if st.mode in ("text", "text_only"):
+                i = text.find(PYTHON_TAG, st.pos)
+                if i < 0:
+                    stop = len(text)
+                    if not final:
+                        stop -= partial_suffix(text[st.pos:], PYTHON_TAG)
+                    if stop > st.pos:
+                        pieces.append(text[st.pos:stop])
+                        st.pos = stop
+                    return pieces
+                if i > st.pos:
+                    pieces.append(text[st.pos:i])
+                st.pos = i + len(PYTHON_TAG)
+                st.mode = "calls"
+            # "calls": objects separated by ';' and whitespace
+            k = st.pos
+            while k < len(text) and (text[k].isspace() or text[k] == ";"):
+                k += 1
+            st.pos = k
+            if k >= len(text):
+                return pieces
+            if text[k] != "{":
+                st.mode = "text_only"
+                continue
+            j = st.bracket_end(k)
+            if j is None:
+                if not final:
+                    return pieces
+                j = len(text)
+            try:
+                call = call_from_object(json.loads(text[k:j]), ("parameters", "arguments"))
+            except (ValueError, RecursionError):
+                call = None
+            pieces.append(self._section(text[k:j], None if call is None else [call]))
+            st.pos = j

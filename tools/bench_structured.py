@@ -1,0 +1,134 @@
+"""Structured-output cost: batch-N decode with every request under a JSON schema vs the same
+batch unconstrained, the mask fill time per sequence per step, and the time to first mask over
+the schema corpus (tools/schema_corpus.py).
+
+    python tools/bench_structured.py --shape qwen3-0.6b --batch 256 --tokens 256     # a GPU
+    python tools/bench_structured.py --layers 2 --batch 32 --tokens 64 --corpus 200  # a CPU
+
+Dummy weights on a shape from bench_common, with the real Qwen3 tokenizer (tests/data/qwen3,
+152k-entry vocabulary) so masks have a realistic size. The constrained workload's schema is an
+array of at least ``--tokens`` small integers: it cannot close before ``max_tokens``, so both
+runs decode the same number of steps. Reported: output tokens/s of each (totals over
+``--repeats`` alternating runs), their ratio, the added time per step, the mask fill time per
+sequence per step (each fill's time over its sequences: p50/p99), and the time from a
+request's arrival to its first mask (compile included: distinct schemas, cold cache) with the
+compile times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import device_name, dump, write_model_dir  # noqa: E402
+from schema_corpus import corpus  # noqa: E402
+
+from tidal.engine_core.sampling_params import StructuredOutputsParams  # noqa: E402
+from tidal.frontend import LLM, SamplingParams  # noqa: E402
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen3"
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def us(x: float) -> float:
+    return round(x * 1e6, 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--corpus", type=int, default=500, help="schemas for time to first mask")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-structured-"))
+    write_model_dir(args.shape, folder, str(TOKENIZER))
+    overrides: dict[str, Any] = {}
+    if args.layers is not None:
+        overrides["num_hidden_layers"] = args.layers
+    llm = LLM(str(folder), load_format="dummy", hf_overrides=overrides,
+              max_num_seqs=args.batch, max_model_len=args.prompt_len + args.tokens + 16,
+              enable_prefix_caching=False)
+    core = llm.engine.core
+    stats = core.structured.stats
+    prompts = [[100 + (i * 7 + j) % 5000 for j in range(args.prompt_len)]
+               for i in range(args.batch)]
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+              "minItems": args.tokens}
+    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+
+    def timed(params: SamplingParams) -> tuple[float, int]:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    # Warm-up: the tokenizer tables, the grammar (cached from here on), the model.
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured_outputs=(
+        constrained.structured_outputs)), use_tqdm=False)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    runs: dict[str, list[tuple[float, int]]] = {"unconstrained": [], "json_schema": []}
+    fills: list[tuple[int, float]] = []
+    for _ in range(args.repeats):
+        runs["unconstrained"].append(timed(plain))
+        stats.fills.clear()
+        runs["json_schema"].append(timed(constrained))
+        fills.extend(stats.fills)
+    # Totals over the repeats (runs alternate, so drifting load hits both alike).
+    tps = {k: sum(n for _, n in v) / sum(t for t, _ in v) for k, v in runs.items()}
+    step = {k: sum(t for t, _ in v) / (len(v) * args.tokens) for k, v in runs.items()}
+    per_seq = [dt / n for n, dt in fills]
+    per_step = [dt for _, dt in fills]
+
+    # Time to first mask over distinct corpus schemas (cold compile cache for each).
+    stats.first_mask_s.clear()
+    stats.compile_s.clear()
+    schemas = corpus(args.corpus, seed=1)
+    batch = [SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=s))
+             for s in schemas]
+    for i in range(0, len(batch), args.batch):
+        llm.generate(prompts[:len(batch[i:i + args.batch])], batch[i:i + args.batch],
+                     use_tqdm=False)
+    first = list(stats.first_mask_s)
+    compiles = list(stats.compile_s)
+    result = {
+        "device": device_name(), "shape": args.shape, "layers": args.layers,
+        "vocab": core.config.model.vocab_size, "batch": args.batch, "tokens": args.tokens,
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "throughput_ratio": round(tps["json_schema"] / tps["unconstrained"], 3),
+        "step_ms": {k: round(v * 1e3, 3) for k, v in step.items()},
+        "added_time_per_step": round(step["json_schema"] / step["unconstrained"] - 1, 4),
+        "mask_fill_us_per_seq": {"p50": us(pct(per_seq, 0.5)), "p99": us(pct(per_seq, 0.99)),
+                                 "fills": len(per_seq)},
+        "mask_fill_ms_per_step": {"p50": round(pct(per_step, 0.5) * 1e3, 3),
+                                  "p99": round(pct(per_step, 0.99) * 1e3, 3)},
+        "time_to_first_mask_ms": {"p50": round(pct(first, 0.5) * 1e3, 2),
+                                  "p99": round(pct(first, 0.99) * 1e3, 2),
+                                  "max": round(max(first, default=0) * 1e3, 2),
+                                  "schemas": len(first)},
+        "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
+                       "p99": round(pct(compiles, 0.99) * 1e3, 3)},
+    }
+    llm.shutdown()
+    dump(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
