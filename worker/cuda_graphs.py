@@ -118,9 +118,8 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = fwd(size)
-            # The first launch of a graph uploads it to the device (milliseconds for a model's
-            # worth of kernels): pay that here, not in the first request that needs the size.
-            # The dummy batch writes no KV (slots -1).
+            # A graph's first launch also uploads it to the device: pay that here, not in the
+            # first request that needs the size. The dummy batch writes no KV (slots -1).
             graph.replay()
             table[size] = (graph, out)
         torch.cuda.synchronize()
