@@ -117,7 +117,8 @@ GENERATION: Mapping[str, Unsupported] = {
 
 # Known fields that change nothing this server returns: identifiers and metadata, hints about
 # caching or routing, chunking of a stream, and switches for features that are absent here
-# (reasoning parsers, routed-expert data, the render endpoints).
+# (routed-expert data, the render endpoints) or that only chat completions act on
+# (``include_reasoning``, ``parallel_tool_calls``: chat_parsing.py reads them there).
 HARMLESS: frozenset[str] = frozenset({
     "user", "request_id", "session_id", "metadata", "store", "service_tier",
     "prompt_cache_key", "safety_identifier", "parallel_tool_calls", "include_reasoning",
