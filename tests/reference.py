@@ -119,6 +119,31 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+def gguf_writer(cfg, path: Path, arch: str):
+    """A ``gguf.GGUFWriter`` for ``arch`` holding the hyperparameters of HF config ``cfg`` that
+    every decoder family's GGUF carries; the caller adds its own keys and tensors, then
+    ``write_gguf``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    return writer
+
+
+def write_gguf(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def load_hf_gguf(path: Path):
     from transformers import AutoModelForCausalLM
 

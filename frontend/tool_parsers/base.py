@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tidal.frontend.reasoning.base import DeltaMessage, DeltaToolCall
-from tidal.frontend.reasoning.text_stream import Stripper
+from tidal.frontend.reasoning.text_stream import Stripper, partial_suffix
 from tidal.frontend.tool_parsers.scanning import BracketScan
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,24 @@ class ScanState:
         if self.scan is None or self.scan.start != start:
             self.scan = BracketScan(start, python)
         return self.scan.advance(self.text)
+
+    def text_until(self, marker: str, final: bool, pieces: list[Piece]) -> int | None:
+        """Emit the plain text before the next ``marker`` into ``pieces``; returns the
+        marker's index, or None when none is there yet (then text that may be the start of a
+        marker is held back, unless ``final``)."""
+        text = self.text
+        i = text.find(marker, self.pos)
+        if i < 0:
+            stop = len(text)
+            if not final:
+                stop -= partial_suffix(text[self.pos:], marker)
+            if stop > self.pos:
+                pieces.append(text[self.pos:stop])
+                self.pos = stop
+            return None
+        if i > self.pos:
+            pieces.append(text[self.pos:i])
+        return i
 
 
 def make_call(name: Any, arguments: Any) -> ToolCall | None:

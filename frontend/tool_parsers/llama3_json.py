@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-from tidal.frontend.reasoning.text_stream import partial_suffix
 from tidal.frontend.tool_parsers.base import Piece, ScanState, ToolParser, call_from_object
 
 PYTHON_TAG = "<|python_tag|>"
@@ -32,17 +31,9 @@ class Llama3JsonToolParser(ToolParser):
                 else:
                     st.mode = "text_only"
             if st.mode in ("text", "text_only"):
-                i = text.find(PYTHON_TAG, st.pos)
-                if i < 0:
-                    stop = len(text)
-                    if not final:
-                        stop -= partial_suffix(text[st.pos:], PYTHON_TAG)
-                    if stop > st.pos:
-                        pieces.append(text[st.pos:stop])
-                        st.pos = stop
+                i = st.text_until(PYTHON_TAG, final, pieces)
+                if i is None:
                     return pieces
-                if i > st.pos:
-                    pieces.append(text[st.pos:i])
                 st.pos = i + len(PYTHON_TAG)
                 st.mode = "calls"
             # "calls": objects separated by ';' and whitespace

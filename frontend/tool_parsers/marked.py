@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 
-from tidal.frontend.reasoning.text_stream import partial_suffix
 from tidal.frontend.tool_parsers.base import (
     Piece,
     ScanState,
@@ -32,17 +32,9 @@ class MarkedToolParser(ToolParser):
         text = st.text
         while True:
             if st.mode == "text":
-                i = text.find(self.marker, st.pos)
-                if i < 0:
-                    stop = len(text)
-                    if not final:
-                        stop -= partial_suffix(text[st.pos:], self.marker)
-                    if stop > st.pos:
-                        pieces.append(text[st.pos:stop])
-                        st.pos = stop
+                i = st.text_until(self.marker, final, pieces)
+                if i is None:
                     return pieces
-                if i > st.pos:
-                    pieces.append(text[st.pos:i])
                 st.pos = i
                 st.mode = "call"
             end = self._section_end(st, st.pos + len(self.marker))
@@ -55,12 +47,13 @@ class MarkedToolParser(ToolParser):
             st.pos = end
             st.mode = "text"
 
+    @abstractmethod
     def _section_end(self, st: ScanState, body: int) -> int | None:
         """Index just past the call section whose body starts at ``body``; None: not closed."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _parse(self, body: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls in a section's body; None: it does not parse."""
 
 
 class HermesToolParser(MarkedToolParser):

@@ -127,18 +127,10 @@ def _write_gguf(hf, path) -> None:
     arch = "gemma3" if cfg.model_type == "gemma3_text" else "gemma2"
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()),
                                      cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = reference.gguf_writer(cfg, path, arch)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_vocab_size(cfg.vocab_size)
     if arch == "gemma2":
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -155,10 +147,7 @@ def _write_gguf(hf, path) -> None:
         if name.endswith("norm.weight"):
             data = data + np.float32(1.0)
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    reference.write_gguf(writer)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

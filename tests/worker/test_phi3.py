@@ -239,21 +239,13 @@ def test_tp2_matches_single_worker(phi3_models):
 
 def _write_gguf(hf, path) -> None:
     """The HF model as llama.cpp's converter lays Phi-3 out (fused tensors kept, F32)."""
-    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("gguf")
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = reference.gguf_writer(cfg, path, "phi3")
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_tokenizer_model("llama")
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
@@ -270,10 +262,7 @@ def _write_gguf(hf, path) -> None:
             module, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{stems[module]}.{kind}"
         writer.add_tensor(gguf_name, tensor.numpy().astype("float32"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    reference.write_gguf(writer)
 
 
 def test_gguf_matches_hf(phi3_models, tmp_path):
