@@ -74,8 +74,13 @@ _HELP = {
     "max_queued_requests": "most requests waiting beyond the running batch; more get 429; "
                            "default: no limit",
     "structured_outputs_backend": "grammar backend of structured outputs (response_format, "
-                                  "guided_*): auto or guidance (llguidance); xgrammar is not "
-                                  "available yet",
+                                  "guided_*): auto (per request: xgrammar when it supports the "
+                                  "spec in full, else llguidance), guidance or xgrammar",
+    "reasoning_parser": "the model's reasoning format: qwen3, deepseek_r1 or gpt_oss; the "
+                        "server splits chat outputs into reasoning_content and content, and "
+                        "the engine applies a request's grammar only after the thinking and "
+                        "enforces thinking_token_budget (default: none, the output is all "
+                        "content)",
     "tensor_parallel_size": "worker processes (GPUs) every layer is sharded across",
     "pipeline_parallel_size": "pipeline stages (worker processes) the layers are split into",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "

@@ -70,8 +70,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
     max_queued_requests: int | None = None
-    # Constrained decoding's grammar backend (engine_core/structured_output): guidance.
-    structured_outputs_backend: str = "guidance"
+    # Constrained decoding's grammar backend (engine_core/structured_output): auto (per
+    # request: spec.choose_backend) | guidance | xgrammar.
+    structured_outputs_backend: str = "auto"
+    # The model's reasoning format (reasoning_formats.py): grammars apply after the thinking,
+    # thinking budgets force its end. None: no reasoning parser.
+    reasoning_parser: str | None = None
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,7 +179,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None  # None: on for generation on CUDA with one stage
     max_queued_requests: int | None = None
-    structured_outputs_backend: str = "auto"  # auto | guidance | xgrammar (not yet)
+    structured_outputs_backend: str = "auto"  # auto | guidance | xgrammar
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | gpt_oss (reasoning_formats.py)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -352,6 +357,7 @@ class EngineArgs:
             async_scheduling=async_scheduling,
             max_queued_requests=self.max_queued_requests,
             structured_outputs_backend=check_backend(self.structured_outputs_backend),
+            reasoning_parser=_check_reasoning_parser(self.reasoning_parser),
         )
 
     def _parallel_config(self, arch: ArchSpec) -> ParallelConfig:
@@ -389,12 +395,18 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
 
 
 def check_backend(name: str) -> str:
-    """The grammar backend for ``--structured-outputs-backend``: auto is guidance for now."""
+    """The grammar backend for ``--structured-outputs-backend`` (``auto`` picks one per
+    request: structured_output/spec.py). xgrammar is an optional dependency."""
     if name in ("auto", "guidance"):
-        return "guidance"
+        return name
     if name == "xgrammar":
-        raise ConfigError("--structured-outputs-backend xgrammar is not available yet; use "
-                          "auto or guidance (llguidance)")
+        import importlib.util
+
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ConfigError("--structured-outputs-backend xgrammar needs the xgrammar "
+                              "package (pip install 'tidal[xgrammar]'); auto and guidance "
+                              "work without it")
+        return name
     raise ConfigError("--structured-outputs-backend must be one of "
                       f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {name!r}")
 
@@ -422,3 +434,13 @@ def _resolve_dtype(dtype: str, hf: dict[str, Any], device: str) -> str:
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be auto or one of {_DTYPES}, got {dtype!r}")
     return dtype
+
+
+def _check_reasoning_parser(name: str | None) -> str | None:
+    from tidal.engine_core.reasoning_formats import reasoning_format
+
+    try:
+        reasoning_format(name)
+    except ValueError as exc:
+        raise ConfigError(f"--reasoning-parser: {exc}") from None
+    return name

@@ -23,12 +23,13 @@ from tidal.engine_core.protocol import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from tidal.engine_core.reasoning_formats import reasoning_format
 from tidal.engine_core.request import Request
 from tidal.engine_core.scheduler import Scheduler
 from tidal.engine_core.startup_log import StartupLog
 from tidal.engine_core.stats_logger import StatsLogger
 from tidal.engine_core.structured_output.manager import StructuredOutputManager
-from tidal.engine_core.validation import validate_request
+from tidal.engine_core.validation import RequestValidationError, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +106,18 @@ class EngineCore:
         self._eos = frozenset(config.model.eos_token_ids)
         # Constrained requests wait here for their grammar, then run with a mask per step.
         self.structured = StructuredOutputManager(
-            config.model, config.scheduler.structured_outputs_backend)
+            config.model, config.scheduler.structured_outputs_backend,
+            reasoning=reasoning_format(config.scheduler.reasoning_parser))
         self.stats_logger = StatsLogger()
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        # With steps in flight and a worker in this process, a constrained request runs every
+        # step: its step is launched first, and its mask is filled from its previous token
+        # (which arrives meanwhile) while the device runs the forward pass, then sampled with.
+        self.defer_masks = (self.max_inflight > 1
+                            and getattr(self.executor, "supports_deferred_sample", False))
+        self.scheduler.grammar_in_flight_ok = self.defer_masks
         # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
         # take it out of the garbage collector's generations, or every full collection walks it
         # (about 0.2 ms per step at batch 256 on a small CPU).
@@ -131,6 +139,13 @@ class EngineCore:
         validate_request(req.prompt_token_ids, req.sampling_params, self.config,
                          check_grammar=False)
         request = Request.from_engine_request(req, self.config.model.max_model_len, self._eos)
+        if req.sampling_params.thinking_token_budget is not None:
+            if self.structured.reasoning is None:
+                raise RequestValidationError(
+                    "thinking_token_budget needs the engine started with --reasoning-parser")
+            # Its next mask may force a token, so it waits for its previous one like a
+            # constrained request does.
+            request.structured = True
         if request.structured:
             rid = request.request_id
             if rid in self.scheduler.requests or rid in self.structured.pending:
@@ -162,13 +177,21 @@ class EngineCore:
         structured = self.structured
         if structured.pending:
             outputs.extend(self._admit_compiled())
+        mask_later: list[str] = []  # constrained requests that sample in the step launched
         if len(self.batch_queue) < self.max_inflight and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if sched.total_num_scheduled_tokens:
                 if structured.states:
-                    self._attach_grammar_masks(sched)
-                pending = (self.executor.execute_model(sched, non_block=True)
-                           if self.max_inflight > 1 else self.executor.execute_model(sched))
+                    if self.defer_masks:
+                        mask_later = self._sampling_constrained(sched)
+                    else:
+                        self._attach_grammar_masks(sched)
+                if mask_later:
+                    pending = launched_pending = self.executor.execute_model(
+                        sched, non_block=True, defer_sample=True)
+                else:
+                    pending = (self.executor.execute_model(sched, non_block=True)
+                               if self.max_inflight > 1 else self.executor.execute_model(sched))
                 self.batch_queue.append((sched, pending))
                 launched = True
         if self.batch_queue and (len(self.batch_queue) >= self.max_inflight or not launched):
@@ -178,6 +201,12 @@ class EngineCore:
             outputs += self.scheduler.update_from_output(sched, result)
             if structured.states:
                 self._advance_grammars(outputs)
+        if mask_later:
+            # Every earlier step of these requests is collected now: their matchers are current.
+            ids = [rid for rid in mask_later
+                   if rid in structured.states and structured.states[rid].needs_mask]
+            self.executor.finish_sample(launched_pending, ids,
+                                        structured.fill_bitmask(ids) if ids else None)
         if not launched and not self.batch_queue and structured.pending and not outputs:
             # Only compiles are left: wait for one rather than spin (nothing else can run).
             structured.wait_for_compiles(0.005)
@@ -202,6 +231,14 @@ class EngineCore:
                                          error=why))
         return outs
 
+    def _sampling_constrained(self, sched: SchedulerOutput) -> list[str]:
+        """The constrained requests of ``sched`` that sample in it (the scheduler gave them a
+        placeholder; a request whose previous token is in flight also samples, decoding)."""
+        states = self.structured.states
+        requests = self.scheduler.requests
+        return [rid for rid in sched.req_ids
+                if rid in states and requests[rid].num_placeholders > 0]
+
     def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
         """The next-token masks of the constrained requests that sample this step. A request
         samples when its scheduled tokens reach its end: the scheduler then counts the token
@@ -209,7 +246,8 @@ class EngineCore:
         states = self.structured.states
         requests = self.scheduler.requests
         ids = [rid for rid in sched.req_ids
-               if rid in states and requests[rid].num_placeholders > 0]
+               if rid in states and requests[rid].num_placeholders > 0
+               and states[rid].needs_mask]  # not while thinking freely
         if ids:
             sched.grammar_req_ids = ids
             sched.grammar_bitmask = self.structured.fill_bitmask(ids)

@@ -32,6 +32,9 @@ class Deferred:
         get = getattr(self._value, "get_output", None)
         return get() if get is not None else self._value
 
+    def replace(self, value: Any) -> None:
+        self._value = value
+
 
 class Executor(Protocol):
     # Steps that may be in flight at once: 1 runs steps one by one; more lets the EngineCore
@@ -53,6 +56,10 @@ class Executor(Protocol):
         """Triton JIT compiles of the workers (summed), for ``control.GetCompileStats``."""
         ...
 
+    # Optional (the EngineCore checks with getattr): ``supports_deferred_sample = True`` with
+    # ``execute_model(so, non_block, defer_sample)`` and ``finish_sample(pending, ids, mask)``,
+    # so grammar masks are filled while the step runs (UniprocExecutor).
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -72,9 +79,24 @@ class UniprocExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
-        out = Deferred(self.worker.execute_model(so))
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sample: bool = False) -> Any:
+        out = Deferred(self.worker.execute_model(so, defer_sample=defer_sample))
         return out if non_block else out.result()
+
+    # The worker runs in this process: a step's sampling can wait for grammar masks that the
+    # EngineCore fills while the device runs the step's forward pass.
+    supports_deferred_sample = True
+
+    def finish_sample(self, pending: Deferred, grammar_req_ids: list[str],
+                      grammar_bitmask: Any) -> None:
+        """Sample the step ``execute_model(..., defer_sample=True)`` returned as ``pending``
+        (a no-op for a step that had nothing to sample)."""
+        from tidal.worker.model_runner import SampleLater
+
+        later = pending._value
+        if isinstance(later, SampleLater):
+            pending.replace(self.worker.finish_sample(later, grammar_req_ids, grammar_bitmask))
 
     def compile_stats(self) -> CompileStats:
         return self.worker.compile_stats()

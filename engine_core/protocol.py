@@ -301,9 +301,10 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 5  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+PROTOCOL_VERSION = 6  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
 # (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
-# and structured_requests
+# and structured_requests; 6: SamplingParams.thinking_token_budget and reasoning_first,
+# StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen)
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

@@ -23,31 +23,40 @@ MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary in use
 MAX_GRAMMAR_CHARS = 1 << 17  # a schema, regex or grammar, as text
 MAX_CHOICES = 1024
+MAX_THINKING_TOKENS = 1 << 31
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Constrain the output: exactly one of a JSON schema (a dict or its JSON text), any JSON
-    object, a regular expression, one of a list of strings, or a Lark grammar (llguidance's
-    dialect; GBNF is converted). The engine compiles it with llguidance and masks every sampled
-    token to what the constraint allows; the request stops when the constraint is complete.
-    A dict schema is turned into its JSON text when built (one form on the wire)."""
+    object, a regular expression, one of a list of strings, a grammar (Lark in llguidance's
+    dialect, or GBNF), or a structural tag (free text with schema-constrained tagged
+    sections: structured_output/spec.py). The engine compiles it (llguidance or xgrammar:
+    ``backend``, or the engine's choice) and masks every sampled token to what the constraint
+    allows; the request stops when the constraint is complete. A dict schema is turned into
+    its JSON text when built (one form on the wire)."""
 
     json: str | dict[str, Any] | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # JSON text (structured_output/spec.py)
+    # "guidance" | "xgrammar"; None: the engine's --structured-outputs-backend decides.
+    backend: str | None = None
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                if getattr(self, k) is not None]
         if self.json_object:
             set_.append("json_object")
         _check(len(set_) == 1, "structured_outputs",
-               f"needs exactly one of json, json_object, regex, choice, grammar; got "
-               f"{', '.join(set_) or 'none'}")
+               f"needs exactly one of json, json_object, regex, choice, grammar, "
+               f"structural_tag; got {', '.join(set_) or 'none'}")
+        _check(self.backend in (None, "guidance", "xgrammar"), "structured_outputs.backend",
+               f"must be guidance or xgrammar, got {str(self.backend)[:64]!r}")
         if isinstance(self.json, dict):
             self.json = _json.dumps(self.json, ensure_ascii=False)
-        for name in ("json", "regex", "grammar"):
+        for name in ("json", "regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None:
                 _check(0 < len(value) <= MAX_GRAMMAR_CHARS, f"structured_outputs.{name}",
@@ -62,8 +71,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def kind(self) -> str:
-        """json | json_object | regex | choice | grammar (metrics, the compile cache key)."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """json | json_object | regex | choice | grammar | structural_tag (metrics, the
+        compile cache key)."""
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -110,6 +120,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_kind: OutputKind = OutputKind.CUMULATIVE
     # Constrained decoding (engine_core/structured_output); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # With a reasoning parser (EngineArgs.reasoning_parser): after this many tokens of thinking
+    # the engine forces the end of it (structured_output/reasoning_gate.py); None: no limit.
+    thinking_token_budget: int | None = None
+    # The output begins with the model's reasoning when the engine has a reasoning parser (a
+    # chat reply): the grammar then applies after it. Set by the chat paths (chat completions,
+    # Messages, Responses, ``LLM.chat``); a raw completion's output is all answer.
+    reasoning_first: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,6 +203,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
             _check(min(self.allowed_token_ids) >= 0, "allowed_token_ids",
                    "token ids must be >= 0")
+        if self.thinking_token_budget is not None:
+            _check(0 <= self.thinking_token_budget <= MAX_THINKING_TOKENS,
+                   "thinking_token_budget",
+                   f"must be in [0, {MAX_THINKING_TOKENS}] (or -1 / null for no limit), got "
+                   f"{self.thinking_token_budget}")
+            # The forced end is the one token the mask allows: a whitelist without it would
+            # leave nothing to sample.
+            _check(self.allowed_token_ids is None, "thinking_token_budget",
+                   "cannot be combined with allowed_token_ids")
         if self.structured_outputs is not None:
             # The grammar may leave only the end-of-sequence token allowed: banning it would
             # leave nothing to sample.

@@ -65,6 +65,10 @@ class Scheduler:
         # parallelism). Async scheduling lets a request decode on a token still being sampled
         # (the worker fills it in); otherwise a request waits for its in-flight step.
         self.async_scheduling = config.scheduler.async_scheduling
+        # Whether a constrained request may be scheduled while its last token is in flight:
+        # only where the EngineCore fills its mask after that token arrives, before the step
+        # samples (an executor with deferred sampling); else it sits out that step.
+        self.grammar_in_flight_ok = False
         self.forward_tokens = config.parallel.pipeline_parallel_size > 1
         # With M pipeline stages up to M steps are in flight, and a request sits out while its
         # own step is: cap each step at 1/M of the sequences so every stage gets a share.
@@ -154,7 +158,8 @@ class Scheduler:
             placeholders = req.num_placeholders
             if placeholders and (
                 not async_ok  # its next input token is still being sampled
-                or req.structured  # its grammar mask needs that token first
+                # its grammar mask needs that token first
+                or (req.structured and not self.grammar_in_flight_ok)
                 # stop once the tokens in flight already reach the length limit
                 or n_tokens + placeholders >= req.length_limit
             ):
@@ -306,7 +311,8 @@ class Scheduler:
         for req in running:
             n_tokens = len(req.all_token_ids)
             placeholders = req.num_placeholders
-            if placeholders and (not async_ok or req.structured
+            if placeholders and (not async_ok
+                                 or (req.structured and not self.grammar_in_flight_ok)
                                  or n_tokens + placeholders >= req.length_limit):
                 skipped += 1  # as in the general loop: its tokens in flight come first
                 continue

@@ -56,7 +56,8 @@ def validate_request(
         from tidal.engine_core.structured_output.spec import validate
 
         try:
-            validate(params.structured_outputs)
+            # With the backend this engine would compile it with (spec.choose_backend).
+            validate(params.structured_outputs, config.scheduler.structured_outputs_backend)
         except SamplingParamError as exc:
             raise RequestValidationError(str(exc), exc.param) from None
     limit = config.runner.max_logprobs

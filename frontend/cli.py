@@ -121,18 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="show logprob tokens as 'token_id:<id>' (a request's own "
                         "return_tokens_as_token_ids overrides this)")
-    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split chat outputs into reasoning_content and content (qwen3, "
-                        "deepseek_r1; default: none, the output is all content)")
+    # --reasoning-parser is an engine flag (EngineArgs.reasoning_parser): the engine core
+    # needs it too, for grammars after the thinking and thinking budgets.
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls out of chat outputs for tools with tool_choice "
                         "\"auto\" (needs --tool-call-parser)")
     s.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format: hermes, llama3_json, mistral, pythonic, "
-                        "or one a --tool-parser-plugin registers (default: none)")
+                        "openai (gpt-oss harmony, with --reasoning-parser gpt_oss), or one a "
+                        "--tool-parser-plugin registers (default: none)")
     s.add_argument("--tool-parser-plugin", default=None, metavar="PATH",
                    help="a Python file that registers tool parsers "
                         "(tidal.frontend.tool_parsers.register_tool_parser; default: none)")
+    s.add_argument("--max-stored-responses", type=int, default=1000, metavar="N",
+                   help="/v1/responses kept in memory for previous_response_id and GET "
+                        "(per API server process; least recently used evicted first; 0: "
+                        "none; default: 1000)")
+    s.add_argument("--max-stored-response-bytes", type=int, default=64 << 20, metavar="BYTES",
+                   help="the bytes those stored responses may take in all (default: 64 MiB)")
 
     gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout",
                          description="Generate a continuation of one prompt and stream the text "
@@ -210,6 +216,9 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         if not getattr(ns, flag) > 0:
             raise SystemExit(f"tidal: --{flag.replace('_', '-')} must be > 0 seconds, got "
                              f"{getattr(ns, flag)}")
+    if ns.max_stored_responses < 0 or ns.max_stored_response_bytes < 0:
+        raise SystemExit("tidal: --max-stored-responses and --max-stored-response-bytes must "
+                         "be >= 0")
     if ns.max_connections is not None and ns.max_connections < 1:
         raise SystemExit(f"tidal: --max-connections must be >= 1, got {ns.max_connections}")
     try:
@@ -245,6 +254,8 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         tool_call_parser=ns.tool_call_parser,
         enable_auto_tool_choice=ns.enable_auto_tool_choice,
         tool_parser_plugin=ns.tool_parser_plugin,
+        max_stored_responses=ns.max_stored_responses,
+        max_stored_response_bytes=ns.max_stored_response_bytes,
         max_connections=ns.max_connections,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from tidal.engine_core.config import EngineArgs
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.engine_core.validation import validate_request
@@ -178,6 +180,14 @@ class LLM:
             apply_chat_template(self.tokenizer, list(conv), add_generation_prompt, chat_template)
             for conv in conversations
         ]
+        # Replies: with a reasoning parser, a grammar applies after the reasoning.
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = msgspec.structs.replace(sampling_params, reasoning_first=True)
+        else:
+            sampling_params = [msgspec.structs.replace(p, reasoning_first=True)
+                               for p in sampling_params]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, encoded: list[_Encoded], use_tqdm: bool) -> list[RequestOutput]:

@@ -153,3 +153,14 @@ def load_hf_gguf(path: Path):
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def make_tiny_qwen3_with_tokenizer(tokenizer, folder: Path) -> Path:
+    """A tiny random-weight Qwen3 with the real Qwen3 tokenizer and chat template saved next
+    to it (``<think>`` / ``</think>`` are single tokens): reasoning tests whose outcome the
+    weights must not decide."""
+    make_tiny_model("qwen3", folder, vocab_size=(len(tokenizer) + 63) // 64 * 64,
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -37,6 +37,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 128001,
         "bos_token_id": 128000, "hidden_act": "silu",
     },
+    # The sliding-window families of issue 19 (HF configs of the released checkpoints).
+    "gemma-2-9b": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000,
+        "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "max_position_embeddings": 8192, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+        "torch_dtype": "bfloat16", "eos_token_id": 1, "bos_token_id": 2,
+        "tie_word_embeddings": True,
+    },
+    "gemma-3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 256, "max_position_embeddings": 131072, "sliding_window": 1024,
+        "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "bfloat16",
+        "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+    },
     # For smoke runs on a CPU: the Qwen3 layout, shrunk.
     "tiny": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 2048,
@@ -79,6 +100,8 @@ class ShapeFacts:
     linear_params: int  # per-token matmul weights of all layers (q/k/v/o, gate/up/down)
     nonembedding_params: int  # linear + norms
     dtype_bytes: int = 2
+    sliding_window: int | None = None  # the local layers read at most this many tokens
+    num_local_layers: int = 0
 
     @property
     def weight_bytes_per_step(self) -> int:
@@ -91,6 +114,17 @@ class ShapeFacts:
 
     def decode_bytes(self, contexts_total: int) -> int:
         return self.weight_bytes_per_step + contexts_total * self.kv_bytes_per_token
+
+    def decode_bytes_batch(self, batch: int, context: float) -> int:
+        """Like ``decode_bytes`` for ``batch`` requests of ``context`` tokens each, where the
+        sliding-window layers read only their window."""
+        if not self.num_local_layers or self.sliding_window is None:
+            return self.decode_bytes(int(batch * context))
+        per_layer_token = self.kv_bytes_per_token // self.num_layers
+        local, full = self.num_local_layers, self.num_layers - self.num_local_layers
+        per_request = per_layer_token * (full * context
+                                         + local * min(context, self.sliding_window))
+        return self.weight_bytes_per_step + int(batch * per_request)
 
     def prefill_flops(self, prompt_lens: list[int], sampled_rows: int) -> float:
         """Matmul FLOPs of a prefill: 2·params per token, causal attention (QK^T and PV over
@@ -112,7 +146,16 @@ def shape_facts(shape: str) -> ShapeFacts:
     per_layer = h * (nh + 2 * nkv) * d + nh * d * h + 2 * h * ffn + ffn * h
     norms = L * 2 * h + h + (2 * L * d if c["model_type"] == "qwen3" else 0)
     linear = L * per_layer
-    return ShapeFacts(L, h, c["vocab_size"], nh, nkv, d, linear, linear + norms)
+    window = c.get("sliding_window")
+    local = 0
+    if window and c["model_type"] == "gemma2":
+        local = L // 2  # even layers are local
+    elif window and c["model_type"] == "gemma3_text":
+        local = L - L // c.get("sliding_window_pattern", 6)  # every sixth layer is global
+    elif window:
+        local = L
+    return ShapeFacts(L, h, c["vocab_size"], nh, nkv, d, linear, linear + norms,
+                      sliding_window=window, num_local_layers=local)
 
 
 def device_name() -> str:

@@ -121,7 +121,7 @@ def bench_decode(core: EngineCore, batch: int, context: int, steps: int, repeats
     out: dict[str, Any] = {"batch": batch, "context": context, "steps_per_window": steps,
                            "ms_per_step": summary(ms, 4)}
     mean_ctx = sum(contexts) / len(contexts)
-    step_bytes = facts.decode_bytes(int(batch * mean_ctx))
+    step_bytes = facts.decode_bytes_batch(batch, mean_ctx)
     out["mean_context"] = round(mean_ctx, 1)
     out["bytes_per_step"] = step_bytes
     out["tokens_per_s"] = round(batch / (out["ms_per_step"]["median"] / 1e3), 1)

@@ -72,6 +72,21 @@ class StepInputs:
 
 
 @dataclass(slots=True, eq=False)
+class SampleLater:
+    """A step whose forward pass and logits are launched but whose sampling waits for its
+    grammar masks (``ModelRunner.finish_sample``): the EngineCore fills them from the previous
+    step's tokens while the device runs this step."""
+
+    so: SchedulerOutput
+    logits: torch.Tensor
+    sampling: SamplingMetadata
+    sample_rows: np.ndarray
+    sampled_ids: list[str]
+    result: ModelRunnerOutput
+    failed: dict[str, str]
+
+
+@dataclass(slots=True, eq=False)
 class PendingStep:
     """A step whose sampled tokens may still be on their way to the host. ``get_output()``
     waits for them (only for them), writes them into the persistent batch and returns the
@@ -562,11 +577,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, so: SchedulerOutput, intermediate: IntermediateTensors | None = None
-    ) -> ModelRunnerOutput | PendingStep | IntermediateTensors:
+        self, so: SchedulerOutput, intermediate: IntermediateTensors | None = None,
+        defer_sample: bool = False,
+    ) -> ModelRunnerOutput | PendingStep | IntermediateTensors | SampleLater:
         """Run one step. With pipeline parallelism, stages after the first take the previous
         stage's ``intermediate`` tensors, and stages before the last return theirs instead of
-        sampling. With async scheduling the output comes back as a ``PendingStep``."""
+        sampling. With async scheduling the output comes back as a ``PendingStep``. With
+        ``defer_sample``, a step that samples stops after its logits and returns a
+        ``SampleLater`` for ``finish_sample``."""
         # Only the newest step's tokens may stay unknown on the host: its sampled ids on the
         # device fill the inputs that need them.
         while len(self._inflight) > 1:
@@ -624,12 +642,27 @@ class ModelRunner:
             sampled_ids = [r for r, m in zip(req_ids, mask) if m]
         picked = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
         logits = self.model.compute_logits(picked)
+        later = SampleLater(so, logits, inputs.sampling, sample_rows, sampled_ids, result,
+                            failed)
+        return later if defer_sample else self.finish_sample(later)
+
+    def finish_sample(self, later: SampleLater, grammar_req_ids: list[str] | None = None,
+                      grammar_bitmask: np.ndarray | None = None
+                      ) -> ModelRunnerOutput | PendingStep:
+        """Sample a step ``execute_model`` launched, under the grammar masks given here (or
+        those its scheduler output carried)."""
+        so = later.so
+        if grammar_req_ids:
+            so.grammar_req_ids, so.grammar_bitmask = grammar_req_ids, grammar_bitmask
         if so.grammar_req_ids:
-            self._attach_grammar(so, inputs.sampling, sampled_ids)
-        out, bad = self._sample(logits, inputs.sampling, sample_rows, sampled_ids)
+            self._attach_grammar(so, later.sampling, later.sampled_ids)
+        out, bad = self._sample(later.logits, later.sampling, later.sample_rows,
+                                later.sampled_ids)
+        failed = later.failed
         for rid, why in bad.items():
             failed[rid] = why
-        pending = self._launch_output(result, out, sample_rows, sampled_ids, bad)
+        pending = self._launch_output(later.result, out, later.sample_rows, later.sampled_ids,
+                                      bad)
         if self.defer_output:
             return pending
         self._resolve_through(pending)
@@ -798,8 +831,17 @@ class ModelRunner:
         """The step's grammar bitmasks on the sampling rows: one host-to-device copy."""
         assert so.grammar_bitmask is not None
         rows = bitmask_rows(so.grammar_req_ids, so.grammar_bitmask, sampled_ids)
-        if rows is not None:
-            meta.grammar_bitmask = torch.from_numpy(rows).to(self.device, non_blocking=True)
+        if rows is None:
+            return
+        host = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            # From pageable memory the copy would wait for everything queued before it (the
+            # step's forward pass) with the host blocked; a pinned block (the caching host
+            # allocator keeps it until the copy is done) lets it queue behind the forward.
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            pinned.copy_(host)
+            host = pinned
+        meta.grammar_bitmask = host.to(self.device, non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray,
                 req_ids: list[str]) -> tuple[SamplerOutput, dict[str, str]]:

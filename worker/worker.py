@@ -233,21 +233,30 @@ class Worker:
         return CompileStats(active=True, ready=True, startup=self._jit_startup, after_ready=n,
                             kernels=[e.describe() for e in kept])
 
-    def execute_model(self, so: SchedulerOutput) -> Any:
+    def execute_model(self, so: SchedulerOutput, defer_sample: bool = False) -> Any:
         """Run one step. Returns the runner's output on the output rank (a ``ModelRunnerOutput``
-        or an object whose ``get_output()`` gives it), None on every other rank."""
+        or an object whose ``get_output()`` gives it), None on every other rank.
+        ``defer_sample`` (one process, no pipeline stages): a sampling step comes back as a
+        ``SampleLater`` for ``finish_sample``."""
         if self._receiver is not None:
             inter = self._receiver.recv()
             out = self.runner.execute_model(so, inter) if inter is not None else \
                 self.runner.execute_model(so)
         else:
-            out = self.runner.execute_model(so)
+            # (Only a generating runner is asked to defer: the pooling one never samples.)
+            out = (self.runner.execute_model(so, defer_sample=True) if defer_sample
+                   else self.runner.execute_model(so))
         if self._sender is not None:
             # A stage with no tokens this step (nothing scheduled it could run) returns a plain
             # output; the next stage is still told, so it never waits for tensors.
             self._sender.send(out if isinstance(out, IntermediateTensors) else None)
             return None
         return out if self.is_output_rank else None
+
+    def finish_sample(self, later: Any, grammar_req_ids: list[str],
+                      grammar_bitmask: Any) -> Any:
+        """Sample a step ``execute_model(defer_sample=True)`` launched, under these masks."""
+        return self.runner.finish_sample(later, grammar_req_ids, grammar_bitmask)
 
     def shutdown(self) -> None:
         if self.ready and self._jit_on:

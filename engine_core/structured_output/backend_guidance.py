@@ -12,6 +12,8 @@ import numpy as np
 
 from tidal.engine_core.config import ModelConfig
 from tidal.engine_core.gguf_tokenizer import load_gguf_tokenizer
+from tidal.engine_core.sampling_params import StructuredOutputsParams
+from tidal.engine_core.structured_output.spec import to_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +34,15 @@ class GuidanceBackend:
     """Compiles grammars against one tokenizer and fills bitmasks for a batch of matchers.
     Built in a compile thread (building the tokenizer tables takes about a second)."""
 
-    def __init__(self, model: ModelConfig) -> None:
+    name = "guidance"
+
+    def __init__(self, model: ModelConfig, hf: Any = None) -> None:
         import llguidance
         import llguidance.hf
 
         start = time.perf_counter()
-        hf = load_hf_tokenizer(model)
+        if hf is None:
+            hf = load_hf_tokenizer(model)
         self.vocab_size = model.vocab_size  # the logits' width: the mask covers every id
         if len(hf) > self.vocab_size:
             raise ValueError(f"the tokenizer has {len(hf)} tokens, more than the model's "
@@ -49,12 +54,12 @@ class GuidanceBackend:
         logger.info("llguidance tokenizer built in %.2f s (%d tokens)",
                     time.perf_counter() - start, self.vocab_size)
 
-    def compile(self, grammar: str) -> Any:
+    def compile(self, params: StructuredOutputsParams) -> Any:
         """A matcher at the grammar's start (the compile cache keeps it as a template and
         hands out copies). Raises ValueError with llguidance's reason if it does not compile."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(params), log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         return matcher

@@ -1,9 +1,44 @@
-"""From a request's ``StructuredOutputsParams`` to an llguidance grammar, and its validation
-(no tokenizer needed: the frontend runs it before a request reaches the engine)."""
+"""From a request's ``StructuredOutputsParams`` to a grammar, which backend compiles it, and
+its validation (no tokenizer needed: the frontend runs it before a request reaches the engine).
+
+Backends (``--structured-outputs-backend``, or a request's ``structured_outputs.backend``):
+
+- ``guidance`` (llguidance): every kind; grammars in its Lark dialect (GBNF is converted).
+- ``xgrammar``: JSON schemas, JSON objects, regexes, choices, GBNF grammars, structural tags
+  (both forms below); Lark grammars only in the subset xgrammar parses. JSON schemas that use
+  keywords xgrammar does not enforce (``XGRAMMAR_UNENFORCED``) or llguidance's ``x-guidance``
+  options are refused (a 400), never half-enforced.
+- ``auto`` (the default) picks per request, see ``choose_backend``: xgrammar when it is
+  installed and supports the spec in full, else guidance. Lark grammars always go to
+  guidance (their dialect is llguidance's); so do schemas with keywords xgrammar would not
+  enforce, and regexes or schemas xgrammar fails to parse. Structural tags in xgrammar's own
+  ``format`` form need xgrammar.
+
+Structural tags (``structural_tag`` kind; the API for other modules): free text in which every
+occurrence of a trigger starts a tagged section that must follow its structure::
+
+    from tidal.engine_core.structured_output.spec import TagStructure, structural_tag_params
+    params = structural_tag_params(
+        [TagStructure(begin="<tool_call>", schema={...json schema...}, end="</tool_call>")],
+        triggers=["<tool_call>"])          # -> StructuredOutputsParams(structural_tag=...)
+
+Each ``begin`` starts with one of the ``triggers``; once the output contains a trigger, the
+text that follows must complete one structure that begins with it: the rest of its ``begin``,
+JSON valid under its ``schema`` (``True``: any JSON), then its ``end``; then free text again,
+any number of times; the output ends at end-of-sequence. ``params.structural_tag`` holds the
+JSON text of vLLM's form ``{"type": "structural_tag", "structures": [...], "triggers": [...]}``
+(``parse_structural_tag`` reads it back). xgrammar's newer form ``{"type": "structural_tag",
+"format": {...}}`` is accepted as well and passed to xgrammar unchanged. On llguidance the
+legacy form compiles to a Lark grammar whose trigger is a lazy lexeme (text up to the first
+trigger), followed by the structure (``%json`` for the schema).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from dataclasses import dataclass
+from typing import Any
 
 from tidal.engine_core.sampling_params import SamplingParamError, StructuredOutputsParams
 
@@ -17,22 +52,206 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 # "x-guidance" options override these.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+MAX_TAG_STRUCTURES = 128  # structures (and triggers) in one structural tag
+
+# JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked: it lets through
+# instances that violate them; ``_unenforced_keyword`` has two more cases). Under auto these
+# schemas go to llguidance; under xgrammar they are refused.
+XGRAMMAR_UNENFORCED = frozenset({
+    "uniqueItems", "allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
+    "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties",
+    "contentSchema", "contains", "minContains", "maxContains"})
+
+BACKENDS = ("guidance", "xgrammar")
+
+
+@dataclass(slots=True, frozen=True)
+class TagStructure:
+    """One tagged section of a structural tag: ``begin`` JSON(``schema``) ``end``."""
+
+    begin: str
+    schema: dict[str, Any] | bool
+    end: str
+
+
+@dataclass(slots=True, frozen=True)
+class StructuralTag:
+    structures: tuple[TagStructure, ...]
+    triggers: tuple[str, ...]
+
+
+def structural_tag_params(structures: list[TagStructure], triggers: list[str],
+                          backend: str | None = None) -> StructuredOutputsParams:
+    """The spec of a structural tag (checked: SamplingParamError names what is wrong)."""
+    text = json.dumps({"type": "structural_tag",
+                       "structures": [{"begin": s.begin, "schema": s.schema, "end": s.end}
+                                      for s in structures],
+                       "triggers": list(triggers)}, ensure_ascii=False)
+    params = StructuredOutputsParams(structural_tag=text, backend=backend)
+    parse_structural_tag(text)
+    return params
+
+
+def parse_structural_tag(text: str) -> StructuralTag | dict[str, Any]:
+    """vLLM's form as a ``StructuralTag``, or xgrammar's ``format`` form as its dict."""
+    param = "structured_outputs.structural_tag"
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise SamplingParamError(param, f"is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise SamplingParamError(param, "must be an object with structures and triggers")
+    if obj.get("type", "structural_tag") != "structural_tag":
+        raise SamplingParamError(f"{param}.type", "must be \"structural_tag\"")
+    if "format" in obj:
+        if not isinstance(obj["format"], dict) or set(obj) - {"type", "format"}:
+            raise SamplingParamError(param, "in xgrammar's form holds only type and an "
+                                            "object format")
+        return obj
+    extra = set(obj) - {"type", "structures", "triggers"}
+    if extra:
+        raise SamplingParamError(f"{param}.{sorted(extra)[0][:64]}",
+                                 "is not a structural tag field (structures, triggers)")
+    triggers = obj.get("triggers")
+    if (not isinstance(triggers, list) or not 0 < len(triggers) <= MAX_TAG_STRUCTURES
+            or not all(isinstance(t, str) and t for t in triggers)):
+        raise SamplingParamError(f"{param}.triggers", f"must be a list of 1 to "
+                                 f"{MAX_TAG_STRUCTURES} non-empty strings")
+    items = obj.get("structures")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_TAG_STRUCTURES:
+        raise SamplingParamError(f"{param}.structures", f"must be a list of 1 to "
+                                 f"{MAX_TAG_STRUCTURES} objects (begin, schema, end)")
+    structures = []
+    for i, item in enumerate(items):
+        where = f"{param}.structures[{i}]"
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"}:
+            raise SamplingParamError(where, "must be an object with begin, schema and end")
+        begin, schema, end = item.get("begin"), item.get("schema", True), item.get("end")
+        if not isinstance(begin, str) or not begin:
+            raise SamplingParamError(f"{where}.begin", "must be a non-empty string")
+        if not isinstance(end, str):
+            raise SamplingParamError(f"{where}.end", "must be a string")
+        if schema is not True and not isinstance(schema, dict):
+            raise SamplingParamError(f"{where}.schema", "must be a JSON schema object")
+        if not any(begin.startswith(t) for t in triggers):
+            raise SamplingParamError(f"{where}.begin", f"{begin[:64]!r} does not start with "
+                                     "any of the triggers")
+        structures.append(TagStructure(begin, schema, end))
+    return StructuralTag(tuple(structures), tuple(triggers))
+
 
 def escape_regex(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
-def cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, spec text): equal keys compile to the same grammar."""
+def cache_key(params: StructuredOutputsParams) -> tuple[str, str, str]:
+    """(kind, spec text, backend asked for): equal keys compile to the same grammar."""
     kind = params.kind
+    backend = params.backend or ""
     if kind == "choice":
         assert params.choice is not None
-        return kind, json.dumps(params.choice, ensure_ascii=False)
+        return kind, json.dumps(params.choice, ensure_ascii=False), backend
     if kind == "json_object":
-        return kind, ""
+        return kind, "", backend
     value = getattr(params, kind)
     assert isinstance(value, str)
-    return kind, value
+    return kind, value, backend
+
+
+def is_lark(grammar: str) -> bool:
+    """GBNF has ``::=`` rules; everything else is taken as Lark."""
+    return "::=" not in grammar
+
+
+def xgrammar_available() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def xgrammar_refusal(params: StructuredOutputsParams) -> str | None:
+    """Why xgrammar cannot take ``params`` in full (without parsing it), or None."""
+    kind = params.kind
+    if kind == "json":
+        assert params.json is not None
+        try:
+            schema = json.loads(params.json)
+        except (ValueError, RecursionError):
+            return None  # the parse reports it
+        found = _unenforced_keyword(schema)
+        if found:
+            return f"the JSON schema uses {found!r} in a way xgrammar does not enforce"
+    if kind == "structural_tag":
+        assert params.structural_tag is not None
+        try:
+            tag = parse_structural_tag(params.structural_tag)
+        except SamplingParamError:
+            return None
+        if isinstance(tag, StructuralTag):
+            for s in tag.structures:
+                found = _unenforced_keyword(s.schema)
+                if found:
+                    return f"a structure's schema uses {found!r} in a way xgrammar does " \
+                           "not enforce"
+    return None
+
+
+def _unenforced_keyword(node: Any, depth: int = 0) -> str | None:
+    if depth > 64:
+        return "a nesting deeper than 64 levels"  # not checked further: llguidance takes it
+    if isinstance(node, dict):
+        # Also let through: "required" names with no "properties" beside them, and an anyOf
+        # next to a "type" of its own.
+        if "required" in node and not node.get("properties"):
+            return "required"
+        if "anyOf" in node and "type" in node:
+            return "anyOf"
+        # xgrammar drops a string's length bounds next to a pattern or format, and a
+        # multipleOf that is not an integer's integer step.
+        if ("pattern" in node or "format" in node) and ("minLength" in node
+                                                        or "maxLength" in node):
+            return "pattern" if "pattern" in node else "format"
+        step = node.get("multipleOf")
+        if step is not None and not (type(step) is int and node.get("type") == "integer"):
+            return "multipleOf"
+        for key, value in node.items():
+            if key in XGRAMMAR_UNENFORCED or key == "x-guidance":
+                return key
+            # "properties" / "$defs" map names to schemas: a property may be named "not".
+            children = value.values() if key in ("properties", "$defs", "definitions",
+                                                 "patternProperties") and \
+                isinstance(value, dict) else [value]
+            for child in children:
+                found = _unenforced_keyword(child, depth + 1)
+                if found:
+                    return found
+    elif isinstance(node, list):
+        for child in node:
+            found = _unenforced_keyword(child, depth + 1)
+            if found:
+                return found
+    return None
+
+
+def choose_backend(params: StructuredOutputsParams, configured: str,
+                   has_xgrammar: bool | None = None) -> tuple[str, str]:
+    """(backend, why) for ``params`` on an engine started with ``configured`` (auto |
+    guidance | xgrammar). The request's own ``backend`` wins (``validate`` checked it)."""
+    if params.backend is not None:
+        return params.backend, "the request asked for it"
+    if configured != "auto":
+        return configured, "--structured-outputs-backend"
+    if has_xgrammar is None:
+        has_xgrammar = xgrammar_available()
+    if not has_xgrammar:
+        return "guidance", "xgrammar is not installed"
+    kind = params.kind
+    if kind == "grammar":
+        assert params.grammar is not None
+        if is_lark(params.grammar):
+            return "guidance", "a Lark grammar (llguidance's dialect)"
+    refusal = xgrammar_refusal(params)
+    if refusal:
+        return "guidance", refusal
+    return "xgrammar", f"xgrammar supports {kind}"
 
 
 def to_grammar(params: StructuredOutputsParams) -> str:
@@ -47,9 +266,9 @@ def to_grammar(params: StructuredOutputsParams) -> str:
         assert isinstance(params.json, str)
         try:
             schema = json.loads(params.json)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise SamplingParamError("structured_outputs.json",
-                                     f"is not valid JSON: {exc}") from None
+                                     f"is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(schema, dict | bool):
             raise SamplingParamError("structured_outputs.json",
                                      "must be a JSON object (a JSON schema)")
@@ -61,9 +280,17 @@ def to_grammar(params: StructuredOutputsParams) -> str:
         assert params.choice is not None
         return LLMatcher.grammar_from_regex(
             "(" + "|".join(escape_regex(c) for c in params.choice) + ")")
+    if kind == "structural_tag":
+        assert params.structural_tag is not None
+        tag = parse_structural_tag(params.structural_tag)
+        if not isinstance(tag, StructuralTag):
+            raise SamplingParamError("structured_outputs.structural_tag",
+                                     "in xgrammar's format form needs the xgrammar backend; "
+                                     "give structures and triggers for llguidance")
+        return LLMatcher.grammar_from_lark(structural_tag_lark(tag))
     assert params.grammar is not None
     text = params.grammar
-    if "::=" in text:  # GBNF (llama.cpp's EBNF dialect): llguidance converts it to Lark
+    if not is_lark(text):  # GBNF (llama.cpp's EBNF dialect): llguidance converts it to Lark
         from llguidance.gbnf_to_lark import any_to_lark
 
         try:
@@ -74,9 +301,66 @@ def to_grammar(params: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_lark(text)
 
 
-def validate(params: StructuredOutputsParams) -> str:
-    """Check that ``params`` compiles; returns its grammar. Raises SamplingParamError naming
-    the field (``structured_outputs.<kind>``) and llguidance's reason."""
+def structural_tag_lark(tag: StructuralTag) -> str:
+    """llguidance's Lark grammar of a structural tag. Per trigger, a lazy rule matches the
+    free text up to and including the trigger's first occurrence (lazy: the lexeme ends
+    there, so a trigger can never pass as free text); the structures beginning with that
+    trigger follow it."""
+    lines = ["%llguidance {}", "start: (" + " | ".join(
+        f"tag_{i}" for i in range(len(tag.triggers))) + ")* TEXT", r"TEXT: /(.|\n)*/"]
+    for i, trigger in enumerate(tag.triggers):
+        bodies = []
+        for s in tag.structures:
+            # The longest trigger that begins the structure owns it (a trigger may prefix
+            # another one).
+            owner = max((t for t in tag.triggers if s.begin.startswith(t)), key=len)
+            if owner != trigger:
+                continue
+            schema: Any = {} if s.schema is True else dict(s.schema)
+            schema.setdefault("x-guidance", _JSON_OPTIONS)
+            parts = [_lark_str(s.begin[len(trigger):]), "%json " + json.dumps(schema),
+                     _lark_str(s.end)]
+            bodies.append(" ".join(p for p in parts if p))
+        if not bodies:
+            continue
+        lines.append(f"trigger_{i}[lazy]: /(.|\\n)*/ {_lark_str(trigger)}")
+        lines.append(f"tag_{i}: trigger_{i} (" + " | ".join(f"({b})" for b in bodies) + ")")
+    return "\n".join(lines) + "\n"
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+def validate(params: StructuredOutputsParams, backend: str = "auto") -> None:
+    """Check that ``params`` compiles with the backend an engine started with ``backend``
+    would use (``choose_backend``). Raises SamplingParamError naming the field
+    (``structured_outputs.<kind>``) and the backend's reason."""
+    if params.backend is not None and backend != "auto" and params.backend != backend:
+        raise SamplingParamError("structured_outputs.backend",
+                                 f"{params.backend!r} is not this server's grammar backend "
+                                 f"({backend}; start it with --structured-outputs-backend "
+                                 "auto to choose per request)")
+    if params.backend == "xgrammar" or (params.backend is None and backend == "xgrammar"):
+        if not xgrammar_available():
+            raise SamplingParamError("structured_outputs.backend",
+                                     "xgrammar is not installed (pip install xgrammar)")
+        _validate_xgrammar(params)
+        return
+    name, _ = choose_backend(params, backend)
+    if name == "xgrammar":
+        try:
+            _validate_xgrammar(params)
+            return
+        except SamplingParamError:
+            if params.kind == "structural_tag" and not isinstance(
+                    parse_structural_tag(params.structural_tag or ""), StructuralTag):
+                raise  # xgrammar's own form: there is no fallback
+            # auto falls back to llguidance (the engine does the same when compiling).
+    _validate_guidance(params)
+
+
+def _validate_guidance(params: StructuredOutputsParams) -> None:
     from llguidance import LLMatcher
 
     grammar = to_grammar(params)
@@ -85,8 +369,13 @@ def validate(params: StructuredOutputsParams) -> str:
         kind = params.kind
         raise SamplingParamError(f"structured_outputs.{kind}",
                                  f"is not a valid {_WHAT[kind]}: {error.strip()[:1000]}")
-    return grammar
+
+
+def _validate_xgrammar(params: StructuredOutputsParams) -> None:
+    from tidal.engine_core.structured_output.backend_xgrammar import to_xgrammar
+
+    to_xgrammar(params)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object spec", "regex": "regular expression",
-         "choice": "choice list", "grammar": "Lark grammar"}
+         "choice": "choice list", "grammar": "Lark grammar", "structural_tag": "structural tag"}

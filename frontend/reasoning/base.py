@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from tidal.engine_core.reasoning_formats import REASONING_FORMATS
 from tidal.frontend.reasoning.text_stream import Stripper, partial_suffix
 
 
@@ -131,10 +132,21 @@ class ThinkTagParser(ReasoningParser):
         return "".join(reasoning), "".join(content)
 
 
+# The tags come from the table the EngineCore reads too (its grammar gate and thinking budget
+# must end the reasoning exactly where these parsers do).
+_QWEN3 = REASONING_FORMATS["qwen3"]
+_R1 = REASONING_FORMATS["deepseek_r1"]
+
+
 class Qwen3ReasoningParser(ThinkTagParser):
-    name = "qwen3"
+    name = _QWEN3.name
+    start_tag = _QWEN3.start
+    end_tag = _QWEN3.end
+    implicit_start = _QWEN3.implicit_start
 
 
 class DeepSeekR1ReasoningParser(ThinkTagParser):
-    name = "deepseek_r1"
-    implicit_start = True
+    name = _R1.name
+    start_tag = _R1.start
+    end_tag = _R1.end
+    implicit_start = _R1.implicit_start

@@ -8,10 +8,12 @@ from tidal.frontend.reasoning.base import (
     Qwen3ReasoningParser,
     ReasoningParser,
 )
+from tidal.frontend.reasoning.gpt_oss import GptOssReasoningParser
 
 _PARSERS: dict[str, type[ReasoningParser]] = {
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
+    GptOssReasoningParser.name: GptOssReasoningParser,
 }
 
 

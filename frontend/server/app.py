@@ -31,6 +31,7 @@ from tidal.engine_core.protocol import SchedulerStats
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.frontend.output_processor import StepRecord
 from tidal.frontend.server.admission import Admission, AdmissionBoard
+from tidal.frontend.server.anthropic_protocol import error_response as anthropic_error_response
 from tidal.frontend.server.auth import PUBLIC_PATHS, check_api_key
 from tidal.frontend.server.common import json_response
 from tidal.frontend.server.connections import (
@@ -46,9 +47,16 @@ from tidal.frontend.server.errors import (
 )
 from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.frontend.server.openai_protocol import ModelCard, ModelList
+from tidal.frontend.server.response_store import ResponseStore
 from tidal.frontend.server.serving_chat import create_chat_completion
 from tidal.frontend.server.serving_completions import create_completion
 from tidal.frontend.server.serving_embeddings import create_embedding
+from tidal.frontend.server.serving_responses import (
+    create_response,
+    delete_response,
+    get_response,
+)
+from tidal.frontend.server.serving_messages import count_message_tokens, create_message
 from tidal.frontend.server.serving_tokenize import detokenize, tokenize
 from tidal.frontend.server.state import STATE_KEY, ServerSettings, ServerState, get_state
 
@@ -93,13 +101,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except APIError as err:
         state.metrics.error(err.status)
-        return err.response()
+        return _error_response(request, err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         err = _http_error(request, exc)
         state.metrics.error(err.status)
-        return err.response()
+        return _error_response(request, err)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - logged with its traceback, hidden from the client
@@ -107,14 +115,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         logger.error("unhandled error in %s %s (%s)", request.method, request.path, ref,
                      exc_info=exc)
         state.metrics.error(500)
-        return internal_error(ref).response()
+        return _error_response(request, internal_error(ref))
+
+
+def _error_response(request: web.Request, err: APIError) -> web.Response:
+    """Anthropic's envelope on its API's paths (its clients read only that), OpenAI's
+    elsewhere."""
+    path = route_path(request.path, get_state(request).settings.root_path)
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic_error_response(err)
+    return err.response()
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
     if exc.status == 404:
         return APIError(404, f"no such endpoint: {request.method} {request.path[:200]}; see "
                         "GET /v1/models, POST /v1/completions, /v1/chat/completions, "
-                        "/v1/embeddings", code="not_found")
+                        "/v1/embeddings, /v1/messages, /v1/responses", code="not_found")
     if exc.status == 405:
         return APIError(405, f"{request.method} is not allowed on {request.path[:200]}",
                         code="method_not_allowed")
@@ -222,6 +239,8 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
         model_name=model_name,
         max_model_len=config.model.max_model_len,
         task=config.model.task,
+        responses=ResponseStore(settings.max_stored_responses,
+                                settings.max_stored_response_bytes),
     )
 
     def observe(stats: SchedulerStats | None, record: StepRecord) -> None:
@@ -243,11 +262,15 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE_KEY] = state
     get_routes: list[tuple[str, Handler]] = [
         ("/health", health), ("/ping", health), ("/version", version), ("/metrics", metrics),
-        ("/load", load), ("/v1/models", models)]
+        ("/load", load), ("/v1/models", models),
+        ("/v1/responses/{response_id}", get_response)]
     # (path, handler, counted in /load: the generation endpoints, as vLLM counts them)
     post_routes: list[tuple[str, Handler, bool]] = [
         ("/v1/completions", create_completion, True),
         ("/v1/chat/completions", create_chat_completion, True),
+        ("/v1/responses", create_response, True),
+        ("/v1/messages", create_message, True),
+        ("/v1/messages/count_tokens", count_message_tokens, False),
         ("/v1/embeddings", create_embedding, True),
         ("/tokenize", tokenize, False), ("/detokenize", detokenize, False)]
     tracking = state.settings.enable_server_load_tracking
@@ -257,6 +280,7 @@ def build_app(state: ServerState) -> web.Application:
         for path, handler, counted in post_routes:
             app.router.add_post(prefix + path, _count_load(handler) if counted and tracking
                                 else handler)
+        app.router.add_delete(prefix + "/v1/responses/{response_id}", delete_response)
     return app
 
 

@@ -1,7 +1,9 @@
 """What a chat request's output goes through after generation: the server's reasoning parser
 (``--reasoning-parser``) and, for ``tools`` with ``tool_choice: "auto"``, its tool-call parser
-(``--tool-call-parser`` with ``--enable-auto-tool-choice``); plus the checks of ``tools``,
-``tool_choice`` and ``chat_template_kwargs`` (400s naming the field, before the engine)."""
+(``--tool-call-parser`` with ``--enable-auto-tool-choice``), or for ``tool_choice``
+``"required"`` / a named function the reader of the calls the grammar enforced
+(``tool_parsers/enforced.py``; ``strict`` tools under "auto" get a grammar too); plus the checks of ``tools``, ``tool_choice`` and
+``chat_template_kwargs`` (400s naming the field, before the engine)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,22 @@ from tidal.frontend.reasoning import DeltaMessage, ReasoningParser, get_reasonin
 from tidal.frontend.reasoning.base import DeltaToolCall
 from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.openai_protocol import ChatCompletionRequest, ChatTool
+from tidal.frontend.server.structured import requested_forms
 from tidal.frontend.tool_parsers import (
     ToolCall,
     ToolParser,
     get_tool_parser,
     load_tool_parser_plugin,
 )
+from tidal.frontend.tool_parsers.enforced import (
+    EnforcedTools,
+    ToolSpecError,
+    enforce_hermes_strict,
+    enforce_named,
+    enforce_required,
+    parameters_schema,
+)
+from tidal.frontend.tool_parsers.marked import HermesToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +45,6 @@ _RESERVED_KWARGS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "sanitize_control_tokens",
 })
-_ENFORCED = ("needs grammar-enforced decoding of tool calls, which is not available yet; use "
-             "tool_choice \"auto\" (parsed from free output) or \"none\"")
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,56 +78,152 @@ def resolve_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
 @dataclass(slots=True, frozen=True)
 class ChatTools:
     tools: list[dict[str, Any]] | None  # for the chat template
-    parse: bool  # tool_choice "auto": parse the output for calls
+    parse: bool  # parse the output for calls ("auto", "required" or a named function)
+    # "required" / a named function, or "auto" with strict tools: the grammar the output is
+    # held to (pass ``enforced.spec`` to chat_params) and its reader (new_output_parse).
+    enforced: EnforcedTools | None = None
 
 
 def check_tools(req: ChatCompletionRequest, parsers: ChatParsers) -> ChatTools:
     choice = req.tool_choice
-    if isinstance(choice, dict):
-        raise bad_request(f"tool_choice naming a function {_ENFORCED}", "tool_choice",
-                          code="unsupported_field")
-    if choice not in (None, "none", "auto", "required"):
+    named = _named_choice(choice) if isinstance(choice, dict) else None
+    if named is None and choice not in (None, "none", "auto", "required"):
         raise bad_request(f"tool_choice must be \"none\", \"auto\", \"required\" or a named "
                           f"function, got {str(choice)[:40]!r}", "tool_choice")
-    if choice == "required":
-        raise bad_request(f"tool_choice \"required\" {_ENFORCED}", "tool_choice",
-                          code="unsupported_field")
+    enforce = named is not None or choice == "required"
     if not req.tools:
-        if choice == "auto":
-            raise bad_request("tool_choice \"auto\" needs tools", "tool_choice")
+        if choice == "auto" or enforce:
+            raise bad_request(f"tool_choice {_choice_text(choice)} needs tools", "tool_choice")
         return ChatTools(None, False)
     if len(req.tools) > MAX_TOOLS:
         raise bad_request(f"tools has {len(req.tools)} entries; the limit is {MAX_TOOLS}",
                           "tools")
-    tools = [_tool(t, i) for i, t in enumerate(req.tools)]
-    if choice == "none":
+    if enforce and parsers.reasoning is not None and parsers.reasoning.name == "gpt_oss":
+        raise bad_request(f"tool_choice {_choice_text(choice)} is enforced by a grammar on the "
+                          "final channel, while gpt-oss calls tools on its commentary channel; "
+                          "use \"auto\" with --tool-call-parser openai", "tool_choice",
+                          code="unsupported_field")
+    # A schema is compiled only where a grammar will hold the arguments to it (an enforced
+    # choice, a strict tool): elsewhere it only reaches the template, and a valid schema the
+    # grammar backends cannot enforce (uniqueItems, ...) must not be refused.
+    checked = [_tool(t, i, enforce or (choice != "none" and bool(t.function.strict)))
+               for i, t in enumerate(req.tools)]
+    tools = [t for t, _ in checked]
+    if choice == "none":  # no call is made: strict or not changes nothing
         return ChatTools(tools, False)
+    if enforce:
+        return ChatTools(tools, True, _enforced(req, named, checked))
+    strict = next((i for i, t in enumerate(req.tools) if t.function.strict), None)
+    if strict is not None and (parsers.tools is None
+                               or not issubclass(parsers.tools, HermesToolParser)):
+        raise bad_request("strict: true with tool_choice \"auto\" is enforced (by a structural "
+                          "tag: the grammar applies inside each call) for the hermes "
+                          "tool-call format only; this server "
+                          + (f"parses {parsers.tools.name}" if parsers.tools is not None
+                             else "has no --tool-call-parser")
+                          + ". Use tool_choice \"required\" or a named function to enforce "
+                          "the schema, or leave strict out", f"tools[{strict}].function.strict",
+                          code="unsupported_field")
+    if strict is not None:
+        return ChatTools(tools, True, _strict_auto(req, strict, checked, parsers))
     if parsers.tools is None:  # "auto", given or (tools present) by default
         raise bad_request("tool_choice \"auto\" (the default when tools are given) needs the "
                           "server started with --enable-auto-tool-choice and "
                           "--tool-call-parser; send tool_choice \"none\" to show the tools to "
-                          "the model without parsing calls",
+                          "the model without parsing calls, or \"required\" / a named "
+                          "function to have the grammar enforce a call",
                           "tool_choice" if choice else "tools", code="unsupported_field")
     return ChatTools(tools, True)
 
 
-def _tool(tool: ChatTool, i: int) -> dict[str, Any]:
+def _named_choice(choice: dict[str, Any]) -> str:
+    """The function a ``{"type": "function", "function": {"name": ...}}`` tool_choice names."""
+    if choice.get("type") != "function":
+        raise bad_request("a tool_choice object must be {\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}", "tool_choice.type")
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad_request("tool_choice.function.name must name one of the tools",
+                          "tool_choice.function.name")
+    return name
+
+
+def _choice_text(choice: Any) -> str:
+    return "naming a function" if isinstance(choice, dict) else f"\"{choice}\""
+
+
+def _enforced(req: ChatCompletionRequest, named: str | None,
+              checked: list[tuple[dict[str, Any], dict[str, Any]]]) -> EnforcedTools:
+    """The grammar of a required / named tool_choice (no tool parser needed: as in vLLM)."""
+    forms = requested_forms(req)
+    if forms:
+        raise bad_request(f"tool_choice {_choice_text(req.tool_choice)} sets the output's "
+                          f"grammar itself: it cannot be combined with {forms[0]}",
+                          "tool_choice")
+    schemas = _schemas(checked)
+    if named is not None:
+        if named not in schemas:
+            raise bad_request(f"tool_choice names {named[:64]!r}, which is not one of the tools",
+                              "tool_choice.function.name")
+        return enforce_named(named, schemas[named])
+    try:
+        return enforce_required(schemas, req.parallel_tool_calls is not False)
+    except ToolSpecError as exc:
+        raise bad_request(exc.message, exc.param) from None
+
+
+def _strict_auto(req: ChatCompletionRequest, strict: int,
+                 checked: list[tuple[dict[str, Any], dict[str, Any]]],
+                 parsers: ChatParsers) -> EnforcedTools:
+    """tool_choice "auto" with strict tools on a hermes server: free text, calls enforced."""
+    assert parsers.tools is not None
+    forms = requested_forms(req)
+    if forms:
+        raise bad_request(f"strict tools set the output's grammar themselves: they cannot be "
+                          f"combined with {forms[0]}", f"tools[{strict}].function.strict")
+    schemas = _schemas(checked)
+    names = {t.function.name for t in req.tools or () if t.function.strict}
+    try:
+        return enforce_hermes_strict(schemas, names, parsers.tools)
+    except ToolSpecError as exc:
+        raise bad_request(exc.message, exc.param) from None
+
+
+def _schemas(checked: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Tool name -> arguments schema; a name given twice is a 400 (a grammar needs to know
+    which tool a call is of)."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, (tool, schema) in enumerate(checked):
+        name = tool["function"]["name"]
+        if name in schemas:
+            raise bad_request(f"two tools are named {name[:64]!r}",
+                              f"tools[{i}].function.name")
+        schemas[name] = schema
+    return schemas
+
+
+def _tool(tool: ChatTool, i: int, compile_schema: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the tool as the chat template takes it, the schema of its arguments); with
+    ``compile_schema``, a parameters schema the grammar cannot compile is a 400."""
     if tool.type != "function":
         raise bad_request(f"tools of type {tool.type[:40]!r} are not supported; use "
                           "\"function\"", f"tools[{i}].type")
     fn = tool.function
-    if fn.strict:
-        raise bad_request(f"strict function schemas {_ENFORCED}", f"tools[{i}].function.strict",
-                          code="unsupported_field")
     if not fn.name or len(fn.name) > 64:
         raise bad_request("a function name must have 1 to 64 characters",
                           f"tools[{i}].function.name")
+    try:
+        schema = parameters_schema(fn.parameters, f"tools[{i}].function.parameters",
+                                   compile_schema)
+    except ToolSpecError as exc:
+        raise bad_request(f"{exc.param} {exc.message}", exc.param) from None
     out: dict[str, Any] = {"name": fn.name}
     if fn.description is not None:
         out["description"] = fn.description
     if fn.parameters is not None:
         out["parameters"] = fn.parameters
-    return {"type": "function", "function": out}
+    return {"type": "function", "function": out}, schema
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -235,8 +341,14 @@ def server_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
 
 
 def new_output_parse(parsers: ChatParsers, parse_tools: bool, include_reasoning: bool = True,
-                     parallel_tool_calls: bool | None = None) -> OutputParse | None:
-    tools = parsers.tools() if parse_tools and parsers.tools is not None else None
+                     parallel_tool_calls: bool | None = None,
+                     enforced: EnforcedTools | None = None) -> OutputParse | None:
+    """One choice's parsers; with ``enforced`` (``ChatTools.enforced``) its reader takes the
+    place of the server's tool parser."""
+    if enforced is not None:
+        tools: ToolParser | None = enforced.parser()
+    else:
+        tools = parsers.tools() if parse_tools and parsers.tools is not None else None
     reasoning = parsers.reasoning() if parsers.reasoning is not None else None
     if tools is None and reasoning is None:
         return None

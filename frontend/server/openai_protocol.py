@@ -146,6 +146,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # false: drop reasoning_content (--reasoning-parser)
+    # Most thinking tokens before the engine forces the end of thinking (--reasoning-parser);
+    # -1 or null: no limit. max_thinking_tokens is an alias.
+    thinking_token_budget: int | None = None
+    max_thinking_tokens: int | None = None
     parallel_tool_calls: bool | None = None  # false: at most one parsed call
 
 
@@ -379,9 +383,11 @@ _UNSUPPORTED: dict[type, Mapping[str, Unsupported]] = {
 }
 
 
-def decode_request(body: bytes, cls: type[T]) -> T:
+def decode_request(body: bytes, cls: type[T],
+                   unsupported: Mapping[str, Unsupported] | None = None) -> T:
     """Decode a JSON request body into ``cls``; every failure is a 400 that says what is wrong
-    (and, for a field, names it in ``param``)."""
+    (and, for a field, names it in ``param``). ``unsupported``: the fields to reject for a
+    request type defined elsewhere (default: this module's table for ``cls``)."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -404,7 +410,7 @@ def decode_request(body: bytes, cls: type[T]) -> T:
         known = _KNOWN_FIELDS[cls] = frozenset(f.encode_name for f in msgspec.structs.fields(cls))
     unknown = [k for k in raw if k not in known]
     if unknown:
-        table = _UNSUPPORTED.get(cls)
+        table = unsupported if unsupported is not None else _UNSUPPORTED.get(cls)
         if table is not None:
             reject_unsupported(raw, unknown, table)
         logger.debug("ignoring unknown request field(s) of %s: %s", cls.__name__,

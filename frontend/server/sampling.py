@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tidal.engine_core.sampling_params import OutputKind, SamplingParamError, SamplingParams
+import msgspec
+
+from tidal.engine_core.sampling_params import (
+    OutputKind,
+    SamplingParamError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tidal.frontend.server.errors import bad_request
 from tidal.frontend.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tidal.frontend.server.structured import structured_params
@@ -50,7 +57,16 @@ def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingP
                   prompt_logprobs=prompt_logprobs)
 
 
-def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
+                tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
+    """``tool_grammar``: the spec of a required / named tool_choice (chat_parsing.check_tools
+    made sure no structured-outputs field competes with it)."""
+    if tool_grammar is None and (req.tool_choice == "required"
+                                 or isinstance(req.tool_choice, dict)):
+        # An endpoint that does not hand over check_tools' grammar must not let the choice
+        # pass as free text.
+        raise bad_request("tool_choice \"required\" or a named function is not enforced on "
+                          "this endpoint yet", "tool_choice", code="unsupported_field")
     logprobs = None
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -62,8 +78,10 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingPar
     max_tokens = req.max_completion_tokens if name == "max_completion_tokens" else req.max_tokens
     if max_tokens is not None:
         _range(name, max_tokens, 1, _INT64_MAX)
-    return _build(req, limits, max_tokens=max_tokens, logprobs=logprobs,
-                  prompt_logprobs=_prompt_logprobs(req, limits))
+    params = _build(req, limits, max_tokens=max_tokens, logprobs=logprobs,
+                    prompt_logprobs=_prompt_logprobs(req, limits), structured=tool_grammar)
+    params.reasoning_first = True  # a chat reply: its grammar waits for the reasoning's end
+    return params
 
 
 def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
@@ -79,7 +97,8 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
 
 def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits, *,
            max_tokens: int | None, logprobs: int | None,
-           prompt_logprobs: int | None) -> SamplingParams:
+           prompt_logprobs: int | None,
+           structured: StructuredOutputsParams | None = None) -> SamplingParams:
     _range("n", req.n, 1, limits.max_n)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
@@ -101,7 +120,8 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
     for t in stop_ids:
         _range("stop_token_ids", t, 0, _INT64_MAX)
     bias = _logit_bias(req.logit_bias, limits)
-    structured = structured_params(req)
+    if structured is None:
+        structured = structured_params(req)
     if req.seed is not None:
         _range("seed", req.seed, -(1 << 63), _INT64_MAX)
     if req.top_k is not None:
@@ -186,3 +206,36 @@ def _allowed_token_ids(raw: list[int] | None, limits: ServerLimits) -> list[int]
 def _range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise bad_request(f"{name} must be in [{low}, {high}], got {value}", name)
+
+
+def chat_thinking_budget(req: ChatCompletionRequest,
+                         reasoning_parser: str | None) -> tuple[int | None, str]:
+    """(the budget asked for, the field that asked): ``thinking_token_budget`` (vLLM's name)
+    or its alias ``max_thinking_tokens``; both set must agree. Checked before anything else
+    (beam search too), so no path ignores it."""
+    budget, param = req.thinking_token_budget, "thinking_token_budget"
+    if req.max_thinking_tokens is not None:
+        if budget is not None and budget != req.max_thinking_tokens:
+            raise bad_request("thinking_token_budget and max_thinking_tokens differ; send one",
+                              "max_thinking_tokens")
+        budget, param = req.max_thinking_tokens, "max_thinking_tokens"
+    with_thinking_budget(SamplingParams(), budget, param, reasoning_parser)
+    return budget, param
+
+
+def with_thinking_budget(params: SamplingParams, budget: int | None, param: str,
+                         reasoning_parser: str | None) -> SamplingParams:
+    """``params`` with a thinking budget: the engine forces the end of the thinking after
+    ``budget`` tokens of it. None or -1 asks for no limit. 400 naming ``param`` when the server
+    has no reasoning parser (nothing would tell where the thinking ends) or out of range."""
+    if budget is None or (type(budget) is int and budget == -1):
+        return params
+    if type(budget) is not int:
+        raise bad_request(f"{param} must be an integer", param)
+    if reasoning_parser is None:
+        raise bad_request(f"{param} needs the server started with --reasoning-parser (the "
+                          "model's reasoning format tells where the thinking ends)", param)
+    try:
+        return msgspec.structs.replace(params, thinking_token_budget=budget)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc).replace("thinking_token_budget", param, 1), param) from None

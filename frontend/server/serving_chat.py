@@ -48,7 +48,11 @@ from tidal.frontend.server.openai_protocol import (
     make_usage,
 )
 from tidal.frontend.server.prompts import check_context
-from tidal.frontend.server.sampling import chat_params
+from tidal.frontend.server.sampling import (
+    chat_params,
+    chat_thinking_budget,
+    with_thinking_budget,
+)
 from tidal.frontend.server.serving_beam import create_beam_chat
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
@@ -157,13 +161,16 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
     tools = check_tools(req, parsers)
     kwargs = template_kwargs(req)
+    thinking = chat_thinking_budget(req, cfg.reasoning_parser)
     if req.use_beam_search:
         if tools.tools or kwargs or parsers.reasoning is not None:
             raise bad_request("use_beam_search does not take tools or chat_template_kwargs, "
                               "nor run on a server with --reasoning-parser, yet",
                               "use_beam_search")
         return await create_beam_chat(state, req, model)
-    params = chat_params(req, state.limits)
+    params = chat_params(req, state.limits,
+                         tools.enforced.spec if tools.enforced is not None else None)
+    params = with_thinking_budget(params, *thinking, cfg.reasoning_parser)
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
@@ -183,7 +190,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
                      req.cache_salt)
     choices = [_Choice(i, parse=new_output_parse(parsers, tools.parse, req.include_reasoning,
-                                                 req.parallel_tool_calls))
+                                                 req.parallel_tool_calls, tools.enforced))
                for i in range(params.n)]
     view = _View(want_logprobs=req.logprobs, top_n=req.top_logprobs or 0,
                  as_ids=tokens_as_ids(req.return_tokens_as_token_ids,

@@ -11,6 +11,11 @@ from aiohttp import web
 from tidal.frontend.server.admission import Admission, Ticket
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.metrics import ServerMetrics
+from tidal.frontend.server.response_store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ENTRIES,
+    ResponseStore,
+)
 from tidal.frontend.server.sampling import ServerLimits
 
 if TYPE_CHECKING:
@@ -49,6 +54,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     tool_parser_plugin: str | None = None  # a Python file that registers tool parsers
+    # /v1/responses kept for previous_response_id (frontend/server/response_store.py)
+    max_stored_responses: int = DEFAULT_MAX_ENTRIES
+    max_stored_response_bytes: int = DEFAULT_MAX_BYTES
 
 
 @dataclass(slots=True)
@@ -61,6 +69,7 @@ class ServerState:
     max_model_len: int
     task: str  # "generate" | "embed"
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
 
     @property
     def limits(self) -> ServerLimits:

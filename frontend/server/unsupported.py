@@ -37,7 +37,7 @@ def _no_tool_choice(value: Any) -> bool:
 
 
 def _this_backend(value: Any) -> bool:
-    return value is None or value in ("auto", "guidance", "llguidance")
+    return value is None or value == "auto"
 
 
 def _text_modality(value: Any) -> bool:
@@ -58,9 +58,11 @@ class Unsupported:
 # these entries answer the other endpoints.
 _TOOLS = "tool calling is available in /v1/chat/completions only"
 _FUNCTIONS = "the legacy functions API is not supported; use tools in /v1/chat/completions"
-_STRUCTURED = ("structural tags, a per-request grammar backend and whitespace patterns are "
-               "not supported yet (JSON schema, JSON object, regex, choice and grammar are: "
-               "response_format, structured_outputs, guided_*)")
+_THINKING = ("a thinking budget is taken by /v1/chat/completions only (on a server with "
+             "--reasoning-parser)")
+_STRUCTURED = ("whitespace patterns are not supported (JSON schema, JSON object, regex, "
+               "choice, grammar and structural tags are: response_format, structured_outputs, "
+               "guided_*)")
 
 # Completions, chat completions and /tokenize (a chat field in a completion request asks for
 # something the endpoint cannot do either).
@@ -72,10 +74,12 @@ GENERATION: Mapping[str, Unsupported] = {
                                  _no_tool_choice),
     # response_format, structured_outputs and guided_json/regex/choice/grammar are request
     # fields (frontend/server/structured.py); these parts of structured outputs are not yet.
-    "structural_tag": Unsupported(_STRUCTURED),
+    "structural_tag": Unsupported("give a structural tag as response_format {\"type\": "
+                                  "\"structural_tag\", ...} or structured_outputs."
+                                  "structural_tag"),
     "guided_decoding_backend": Unsupported(
-        "the grammar backend is the server's (--structured-outputs-backend); only \"auto\" "
-        "or \"guidance\" are accepted", _this_backend),
+        "only \"auto\" is accepted; pick a grammar backend with structured_outputs.backend",
+        _this_backend),
     "guided_whitespace_pattern": Unsupported(_STRUCTURED),
     "logits_processors": Unsupported("custom logits processors are not accepted in requests",
                                      _empty),
@@ -102,8 +106,8 @@ GENERATION: Mapping[str, Unsupported] = {
     "web_search_options": Unsupported("web search is not supported"),
     "verbosity": Unsupported("verbosity is not supported"),
     "reasoning_effort": Unsupported("reasoning controls are not supported"),
-    "thinking_token_budget": Unsupported("reasoning controls are not supported",
-                                         _no_thinking_budget),
+    "thinking_token_budget": Unsupported(_THINKING, _no_thinking_budget),
+    "max_thinking_tokens": Unsupported(_THINKING, _no_thinking_budget),
     "priority": Unsupported("priority scheduling is not supported; requests run first come, "
                             "first served", _zero),
     "kv_transfer_params": Unsupported("disaggregated serving is not supported", _empty),

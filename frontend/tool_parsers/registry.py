@@ -11,13 +11,14 @@ import sys
 from tidal.frontend.tool_parsers.base import ToolParser
 from tidal.frontend.tool_parsers.llama3_json import Llama3JsonToolParser
 from tidal.frontend.tool_parsers.marked import HermesToolParser, MistralToolParser
+from tidal.frontend.tool_parsers.openai import OpenAIToolParser
 from tidal.frontend.tool_parsers.pythonic import PythonicToolParser
 
 logger = logging.getLogger(__name__)
 
 _PARSERS: dict[str, type[ToolParser]] = {
     cls.name: cls for cls in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                              PythonicToolParser)
+                              PythonicToolParser, OpenAIToolParser)
 }
 
 

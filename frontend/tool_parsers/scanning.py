@@ -56,3 +56,18 @@ class BracketScan:
 def bracket_end(text: str, start: int, python: bool = False) -> int | None:
     """``BracketScan`` in one go."""
     return BracketScan(start, python).advance(text)
+
+
+def string_end(text: str, start: int) -> int | None:
+    """Index just past the JSON string opening at ``text[start]`` (a ``"``); None while its
+    closing quote has not arrived."""
+    i, n = start + 1, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "\"":
+            return i + 1
+        i += 1
+    return None

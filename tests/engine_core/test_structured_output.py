@@ -51,8 +51,10 @@ def corpus():
 def llm(tiny_smol_path):
     from tidal.frontend import LLM
 
+    # llguidance pinned: the validity tests here are its own; xgrammar's are in
+    # structured_output/test_backend_xgrammar.py (the default, auto, would pick xgrammar).
     engine = LLM(str(tiny_smol_path), max_num_seqs=64, num_kv_blocks=1024, max_model_len=512,
-                 cpu_threads=1, dtype="float32")
+                 cpu_threads=1, dtype="float32", structured_outputs_backend="guidance")
     yield engine
     engine.shutdown()
 
@@ -104,17 +106,15 @@ def test_cache_key_and_regex_escaping():
     validate(so(choice=[weird, "plain"]))
 
 
-def test_backend_choice():
-    assert check_backend("auto") == check_backend("guidance") == "guidance"
-    with pytest.raises(ConfigError, match="xgrammar is not available yet"):
-        check_backend("xgrammar")
+def test_backend_flag():
+    assert check_backend("auto") == "auto" and check_backend("guidance") == "guidance"
     with pytest.raises(ConfigError, match="must be one of"):
         check_backend("outlines")
 
 
-def test_xgrammar_flag_is_a_clear_config_error(tiny_smol_path):
-    with pytest.raises(ConfigError, match="xgrammar"):
-        EngineArgs(model=str(tiny_smol_path), structured_outputs_backend="xgrammar",
+def test_an_unknown_backend_flag_is_a_clear_config_error(tiny_smol_path):
+    with pytest.raises(ConfigError, match="structured-outputs-backend"):
+        EngineArgs(model=str(tiny_smol_path), structured_outputs_backend="outlines",
                    device="cpu").create_config()
 
 
@@ -241,6 +241,38 @@ def test_async_scheduling(tiny_smol_path):
         assert all(len(o.outputs[0].token_ids) == 20 for o in outs[6:])
     finally:
         llm.shutdown()
+
+
+def test_async_constrained_requests_run_every_step_and_match_sync(tiny_smol_path):
+    """Under async scheduling a constrained request is scheduled while its last token is in
+    flight (its mask is filled once that token arrives, before the step samples), so it gets a
+    token every step, and the tokens are those of a step-by-step engine."""
+    from tidal.frontend import LLM
+
+    rx = r"[a-z]{2,5}-[0-9]{1,3}( [a-z]{3,8}){2,6}"
+    params = [sampled(i, 48, so(regex=rx)) for i in range(4)]
+    texts = {}
+    for async_on in (False, True):
+        llm = LLM(str(tiny_smol_path), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
+                  async_scheduling=async_on, cpu_threads=1, dtype="float32")
+        try:
+            core = llm.engine.core
+            assert core.defer_masks == async_on
+            prompt = llm.get_tokenizer().encode("Go:")
+            core.add_request(EngineCoreRequest("one", prompt, params[0]))
+            steps = tokens = n = 0
+            while core.has_unfinished_requests() and n < 1000:
+                outs = core.step().outputs
+                n += 1
+                tokens += sum(len(o.new_token_ids) for o in outs if o.request_id == "one")
+                steps += tokens > 0  # counted from its first token (after compile, prefill)
+            assert tokens >= 8 and steps <= tokens + 2, (async_on, steps, tokens)
+            outs = llm.generate(["Go:"] * 4, params, use_tqdm=False)
+            texts[async_on] = [o.outputs[0].text for o in outs]
+        finally:
+            llm.shutdown()
+    assert texts[True] == texts[False]
+    assert all(re.fullmatch(rx, t) for t in texts[True]), texts[True]
 
 
 def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):

@@ -181,7 +181,13 @@ def _parse(reasoning_name: str | None, tool_name: str) -> OutputParse:
 
 def _stream(reasoning_name: str | None, tool_name: str, pieces: list[str], rng: random.Random
             ) -> tuple[str, str, list[tuple[int, str, str]]]:
-    parse = _parse(reasoning_name, tool_name)
+    return _stream_through(_parse(reasoning_name, tool_name), pieces, rng)
+
+
+def _stream_through(parse: OutputParse, pieces: list[str], rng: random.Random
+                    ) -> tuple[str, str, list[tuple[int, str, str]]]:
+    """The stream of ``pieces`` joined: reasoning, content and each call's (index, name,
+    arguments), the arguments joined over the deltas of their call."""
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[tuple[int, str, str]] = []
@@ -196,7 +202,12 @@ def _stream(reasoning_name: str | None, tool_name: str, pieces: list[str], rng: 
         reasoning.append(msg.reasoning_content or "")
         content.append(msg.content or "")
         for d in msg.tool_calls:
+            if calls and calls[-1][0] == d.index:  # more arguments of the same call
+                assert d.name is None or d.name == calls[-1][1]
+                calls[-1] = (d.index, calls[-1][1], calls[-1][2] + (d.arguments or ""))
+                continue
             assert d.id and d.type == "function" and d.name
+            assert d.index == len(calls)
             calls.append((d.index, d.name, d.arguments or ""))
     return "".join(reasoning), "".join(content), calls
 
@@ -233,3 +244,166 @@ def test_streamed_deltas_join_to_the_whole_parse(tool_name: str):
             assert got == case.calls, text
             checked_good += 1
     assert checked_good > CASES_PER_PARSER // 2  # the generator mostly makes valid calls
+
+
+ENFORCED_CASES = 300  # required arrays and named arguments, each streamed twice
+
+
+def gen_enforced(rng: random.Random) -> tuple[str | None, Case]:
+    """(the named function or None for "required", an output its grammar could give: compact
+    or spaced JSON, keys in either order, sometimes cut short by max_tokens or followed by
+    junk that no grammar would allow)."""
+    if rng.random() < 0.3:
+        name, args = _name(rng), _args(rng)
+        text = _dumps(args, rng)
+        good = rng.random() < 0.85
+        if not good:
+            text = text[:rng.randint(0, len(text))]
+        # A named call is the whole output, cut or not.
+        return name, Case(text, [(name, args)] if good else None, {"raw": text})
+    calls = [(_name(rng), _args(rng)) for _ in range(rng.randint(1, 3))]
+    items = []
+    for name, args in calls:
+        members = [f'"name": {json.dumps(name)}', f'"parameters": {_dumps(args, rng)}']
+        if rng.random() < 0.2:
+            members.reverse()
+        items.append("{" + rng.choice([", ", ",", ",\n "]).join(members) + "}")
+    text = "[" + rng.choice([", ", ","]).join(items) + "]"
+    good = True
+    kind = rng.random()
+    if kind < 0.15:
+        text, good = text[:rng.randint(0, len(text) - 1)], False
+    elif kind < 0.2:
+        text, good = text + rng.choice([" junk", "]", "{}"]), False
+    elif kind < 0.25:
+        i = rng.randint(0, len(text))
+        text, good = text[:i] + rng.choice(["@", "x", '"k": 1, ']) + text[i:], False
+    return None, Case(text, calls if good else None)
+
+
+def test_enforced_tool_calls_stream_like_the_whole_parse():
+    """Outputs of tool_choice "required" / a named function: name first, then argument
+    fragments, joined == the whole parse (which keeps the arguments as the model wrote
+    them)."""
+    from tidal.engine_core.sampling_params import StructuredOutputsParams
+    from tidal.frontend.tool_parsers.enforced import EnforcedTools
+
+    rng = random.Random("fuzz-enforced")
+    checked_good = 0
+    for _ in range(ENFORCED_CASES):
+        named, case = gen_enforced(rng)
+        reasoning_name = rng.choice([None, "qwen3"])
+        parsers = ChatParsers(get_reasoning_parser(reasoning_name) if reasoning_name else None)
+        enforced = EnforcedTools(named, StructuredOutputsParams(json_object=True))
+
+        def parse() -> OutputParse:
+            out = new_output_parse(parsers, True, enforced=enforced)
+            assert out is not None
+            return out
+
+        text = case.text
+        if reasoning_name and rng.random() < 0.5:
+            text = _reasoning_block(rng, reasoning_name)[0] + text
+        parsed = parse().whole(text)
+        whole = (parsed.reasoning or "", parsed.content or "",
+                 [(i, c.name, c.arguments) for i, c in enumerate(parsed.calls)])
+        for _ in range(2):
+            assert _stream_through(parse(), _chunks(text, rng), rng) == whole, text
+        if named is not None:  # always one call, its arguments exactly the output (the
+            # reasoning parser strips the whitespace around the answer)
+            raw = case.extra["raw"]
+            assert [(n, a) for _, n, a in whole[2]] == [(named, raw.strip() if reasoning_name
+                                                         else raw)]
+        if case.calls is not None:
+            assert [(n, json.loads(a)) for _, n, a in whole[2]] == case.calls, text
+            assert whole[1] == ""
+            checked_good += 1
+    assert checked_good > ENFORCED_CASES // 2
+
+
+HARMONY_CASES = 300  # gpt-oss outputs, each streamed twice with tools and once without
+# Text of harmony bodies: near-markers and JSON-ish characters, never a whole marker.
+HARMONY_WORDS = ["the", "plan", "call", "ok", "é", "🙂", "漢字", "\n", "  ", "<", "<|", "<|end",
+                 "<|chan", "<|start", "|>", "to=", "{", "}", '"', "final", "analysis", "json"]
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+                    "<|return|>")
+
+
+def _harmony_text(rng: random.Random) -> str:
+    while True:
+        s = "".join(rng.choice(HARMONY_WORDS + [" "]) for _ in range(rng.randint(0, 8)))
+        if not any(m in s for m in _HARMONY_MARKERS):
+            return s
+
+
+def gen_harmony(rng: random.Random) -> tuple[str, dict[str, Any] | None]:
+    """A gpt-oss turn: analysis, preambles, tool calls (the recipient before or after the
+    channel, with or without <|constrain|>json), a final answer; the terminator that stops
+    generation (<|call|>, <|return|>) sometimes missing. Returns the text and, when well
+    formed, the reasoning, content and calls it must parse to."""
+    parts: list[str] = []
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[tuple[str, dict[str, Any]]] = []
+    good = True
+    kinds = [rng.choice(["analysis", "preamble", "call", "final"])
+             for _ in range(rng.randint(1, 5))]
+    for i, kind in enumerate(kinds):
+        last = i == len(kinds) - 1
+        start = "<|start|>assistant" if i or rng.random() < 0.3 else ""
+        if kind == "call":
+            name, args = _name(rng), _args(rng)
+            body = json.dumps(args, ensure_ascii=rng.random() < 0.5)
+            if rng.random() < 0.1:
+                body, good = body[:rng.randint(0, max(0, len(body) - 1))] + "@", False
+            header = rng.choice([
+                f"{start}<|channel|>commentary to=functions.{name} <|constrain|>json",
+                f"{start} to=functions.{name}<|channel|>commentary json",
+                f"{start}<|channel|>commentary to=functions.{name}"])
+            end = "" if last and rng.random() < 0.5 else "<|call|>"
+            parts.append(f"{header}<|message|>{body}{end}")
+            calls.append((name, args))
+            continue
+        body = _harmony_text(rng)
+        channel = {"analysis": "analysis", "preamble": "commentary", "final": "final"}[kind]
+        end = "<|end|>" if kind != "final" else rng.choice(["<|return|>", "<|end|>"])
+        if last and rng.random() < 0.5:
+            end = ""
+        parts.append(f"{start}<|channel|>{channel}<|message|>{body}{end}")
+        (reasoning if kind == "analysis" else content).append(body)
+    text = "".join(parts)
+    if rng.random() < 0.1:  # cut anywhere (mid-marker too): only equivalence is checked
+        return text[:rng.randint(0, len(text))], None
+    if not good:
+        return text, None
+    return text, {"reasoning": "".join(reasoning).strip(), "content": "".join(content).strip(),
+                  "calls": calls}
+
+
+def test_harmony_streams_like_the_whole_parse():
+    """gpt_oss reasoning with and without the openai tool parser: streamed == whole, and a
+    well-formed turn parses to what was generated."""
+    rng = random.Random("fuzz-harmony")
+    checked_good = 0
+    for _ in range(HARMONY_CASES):
+        text, expected = gen_harmony(rng)
+        for tools in (True, False):
+            parsers = ChatParsers(get_reasoning_parser("gpt_oss"),
+                                  get_tool_parser("openai") if tools else None)
+
+            def parse(parsers: ChatParsers = parsers, tools: bool = tools) -> OutputParse:
+                out = new_output_parse(parsers, parse_tools=tools)
+                assert out is not None
+                return out
+
+            parsed = parse().whole(text)
+            whole = (parsed.reasoning or "", parsed.content or "",
+                     [(i, c.name, c.arguments) for i, c in enumerate(parsed.calls)])
+            for _ in range(2 if tools else 1):
+                assert _stream_through(parse(), _chunks(text, rng), rng) == whole, text
+            if expected is not None and tools:
+                assert whole[0] == expected["reasoning"], text
+                assert whole[1] == expected["content"], text
+                assert [(n, json.loads(a)) for _, n, a in whole[2]] == expected["calls"], text
+                checked_good += 1
+    assert checked_good > HARMONY_CASES // 2

@@ -11,6 +11,7 @@ output is valid because the grammar forces it, whatever the weights.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 from typing import Any
@@ -143,8 +144,15 @@ def test_bad_specs_are_400s_naming_the_field(engine):
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs",
          "exactly one"),
-        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
-         "not supported"),
+        ({"structured_outputs": {"structural_tag": "{}"}},
+         "structured_outputs.structural_tag.triggers", "list"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<"], "structures": [
+            {"begin": "x", "schema": {}, "end": ""}]}},
+         "response_format.structures[0].begin", "does not start"),
+        ({"structured_outputs": {"regex": "a", "backend": "outlines"}},
+         "structured_outputs.backend", "xgrammar"),
+        ({"structured_outputs": {"regex": "a", "disable_fallback": True}},
+         "structured_outputs.disable_fallback", "backend"),
         ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "one structured"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
          "structured_outputs", "one structured"),
@@ -173,3 +181,72 @@ def test_bad_specs_are_400s_naming_the_field(engine):
         assert words in resp["error"]["message"], (extra, resp)
     assert out[-1][0] == 400 and out[-1][1]["error"]["param"] == "guided_regex"
     assert ok[0] == 200  # {"type": "text"} asks for nothing
+
+
+@pytest.mark.slow
+def test_structural_tags_and_a_per_request_backend(engine):
+    """vLLM's structural_tag response format (and xgrammar's form) and structured_outputs.
+    backend, on a server started with the default backend (auto); every output follows its
+    spec. Without xgrammar installed, asking for it is a 400 naming the field."""
+    has_xgrammar = importlib.util.find_spec("xgrammar") is not None
+    tag = {"type": "structural_tag", "triggers": ["<"],
+           "structures": [{"begin": "<w>", "schema": SCHEMA, "end": "</w>"}]}
+    xgr_tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<"],
+        "tags": [{"type": "tag", "begin": "<w>", "end": "</w>",
+                  "content": {"type": "json_schema", "json_schema": SCHEMA}}]}}
+
+    async def body(api, post, get):
+        # "<" (SmolLM2's ids 44 and 2067) made likely: outputs hold tagged sections.
+        bias = {"44": 10, "2067": 10}
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "temperature": 1.0,
+                "logit_bias": bias}
+        comp = {"model": MODEL, "max_tokens": 64, "temperature": 1.0, "logit_bias": bias}
+        reqs = [
+            post("/v1/chat/completions", {**chat, "seed": 1, "response_format": tag}),
+            post("/v1/completions", {**comp, "seed": 2, "prompt": "Weather:",
+                                     "structured_outputs": {"structural_tag": json.dumps(tag),
+                                                            "backend": "guidance"}}),
+            post("/v1/chat/completions", {**chat, "seed": 3, "structured_outputs": {
+                "regex": "[a-c]{3}", "backend": "guidance", "disable_fallback": True}}),
+            post("/v1/chat/completions", {**chat, "seed": 4, "structured_outputs": {
+                "choice": ["up", "down"], "backend": "xgrammar"}}),
+            post("/v1/chat/completions", {**chat, "seed": 5, "response_format": xgr_tag}),
+        ]
+        return await asyncio.gather(*reqs)
+
+    out = run(engine, body)
+    tagged, tagged_guidance, guided, xgr_choice, xgr_form = out
+    sections = 0
+    for status, resp in (tagged, xgr_form) if has_xgrammar else (tagged,):
+        assert status == 200, resp
+        sections += _check_tags(resp["choices"][0]["message"]["content"], resp["choices"][0])
+    assert tagged_guidance[0] == 200, tagged_guidance
+    sections += _check_tags(tagged_guidance[1]["choices"][0]["text"],
+                            tagged_guidance[1]["choices"][0])
+    assert sections >= 2
+    assert guided[0] == 200 and re.fullmatch("[a-c]{3}",
+                                             guided[1]["choices"][0]["message"]["content"])
+    if has_xgrammar:
+        assert xgr_choice[0] == 200
+        assert xgr_choice[1]["choices"][0]["message"]["content"] in ("up", "down")
+    else:
+        for status, resp in (xgr_choice, xgr_form):
+            assert status == 400 and "xgrammar" in resp["error"]["message"], resp
+
+
+def _check_tags(text: str, choice: dict[str, Any]) -> int:
+    """Every "<" of ``text`` starts a <w>...</w> section holding JSON valid under SCHEMA; a
+    cut one only at the end of an output stopped by max_tokens."""
+    pos = sections = 0
+    while (start := text.find("<", pos)) >= 0:
+        end = text.find("</w>", start)
+        if end < 0:
+            assert choice["finish_reason"] == "length" and "<w>".startswith(
+                text[start:start + 3]) or text.startswith("<w>", start), text
+            return sections
+        assert text.startswith("<w>", start), text
+        jsonschema.validate(json.loads(text[start + 3:end]), SCHEMA)
+        pos = end + 4
+        sections += 1
+    return sections

@@ -179,13 +179,14 @@ def test_malformed_call_is_content_and_counted():
 
 
 @pytest.mark.parametrize("settings,kw,param,says", [
-    (PARSING, {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "grammar-enforced"),
+    (PARSING, {"tool_choice": "required"}, "tool_choice", "needs tools"),
     (PARSING, {"tools": TOOLS, "tool_choice": {"type": "function",
-                                               "function": {"name": "get_time"}}},
-     "tool_choice", "grammar-enforced"),
+                                               "function": {"name": "get_date"}}},
+     "tool_choice.function.name", "not one of the tools"),
     (PARSING, {"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    (PARSING, {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
-     "tools[0].function.strict", "grammar-enforced"),
+    ({"tool_call_parser": "pythonic", "enable_auto_tool_choice": True},
+     {"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+     "tools[0].function.strict", "hermes"),
     (PARSING, {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
      "tools[0].type", "not supported"),
     (PARSING, {"extra_body": {"chat_template_kwargs": {"tools": []}}},

@@ -11,6 +11,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 import reference
 from tidal.frontend import LLM, SamplingParams
@@ -67,6 +68,30 @@ def test_gemma_matches_hf(gemma_models, family):
                                                             refs):
         assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens"
         assert _max_logprob_diff(lps, ref_lps) < LOGPROB_TOL, f"prompt of {len(prompt)} tokens"
+
+
+GPU_LOGPROB_TOL = 2e-3  # float32 on the GPU: Triton kernels and cuBLAS round otherwise
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the fused Gemma kernels run only on one")
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_matches_hf_on_gpu(gemma_models, family):
+    """The GPU path (Triton Gemma norms fused with the residual adds, GeGLU, CUDA graphs) gives
+    HF's greedy tokens too."""
+    folder, hf, prompts, refs = gemma_models[family]
+    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
+              dtype="float32", device="cuda")
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out, (ref_tokens, ref_lps) in zip(prompts, outs, refs):
+        got = out.outputs[0]
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert got.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
+        assert _max_logprob_diff(lps, ref_lps) < GPU_LOGPROB_TOL, f"prompt of {len(prompt)}"
 
 
 def _gemma3_same_rope_everywhere(cfg: dict) -> None:

@@ -1,5 +1,5 @@
 """Triton and CUDA versions of the fused ops (RMSNorm, residual-add RMSNorm, SiLU-and-mul,
-rotary embedding) against float64 references and the torch versions.
+rotary embedding, Gemma's norms and GeGLU) against float64 references and the torch versions.
 
 Each check draws fresh random inputs, runs the kernel into memory that was just filled with NaN
 and released (the caching allocator hands it straight back, so an unwritten element shows up as
@@ -120,6 +120,44 @@ def test_silu_and_mul(name: str, dtype: torch.dtype) -> None:
         assert out.shape == (*shape[:-1], shape[-1] // 2)
         ref = torch_ops.silu_and_mul(x.double())
         _check(out, ref, torch_ops.silu_and_mul(x), dtype, f"{name} silu_and_mul {shape}")
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_and_mul(name: str, dtype: torch.dtype) -> None:
+    impl = _impl(name)
+    for shape in [(1, 2 * 14336), (33, 2 * 1024), (2, 3, 2 * 100)]:
+        x = torch.randn(shape, device=DEVICE, dtype=dtype) * 3  # reaches both tanh tails
+        _poison_allocator(x.numel() * x.element_size() // 2)
+        out = impl.gelu_tanh_and_mul(x)
+        assert out.shape == (*shape[:-1], shape[-1] // 2)
+        ref = torch_ops.gelu_tanh_and_mul(x.double())
+        _check(out, ref, torch_ops.gelu_tanh_and_mul(x), dtype, f"{name} gelu {shape}")
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemma_norms(name: str, dtype: torch.dtype) -> None:
+    """Gemma's (1 + w) norm alone, and fused as post-norm + residual add + next pre-norm."""
+    impl = _impl(name)
+    for shape in [*SHAPES, (7, 16, 256)]:  # the last: q/k norm over heads
+        x = torch.randn(shape, device=DEVICE, dtype=dtype) * 3
+        res = torch.randn(shape, device=DEVICE, dtype=dtype) * 4
+        w = torch.randn(shape[-1], device=DEVICE, dtype=dtype) * 0.5
+        w2 = torch.randn(shape[-1], device=DEVICE, dtype=dtype) * 0.5
+        _poison_allocator(x.numel() * x.element_size())
+        out = impl.gemma_rms_norm(x, w, 1e-6)
+        ref = torch_ops.gemma_rms_norm(x.double(), w.double(), 1e-6)
+        _check(out, ref, torch_ops.gemma_rms_norm(x, w, 1e-6), dtype, f"{name} gemma {shape}")
+        x_before, res_before = x.clone(), res.clone()
+        nxt, new_res = impl.gemma_add_norm_norm(x, res, w, w2, 1e-6)
+        assert torch.equal(x, x_before) and torch.equal(res, res_before), "inputs modified"
+        t_nxt, t_res = torch_ops.gemma_add_norm_norm(x, res, w, w2, 1e-6)
+        # The residual is rounded like torch's add of the rounded norm: equal but for a norm
+        # that rounds the other way (rsqrt differs in its last bit).
+        assert _rel(new_res, t_res.double()) < TOL[dtype], f"{name} residual {shape}"
+        ref = torch_ops.gemma_rms_norm(t_res.double(), w2.double(), 1e-6)
+        _check(nxt, ref, t_nxt, dtype, f"{name} gemma add+norm {shape}")
 
 
 @pytest.mark.parametrize("name", IMPLS)

@@ -4,7 +4,6 @@ gelu_tanh(gate) * up (GeGLU)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tidal.worker.kernel_policy import current_kernels
@@ -22,6 +21,9 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """GeGLU of Gemma: gelu(gate, tanh approximation) * up over a fused [gate | up] input."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = current_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+        return self.kernels.gelu_tanh_and_mul(x)

@@ -33,10 +33,16 @@ class GemmaRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = current_kernels()
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
         set_weight_loader(self.weight, lambda p, t, shard_id=None: default_weight_loader(p, t))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.kernels.gemma_rms_norm(x, self.weight, self.eps)
+
+    def add_then(self, x: torch.Tensor, residual: torch.Tensor,
+                 next_norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``r = residual + self(x)``; returns ``(next_norm(r), r)`` in one kernel on the GPU
+        (a Gemma post-norm, the residual add and the next sub-block's pre-norm)."""
+        return self.kernels.gemma_add_norm_norm(x, residual, self.weight, next_norm.weight,
+                                                self.eps)

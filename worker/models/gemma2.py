@@ -24,6 +24,7 @@ from torch import nn
 from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.activation import GeluTanhAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -66,11 +67,22 @@ class GemmaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scalar**-0.5,
                               impl, sliding_window=sliding_window,
                               logits_soft_cap=arch.attn_logit_softcap)
+        self.kernels = current_kernels()
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        rope, kv_cache, kernels = self.rotary_emb, self.attn.kv_cache, self.kernels
+        # Without q/k norms (Gemma 2) rotary and the K/V write are one kernel on the GPU, as in
+        # the decoder; Gemma 3's (1 + w) q/k norms have no such kernel.
+        if self.q_norm is None and kernels.qk_norm_rope_applies(
+                qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox, kv_cache):
+            q = kernels.qk_norm_rope_write_kv(
+                qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim, None, None,
+                0.0, rope.cos_sin_cache, kv_cache, self.attn.group_meta(meta).slot_mapping)
+            return self.o_proj(self.attn.attend(q.view(n, -1), meta))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -93,12 +105,20 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(arch.hidden_size, eps, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden), meta)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata, next_norm: GemmaRMSNorm | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` is ``input_layernorm(hidden)``, computed by the layer before in the kernel that
+        ends it. Returns the new ``hidden`` and ``next_norm`` of it (None without one): each
+        post-norm, its residual add and the following pre-norm are one kernel on the GPU."""
+        attn = self.self_attn(positions, x, meta)
+        mlp_in, hidden = self.post_attention_layernorm.add_then(
+            attn, hidden, self.pre_feedforward_layernorm)
+        mlp = self.mlp(mlp_in)
+        if next_norm is None:
+            return hidden + self.post_feedforward_layernorm(mlp), None
+        x, hidden = self.post_feedforward_layernorm.add_then(mlp, hidden, next_norm)
+        return hidden, x
 
 
 class Gemma2ForCausalLM(nn.Module):
@@ -144,11 +164,16 @@ class Gemma2ForCausalLM(nn.Module):
             dtype = self.layers[str(self.start_layer)].input_layernorm.weight.dtype
             hidden = torch.zeros(input_ids.shape[0], self.arch.hidden_size, dtype=dtype,
                                  device=input_ids.device)
-        for layer in self.layers.values():
-            hidden = layer(positions, hidden, meta)
-        if self.pp.is_last:
-            hidden = self.norm(hidden)
-        return hidden, None
+        layers = list(self.layers.values())
+        if not layers:
+            return (self.norm(hidden) if self.pp.is_last else hidden), None
+        x = layers[0].input_layernorm(hidden)
+        final = self.norm if self.pp.is_last else None
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final
+            hidden, x = layer(positions, hidden, x, meta, nxt)
+        # The last stage ends with the final norm, which the last layer applied.
+        return (x if final is not None else hidden), None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)

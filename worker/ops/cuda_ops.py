@@ -84,3 +84,28 @@ def rotary_embedding(
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     require_extension().rotary_embedding(q_out, k_out, pos, query, key, cos_sin_cache, is_neox)
     return q_out, k_out
+
+
+# Gemma's ops have no kernel in the extension: the Triton ones serve (triton is present wherever
+# the extension builds), else the torch ones.
+def _triton_or_torch(name: str):
+    try:
+        from tidal.worker.ops import triton_ops
+    except ImportError:
+        return getattr(torch_ops, name)
+    return getattr(triton_ops, name)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _triton_or_torch("gelu_tanh_and_mul")(x)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _triton_or_torch("gemma_rms_norm")(x, weight, eps)
+
+
+def gemma_add_norm_norm(
+    x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+    next_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _triton_or_torch("gemma_add_norm_norm")(x, residual, post_weight, next_weight, eps)

@@ -96,6 +96,19 @@ class Kernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.impl_for(x).silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impl_for(x).gelu_tanh_and_mul(x)
+
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.impl_for(x).gemma_rms_norm(x, weight, eps)
+
+    def gemma_add_norm_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                            post_weight: torch.Tensor, next_weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gemma_rms_norm(r, next_weight), r)`` with ``r = residual +
+        gemma_rms_norm(x, post_weight)``: one kernel between two Gemma sub-blocks."""
+        return self.impl_for(x).gemma_add_norm_norm(x, residual, post_weight, next_weight, eps)
+
     def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          cos_sin_cache: torch.Tensor,
                          is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU over a fused [gate | up] input: ``gelu(gate, tanh approximation) * up``."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight is an offset from 1 and scales in float32, before the cast
+    back (Llama's norm casts first; in half precision the two orders round differently)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_add_norm_norm(
+    x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+    next_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gemma sub-block's end and the next one's start: ``r = residual + gemma_rms_norm(x,
+    post_weight)``, returns ``(gemma_rms_norm(r, next_weight), r)``."""
+    r = residual + gemma_rms_norm(x, post_weight, eps)
+    return gemma_rms_norm(r, next_weight, eps), r
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,

@@ -125,6 +125,109 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _gelu_tanh_and_mul_kernel(out_ptr, x_ptr, stride_out, stride_x, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    # tanh(a) = 1 - 2 / (1 + exp(2a)): exact at both ends in float32 (exp overflows to inf).
+    a = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * a))
+    s = (0.5 * g * (1.0 + t)).to(x_ptr.dtype.element_ty)
+    y = (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in _DTYPES or x.shape[-1] % 2 != 0 or x.numel() == 0:
+        return torch_ops.gelu_tanh_and_mul(x)
+    x2 = _rows(x)
+    d = x2.shape[1] // 2
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    block = min(2048, next_pow2(d))
+    _gelu_tanh_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        out, x2, out.stride(0), x2.stride(0), d, BLOCK=block, num_warps=4
+    )
+    return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
+def _gemma_norm_kernel(
+    out_ptr,
+    res_out_ptr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    w_next_ptr,
+    stride_out,
+    stride_res_out,
+    stride_x,
+    stride_res,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+):
+    """One row: y = cast(norm(x) * (1 + w)) in float32; with ADD_NORM, r = residual + y is
+    stored too and the output is cast(norm(r) * (1 + w_next))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    y = (xf * inv_rms * (1.0 + w)).to(x_ptr.dtype.element_ty)
+    if ADD_NORM:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        r = (res.to(tl.float32) + y.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, r, mask=mask)
+        rf = r.to(tl.float32)
+        w2 = tl.load(w_next_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        inv2 = tl.rsqrt(tl.sum(rf * rf, axis=0) / hidden + eps)
+        y = (rf * inv2 * (1.0 + w2)).to(x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _norm_supported(x, weight) or x.numel() == 0:
+        return torch_ops.gemma_rms_norm(x, weight, eps)
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block = next_pow2(x2.shape[1])
+    _gemma_norm_kernel[(x2.shape[0],)](
+        out, out, x2, x2, weight, weight, out.stride(0), out.stride(0), x2.stride(0),
+        x2.stride(0), x2.shape[1], float(eps), BLOCK=block, ADD_NORM=False,
+        num_warps=_row_warps(block),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def gemma_add_norm_norm(
+    x: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+    next_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        not _norm_supported(x, post_weight)
+        or next_weight.dtype != x.dtype
+        or residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or x.numel() == 0
+    ):
+        return torch_ops.gemma_add_norm_norm(x, residual, post_weight, next_weight, eps)
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out)
+    block = next_pow2(x2.shape[1])
+    _gemma_norm_kernel[(x2.shape[0],)](
+        out, res_out, x2, r2, post_weight, next_weight, out.stride(0), res_out.stride(0),
+        x2.stride(0), r2.stride(0), x2.shape[1], float(eps), BLOCK=block, ADD_NORM=True,
+        num_warps=_row_warps(block),
+    )  # fmt: skip
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
 def _rotate_heads(
     out_ptr,
     in_ptr,

@@ -1,0 +1,569 @@
+"""OpenAI's Responses API (/v1/responses) through the official ``openai`` client: a scripted
+engine produces the model text (reasoning and tool calls a random-weight model cannot be made
+to emit), so the items, the stream events, the conversation store and the errors are checked
+exactly; then the real SmolLM2 answers on the shared server (streamed == whole; a JSON schema
+holds)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from server_harness import API_KEY, generation_server
+from test_server_unit import FakeEngine, _Ready
+
+from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.frontend.server.app import build_app, create_state
+from tidal.frontend.server.chat_parsing import new_output_parse, server_parsers
+from tidal.frontend.server.response_store import ResponseStore
+from tidal.frontend.server.responses_output import ResponseEvents, output_items
+from tidal.frontend.server.responses_protocol import FunctionCallItem
+from tidal.frontend.server.state import STATE_KEY, ServerSettings
+
+CALL_ARGS = {"city": "Zürich", "note": 'say "hi" </tool_call>', "days": [1, 2]}
+SCRIPTS = {
+    "weather": ("<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n"
+                + json.dumps({"name": "get_weather", "arguments": CALL_ARGS})
+                + "\n</tool_call>\n<tool_call>\n"
+                + json.dumps({"name": "get_time", "arguments": {"tz": "CET"}})
+                + "\n</tool_call>"),
+    "plain": "<think>easy</think>The answer is 4.",
+    "thanks": "It is sunny in Zürich.",
+    "long": "cut off here",
+    # What the grammar of a named / required tool_choice makes the model write.
+    "named": '{"city": "Paris"}',
+    "required": '[{"name": "get_time", "parameters": {"tz": "CET"}}, '
+                '{"name": "get_weather", "parameters": {"city": "Oslo"}}]',
+    "mixed": ('<think>hm</think>Checking.\n<tool_call>{"name": "get_time", "arguments": {}}'
+              '</tool_call>\nDone.'),
+}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+          "strict": None},
+         {"type": "function", "name": "get_time", "parameters": {"type": "object"},
+          "strict": None}]
+PARSING = {"reasoning_parser": "qwen3", "tool_call_parser": "hermes",
+           "enable_auto_tool_choice": True}
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers with the script named by the last message's content, in 5-character pieces
+    (they split tags and JSON strings); "long" ends by max_tokens. Records what reached the
+    chat template."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rendered: list[dict[str, Any]] = []
+        self.params: list[Any] = []
+
+    async def add_request(self, request_id: str, ids: list[int], params: Any, **kw: Any) -> Any:
+        self.params.append(params)
+        return await super().add_request(request_id, ids, params, **kw)
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool = True,
+                                  chat_template: str | None = None,
+                                  continue_final_message: bool = False,
+                                  tools: list[dict[str, Any]] | None = None,
+                                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        self.rendered.append({"messages": messages, "tools": tools, "kwargs": template_kwargs})
+        return self._tok.encode(messages[-1]["content"])
+
+    async def _script(self, request_id: str, ids: list[int], collector: Any) -> None:
+        key = self._tok.decode(ids)
+        if key not in SCRIPTS:
+            return await super()._script(request_id, ids, collector)
+        text = SCRIPTS[key]
+        pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+        for i, piece in enumerate(pieces):
+            done = i == len(pieces) - 1
+            reason = ("length" if key == "long" else "stop") if done else None
+            collector.notify(_Ready(RequestOutput(request_id, None, ids, [CompletionOutput(
+                index=0, text=piece, token_ids=[5], finish_reason=reason)], finished=done)))
+            await asyncio.sleep(0)
+
+
+def _run(engine: ScriptedEngine, body: Any, **settings: Any) -> Any:
+    async def go():
+        state = create_state(engine, ServerSettings(**settings))  # type: ignore[arg-type]
+        async with TestClient(TestServer(build_app(state))) as client:
+            api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x",
+                                     max_retries=0)
+            try:
+                return await body(api, client)
+            finally:
+                await api.close()
+
+    return asyncio.run(go())
+
+
+async def _streamed(api: openai.AsyncOpenAI, **kw: Any) -> tuple[list[Any], Any]:
+    """The stream's events (checked for order and numbering) and its final response."""
+    events = [e async for e in await api.responses.create(stream=True, **kw)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events, events[-1].response
+
+
+def _items(response: Any) -> list[tuple[Any, ...]]:
+    """The output without its generated ids."""
+    out = []
+    for item in response.output:
+        if item.type == "message":
+            out.append(("message", item.status, [p.text for p in item.content]))
+        elif item.type == "function_call":
+            out.append(("function_call", item.status, item.name, item.arguments))
+        else:
+            out.append(("reasoning", item.status, [p.text for p in item.content or []]))
+    return out
+
+
+def _joined(events: list[Any]) -> dict[str, Any]:
+    """What the deltas add up to, per output index, as a client reading them would see."""
+    texts: dict[int, str] = {}
+    for e in events:
+        if e.type in ("response.output_text.delta", "response.reasoning_text.delta",
+                      "response.function_call_arguments.delta"):
+            texts[e.output_index] = texts.get(e.output_index, "") + e.delta
+    return texts
+
+
+def test_tool_calls_and_reasoning_whole_and_streamed():
+    async def body(api, client):
+        kw = {"model": "fake", "input": "weather", "tools": TOOLS}
+        return await api.responses.create(**kw), await _streamed(api, **kw)
+
+    whole, (events, final) = _run(ScriptedEngine(), body, **PARSING)
+    assert whole.status == "completed" and whole.object == "response"
+    assert whole.id.startswith("resp_")
+    assert _items(whole) == [
+        ("reasoning", "completed", ["The user wants the weather."]),
+        ("function_call", "completed", "get_weather", json.dumps(CALL_ARGS, ensure_ascii=False)),
+        ("function_call", "completed", "get_time", json.dumps({"tz": "CET"}))]
+    calls = [i for i in whole.output if i.type == "function_call"]
+    assert all(c.call_id and c.id.startswith("fc_") for c in calls)
+    assert json.loads(calls[0].arguments) == CALL_ARGS
+    assert whole.usage.output_tokens == len(range(0, len(SCRIPTS["weather"]), 5))
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= whole.usage.output_tokens
+    assert [t.name for t in whole.tools] == ["get_weather", "get_time"]
+    # Streamed: the same items, and the deltas add up to them.
+    assert final.status == "completed" and _items(final) == _items(whole)
+    joined = _joined(events)
+    assert joined == {0: "The user wants the weather.", 1: calls[0].arguments,
+                      2: calls[1].arguments}
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count(
+        "response.output_item.done") == 3
+    assert kinds.count("response.function_call_arguments.done") == 2
+
+
+def test_text_around_a_call_and_one_call_only():
+    """Text before and after a call is one message, whole and streamed alike;
+    parallel_tool_calls false keeps the first call."""
+    async def body(api, client):
+        kw = {"model": "fake", "input": "mixed", "tools": TOOLS}
+        one = await api.responses.create(model="fake", input="weather", tools=TOOLS,
+                                         parallel_tool_calls=False)
+        return await api.responses.create(**kw), await _streamed(api, **kw), one
+
+    whole, (events, final), one = _run(ScriptedEngine(), body, **PARSING)
+    assert _items(whole) == _items(final) == [
+        ("reasoning", "completed", ["hm"]),
+        ("message", "completed", ["Checking.\n\nDone."]),
+        ("function_call", "completed", "get_time", "{}")]
+    assert _joined(events)[1] == "Checking.\n\nDone."
+    assert [i.name for i in one.output if i.type == "function_call"] == ["get_weather"]
+    assert one.parallel_tool_calls is False
+
+
+@pytest.mark.parametrize("key, choice, calls", [
+    ("named", {"type": "function", "name": "get_weather"}, [("get_weather", {"city": "Paris"})]),
+    ("required", "required", [("get_time", {"tz": "CET"}), ("get_weather", {"city": "Oslo"})]),
+])
+def test_required_and_named_tool_choice_are_enforced(key, choice, calls):
+    """The grammar of chat's enforced tool_choice reaches the engine (no tool parser needed),
+    and what it makes the model write comes back as function_call items, whole and
+    streamed."""
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        kw = {"model": "fake", "input": key, "tools": TOOLS, "tool_choice": choice}
+        return await api.responses.create(**kw), await _streamed(api, **kw)
+
+    whole, (events, final) = _run(engine, body)
+    got = [(i.name, json.loads(i.arguments)) for i in whole.output]
+    assert got == calls and _items(final) == _items(whole)
+    assert all(i.type == "function_call" and i.call_id for i in whole.output)
+    assert (whole.tool_choice if key == "required" else whole.tool_choice.name) == \
+        (choice if key == "required" else "get_weather")
+    spec = engine.params[0].structured_outputs
+    assert spec is not None and spec == engine.params[1].structured_outputs
+    schema = spec.json if isinstance(spec.json, dict) else json.loads(spec.json)
+    if key == "named":
+        assert schema == TOOLS[0]["parameters"]
+    else:
+        assert schema["type"] == "array" and schema["minItems"] == 1
+
+
+def test_raw_http_edges():
+    """Unknown stored ids are a 404, a deep or oversized body the usual envelope."""
+    async def body(api, client):
+        got = await client.get("/v1/responses/resp_nope")
+        gone = await client.delete("/v1/responses/resp_nope")
+        deep = await client.post("/v1/responses",
+                                 data=b'{"input": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+        big = await client.post("/v1/responses", data=b'{"input": "' + b"x" * 5000 + b'"}')
+        return [(r.status, (await r.json())["error"]) for r in (got, gone, deep, big)]
+
+    from tidal.frontend.server.sampling import ServerLimits
+
+    (got, gone, deep, big) = _run(ScriptedEngine(), body,
+                                  limits=ServerLimits(max_body_bytes=4096))
+    assert got[0] == gone[0] == 404 and got[1]["param"] == "response_id"
+    assert deep[0] == 400 and deep[1]["code"] == "invalid_json"
+    assert big[0] == 413
+
+
+def test_text_with_reasoning_and_stream_helper():
+    """The client's own stream helper (it checks the events' consistency) accepts the stream;
+    ``output_text`` joins the message."""
+    async def body(api, client):
+        whole = await api.responses.create(model="fake", input="plain")
+        async with api.responses.stream(model="fake", input="plain") as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            final = await stream.get_final_response()
+        return whole, deltas, final
+
+    whole, deltas, final = _run(ScriptedEngine(), body, reasoning_parser="qwen3")
+    assert whole.output_text == "The answer is 4." == "".join(deltas) == final.output_text
+    assert _items(whole) == _items(final) == [
+        ("reasoning", "completed", ["easy"]),
+        ("message", "completed", ["The answer is 4."])]
+
+
+def test_previous_response_id_continues_the_conversation():
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        first = await api.responses.create(model="fake", input="weather", tools=TOOLS,
+                                           instructions="Be brief.")
+        call = next(i for i in first.output if i.type == "function_call")
+        second = await api.responses.create(
+            model="fake", previous_response_id=first.id, tools=TOOLS,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": "thanks"}])
+        got = await api.responses.retrieve(first.id)
+        deleted = await client.delete(f"/v1/responses/{first.id}")
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(first.id)
+        return first, call, second, got, await deleted.json()
+
+    first, call, second, got, deleted = _run(engine, body, **PARSING)
+    assert second.output_text == SCRIPTS["thanks"]
+    assert second.previous_response_id == first.id
+    assert got.id == first.id and _items(got) == _items(first)
+    assert deleted == {"id": first.id, "object": "response.deleted", "deleted": True}
+    # The follow-up saw the first turn (without its instructions, as OpenAI does), the
+    # assistant's calls, and the call's output.
+    seen = engine.rendered[1]["messages"]
+    assert [m["role"] for m in seen] == ["user", "assistant", "tool"]
+    assert seen[0]["content"] == "weather"
+    assert [c["function"]["name"] for c in seen[1]["tool_calls"]] == ["get_weather", "get_time"]
+    assert seen[1]["tool_calls"][0]["function"]["arguments"] == CALL_ARGS
+    assert seen[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "thanks"}
+    assert engine.rendered[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert engine.rendered[0]["tools"][0]["function"]["name"] == "get_weather"
+
+
+def test_input_items_reach_the_template():
+    engine = ScriptedEngine()
+    items = [{"role": "developer", "content": "Answer in English."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "What is the weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather",
+              "arguments": "{\"city\": \"Paris\"}"},
+             {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+             {"type": "function_call_output", "call_id": "c2",
+              "output": [{"type": "input_text", "text": "noon"}]},
+             {"role": "user", "content": "plain"}]
+
+    async def body(api, client):
+        return await api.responses.create(model="fake", input=items, tools=TOOLS,
+                                          tool_choice="none", extra_body={
+                                              "chat_template_kwargs": {"enable_thinking": False}})
+
+    out = _run(engine, body, **PARSING)
+    assert out.output_text == "The answer is 4."
+    seen = engine.rendered[0]["messages"]
+    assert [m["role"] for m in seen] == ["developer", "user", "assistant", "tool", "tool", "user"]
+    assert seen[2]["content"] == "Let me see."
+    assert [c["id"] for c in seen[2]["tool_calls"]] == ["c1", "c2"]
+    assert seen[3]["content"] == "rain" and seen[4]["content"] == "noon"
+    assert engine.rendered[0]["kwargs"] == {"enable_thinking": False}
+
+
+def test_max_output_tokens_is_incomplete_and_store_false_keeps_nothing():
+    async def body(api, client):
+        whole = await api.responses.create(model="fake", input="long", store=False,
+                                           max_output_tokens=8)
+        events, final = await _streamed(api, model="fake", input="long", store=False)
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.responses.create(model="fake", input="x", previous_response_id=whole.id)
+        return whole, events, final, err.value
+
+    whole, events, final, err = _run(ScriptedEngine(), body)
+    for r in (whole, final):
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert _items(r) == [("message", "incomplete", [SCRIPTS["long"]])]
+    assert events[-1].type == "response.incomplete"
+    assert whole.max_output_tokens == 8 and whole.store is False
+    assert err.status_code == 400 and err.body["param"] == "previous_response_id"
+    assert err.body["code"] == "previous_response_not_found"
+
+
+def test_error_mid_stream_ends_with_response_failed():
+    async def body(api, client):
+        return [e async for e in await api.responses.create(model="fake", input="fail",
+                                                            stream=True)]
+
+    events = _run(ScriptedEngine(), body)
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1].response.status == "failed" and "/work" not in events[-2].message
+
+
+def test_drain_timeout_cancels_open_responses():
+    """A response the drain timeout aborts ends as "cancelled" (streamed: response.failed
+    after its items close), with what it had produced, and is not stored."""
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        state = client.server.app[STATE_KEY]
+
+        async def streamed():
+            return [e async for e in await api.responses.create(model="fake", input="hang",
+                                                                stream=True)]
+
+        tasks = [asyncio.create_task(streamed()),
+                 asyncio.create_task(api.responses.create(model="fake", input="hang"))]
+        for _ in range(200):
+            if len(engine.params) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert state.admission.abort_all() == 2
+        events, whole = await asyncio.gather(*tasks)
+        return events, whole, len(state.responses)
+
+    events, whole, stored = _run(engine, body)
+    assert [e.type for e in events[-2:]] == ["response.output_item.done", "response.failed"]
+    for r in (events[-1].response, whole):
+        assert r.status == "cancelled" and _items(r) == [("message", "incomplete", ["x"])]
+    assert stored == 0
+
+
+@pytest.mark.parametrize("kw, param, says", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "built-in"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]", "text only"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input[0].arguments", "JSON object"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role", "robot"),
+    # Chat completions' fields change the result there: never silently ignored here.
+    ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json", "chat completions field"),
+    ({"extra_body": {"ignore_eos": True}}, "ignore_eos", "chat completions field"),
+    ({"extra_body": {"max_completion_tokens": 5}}, "max_completion_tokens", "chat completions field"),
+    ({"extra_body": {"thinking_token_budget": 3}}, "thinking_token_budget", "chat/completions only"),
+    ({"extra_body": {"bad_words": ["x"]}}, "bad_words", "bad_words"),
+    ({"input": []}, "input", "required"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "summar"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "text.format.schema", "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema",
+     "text.format.schema"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type", "yaml"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                          "strict": "yes"}}}, "text.format.strict", "text.format.strict must"),
+    ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity", "verbosity"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice.name",
+     "nope"),
+    ({"tool_choice": "required", "tools": TOOLS, "text": {"format": {"type": "json_object"}}},
+     "tool_choice", "text.format"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"temperature": 1e9}, "temperature", "temperature"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice", "only function tools"),
+    ({"tools": TOOLS}, "tools", "--enable-auto-tool-choice"),
+    ({"metadata": {"k": "v" * 600}}, "metadata.k", "512"),
+    ({"extra_body": {"background": True}}, "background", "background"),
+    ({"extra_body": {"include": ["message.output_text.logprobs"]}}, "include", "include"),
+    ({"extra_body": {"seed": 3}}, "seed", "chat/completions"),
+    ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs", "tools"),
+    ({"previous_response_id": "resp_nope"}, "previous_response_id", "not found"),
+])
+def test_what_is_not_available_is_a_400(kw, param, says):
+    async def body(api, client):
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.responses.create(**{"model": "fake", "input": "plain", **kw})
+        return err.value.body
+
+    error = _run(ScriptedEngine(), body)
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_harmless_fields_are_accepted():
+    async def body(api, client):
+        return await api.responses.create(
+            model="fake", input="plain", metadata={"team": "a"}, user="u", store=True,
+            parallel_tool_calls=False, reasoning={"effort": None}, truncation="disabled",
+            text={"format": {"type": "text"}}, temperature=0.5, top_p=0.9,
+            extra_body={"service_tier": "auto", "prompt_cache_key": "k"})
+
+    out = _run(ScriptedEngine(), body)
+    assert out.output_text == SCRIPTS["plain"] and out.metadata == {"team": "a"}
+    assert out.parallel_tool_calls is False and out.temperature == 0.5
+
+
+def _plain(items: list[Any]) -> list[tuple[Any, ...]]:
+    out = []
+    for i in items:
+        if isinstance(i, FunctionCallItem):
+            out.append(("function_call", i.name, i.arguments))
+        else:
+            out.append((i.type, [p.text for p in i.content]))
+    return out
+
+
+def test_streamed_items_equal_whole_items_at_any_chunking():
+    """Whatever the chunk boundaries, the items the stream builds (and the deltas that fill
+    them) equal the whole response's, in order and status (here of an output cut short):
+    blank text between calls is no message either way, text after a call joins the message
+    before it."""
+    rng = random.Random(7)
+    parsers = server_parsers("qwen3", "hermes", True, None)
+    texts = [*SCRIPTS.values(), "  \n", "<think>a</think>\n\n", "<think>a</think> ok ",
+             '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\nafter',
+             'x<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>  ']
+    for text in texts:
+        cut = output_items(new_output_parse(parsers, True).whole(text), "incomplete")
+        whole = _plain(cut)
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1,
+                                                                rng.randint(0, 12))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            parse = new_output_parse(parsers, True)
+            events = ResponseEvents()
+            out: list[bytes] = []
+            for k, piece in enumerate(pieces):
+                events.feed(parse.delta(piece, k == len(pieces) - 1), out)
+            items = events.finish("incomplete", out)
+            assert _plain(items) == whole, (text, pieces)
+            assert [i.status for i in items] == [i.status for i in cut], (text, pieces)
+            decoded = [json.loads(e) for e in out]
+            assert [e["sequence_number"] for e in decoded] == list(range(len(decoded)))
+            joined: dict[int, str] = {}
+            for e in decoded:
+                if e["type"].endswith(".delta"):
+                    joined[e["output_index"]] = joined.get(e["output_index"], "") + e["delta"]
+            for index, item in enumerate(_plain(items)):
+                assert joined.get(index, "") == (item[2] if item[0] == "function_call"
+                                                 else "".join(item[1]))
+
+
+def test_store_flags_bound_the_servers_store():
+    from tidal.frontend.cli import _server_settings, build_parser
+
+    def settings(*flags: str) -> ServerSettings:
+        return _server_settings(build_parser().parse_args(["serve", *flags]))
+
+    s = settings("--max-stored-responses", "1", "--max-stored-response-bytes", "100000")
+    assert (s.max_stored_responses, s.max_stored_response_bytes) == (1, 100000)
+    with pytest.raises(SystemExit, match="max-stored-responses"):
+        settings("--max-stored-responses", "-1")
+
+    async def body(api, client):
+        first = await api.responses.create(model="fake", input="plain")
+        second = await api.responses.create(model="fake", input="plain")
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(first.id)  # evicted: one entry only
+        return (await api.responses.retrieve(second.id)).id == second.id
+
+    assert _run(ScriptedEngine(), body, max_stored_responses=1)
+
+
+def test_response_store_bounds():
+    store = ResponseStore(max_entries=2, max_bytes=10_000)
+    msgs = [{"role": "user", "content": "x"}]
+    for rid in ("a", "b"):
+        assert store.put(rid, msgs, b"{}")
+    assert store.get("a") is not None  # "b" is now the least recently used
+    assert store.put("c", msgs, b"{}")
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    before = store.num_bytes
+    assert not store.put("huge", msgs, b"x" * 20_000)  # over the bound alone: not kept
+    assert store.num_bytes == before
+    assert store.put("big", msgs, b"x" * 9_950)  # evicts both others to fit
+    assert len(store) == 1 and store.num_bytes <= 10_000
+    assert store.delete("big") and store.num_bytes == 0 and not store.delete("big")
+    assert not ResponseStore(max_entries=0).put("a", msgs, b"{}")
+
+
+@pytest.mark.slow
+def test_smollm2_responses_streamed_equals_whole_and_json_schema():
+    """The real model on the shared server: a greedy answer is the same whole and streamed
+    (its deltas join to it), a follow-up through previous_response_id answers, and
+    text.format json_schema yields JSON valid under the schema, a named tool_choice a call
+    whose arguments are valid under the tool's."""
+    server = generation_server()
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+
+    async def go():
+        api = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+        try:
+            kw = {"model": (await api.models.list()).data[0].id,
+                  "input": "Name three colors.", "max_output_tokens": 16, "temperature": 0}
+            whole = await api.responses.create(**kw)
+            events, final = await _streamed(api, **kw)
+            follow = await api.responses.create(**{**kw, "input": "And one more?",
+                                                   "previous_response_id": whole.id})
+            structured = await api.responses.create(
+                **{**kw, "input": "Give a person as JSON.", "max_output_tokens": 40,
+                   "text": {"format": {"type": "json_schema", "name": "person",
+                                       "schema": schema, "strict": True}}})
+            city = {"type": "object", "properties": {"city": {"type": "string",
+                                                              "maxLength": 20}},
+                    "required": ["city"], "additionalProperties": False}
+            named = await api.responses.create(
+                **{**kw, "input": "What is the weather in Paris?", "max_output_tokens": 40,
+                   "tools": [{"type": "function", "name": "get_weather", "parameters": city,
+                              "strict": True}],
+                   "tool_choice": {"type": "function", "name": "get_weather"}})
+            return whole, events, final, follow, structured, (named, city)
+        finally:
+            await api.close()
+
+    whole, events, final, follow, structured, (named, city) = asyncio.run(go())
+    assert whole.output_text and whole.status in ("completed", "incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == whole.output_text == final.output_text
+    assert final.status == whole.status
+    assert whole.usage.output_tokens <= 16 and whole.usage.input_tokens > 0
+    assert follow.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens
+    assert follow.status in ("completed", "incomplete")
+    assert structured.status == "completed"
+    jsonschema.validate(json.loads(structured.output_text), schema)
+    assert named.status == "completed" and [i.type for i in named.output] == ["function_call"]
+    assert named.output[0].name == "get_weather"
+    jsonschema.validate(json.loads(named.output[0].arguments), city)
