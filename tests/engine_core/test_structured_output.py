@@ -187,14 +187,17 @@ def test_unconstrained_requests_are_unchanged_by_a_constrained_one(llm):
     assert mixed[4].outputs[0].text in ("left", "right")
 
 
-def test_n_preemption_chunked_prefill_and_prefix_hits(tiny_smol_path):
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_n_preemption_chunked_prefill_and_prefix_hits(tiny_smol_path, async_on):
     """n = 3 sequences per request, each with its own matcher; a KV pool so small that
     requests are preempted and recomputed; prompts longer than the token budget (chunked);
-    a shared prefix (prefix-cache hits). Every output still validates."""
+    a shared prefix (prefix-cache hits). Every output still validates, also with async
+    scheduling (masks filled while the step runs, requests preempted with a token in flight)."""
     from tidal.frontend import LLM
 
     llm = LLM(str(tiny_smol_path), max_num_seqs=16, num_kv_blocks=20, block_size=16,
-              max_num_batched_tokens=64, max_model_len=256, cpu_threads=1, dtype="float32")
+              max_num_batched_tokens=64, max_model_len=256, cpu_threads=1, dtype="float32",
+              async_scheduling=async_on)
     sched = llm.engine.core.scheduler
     preempt, preempted = sched._preempt, []
 
