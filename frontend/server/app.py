@@ -340,6 +340,16 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         engine.shutdown()
         raise
     logger.info("%s warmed up with one request in %.3f s", label, seconds)
+    engine_parser = engine.config.scheduler.reasoning_parser
+    if engine_parser != settings.reasoning_parser:
+        # (Only an engine-core started apart can differ.) Its grammars would wait for another
+        # end of thinking than the one this server's parser splits the replies at.
+        if sock is not None:
+            sock.close()
+        engine.shutdown()
+        raise ServerStartError(
+            f"the engine was started with --reasoning-parser {engine_parser} and this server "
+            f"with {settings.reasoning_parser}: give both the same one")
     state = create_state(engine, settings, board)
     app = build_app(state)
     limits = connection_limits(settings, raise_fd_limit())

@@ -286,6 +286,10 @@ def test_serve_from_engine_address(tmp_path):
             assert engine.poll() is None, (tmp_path / "engine.log").read_text()
             assert time.monotonic() < deadline, "engine-core did not start"
             time.sleep(0.25)
+        # A frontend whose reasoning parser is not the engine's would split replies at another
+        # end of thinking than the engine's grammars wait for: it refuses to start.
+        with pytest.raises(RuntimeError, match="give both the same one"):
+            ServerProcess(["--engine-address", address, "--reasoning-parser", "qwen3"]).start()
         server = ServerProcess(["--engine-address", address]).start()
 
         async def go():
