@@ -219,15 +219,16 @@ async def _whole(gen: Generation, out: _Output, model: str, request_id: str) -> 
 @dataclass(slots=True)
 class _Blocks:
     """Content blocks opened, filled and closed as the parsed output arrives: a new block
-    begins whenever the kind of news changes (thinking, text, each tool call). The joined
-    deltas are the whole message's blocks; only text a model writes after a call (rare: the
-    parsers strip the whitespace between calls) streams as a block after that call, where
-    the whole message has all its text in one block before the calls."""
+    begins whenever the kind of news changes (thinking, text). Tool calls are held until the
+    output ends and then stream as one block each, after the text: text a model writes after
+    a call then still joins the one text block, so the joined deltas are always the whole
+    message's blocks, in its order (the parsers hand over each call only once it is complete,
+    so holding them costs little)."""
 
     index: int = -1
-    open: str | None = None  # "thinking", "text", "tool"
-    tool_index: int = -1  # the parser's index of the open tool call
+    open: str | None = None  # "thinking", "text"
     pinged: bool = False
+    calls: dict[int, list[str]] = field(default_factory=dict)  # parser index -> name, args...
 
     def feed(self, msg: DeltaMessage, events: list[Event]) -> None:
         if msg.reasoning_content:
@@ -237,12 +238,21 @@ class _Blocks:
             self._ensure("text", events)
             events.append(BlockDelta(self.index, TextDelta(msg.content)))
         for call in msg.tool_calls:
-            if call.name is not None or self.open != "tool" or call.index != self.tool_index:
-                self.close(events)
-                self._start(ToolUseBlock(_tool_id(), call.name or "", {}), "tool", events)
-                self.tool_index = call.index
+            parts = self.calls.setdefault(call.index, [""])
+            if call.name is not None:
+                parts[0] = call.name
             if call.arguments:
-                events.append(BlockDelta(self.index, InputJsonDelta(call.arguments)))
+                parts.append(call.arguments)
+
+    def finish(self, events: list[Event]) -> None:
+        """Close the open block, then stream the held tool calls."""
+        self.close(events)
+        for name, *arguments in self.calls.values():
+            self._start(ToolUseBlock(_tool_id(), name, {}), "tool", events)
+            if arguments:
+                events.append(BlockDelta(self.index, InputJsonDelta("".join(arguments))))
+            self.close(events)
+        self.calls.clear()
 
     def _ensure(self, kind: str, events: list[Event]) -> None:
         if self.open != kind:
@@ -281,7 +291,6 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, out
         events: list[Event] = []
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
-                events = []
                 for _, ro in batch:
                     for c in ro.outputs:
                         out.num_tokens += len(c.token_ids)
@@ -299,7 +308,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, out
                     events = []
         if gen.aborted:
             raise _aborted()
-        blocks.close(events)
+        blocks.finish(events)
         if not blocks.pinged:
             events.append(Ping())
         stop = out.stop()

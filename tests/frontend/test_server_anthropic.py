@@ -38,6 +38,7 @@ SCRIPTS: dict[str, tuple[str, str, int | str | None]] = {
     "weather": ("<think>\nThe user wants the weather.\n</think>\n\nChecking." + CALLS, "stop",
                 None),
     "plain": ("<think>easy</think>The answer is 4.", "stop", 2),
+    "between": ("Checking." + CALLS + "\nBoth asked.", "stop", None),
     "stopped": ("Counting 1, 2", "stop", ", 3"),
     "long": ("a b c d", "length", None),
     "fail": ("x", "error", None),
@@ -246,6 +247,22 @@ def test_stop_reasons_whole_and_streamed(key, stop_reason, stop_sequence):
     for message in (whole, streamed):
         assert (message.stop_reason, message.stop_sequence) == (stop_reason, stop_sequence)
         assert message.content[0].text == SCRIPTS[key][0]
+
+
+def test_text_after_a_call_streams_into_the_one_text_block():
+    """Tool calls are held until the output ends, so text after a call still joins the text
+    block before them: the stream equals the whole message."""
+    async def body(api, client):
+        kw = _ask("between", tools=TOOLS)
+        whole = await api.messages.create(**kw)
+        async with api.messages.stream(**kw) as stream:
+            streamed = await stream.get_final_message()
+        return whole, streamed
+
+    whole, streamed = _run(ScriptedEngine(), body, **PARSING)
+    assert [b["type"] for b in _blocks(whole)] == ["text", "tool_use", "tool_use"]
+    assert "Both asked." in whole.content[0].text
+    assert _blocks(streamed) == _blocks(whole)
 
 
 def test_disable_parallel_tool_use_keeps_the_first_call():
