@@ -42,6 +42,9 @@ class ReasoningParser(ABC):
     ``tidal.frontend.reasoning.register_reasoning_parser``."""
 
     name: ClassVar[str]
+    # Its markers are special tokens: a request that does not set skip_special_tokens keeps
+    # them in the text for the parser (as vLLM's parsers adjust the request).
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer

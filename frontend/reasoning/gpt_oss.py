@@ -35,6 +35,7 @@ class _HarmonyScan:
 
 class GptOssReasoningParser(ReasoningParser):
     name = REASONING_FORMATS["gpt_oss"].name
+    needs_special_tokens = True
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)

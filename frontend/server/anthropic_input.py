@@ -21,7 +21,14 @@ from tidal.frontend.server.anthropic_protocol import (
     InputBlock,
     MessagesRequest,
 )
-from tidal.frontend.server.chat_parsing import MAX_TOOLS, ChatParsers, ChatTools, check_tools
+from tidal.frontend.server.chat_parsing import (
+    MAX_TOOLS,
+    ChatParsers,
+    ChatTools,
+    check_tools,
+    reads_special_tokens,
+    server_parsers,
+)
 from tidal.frontend.server.errors import APIError, bad_request
 from tidal.frontend.server.openai_protocol import (
     ChatCompletionRequest,
@@ -291,9 +298,13 @@ def _anthropic_terms() -> Iterator[None]:
 def sampling_params(chat: ChatCompletionRequest, state: ServerState, tools: ChatTools
               ) -> SamplingParams:
     """chat's sampling params; tool_choice any / tool: with the grammar of the call."""
+    cfg = state.settings
+    parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
+                             cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
     with _anthropic_terms():
         params = chat_params(chat, state.limits,
-                             tools.enforced.spec if tools.enforced is not None else None)
+                             tools.enforced.spec if tools.enforced is not None else None,
+                             reads_special_tokens(parsers, tools))
     return with_thinking_budget(params, chat.thinking_token_budget, "thinking.budget_tokens",
                                 state.settings.reasoning_parser)
 

@@ -330,6 +330,15 @@ class OutputParse:
 _RESOLVED: dict[tuple[Any, ...], ChatParsers] = {}
 
 
+def reads_special_tokens(parsers: ChatParsers, tools: ChatTools) -> bool:
+    """Whether this request's output goes to a parser whose markers are special tokens: the
+    reasoning parser (always), the tool parser (when it parses the output: "auto")."""
+    if parsers.reasoning is not None and parsers.reasoning.needs_special_tokens:
+        return True
+    return (tools.parse and tools.enforced is None and parsers.tools is not None
+            and parsers.tools.needs_special_tokens)
+
+
 def server_parsers(reasoning_parser: str | None, tool_call_parser: str | None,
                    enable_auto_tool_choice: bool, tool_parser_plugin: str | None) -> ChatParsers:
     """``resolve_parsers``, once per process (the CLI checked the flags at start-up)."""

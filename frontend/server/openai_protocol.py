@@ -101,7 +101,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    # None: True, unless the server's parsers read special tokens (chat_parsing.py)
+    skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -58,9 +58,11 @@ def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingP
 
 
 def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
-                tool_grammar: StructuredOutputsParams | None = None) -> SamplingParams:
+                tool_grammar: StructuredOutputsParams | None = None,
+                parsers_read_special_tokens: bool = False) -> SamplingParams:
     """``tool_grammar``: the spec of a required / named tool_choice (chat_parsing.check_tools
-    made sure no structured-outputs field competes with it)."""
+    made sure no structured-outputs field competes with it). ``parsers_read_special_tokens``
+    (chat_parsing.reads_special_tokens): an unset skip_special_tokens becomes False."""
     if tool_grammar is None and (req.tool_choice == "required"
                                  or isinstance(req.tool_choice, dict)):
         # An endpoint that does not hand over check_tools' grammar must not let the choice
@@ -81,6 +83,8 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
     params = _build(req, limits, max_tokens=max_tokens, logprobs=logprobs,
                     prompt_logprobs=_prompt_logprobs(req, limits), structured=tool_grammar)
     params.reasoning_first = True  # a chat reply: its grammar waits for the reasoning's end
+    if req.skip_special_tokens is None and parsers_read_special_tokens:
+        params.skip_special_tokens = False
     return params
 
 
@@ -156,7 +160,7 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens is not False,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=OutputKind.DELTA,
             structured_outputs=structured,

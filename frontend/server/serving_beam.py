@@ -201,7 +201,7 @@ def _params(state: ServerState, req: CompletionRequest | ChatCompletionRequest, 
             include_stop_str_in_output=req.include_stop_str_in_output,
             early_stopping=early,
             logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens is not False,
         )
     except SamplingParamError as exc:
         param = {"beam_width": width_param, "max_tokens": budget_param}.get(exc.param, exc.param)

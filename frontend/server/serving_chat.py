@@ -18,6 +18,7 @@ from tidal.frontend.server.chat_parsing import (
     OutputParse,
     check_tools,
     new_output_parse,
+    reads_special_tokens,
     server_parsers,
     template_kwargs,
     template_tool_calls,
@@ -169,7 +170,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                               "use_beam_search")
         return await create_beam_chat(state, req, model)
     params = chat_params(req, state.limits,
-                         tools.enforced.spec if tools.enforced is not None else None)
+                         tools.enforced.spec if tools.enforced is not None else None,
+                         reads_special_tokens(parsers, tools))
     params = with_thinking_budget(params, *thinking, cfg.reasoning_parser)
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     messages = messages_to_dicts(req.messages)

@@ -25,6 +25,7 @@ from tidal.frontend.server.chat_parsing import (
     ParsedMessage,
     check_tools,
     new_output_parse,
+    reads_special_tokens,
     server_parsers,
     template_kwargs,
 )
@@ -101,7 +102,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         # tool_choice "required" / named (or strict tools): the grammar enforces the calls.
         enforced = chat_tools.enforced
         params = chat_params(chat, state.limits,
-                             enforced.spec if enforced is not None else None)
+                             enforced.spec if enforced is not None else None,
+                             reads_special_tokens(parsers, chat_tools))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = state.responses.get(req.previous_response_id)

@@ -100,6 +100,9 @@ class ToolParser(ABC):
     implement ``_scan`` and register with ``tidal.frontend.tool_parsers.register_tool_parser``."""
 
     name: ClassVar[str]
+    # Its markers are special tokens (``[TOOL_CALLS]``, ``<|python_tag|>``, harmony's): a
+    # request that does not set skip_special_tokens keeps them in the text for the parser.
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer

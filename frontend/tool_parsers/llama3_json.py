@@ -16,6 +16,7 @@ class Llama3JsonToolParser(ToolParser):
     is one call; text after the last one is content."""
 
     name = "llama3_json"
+    needs_special_tokens = True
 
     def _scan(self, st: ScanState, final: bool) -> list[Piece]:
         pieces: list[Piece] = []

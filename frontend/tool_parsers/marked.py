@@ -94,6 +94,7 @@ class MistralToolParser(MarkedToolParser):
     ``[TOOL_CALLS]`` is a special token, or it never reaches the text."""
 
     name = "mistral"
+    needs_special_tokens = True
     marker = "[TOOL_CALLS]"
 
     def _section_end(self, st: ScanState, body: int) -> int | None:

@@ -31,6 +31,7 @@ def _call(recipient: str, body: str) -> list[ToolCall] | None:
 
 class OpenAIToolParser(ToolParser):
     name = "openai"
+    needs_special_tokens = True
 
     def _scan(self, st: ScanState, final: bool) -> list[Piece]:
         pieces: list[Piece] = []

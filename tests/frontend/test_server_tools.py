@@ -9,6 +9,7 @@ import asyncio
 import json
 from typing import Any
 
+import msgspec
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -284,3 +285,36 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert [name for name, _ in calls] == ["get_weather"]
     assert streamed["calls"] == calls and streamed["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize("reasoning, tool_parser, tools, sent, skip", [
+    (None, "hermes", True, None, True),  # <tool_call> is plain text
+    (None, "mistral", True, None, False),  # [TOOL_CALLS] is a special token: kept for it
+    (None, "mistral", False, None, True),  # no tools: nothing to parse
+    (None, "mistral", True, True, True),  # the request's own choice wins
+    ("gpt_oss", None, False, None, False),  # harmony's channels are special tokens
+    ("qwen3", None, False, None, True),
+])
+def test_special_tokens_are_kept_for_parsers_that_read_them(reasoning, tool_parser, tools,
+                                                             sent, skip):
+    """As vLLM's parsers adjust the request: a request that does not set skip_special_tokens
+    keeps special tokens in its text when the server's parser looks for them."""
+    from tidal.frontend.server.chat_parsing import (
+        check_tools,
+        reads_special_tokens,
+        resolve_parsers,
+    )
+    from tidal.frontend.server.openai_protocol import ChatCompletionRequest
+    from tidal.frontend.server.sampling import chat_params
+    from tidal.frontend.server.state import ServerLimits
+
+    parsers = resolve_parsers(reasoning, tool_parser, tool_parser is not None)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    if tools:
+        body["tools"] = TOOLS
+    if sent is not None:
+        body["skip_special_tokens"] = sent
+    req = msgspec.convert(body, ChatCompletionRequest)
+    params = chat_params(req, ServerLimits(), None,
+                         reads_special_tokens(parsers, check_tools(req, parsers)))
+    assert params.skip_special_tokens is skip
