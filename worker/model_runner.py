@@ -646,6 +646,7 @@ class ModelRunner:
                             failed)
         return later if defer_sample else self.finish_sample(later)
 
+    @torch.inference_mode()
     def finish_sample(self, later: SampleLater, grammar_req_ids: list[str] | None = None,
                       grammar_bitmask: np.ndarray | None = None
                       ) -> ModelRunnerOutput | PendingStep:
