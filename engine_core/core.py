@@ -203,8 +203,7 @@ class EngineCore:
                 self._advance_grammars(outputs)
         if mask_later:
             # Every earlier step of these requests is collected now: their matchers are current.
-            ids = [rid for rid in mask_later
-                   if rid in structured.states and structured.states[rid].needs_mask]
+            ids = self._needing_masks(mask_later)
             self.executor.finish_sample(launched_pending, ids,
                                         structured.fill_bitmask(ids) if ids else None)
         if not launched and not self.batch_queue and structured.pending and not outputs:
@@ -239,15 +238,17 @@ class EngineCore:
         return [rid for rid in sched.req_ids
                 if rid in states and requests[rid].num_placeholders > 0]
 
-    def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
-        """The next-token masks of the constrained requests that sample this step. A request
-        samples when its scheduled tokens reach its end: the scheduler then counts the token
-        as a placeholder (never one before, for a constrained request)."""
+    def _needing_masks(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` still constrained and under their grammar now (not while
+        thinking freely, not finished by their previous token)."""
         states = self.structured.states
-        requests = self.scheduler.requests
-        ids = [rid for rid in sched.req_ids
-               if rid in states and requests[rid].num_placeholders > 0
-               and states[rid].needs_mask]  # not while thinking freely
+        return [rid for rid in request_ids if rid in states and states[rid].needs_mask]
+
+    def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
+        """The next-token masks of the constrained requests that sample this step (their
+        previous tokens are all collected: without deferred sampling, a constrained request
+        waits for its token in flight)."""
+        ids = self._needing_masks(self._sampling_constrained(sched))
         if ids:
             sched.grammar_req_ids = ids
             sched.grammar_bitmask = self.structured.fill_bitmask(ids)

@@ -4,9 +4,29 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@contextmanager
+def tool_module(name: str) -> Iterator:
+    """``tools/<name>.py`` imported as a module for the duration (tools are scripts, not a
+    package); registered in ``sys.modules`` meanwhile, as its dataclasses look it up."""
+    spec = importlib.util.spec_from_file_location(f"tidal_test_{name}", TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
 
 TINY_SHAPES = dict(
     vocab_size=384,

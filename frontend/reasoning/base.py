@@ -62,34 +62,24 @@ class ReasoningParser(ABC):
         """The stream ended: whatever was held back."""
 
 
-@dataclass(slots=True)
-class _ThinkScan:
-    text: str = ""
-    pos: int = 0  # text before this is decided
-    state: str = "start"  # start | reasoning | content
-    reasoning: Stripper = field(default_factory=Stripper)
-    content: Stripper = field(default_factory=Stripper)
-
-
-class ThinkTagParser(ReasoningParser):
-    """``<think>reasoning</think>content``. ``implicit_start``: the opening tag may be missing
-    (it was in the prompt, as DeepSeek-R1's template does), so text before ``</think>`` is
-    reasoning, and an output that never closes it is all reasoning. Without it an output that
-    does not open with ``<think>`` is all content (Qwen3 with thinking off); one that opens it
-    and is cut short is all reasoning. Both parts are stripped of surrounding whitespace."""
-
-    name = "think"
-    start_tag = "<think>"
-    end_tag = "</think>"
-    implicit_start = False
+class ScanningReasoningParser(ReasoningParser):
+    """A parser built on one left-to-right scanner over a scan state (the text so far and how
+    far it is decided): the whole output and the stream both run ``_scan``, so they agree."""
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
-        self._stream = _ThinkScan()
+        self._stream = self._new_scan("")
+
+    @abstractmethod
+    def _new_scan(self, text: str) -> Any:
+        """A scan state at the start of ``text``."""
+
+    @abstractmethod
+    def _scan(self, st: Any, final: bool) -> tuple[str, str]:
+        """(reasoning, content) decided since the last call; ``final``: the text is whole."""
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
-        st = _ThinkScan(text=text)
-        reasoning, content = self._scan(st, final=True)
+        reasoning, content = self._scan(self._new_scan(text), final=True)
         return reasoning or None, content or None
 
     def extract_delta(self, delta_text: str) -> DeltaMessage | None:
@@ -105,6 +95,31 @@ class ThinkTagParser(ReasoningParser):
         if not reasoning and not content:
             return None
         return DeltaMessage(reasoning_content=reasoning or None, content=content or None)
+
+
+@dataclass(slots=True)
+class _ThinkScan:
+    text: str = ""
+    pos: int = 0  # text before this is decided
+    state: str = "start"  # start | reasoning | content
+    reasoning: Stripper = field(default_factory=Stripper)
+    content: Stripper = field(default_factory=Stripper)
+
+
+class ThinkTagParser(ScanningReasoningParser):
+    """``<think>reasoning</think>content``. ``implicit_start``: the opening tag may be missing
+    (it was in the prompt, as DeepSeek-R1's template does), so text before ``</think>`` is
+    reasoning, and an output that never closes it is all reasoning. Without it an output that
+    does not open with ``<think>`` is all content (Qwen3 with thinking off); one that opens it
+    and is cut short is all reasoning. Both parts are stripped of surrounding whitespace."""
+
+    name = "think"
+    start_tag = "<think>"
+    end_tag = "</think>"
+    implicit_start = False
+
+    def _new_scan(self, text: str) -> _ThinkScan:
+        return _ThinkScan(text=text)
 
     def _scan(self, st: _ThinkScan, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

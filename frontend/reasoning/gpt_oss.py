@@ -14,11 +14,10 @@ what may still be a marker, so the joined deltas equal the whole parse.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from tidal.engine_core.reasoning_formats import REASONING_FORMATS
 from tidal.frontend.reasoning import harmony
-from tidal.frontend.reasoning.base import DeltaMessage, ReasoningParser
+from tidal.frontend.reasoning.base import ScanningReasoningParser
 from tidal.frontend.reasoning.text_stream import Stripper
 
 
@@ -33,31 +32,12 @@ class _HarmonyScan:
     content: Stripper = field(default_factory=Stripper)
 
 
-class GptOssReasoningParser(ReasoningParser):
+class GptOssReasoningParser(ScanningReasoningParser):
     name = REASONING_FORMATS["gpt_oss"].name
     needs_special_tokens = True
 
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__(tokenizer)
-        self._stream = _HarmonyScan()
-
-    def extract(self, text: str) -> tuple[str | None, str | None]:
-        reasoning, content = self._scan(_HarmonyScan(text=text), final=True)
-        return reasoning or None, content or None
-
-    def extract_delta(self, delta_text: str) -> DeltaMessage | None:
-        st = self._stream
-        st.text += delta_text
-        return self._message(*self._scan(st, final=False))
-
-    def finish(self) -> DeltaMessage | None:
-        return self._message(*self._scan(self._stream, final=True))
-
-    @staticmethod
-    def _message(reasoning: str, content: str) -> DeltaMessage | None:
-        if not reasoning and not content:
-            return None
-        return DeltaMessage(reasoning_content=reasoning or None, content=content or None)
+    def _new_scan(self, text: str) -> _HarmonyScan:
+        return _HarmonyScan(text=text)
 
     def _scan(self, st: _HarmonyScan, final: bool) -> tuple[str, str]:
         reasoning: list[str] = []

@@ -4,26 +4,17 @@ filled with requests, admit what the arithmetic says."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_kv_capacity.py"
+import reference
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("bench_kv_capacity", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with reference.tool_module("bench_kv_capacity") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def per_request_gain(hybrid, full) -> float:

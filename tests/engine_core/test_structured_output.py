@@ -12,16 +12,14 @@ alone; the spec checks name the field.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
 
+import reference
 from tidal.engine_core.config import ConfigError, EngineArgs, check_backend
 from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
 from tidal.engine_core.sampling_params import (
@@ -31,20 +29,13 @@ from tidal.engine_core.sampling_params import (
 )
 from tidal.engine_core.structured_output.spec import cache_key, escape_regex, validate
 
-CORPUS = Path(__file__).resolve().parents[2] / "tools" / "schema_corpus.py"
 FULL = os.environ.get("TIDAL_FULL_SCHEMA_CORPUS") == "1"
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    spec = importlib.util.spec_from_file_location("schema_corpus", CORPUS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with reference.tool_module("schema_corpus") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

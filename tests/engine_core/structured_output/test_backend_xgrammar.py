@@ -12,16 +12,15 @@ never has its extra ids allowed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 
+import reference
 from tidal.engine_core.sampling_params import (
     SamplingParamError,
     SamplingParams,
@@ -31,19 +30,11 @@ from tidal.engine_core.structured_output.spec import choose_backend, validate, x
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'tidal[xgrammar]')")
 
-CORPUS = Path(__file__).resolve().parents[3] / "tools" / "schema_corpus.py"
-
 
 @pytest.fixture(scope="module")
 def corpus():
-    spec = importlib.util.spec_from_file_location("schema_corpus_x", CORPUS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with reference.tool_module("schema_corpus") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +154,6 @@ def test_both_backends_fill_the_same_layout(tiny_smol_path):
 
 def test_a_vocabulary_wider_than_the_tokenizer_never_allows_the_padding(smollm2_tokenizer,
                                                                         tmp_path):
-    import reference
-
     tok = smollm2_tokenizer
     reference.make_tiny_model("llama", tmp_path, vocab_size=len(tok) + 77, hidden_size=32,
                               intermediate_size=64, num_hidden_layers=1,
@@ -267,8 +256,6 @@ def test_auto_falls_back_to_guidance_per_request(tiny_smol_path):
 def test_a_complete_grammar_stops_with_two_stop_ids_in_one_mask_word(qwen3_tokenizer, tmp_path):
     """Qwen's end-of-sequence ids 151643 and 151645 share bitmask word 4738: both must be
     cleared when asking whether only a stop token is left, or the matcher never stops."""
-    import reference
-
     tok = qwen3_tokenizer
     reference.make_tiny_model("qwen3", tmp_path, vocab_size=(len(tok) + 63) // 64 * 64,
                               hidden_size=32, intermediate_size=64, num_hidden_layers=1,
