@@ -74,8 +74,8 @@ _HELP = {
     "max_queued_requests": "most requests waiting beyond the running batch; more get 429; "
                            "default: no limit",
     "structured_outputs_backend": "grammar backend of structured outputs (response_format, "
-                                  "guided_*): auto (per request: xgrammar when it supports the "
-                                  "spec in full, else llguidance), guidance or xgrammar",
+                                  "guided_*): auto (llguidance, xgrammar for structural tags in "
+                                  "xgrammar's format form), guidance or xgrammar",
     "reasoning_parser": "the model's reasoning format: qwen3, deepseek_r1 or gpt_oss; the "
                         "server splits chat outputs into reasoning_content and content, and "
                         "the engine applies a request's grammar only after the thinking and "
@@ -103,6 +103,10 @@ _HELP = {
     "cpu_threads": "torch threads of a CPU worker; default: torch's own choice",
     "hf_overrides": "JSON object merged into the model's HF config before anything reads it, "
                     "e.g. '{\"num_hidden_layers\": 2}'; default: none",
+    "speculative_config": "speculative decoding as a JSON object in vLLM's field names, e.g. "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 4}' (README: Speculative decoding); "
+                          "default: none (off)",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

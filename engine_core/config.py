@@ -20,6 +20,7 @@ from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
 from tidal.engine_core.kv_groups import KVLayout, layout_for
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
+from tidal.engine_core.speculative_config import SpeculativeConfig, SpeculativeConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     runner: RunnerConfig
+    # Speculative decoding (speculative_config.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def kv_layout(self) -> KVLayout:
         """How the layers share the KV cache (groups by attention type: ``kv_groups``)."""
@@ -195,6 +198,8 @@ class EngineArgs:
     cpu_threads: int | None = None
     # Applied to the model's HF config before anything reads it (e.g. shapes for benchmarks).
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding as vLLM's JSON object (speculative_config.py); None: off.
+    speculative_config: dict[str, Any] | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -272,12 +277,42 @@ class EngineArgs:
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        speculative = self._speculative_config(task, scheduler, parallel)
+        if speculative is not None and scheduler.async_scheduling:
+            if self.async_scheduling:
+                raise ConfigError("--async-scheduling does not combine with speculative "
+                                  "decoding yet (a step's accepted-token count must be known "
+                                  "before the next is scheduled); drop one of them")
+            scheduler = msgspec.structs.replace(scheduler, async_scheduling=False)
+            logger.info("async scheduling off: speculative decoding schedules each step "
+                        "after the previous one's accepted tokens are known")
         config = EngineConfig(
-            model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner
+            model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
+            speculative=speculative,
         )
         if cache.num_blocks is not None:
             config = config.with_num_blocks(cache.num_blocks)
         return config
+
+    def _speculative_config(self, task: str, scheduler: SchedulerConfig,
+                            parallel: ParallelConfig) -> SpeculativeConfig | None:
+        try:
+            spec = SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        if spec is None:
+            return None
+        if task != "generate":
+            raise ConfigError("--speculative-config applies to generation, not task "
+                              f"{task!r}")
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("--speculative-config does not combine with pipeline "
+                              "parallelism yet")
+        if scheduler.max_num_batched_tokens < scheduler.max_num_seqs * 2:
+            # Not an error: steps just verify fewer drafts when the budget runs short.
+            logger.info("max_num_batched_tokens %d leaves little room for draft tokens of %d "
+                        "sequences", scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        return spec
 
     def _cache_config(self) -> CacheConfig:
         bs = self.block_size

@@ -103,6 +103,10 @@ class EngineCore:
             self.executor.init_kv_cache(num_blocks)
             note.detail = "KV cache allocated, graphs captured, warmed up on every worker"
         self.scheduler = Scheduler(self.config)
+        if config.speculative is not None:
+            logger.info("speculative decoding: %s; steps run one at a time (no async "
+                        "scheduling): each is scheduled once the previous one's accepted "
+                        "tokens are known", config.speculative.describe())
         self._eos = frozenset(config.model.eos_token_ids)
         # Constrained requests wait here for their grammar, then run with a mask per step.
         self.structured = StructuredOutputManager(
@@ -204,14 +208,16 @@ class EngineCore:
         if mask_later:
             # Every earlier step of these requests is collected now: their matchers are current.
             ids = self._needing_masks(mask_later)
-            self.executor.finish_sample(launched_pending, ids,
-                                        structured.fill_bitmask(ids) if ids else None)
+            bitmask = None
+            if ids:
+                bitmask = structured.fill_bitmask(ids, self.executor.grammar_buffer(len(ids)))
+            self.executor.finish_sample(launched_pending, ids, bitmask)
         if not launched and not self.batch_queue and structured.pending and not outputs:
             # Only compiles are left: wait for one rather than spin (nothing else can run).
             structured.wait_for_compiles(0.005)
         stats = self.scheduler.make_stats()  # counts the tokens update_from_output appended
         if structured.has_report:
-            stats.grammar_compile_s, stats.structured_requests = structured.take_report()
+            structured.take_report(stats)
         self.stats_logger.record(stats, time.perf_counter() - start)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
@@ -255,11 +261,14 @@ class EngineCore:
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         structured = self.structured
-        for out in outputs:
+        states = structured.states
+        mine = [out for out in outputs if out.request_id in states]
+        live = [out for out in mine if not out.finished]
+        verdicts = dict(zip((out.request_id for out in live), structured.advance_many(
+            [(out.request_id, out.new_token_ids) for out in live])))
+        for out in mine:
             rid = out.request_id
-            if rid not in structured.states:
-                continue
-            verdict = None if out.finished else structured.advance(rid, out.new_token_ids)
+            verdict = verdicts.get(rid)
             if verdict is not None:
                 # The grammar is complete (or, should a masked token slip through, broken):
                 # the request ends here rather than sampling past it.

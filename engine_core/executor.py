@@ -57,8 +57,9 @@ class Executor(Protocol):
         ...
 
     # Optional (the EngineCore checks with getattr): ``supports_deferred_sample = True`` with
-    # ``execute_model(so, non_block, defer_sample)`` and ``finish_sample(pending, ids, mask)``,
-    # so grammar masks are filled while the step runs (UniprocExecutor).
+    # ``execute_model(so, non_block, defer_sample)``, ``finish_sample(pending, ids, mask)`` and
+    # ``grammar_buffer(rows)`` (host memory to fill the masks into), so grammar masks are
+    # filled while the step runs (UniprocExecutor).
 
     def check_health(self) -> None: ...
 
@@ -97,6 +98,11 @@ class UniprocExecutor:
         later = pending._value
         if isinstance(later, SampleLater):
             pending.replace(self.worker.finish_sample(later, grammar_req_ids, grammar_bitmask))
+
+    def grammar_buffer(self, rows: int) -> Any:
+        """An int32 [rows, words] host array (pinned on a GPU) for the next ``finish_sample``'s
+        masks: filled in place, it is copied to the device with no host copy first."""
+        return self.worker.grammar_buffer(rows)
 
     def compile_stats(self) -> CompileStats:
         return self.worker.compile_stats()

@@ -42,6 +42,13 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # Embedding (encoder) models only.
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
+    # EAGLE-3 draft heads only: the LM head's vocabulary (a subset of the target's, mapped
+    # by the checkpoint's ``d2t``), the target's hidden size (the fc input is 3x it), where
+    # the hidden norm sits, and the target layers whose hidden states feed the head.
+    draft_vocab_size: int | None = None
+    target_hidden_size: int | None = None
+    norm_before_residual: bool = False
+    aux_hidden_layer_ids: tuple[int, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -64,15 +71,16 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return family(self.family).task == "embed"
 
 
-def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
-    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors.
+def arch_from_hf_dict(cfg: dict[str, Any], source: str, *, draft: bool = False) -> ArchSpec:
+    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors;
+    ``draft``: a speculative-decoding draft head (EAGLE-3) is accepted too.
 
     The architecture list and each family's normaliser live in
     :mod:`~tidal.engine_core.model_registry`.
     """
     from tidal.engine_core.model_registry import arch_from_hf_dict as from_registry
 
-    return from_registry(cfg, source)
+    return from_registry(cfg, source, draft=draft)
 
 
 def decoder_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str,
@@ -279,4 +287,44 @@ def bert_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: st
         hidden_act=act,
         layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
         type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+    )
+
+
+def eagle3_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str) -> ArchSpec:
+    """The normaliser of EAGLE-3 draft heads, in either published layout: a flat Llama config
+    with ``draft_vocab_size`` (EAGLE's and SGLang's checkpoints; the aux layer ids, if any,
+    under ``eagle_config``), or the ``speculators`` one, whose decoder layer config is nested
+    as ``transformer_layer_config`` and whose hidden norm comes before the residual unless
+    ``norm_before_residual`` says otherwise."""
+    nested = cfg.get("transformer_layer_config")
+    layer_cfg = dict(nested) if isinstance(nested, dict) else cfg
+    eagle_cfg = cfg.get("eagle_config") or {}
+    if eagle_cfg.get("use_aux_hidden_state") is False:
+        raise ValueError(f"{source}: use_aux_hidden_state=false (an EAGLE-1 style head) is not "
+                         "supported; tidal's EAGLE-3 head fuses the target's hidden states")
+    layers = int(layer_cfg.get("num_hidden_layers", 1))
+    if layers != 1:
+        raise ValueError(f"{source}: an EAGLE-3 head of {layers} decoder layers is not "
+                         "supported (tidal's has one)")
+    spec = decoder_arch(dict(layer_cfg, num_hidden_layers=1), architecture=architecture,
+                        family=family, source=source, qkv_bias=False)
+    if spec.sliding_window is not None:
+        raise ValueError(f"{source}: an EAGLE-3 head with a sliding window is not supported")
+    draft_vocab = int(cfg.get("draft_vocab_size") or spec.vocab_size)
+    if not 0 < draft_vocab <= spec.vocab_size:
+        raise ValueError(f"{source}: draft_vocab_size {draft_vocab} must be within the "
+                         f"vocabulary of {spec.vocab_size} tokens")
+    target_hidden = cfg.get("target_hidden_size") or layer_cfg.get("target_hidden_size")
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle_cfg.get(
+        "eagle_aux_hidden_state_layer_ids")
+    if aux is not None and (not isinstance(aux, list) or len(aux) != 3
+                            or not all(isinstance(i, int) and i >= 0 for i in aux)):
+        raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids must list 3 layer "
+                         f"indices, got {aux!r}")
+    return msgspec.structs.replace(
+        spec,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=int(target_hidden) if target_hidden else spec.hidden_size,
+        norm_before_residual=bool(cfg.get("norm_before_residual", nested is not None)),
+        aux_hidden_layer_ids=tuple(aux) if aux is not None else None,
     )

@@ -24,6 +24,7 @@ from tidal.engine_core.model_arch import (
     ArchSpec,
     bert_arch,
     decoder_arch,
+    eagle3_arch,
     gemma_arch,
     phi3_arch,
 )
@@ -31,7 +32,8 @@ from tidal.engine_core.model_arch import (
 # ``normalise(cfg, architecture=..., family=..., source=...)``: ``source`` names the config file
 # in error messages.
 Normaliser = Callable[..., ArchSpec]
-Task = Literal["generate", "embed"]
+# "draft": a speculative-decoding draft head, never served on its own.
+Task = Literal["generate", "embed", "draft"]
 
 # llama.cpp's names for the tensors outside the blocks -> HF parameter names.
 LLAMA_GGUF_TOP_TENSORS: Mapping[str, str] = MappingProxyType({
@@ -147,6 +149,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 gguf=_gemma_gguf("gemma3", "Gemma3ForCausalLM")),
     ModelFamily("bert", ("BertModel", "BertForMaskedLM"),
                 "tidal.worker.models.bert:BertEmbeddingModel", bert_arch, task="embed"),
+    # EAGLE-3 draft heads for Llama-shaped targets, as EAGLE / SGLang, vLLM and the
+    # ``speculators`` library name them.
+    ModelFamily("eagle3", ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
+                           "Eagle3Speculator"),
+                "tidal.worker.models.eagle3:Eagle3ForCausalLM", eagle3_arch, task="draft"),
 )
 
 
@@ -207,8 +214,9 @@ def gguf_family(gguf_arch: str | None) -> GGUFFamily | None:
     return fam.gguf if fam is not None else None
 
 
-def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
-    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors."""
+def arch_from_hf_dict(cfg: dict[str, Any], source: str, *, draft: bool = False) -> ArchSpec:
+    """Build an :class:`ArchSpec` from an HF config dict; ``source`` names the file for errors.
+    A draft head's config (an EAGLE-3 checkpoint) is accepted only with ``draft``."""
     archs = list(cfg.get("architectures") or [])
     found = family_for_architectures(archs)
     if found is None:
@@ -217,6 +225,10 @@ def arch_from_hf_dict(cfg: dict[str, Any], source: str) -> ArchSpec:
             f"tidal supports {', '.join(supported_architectures())}"
         )
     arch, fam = found
+    if fam.task == "draft" and not draft:
+        raise ValueError(f"{source}: {arch} is a speculative-decoding draft head (EAGLE-3), "
+                         "not a model to serve on its own; name it as the speculative "
+                         "config's draft model")
     spec = fam.normalise(cfg, architecture=arch, family=fam.name, source=source)
     if spec.sliding_window is not None and not fam.supports_sliding_window:
         raise ValueError(

@@ -101,13 +101,29 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # ``kv_cache_usage``).
     kv_cache_usage_groups: list[float] = []
     # Structured outputs since the previous report: grammar compile times (seconds), and the
-    # kind (json, json_object, regex, choice, grammar) of each constrained request that arrived.
+    # kind (json, json_object, regex, choice, grammar, structural_tag) of each constrained
+    # request whose grammar became ready (or failed); the ``*_backends`` lists run beside them
+    # (guidance | xgrammar: the backend that compiled it, after any fallback).
     grammar_compile_s: list[float] = []
     structured_requests: list[str] = []
+    grammar_compile_backends: list[str] = []
+    structured_request_backends: list[str] = []
+    # Speculative decoding since the previous report (vLLM's spec-decode counters): requests
+    # that verified drafts, draft tokens verified, drafts accepted, and accepted per position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
         are newer and stay)."""
+        self.spec_num_drafts += earlier.spec_num_drafts
+        self.spec_num_draft_tokens += earlier.spec_num_draft_tokens
+        self.spec_num_accepted_tokens += earlier.spec_num_accepted_tokens
+        if earlier.spec_accepted_per_pos:
+            self.spec_accepted_per_pos = add_per_pos(earlier.spec_accepted_per_pos,
+                                                     self.spec_accepted_per_pos)
         self.num_preemptions += earlier.num_preemptions
         self.prefix_cache_queries += earlier.prefix_cache_queries
         self.prefix_cache_hits += earlier.prefix_cache_hits
@@ -119,12 +135,24 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             self.grammar_compile_s = earlier.grammar_compile_s + self.grammar_compile_s
         if earlier.structured_requests:
             self.structured_requests = earlier.structured_requests + self.structured_requests
+            self.structured_request_backends = (earlier.structured_request_backends
+                                                + self.structured_request_backends)
+        if earlier.grammar_compile_backends:
+            self.grammar_compile_backends = (earlier.grammar_compile_backends
+                                             + self.grammar_compile_backends)
 
     def gauges(self) -> SchedulerStats:
         """The state part only (counters zero): what every frontend but one gets, so counters
         summed over frontends count each event once."""
         return SchedulerStats(self.num_running, self.num_waiting, self.kv_cache_usage,
                               kv_cache_usage_groups=self.kv_cache_usage_groups)
+
+
+def add_per_pos(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two per-position counts (the shorter one padded with zeros)."""
+    if len(a) < len(b):
+        a, b = b, a
+    return [x + (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):
@@ -272,6 +300,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # next-token mask of grammar_req_ids[i] (engine_core/structured_output).
     grammar_req_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the draft tokens each request verifies this step (it was scheduled
+    # 1 + len(drafts) tokens: its last sampled token, then the drafts as inputs).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def req_ids(self) -> list[str]:
@@ -291,6 +322,9 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     prompt_logprobs: dict[str, tuple[int, LogprobsArrays]] = {}  # req_id -> (start, arrays)
     failed: dict[str, str] = {}  # req_id -> why; those requests finish with ERROR
     pooled: dict[str, np.ndarray] = {}  # embedding models: req_id -> vector
+    # Speculative decoding: the drafts proposed for each request's next step, parallel to
+    # ``req_ids`` (empty when speculation is off).
+    spec_token_ids: list[list[int]] = []
 
 
 
@@ -301,10 +335,12 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 6  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+PROTOCOL_VERSION = 8  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
 # (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
 # and structured_requests; 6: SamplingParams.thinking_token_budget and reasoning_first,
-# StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen)
+# StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen);
+# 7: SchedulerStats.grammar_compile_backends and structured_request_backends; 8:
+# SchedulerStats.spec_* (speculative decoding counters) and EngineConfig.speculative
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

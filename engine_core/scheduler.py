@@ -86,6 +86,12 @@ class Scheduler:
         # Scheduled for the first time, first token not out yet: that output carries the
         # request's queue and schedule times (for the frontend's phase metrics).
         self._awaiting_first: dict[str, Request] = {}
+        # Speculative decoding: the drafts the workers proposed for each request's next step
+        # (dropped on preemption), and the acceptance counters since the last report.
+        self._drafts: dict[str, list[int]] = {}
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+        self._spec_per_pos = [0] * k
 
     # --- intake -----------------------------------------------------------------------------
 
@@ -147,7 +153,11 @@ class Scheduler:
         prompt_tokens = 0
         cap = self.max_reqs_per_step
         i = 0
-        if self.decode_fast_path and not forward and min(budget, cap) >= len(running):
+        drafts_of = self._drafts
+        spec_tokens: dict[str, list[int]] = {}
+        # (Requests with drafts take the general loop: they compute more than one token.)
+        if self.decode_fast_path and not forward and not drafts_of \
+                and min(budget, cap) >= len(running):
             i, prompt_tokens = self._schedule_decodes(cached, num_scheduled)
             budget -= len(num_scheduled)
         # The general loop: from the first request the fast path left (or the first of all).
@@ -171,9 +181,23 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             rid = req.request_id
+            drafts = None
+            if drafts_of and num_new == 1 and rid in drafts_of:
+                # A decode with drafts verifies them too: its last token and the drafts are
+                # this step's inputs, and it may emit up to 1 + len(drafts) tokens, so never
+                # more drafts than its length limit or the budget leave room for.
+                drafts = drafts_of.pop(rid)
+                room = min(req.length_limit - n_tokens - 1, budget - 1)
+                if len(drafts) > room:
+                    drafts = drafts[:max(room, 0)]
+                num_new += len(drafts)
             # Most steps the request's blocks suffice and allocate_slots would be a no-op.
             if computed + num_new > noop_limit.get(rid, -1):
                 new_blocks = allocate(req, num_new)
+                if new_blocks is None and drafts:
+                    # Short of blocks: verify no drafts rather than preempt anyone for them.
+                    drafts, num_new = None, 1
+                    new_blocks = allocate(req, num_new)
                 while new_blocks is None:
                     if num_new > 1 and self.hybrid_kv and running[-1] is req:
                         # Nothing left to preempt but itself: a sliding-window group needs
@@ -195,6 +219,8 @@ class Scheduler:
             c_ids.append(rid)
             c_computed.append(computed)
             num_scheduled.append(num_new)
+            if drafts:
+                spec_tokens[rid] = drafts
             if forward:
                 cached.new_token_ids.append(req.all_token_ids[req.num_tokens_sent:])
                 req.num_tokens_sent = n_tokens
@@ -275,6 +301,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_ids if total else [],
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         if not total:
             return out  # nothing runs; the workers learn of finished requests next time
@@ -341,6 +368,8 @@ class Scheduler:
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if sched.scheduled_spec_decode_tokens:
+            self._verified(sched.scheduled_spec_decode_tokens, result)
         if result.logprobs is None and not result.prompt_logprobs:
             self._generation_tokens_step += self._apply_plain_tokens(result, outputs)
         else:
@@ -375,7 +404,32 @@ class Scheduler:
             out = EngineCoreOutput(request_id=rid, error=message)
             self._finish_output(req, out)
             outputs.append(out)
+        if result.spec_token_ids:
+            requests = self.requests
+            for rid, drafts in zip(result.req_ids, result.spec_token_ids):
+                req = requests.get(rid)
+                if drafts and req is not None and req.status == RequestStatus.RUNNING:
+                    self._drafts[rid] = drafts
         return outputs
+
+    def _verified(self, spec: dict[str, list[int]], result: ModelRunnerOutput) -> None:
+        """A step verified drafts: each request's KV is valid through its accepted drafts
+        only, so its computed count steps back over the rejected ones (their slots are
+        written again next step); and the acceptance counters."""
+        emitted = dict(zip(result.req_ids, result.sampled_token_ids))
+        per_pos = self._spec_per_pos
+        for rid, drafts in spec.items():
+            tokens = emitted.get(rid)
+            req = self.requests.get(rid)
+            if tokens is None or req is None:
+                continue  # failed, or aborted while the step ran
+            accepted = len(tokens) - 1
+            req.num_computed_tokens -= len(drafts) - accepted
+            self._spec_drafts += 1
+            self._spec_draft_tokens += len(drafts)
+            self._spec_accepted += accepted
+            for i in range(min(accepted, len(per_pos))):
+                per_pos[i] += 1
 
     def _apply_plain_tokens(self, result: ModelRunnerOutput,
                             outputs: list[EngineCoreOutput]) -> int:
@@ -395,8 +449,11 @@ class Scheduler:
             # (Taken before a finish here releases the request.)
             first = awaiting.pop(rid, None) if awaiting else None
             if len(tokens) != 1:
+                # Several tokens (speculative decoding): those up to the first that ends it.
                 out = EngineCoreOutput(rid, self._append_tokens(req, tokens))
                 generated += len(out.new_token_ids)
+                if req.status is finished:
+                    self._finish_output(req, out)
             else:
                 token = tokens[0]
                 all_ids = req.all_token_ids
@@ -422,7 +479,10 @@ class Scheduler:
         finished = RequestStatus.FINISHED
         awaiting = self._awaiting_first
         generated = 0
-        for row, (rid, tokens) in enumerate(zip(result.req_ids, result.sampled_token_ids)):
+        row = 0  # the request's first logprobs row: one row per sampled token, in order
+        for rid, tokens in zip(result.req_ids, result.sampled_token_ids):
+            start = row
+            row += len(tokens)
             req = requests.get(rid)
             if req is None or req.status is finished:
                 continue  # aborted while the step ran
@@ -433,7 +493,7 @@ class Scheduler:
             generated += len(accepted)
             out = EngineCoreOutput(request_id=rid, new_token_ids=accepted)
             if logprobs is not None:
-                out.new_logprobs = logprobs.slice(row, row + len(accepted))
+                out.new_logprobs = logprobs.slice(start, start + len(accepted))
             if has_prompt_lp:
                 self._attach_prompt_logprobs(req, result, out)
             if first is not None:
@@ -472,6 +532,13 @@ class Scheduler:
             iteration_tokens=self._step_tokens,
             kv_cache_usage_groups=self.kv.group_usage() if self.hybrid_kv else [],
         )
+        if self._spec_drafts:
+            stats.spec_num_drafts = self._spec_drafts
+            stats.spec_num_draft_tokens = self._spec_draft_tokens
+            stats.spec_num_accepted_tokens = self._spec_accepted
+            stats.spec_accepted_per_pos = self._spec_per_pos
+            self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
+            self._spec_per_pos = [0] * len(self._spec_per_pos)
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
         self._generation_tokens_step = 0
@@ -509,6 +576,8 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        if self._drafts:
+            self._drafts.pop(req.request_id, None)
         if self._awaiting_first:
             self._awaiting_first.pop(req.request_id, None)
         del self.requests[req.request_id]
@@ -517,6 +586,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
         self.kv.free(req)
+        if self._drafts:
+            self._drafts.pop(req.request_id, None)  # recomputed from scratch, drafts later
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

@@ -9,9 +9,20 @@ import time
 from collections import deque
 
 from tidal.engine_core.gc_control import GcPauses
-from tidal.engine_core.protocol import SchedulerStats
+from tidal.engine_core.protocol import SchedulerStats, add_per_pos
 
 logger = logging.getLogger(__name__)
+
+
+def spec_decode_line(drafts: int, draft_tokens: int, accepted: int,
+                     per_pos: list[int]) -> str:
+    """Speculative decoding's acceptance, as vLLM prints it: mean acceptance length counts the
+    target's own token of each verify step (1 + accepted / drafts)."""
+    rate = 100.0 * accepted / draft_tokens if draft_tokens else 0.0
+    per = ", ".join(f"{n / drafts:.3f}" for n in per_pos) if drafts else ""
+    return (f"speculative decoding: mean acceptance length {1 + accepted / max(drafts, 1):.2f}, "
+            f"acceptance rate {rate:.1f}%, accepted {accepted} of {draft_tokens} draft tokens "
+            f"in {drafts} drafts, per-position acceptance [{per}]")
 
 
 class StatsLogger:
@@ -27,8 +38,16 @@ class StatsLogger:
         self._step_max_s = 0.0
         # (queried, hit) tokens of the most recent lookups, for a recent hit rate.
         self._lookups: deque[tuple[int, int]] = deque(maxlen=window)
+        # Speculative decoding since the last line: drafts, draft tokens, accepted, per position.
+        self._spec = [0, 0, 0]
+        self._spec_per_pos: list[int] = []
 
     def record(self, stats: SchedulerStats, step_s: float = 0.0) -> None:
+        if stats.spec_num_drafts:
+            self._spec[0] += stats.spec_num_drafts
+            self._spec[1] += stats.spec_num_draft_tokens
+            self._spec[2] += stats.spec_num_accepted_tokens
+            self._spec_per_pos = add_per_pos(self._spec_per_pos, stats.spec_accepted_per_pos)
         self._prompt += stats.num_prompt_tokens
         self._generated += stats.num_generation_tokens
         self._preempted += stats.num_preemptions
@@ -59,6 +78,10 @@ class StatsLogger:
             if stats.kv_cache_usage_groups:
                 logger.info("KV cache usage per group: %s", ", ".join(
                     f"{g}: {100.0 * u:.1f}%" for g, u in enumerate(stats.kv_cache_usage_groups)))
+            if self._spec[0]:
+                logger.info("%s", spec_decode_line(*self._spec, self._spec_per_pos))
         self._last_log = now
+        self._spec = [0, 0, 0]
+        self._spec_per_pos = []
         self._prompt = self._generated = self._preempted = self._steps = 0
         self._step_s = self._step_max_s = 0.0

@@ -67,6 +67,21 @@ def validate_request(
             raise RequestValidationError(
                 f"{name}={value} exceeds this server's limit of {limit}", name
             )
+    if config.speculative is not None:
+        _check_speculative(params)
+
+
+def _check_speculative(params: SamplingParams) -> None:
+    """What speculative decoding does not combine with yet: refused, never run inexactly."""
+    if params.structured_outputs is not None:
+        raise RequestValidationError(
+            "structured outputs (response_format / structured_outputs / guided_*) are not "
+            "supported yet by this server, which runs speculative decoding "
+            "(--speculative-config)", "response_format")
+    if params.thinking_token_budget is not None:
+        raise RequestValidationError(
+            "thinking_token_budget is not supported yet with speculative decoding "
+            "(--speculative-config)", "thinking_token_budget")
 
 
 __all__ = ["RequestValidationError", "SamplingParamError", "validate_request"]

@@ -71,6 +71,9 @@ def _profile_steps(core: EngineCore, steps: int, path: Path | None, label: str) 
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=25)
     if path is not None:
+        # The timeline too, for tools/trace_steps.py (kernel sums overcount overlapped kernels).
+        slug = "".join(c if c.isalnum() else "_" for c in label)
+        prof.export_chrome_trace(str(path.with_name(f"{path.stem}.{slug}.trace.json")))
         with open(path, "a") as f:
             f.write(f"\n=== {label} ({steps} steps)\n{table}\n")
     rows = []

@@ -349,9 +349,15 @@ DECODE1_GEMVS = [
     ("qwen3/gate_up", 6144, 1024, "silu"), ("qwen3/down", 1024, 3072, ""),
     ("llama8b/qkv", 6144, 4096, "norm"), ("llama8b/o", 4096, 4096, ""),
     ("llama8b/gate_up", 28672, 4096, "silu"), ("llama8b/down", 4096, 14336, ""),
+    # Gemma's norms are (1 + w) and its GeGLU runs apart: plain GEMVs (issue 19).
+    ("gemma2_9b/qkv", 8192, 3584, ""), ("gemma2_9b/o", 3584, 4096, ""),
+    ("gemma2_9b/gate_up", 28672, 3584, ""), ("gemma2_9b/down", 3584, 14336, ""),
+    ("gemma3_12b/qkv", 8192, 3840, ""), ("gemma3_12b/o", 3840, 4096, ""),
+    ("gemma3_12b/gate_up", 30720, 3840, ""), ("gemma3_12b/down", 3840, 15360, ""),
 ]  # fmt: skip
 GEMV_SWEEP = [(2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
-              (16, 512, 4), (16, 512, 8)]  # fmt: skip
+              (16, 512, 4), (16, 512, 8), (2, 1024, 4), (4, 256, 4), (8, 256, 4), (2, 4096, 8),
+              (4, 1024, 8), (8, 512, 8)]  # fmt: skip
 
 
 def bench_decode1(ceiling: float, sweep: bool = True) -> list[dict[str, Any]]:

@@ -34,8 +34,9 @@ from tidal.worker.sample.metadata import (
     needs_token_history,
     position_seed,
 )
-from tidal.worker.sample.grammar_mask import bitmask_rows
+from tidal.worker.sample.grammar_mask import MaskStaging, grammar_rows
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
+from tidal.worker.spec_decode.spec_step import SpeculativeStep
 from tidal.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,11 @@ class ModelRunner:
         self.bufs = StepBuffers(max_reqs, self.max_num_tokens, config.max_blocks_per_seq,
                                 self.block_size, device, self.num_kv_groups)
         self.sampler = Sampler(self.kernels)
+        self._mask_staging = MaskStaging((self.vocab_size + 31) // 32, device)
         self.sampling_builder = SamplingMetadataBuilder(self.vocab_size, device)
+        # Speculative decoding: draft inputs, verification and the next drafts (spec_decode/).
+        self.spec = (SpeculativeStep(config.speculative, device)
+                     if config.speculative is not None else None)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
@@ -610,7 +615,11 @@ class ModelRunner:
             return ModelRunnerOutput(failed=failed)
         if self._inflight and needs_token_history(b, rows):
             self._resolve_through(self._inflight[-1])  # penalties count every output token
-        inputs = self.prepare_inputs(rows, n_sched, total)
+        n_draft = None
+        if so.scheduled_spec_decode_tokens:
+            assert self.spec is not None
+            n_draft = self.spec.write_drafts(b, rows, req_ids, so.scheduled_spec_decode_tokens)
+        inputs = self.prepare_inputs(rows, n_sched, total, n_draft)
         assert self.model is not None
         num_tokens = inputs.meta.num_actual_tokens
         if inputs.graph_size is not None:
@@ -644,7 +653,29 @@ class ModelRunner:
         logits = self.model.compute_logits(picked)
         later = SampleLater(so, logits, inputs.sampling, sample_rows, sampled_ids, result,
                             failed)
+        if self.spec is not None:  # (the EngineCore never defers sampling with speculation)
+            return self._verify_and_propose(later)
         return later if defer_sample else self.finish_sample(later)
+
+    def _verify_and_propose(self, later: SampleLater) -> ModelRunnerOutput:
+        """Speculative decoding's sampling: verify the step's drafts (a request without drafts
+        samples its one token the same way), append what each request emitted, and propose
+        its next drafts. Steps run one at a time here (no async scheduling)."""
+        assert self.spec is not None
+        emitted, bad, logprobs = self.spec.verify(
+            self.batch, later.logits, later.sampling, self.sampling_builder, later.sample_rows,
+            later.sampled_ids, later.so.scheduled_spec_decode_tokens)
+        result = later.result
+        result.logprobs = logprobs  # one row per emitted token, in order
+        result.failed = later.failed
+        for rid, why in bad.items():
+            result.failed[rid] = why
+        keep = [i for i, e in enumerate(emitted) if e]
+        rows = later.sample_rows[keep] if len(keep) < len(emitted) else later.sample_rows
+        result.req_ids = [later.sampled_ids[i] for i in keep]
+        result.sampled_token_ids = [emitted[i] for i in keep]
+        result.spec_token_ids = self.spec.propose(self.batch, rows, result.sampled_token_ids)
+        return result
 
     @torch.inference_mode()
     def finish_sample(self, later: SampleLater, grammar_req_ids: list[str] | None = None,
@@ -670,10 +701,13 @@ class ModelRunner:
         return pending.result
 
     def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray,
-                       total: int | None = None) -> StepInputs:
+                       total: int | None = None,
+                       n_draft: np.ndarray | None = None) -> StepInputs:
         """Gather this step's inputs from the persistent batch (numpy), stage them in pinned
         memory, copy them over in a few transfers, and finish on the device: block-table
-        updates, slot mapping, the step's block table, placeholder fills. ``total``: the sum of ``n_sched``, if known."""
+        updates, slot mapping, the step's block table, placeholder fills. ``total``: the sum of ``n_sched``, if known.
+        ``n_draft``: draft tokens per request (speculative decoding): logits and sampling rows
+        at each verify position."""
         b = self.batch
         bufs = self.bufs
         bs = self.block_size
@@ -740,13 +774,21 @@ class ModelRunner:
         sample_mask = seq_lens >= b.num_tokens[rows]
         all_sample = bool(sample_mask.all())
         logits_d = None
-        if not (decode_only and all_sample):
+        if n_draft is not None:
+            assert self.spec is not None
+            logits_d = put(self.spec.logits_rows(cu, sample_mask, n_draft), torch.int64)
+        elif not (decode_only and all_sample):
             logits_d = put((cu[1:][sample_mask] - 1).astype(np.int64), torch.int64)
         fill = self._placeholder_fill(ids, token_rows, positions, put)
         sampling = None
         if self.pp.is_last and (all_sample or sample_mask.any()):
             sample_rows = rows if all_sample else rows[sample_mask]
-            sampling = self.sampling_builder.build(b, sample_rows, put)
+            if n_draft is None:
+                sampling = self.sampling_builder.build(b, sample_rows, put)
+            else:
+                assert self.spec is not None
+                sampling = self.spec.verify_sampling(self.sampling_builder, b, sample_rows,
+                                                     n_draft[sample_mask], put)
         bufs.flush(total, padded_reqs)
 
         # On the device, in stream order after the copies.
@@ -827,22 +869,31 @@ class ModelRunner:
 
     # --- sampling and outputs ---------------------------------------------------------------------
 
+    def grammar_buffer(self, rows: int) -> np.ndarray:
+        """Host memory (pinned on a GPU) for the EngineCore to fill the next step's masks into:
+        ``finish_sample`` copies them from there without another host copy."""
+        return self._mask_staging.buffer(rows)
+
     def _attach_grammar(self, so: SchedulerOutput, meta: SamplingMetadata,
                         sampled_ids: list[str]) -> None:
-        """The step's grammar bitmasks on the sampling rows: one host-to-device copy."""
+        """The step's grammar bitmasks on the device (one host-to-device copy) and the
+        sampling rows they belong to."""
         assert so.grammar_bitmask is not None
-        rows = bitmask_rows(so.grammar_req_ids, so.grammar_bitmask, sampled_ids)
-        if rows is None:
+        placed = grammar_rows(so.grammar_req_ids, sampled_ids)
+        if placed is None:
             return
-        host = torch.from_numpy(rows)
-        if self.device.type == "cuda":
-            # From pageable memory the copy would wait for everything queued before it (the
-            # step's forward pass) with the host blocked; a pinned block (the caching host
-            # allocator keeps it until the copy is done) lets it queue behind the forward.
-            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-            pinned.copy_(host)
-            host = pinned
-        meta.grammar_bitmask = host.to(self.device, non_blocking=True)
+        src, dst = placed
+        bitmask = self._mask_staging.to_device(so.grammar_bitmask)
+        if len(src) < bitmask.shape[0]:  # a grammar row whose request does not sample
+            bitmask = bitmask[self._small_to_device(src)]
+        meta.grammar_bitmask = bitmask
+        if dst is not None:
+            meta.grammar_rows = self._small_to_device(dst)
+
+    def _small_to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A small host array on the device, queued behind the work already launched."""
+        host = torch.from_numpy(arr)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.on_gpu else host
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray,
                 req_ids: list[str]) -> tuple[SamplerOutput, dict[str, str]]:
@@ -862,8 +913,7 @@ class ModelRunner:
         for i, rid in enumerate(req_ids):
             try:
                 one = self.sampling_builder.build(self.batch, rows[i:i + 1], direct)
-                if meta.grammar_bitmask is not None:
-                    one.grammar_bitmask = meta.grammar_bitmask[i:i + 1]
+                # (The batched call applied the grammar masks to ``logits`` in place first.)
                 out = self.sampler(logits[i:i + 1], one)
                 tokens[i] = out.token_ids[0]
             except Exception as exc:  # noqa: BLE001 - reported to that request only

@@ -258,6 +258,10 @@ class Worker:
         """Sample a step ``execute_model(defer_sample=True)`` launched, under these masks."""
         return self.runner.finish_sample(later, grammar_req_ids, grammar_bitmask)
 
+    def grammar_buffer(self, rows: int) -> Any:
+        """Host memory for the next ``finish_sample``'s masks (``ModelRunner.grammar_buffer``)."""
+        return self.runner.grammar_buffer(rows)
+
     def shutdown(self) -> None:
         if self.ready and self._jit_on:
             JIT_WATCH.release()

@@ -26,12 +26,15 @@ from tidal.frontend.tool_parsers import (
 from tidal.frontend.tool_parsers.enforced import (
     EnforcedTools,
     ToolSpecError,
-    enforce_hermes_strict,
     enforce_named,
     enforce_required,
     parameters_schema,
 )
-from tidal.frontend.tool_parsers.marked import HermesToolParser
+from tidal.frontend.tool_parsers.strict_tags import (
+    enforce_strict_auto,
+    strict_auto_formats,
+    supports_strict_auto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +117,11 @@ def check_tools(req: ChatCompletionRequest, parsers: ChatParsers) -> ChatTools:
     if enforce:
         return ChatTools(tools, True, _enforced(req, named, checked))
     strict = next((i for i, t in enumerate(req.tools) if t.function.strict), None)
-    if strict is not None and (parsers.tools is None
-                               or not issubclass(parsers.tools, HermesToolParser)):
+    if strict is not None and not supports_strict_auto(parsers.tools):
         raise bad_request("strict: true with tool_choice \"auto\" is enforced (by a structural "
-                          "tag: the grammar applies inside each call) for the hermes "
-                          "tool-call format only; this server "
+                          "tag: the grammar applies inside each call) for the tool-call "
+                          "formats whose calls open with a marker "
+                          f"({', '.join(strict_auto_formats())}) only; this server "
                           + (f"parses {parsers.tools.name}" if parsers.tools is not None
                              else "has no --tool-call-parser")
                           + ". Use tool_choice \"required\" or a named function to enforce "
@@ -176,7 +179,8 @@ def _enforced(req: ChatCompletionRequest, named: str | None,
 def _strict_auto(req: ChatCompletionRequest, strict: int,
                  checked: list[tuple[dict[str, Any], dict[str, Any]]],
                  parsers: ChatParsers) -> EnforcedTools:
-    """tool_choice "auto" with strict tools on a hermes server: free text, calls enforced."""
+    """tool_choice "auto" with strict tools (hermes, llama3_json or mistral server): free
+    text, calls enforced."""
     assert parsers.tools is not None
     forms = requested_forms(req)
     if forms:
@@ -185,7 +189,7 @@ def _strict_auto(req: ChatCompletionRequest, strict: int,
     schemas = _schemas(checked)
     names = {t.function.name for t in req.tools or () if t.function.strict}
     try:
-        return enforce_hermes_strict(schemas, names, parsers.tools)
+        return enforce_strict_auto(schemas, names, parsers.tools)
     except ToolSpecError as exc:
         raise bad_request(exc.message, exc.param) from None
 

@@ -233,7 +233,10 @@ class _EngineSeries:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int = 2048,
-                 prefix: str = DEFAULT_PREFIX, cache_info: dict[str, str] | None = None) -> None:
+                 prefix: str = DEFAULT_PREFIX, cache_info: dict[str, str] | None = None,
+                 speculative: bool = False) -> None:
+        """``speculative``: the engine runs speculative decoding (its families exist only
+        then, as vLLM's)."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.prefix = check_prefix(prefix)
@@ -343,21 +346,36 @@ class ServerMetrics:
             f"{prefix}:tool_call_parse_failures",
             "Tool-call sections of outputs that did not parse (returned as content).",
             ["model_name"], registry=r)
-        # Structured outputs (engine_core/structured_output): compiles and requests by kind.
+        # Structured outputs (engine_core/structured_output): compiles and requests by kind,
+        # each by the grammar backend that compiled it (guidance | xgrammar).
         self.grammar_compile = Histogram(
             f"{prefix}:structured_output_compile_seconds",
-            "Time to compile a structured-output grammar (off the engine loop).",
-            ["model_name"], buckets=_COMPILE_BUCKETS, registry=r)
+            "Time to compile a structured-output grammar (off the engine loop), by backend.",
+            ["model_name", "backend"], buckets=_COMPILE_BUCKETS, registry=r)
         self.structured_requests = Counter(
             f"{prefix}:structured_output_requests",
-            "Constrained requests, by kind (json, json_object, regex, choice, grammar).",
-            ["model_name", "kind"], registry=r)
+            "Constrained requests, by kind (json, json_object, regex, choice, grammar, "
+            "structural_tag) and grammar backend.",
+            ["model_name", "kind", "backend"], registry=r)
+        # Speculative decoding (vLLM's spec_decode_* counters; acceptance rate = accepted /
+        # draft tokens, mean acceptance length = 1 + accepted / drafts).
+        self.speculative = speculative
+        if speculative:
+            self.spec_drafts = counter("spec_decode_num_drafts",
+                                       "Number of spec decoding drafts.")
+            self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                             "Number of draft tokens.")
+            self.spec_accepted = counter("spec_decode_num_accepted_tokens",
+                                         "Number of accepted tokens.")
+            self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                                 "Accepted tokens per draft position.",
+                                                 ["position"])
         self._series(0)
 
     @classmethod
     def from_config(cls, config: EngineConfig, prefix: str = DEFAULT_PREFIX) -> ServerMetrics:
         return cls(config.model.served_model_name, config.model.max_model_len, prefix,
-                   cache_config_info(config))
+                   cache_config_info(config), speculative=config.speculative is not None)
 
     def _series(self, engine: int) -> _EngineSeries:
         series = self._engines.get(engine)
@@ -369,6 +387,14 @@ class ServerMetrics:
         return series
 
     # --- engine observer (called once per engine step; keep it cheap) -------------------------
+
+    def _observe_spec(self, stats: SchedulerStats, engine: str) -> None:
+        model = self.model_name
+        self.spec_drafts.labels(model, engine).inc(stats.spec_num_drafts)
+        self.spec_draft_tokens.labels(model, engine).inc(stats.spec_num_draft_tokens)
+        self.spec_accepted.labels(model, engine).inc(stats.spec_num_accepted_tokens)
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            self.spec_accepted_per_pos.labels(model, engine, str(pos)).inc(n)
 
     def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:
         e = self._series(record.engine_index)
@@ -391,11 +417,14 @@ class ServerMetrics:
                 e.prefix_hits.inc(stats.prefix_cache_hits)
             for n in stats.iteration_tokens:
                 e.iteration_tokens.observe(n)
-            if stats.grammar_compile_s:
-                observe_many(self.grammar_compile.labels(self.model_name),
-                             stats.grammar_compile_s)
-            for kind in stats.structured_requests:
-                self.structured_requests.labels(self.model_name, kind).inc()
+            for backend, seconds in zip(stats.grammar_compile_backends,
+                                        stats.grammar_compile_s, strict=True):
+                self.grammar_compile.labels(self.model_name, backend).observe(seconds)
+            for kind, backend in zip(stats.structured_requests,
+                                     stats.structured_request_backends, strict=True):
+                self.structured_requests.labels(self.model_name, kind, backend).inc()
+            if stats.spec_num_drafts and self.speculative:
+                self._observe_spec(stats, str(record.engine_index))
         if record.prompt_tokens:
             cached = record.cached_prompt_tokens
             e.prompt_tokens.inc(record.prompt_tokens)

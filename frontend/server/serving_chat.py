@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tidal.frontend.harmony_render import HarmonyRenderError, harmony_prompt_ids, uses_harmony
 from tidal.frontend.outputs import CompletionOutput, RequestOutput
 from tidal.frontend.reasoning import DeltaMessage
 from tidal.frontend.server.chat_parsing import (
@@ -133,6 +134,16 @@ async def render_chat(state: ServerState, messages: list[dict[str, Any]],
                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of ``messages`` through the chat template; template failures are a 400.
     ``tools`` and ``template_kwargs`` (chat_template_kwargs) reach the template as variables."""
+    cfg = state.settings
+    tokenizer = state.tokenizer
+    if chat_template is None and uses_harmony(tokenizer, cfg.reasoning_parser,
+                                              cfg.tool_call_parser):
+        try:  # a gpt-oss tokenizer without its template: harmony_render.py
+            return await asyncio.to_thread(harmony_prompt_ids, tokenizer, messages, tools,
+                                           add_generation_prompt, continue_final_message,
+                                           template_kwargs)
+        except HarmonyRenderError as exc:
+            raise bad_request(str(exc), exc.param) from None
     extra: dict[str, Any] = {}
     if tools:
         extra["tools"] = tools

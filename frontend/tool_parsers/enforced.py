@@ -1,5 +1,5 @@
 """Tool calls the grammar enforces: ``tool_choice: "required"`` or a named function, and
-``strict`` tools under ``"auto"`` (Hermes format).
+``strict`` tools under ``"auto"`` (strict_tags.py: the formats whose calls open with a marker).
 
 The request gets a JSON schema that constrained decoding holds the output to, so the calls
 are there whatever the model would have written (as in vLLM, no tool parser and no
@@ -14,8 +14,8 @@ One incremental scanner reads that output, whole or streamed: a call's first del
 id, type, name) leaves as soon as its name is complete, then its arguments as raw slices of
 the output, so the joined deltas equal the whole-output parse however the text was split.
 
-``"auto"`` with strict tools keeps free text and holds each ``<tool_call>`` to the tools (a
-structural tag); the server's hermes parser reads that output as usual.
+``"auto"`` with strict tools keeps free text and holds each call the model opens to the tools
+(a structural tag, strict_tags.py); the server's tool parser reads that output as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ class EnforcedTools:
 
     named: str | None  # the named function; None: "required" (or "auto" with a reader)
     spec: StructuredOutputsParams
-    reader: type[ToolParser] | None = None
+    reader: Callable[[], ToolParser] | None = None  # a new parser per output
 
     def parser(self) -> ToolParser:
         if self.reader is not None:
@@ -131,32 +132,6 @@ def enforce_required(schemas: dict[str, dict[str, Any]], parallel: bool) -> Enfo
         raise ToolSpecError("tools", "the tools do not make one grammar for tool_choice "
                                      f"\"required\": {str(exc)[:1000]}") from None
     return EnforcedTools(None, spec)
-
-
-# Hermes / Qwen calls exactly as their chat templates show them.
-HERMES_BEGIN = "<tool_call>\n{\"name\": %s, \"arguments\": "
-HERMES_END = "}\n</tool_call>"
-HERMES_TRIGGER = "<tool_call>"
-
-
-def enforce_hermes_strict(schemas: dict[str, dict[str, Any]], strict: set[str],
-                          reader: type[ToolParser]) -> EnforcedTools:
-    """tool_choice "auto" with strict tools, for the Hermes format: free text, but every
-    ``<tool_call>`` the model opens must be a call of one of the tools, with arguments under
-    the schema of a strict tool (any object for the others), closed by ``</tool_call>``
-    (a structural tag). ToolSpecError (param ``tools``) if it does not compile."""
-    from tidal.engine_core.structured_output.spec import TagStructure, structural_tag_params
-
-    structures = [TagStructure(HERMES_BEGIN % json.dumps(name, ensure_ascii=False),
-                               schema if name in strict else {"type": "object"}, HERMES_END)
-                  for name, schema in schemas.items()]
-    try:
-        spec = structural_tag_params(structures, [HERMES_TRIGGER])
-        validate(spec)
-    except SamplingParamError as exc:
-        raise ToolSpecError("tools", "the strict tools do not make one grammar for "
-                                     f"tool_choice \"auto\": {str(exc)[:1000]}") from None
-    return EnforcedTools(None, spec, reader)
 
 
 @dataclass(slots=True)

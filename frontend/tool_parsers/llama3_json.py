@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tidal.frontend.tool_parsers.base import Piece, ScanState, ToolParser, call_from_object
 
@@ -17,6 +18,13 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     needs_special_tokens = True
+
+    def __init__(self, tokenizer: Any = None, call_begins: tuple[str, ...] = ()) -> None:
+        super().__init__(tokenizer)
+        # Strict tools under "auto" (strict_tags.py): the grammar holds only calls that open
+        # with one of these texts, so another object (``{"parameters": ...``, ``{ "name"``)
+        # is not a call but content.
+        self.call_begins = call_begins
 
     def _scan(self, st: ScanState, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
@@ -55,6 +63,8 @@ class Llama3JsonToolParser(ToolParser):
             try:
                 call = call_from_object(json.loads(text[k:j]), ("parameters", "arguments"))
             except (ValueError, RecursionError):
+                call = None
+            if self.call_begins and not text.startswith(self.call_begins, k):
                 call = None
             pieces.append(self._section(text[k:j], None if call is None else [call]))
             st.pos = j

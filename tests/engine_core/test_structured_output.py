@@ -302,3 +302,48 @@ def test_llm_generate_refuses_an_invalid_schema_before_the_engine(llm):
     with pytest.raises(ValueError, match="structured_outputs.json"):
         llm.generate(["x"], SamplingParams(structured_outputs=so(json={"type": 3})),
                      use_tqdm=False)
+
+
+def test_requests_of_one_grammar_copy_templates_compiled_apart(llm, monkeypatch):
+    """The first requests of a grammar each compile a template (up to the limit), later ones
+    copy them in turn; every output still follows the grammar."""
+    from tidal.engine_core.structured_output import manager as mgr
+
+    monkeypatch.setattr(mgr, "_TEMPLATES_PER_GRAMMAR", 3)
+    schema = {"type": "object", "properties": {"templated": {"type": "integer"}},
+              "required": ["templated"], "additionalProperties": False}
+    params = [sampled(100 + i, 64, so(json=schema)) for i in range(8)]
+    outs = llm.generate(["Answer in JSON:"] * len(params), params, use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    entry = llm.engine.core.structured._cache[cache_key(so(json=schema))]
+    assert len(entry.futures) == 3 and entry.served == 8
+    templates = [f.result() for f in entry.futures]
+    assert len({id(t) for t in templates}) == 3
+
+
+def test_templates_hand_out_in_turn_and_fall_back_to_a_done_one(monkeypatch):
+    from concurrent.futures import Future
+
+    from tidal.engine_core.structured_output import manager as mgr
+
+    monkeypatch.setattr(mgr, "_TEMPLATES_PER_GRAMMAR", 2)
+    made: list[Future] = []
+
+    def compile_one() -> Future:
+        made.append(Future())
+        return made[-1]
+
+    t = mgr._Templates()
+    got = [t.next(compile_one) for _ in range(5)]
+    assert len(made) == 2 and got == [made[0], made[1], made[0], made[1], made[0]]
+    assert t.done_template() is None and not t.failed()
+    made[0].set_result("first")
+    assert t.done_template() is made[0]
+    made[1].set_result("second")
+    assert t.done_template() is made[1]  # the newest done, to spread the copies
+    broken = mgr._Templates()
+    broken.next(compile_one)
+    made[-1].set_exception(ValueError("bad"))
+    assert broken.failed() and broken.done_template() is None

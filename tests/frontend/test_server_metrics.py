@@ -233,6 +233,35 @@ def test_phases_and_prompt_counts_come_from_the_engine_times():
     assert v("time_to_first_token_seconds_count") == 1
 
 
+def test_structured_series_are_by_kind_and_backend():
+    """Compile times and constrained requests land in the series of the backend that
+    compiled them, also when an undelivered report was folded into a later one."""
+    from tidal.engine_core.protocol import SchedulerStats
+    from tidal.frontend.output_processor import StepRecord
+    from tidal.frontend.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(MODEL, MAX_MODEL_LEN, "tidal", {})
+    earlier = SchedulerStats(grammar_compile_s=[0.25, 2.0],
+                             grammar_compile_backends=["xgrammar", "guidance"],
+                             structured_requests=["json", "grammar"],
+                             structured_request_backends=["xgrammar", "guidance"])
+    later = SchedulerStats(grammar_compile_s=[0.5], grammar_compile_backends=["xgrammar"],
+                           structured_requests=["json", "json", "structural_tag"],
+                           structured_request_backends=["xgrammar", "guidance", "guidance"])
+    later.add_counters(earlier)
+    metrics.observe_step(later, StepRecord(engine_index=0))
+    samples = parse(metrics.render().decode())[1]
+    requests = {(lab["kind"], lab["backend"]): v for n, lab, v in samples
+                if n == "tidal:structured_output_requests_total"}
+    assert requests == {("json", "xgrammar"): 2, ("grammar", "guidance"): 1,
+                        ("json", "guidance"): 1, ("structural_tag", "guidance"): 1}
+    compiles = {lab["backend"]: v for n, lab, v in samples
+                if n == "tidal:structured_output_compile_seconds_sum"}
+    assert compiles == {"xgrammar": 0.75, "guidance": 2.0}
+    assert value(samples, "tidal:structured_output_compile_seconds_bucket", backend="guidance",
+                 le="1.0") == 0
+
+
 def test_metrics_prefix_flag():
     from tidal.frontend.cli import _server_settings, build_parser
 

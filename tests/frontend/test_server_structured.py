@@ -109,16 +109,20 @@ def test_every_form_produces_valid_output(engine):
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     jsonschema.validate(json.loads(streamed), SCHEMA)
-    # /metrics: requests by kind (n = 2 counts twice: each sequence has its own grammar) and
-    # compile times (the schema, cached after its first compile, compiles once).
-    counts = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r'^tidal:structured_output_requests_total\{kind="(\w+)",model_name="tiny-smol"\} '
-        r'(\S+)$', metrics, re.M)}
-    assert counts == {"json": 6.0, "choice": 1.0, "regex": 1.0, "grammar": 2.0,
-                      "json_object": 1.0}, metrics
-    compiles = re.search(r'^tidal:structured_output_compile_seconds_count'
-                         r'\{model_name="tiny-smol"\} (\S+)$', metrics, re.M)
-    assert compiles and float(compiles.group(1)) >= 5, metrics
+    # /metrics: requests by kind and backend (n = 2 counts twice: each sequence has its own
+    # grammar; auto sends every kind here to llguidance) and compile times by backend.
+    counts = {(m.group(2), m.group(1)): float(m.group(3)) for m in re.finditer(
+        r'^tidal:structured_output_requests_total\{backend="(\w+)",kind="(\w+)",'
+        r'model_name="tiny-smol"\} (\S+)$', metrics, re.M)}
+    expected = {("json", "guidance"): 6.0, ("choice", "guidance"): 1.0,
+                ("regex", "guidance"): 1.0, ("grammar", "guidance"): 2.0,
+                ("json_object", "guidance"): 1.0}
+    assert counts == expected, metrics
+    compiles = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^tidal:structured_output_compile_seconds_count'
+        r'\{backend="(\w+)",model_name="tiny-smol"\} (\S+)$', metrics, re.M)}
+    assert set(compiles) == {"guidance"} and sum(compiles.values()) >= 5, metrics
+    assert compiles["guidance"] >= 1, metrics
 
 
 async def _stream(api: openai.AsyncOpenAI, kwargs: dict[str, Any]) -> str:

@@ -1,12 +1,15 @@
-"""worker/sample/grammar_mask.py: the bitmask unpack-and-fill against a plain torch reference,
-the placement of the EngineCore's rows on the sampling rows, and the sampler with a mask."""
+"""worker/sample/grammar_mask.py: the in-place bitmask fill against a bit-by-bit reference (and
+the Triton kernel against it on a GPU), the placement of the EngineCore's rows on the sampling
+rows, the pinned staging, and the sampler with a mask."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tidal.worker.sample.grammar_mask import apply_token_bitmask, bitmask_rows
+import pytest
+
+from tidal.worker.sample.grammar_mask import MaskStaging, apply_token_bitmask_, grammar_rows
 from tidal.worker.sample.metadata import SamplingMetadata
 from tidal.worker.sample.sampler import Sampler
 
@@ -21,30 +24,71 @@ def reference_mask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     return out
 
 
+def _random_masks(rows: int, words: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(-(1 << 31), 1 << 31, size=(rows, words), dtype=np.int64).astype(np.int32)
+
+
 def test_apply_token_bitmask_matches_bit_by_bit():
     gen = torch.Generator().manual_seed(0)
     vocab = 77  # not a multiple of 32: the last word's high bits lie past the vocabulary
     logits = torch.randn(5, vocab, generator=gen)
-    rng = np.random.default_rng(0)
-    bitmask = rng.integers(-(1 << 31), 1 << 31, size=(5, 3), dtype=np.int64).astype(np.int32)
+    bitmask = _random_masks(5, 3)
     bitmask[0] = -1  # everything allowed
     bitmask[1] = 0
     bitmask[1, 2] = 1 << 12  # only token 76
-    got = apply_token_bitmask(logits, torch.from_numpy(bitmask))
+    got = logits.clone()
+    apply_token_bitmask_(got, torch.from_numpy(bitmask))
     assert torch.equal(got, reference_mask(logits, bitmask))
     assert torch.equal(got[0], logits[0])
     assert torch.isfinite(got[1]).nonzero().flatten().tolist() == [76]
 
 
-def test_bitmask_rows_places_each_grammar_on_its_sampling_row():
-    words = 2
-    bm = np.arange(3 * words, dtype=np.int32).reshape(3, words)
-    rows = bitmask_rows(["c", "a", "gone"], bm, ["a", "b", "c"])
-    assert rows is not None
-    assert rows.tolist() == [bm[1].tolist(), [-1, -1], bm[0].tolist()]
-    assert bitmask_rows(["gone"], bm[:1], ["a"]) is None
-    same = bitmask_rows(["a", "b"], bm[:2], ["a", "b"])
-    assert same is not None and same.tolist() == bm[:2].tolist()
+def test_apply_token_bitmask_on_chosen_rows_leaves_the_others():
+    logits = torch.randn(6, 70, generator=torch.Generator().manual_seed(1))
+    bitmask = _random_masks(2, 3, seed=1)
+    got = logits.clone()
+    apply_token_bitmask_(got, torch.from_numpy(bitmask), torch.tensor([4, 1]))
+    want = logits.clone()
+    want[[4, 1]] = reference_mask(logits[[4, 1]], bitmask)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton mask kernel needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_bitmask_kernel_matches_torch(dtype):
+    from tidal.worker.ops import triton_sampling
+
+    vocab = 151_936 + 5
+    words = (vocab + 31) // 32
+    logits = torch.randn(9, vocab, device="cuda").to(dtype)
+    bitmask = torch.from_numpy(_random_masks(4, words, seed=2)).cuda()
+    for rows in (None, torch.tensor([8, 0, 3, 5], device="cuda")):
+        want, got = logits.clone(), logits.clone()
+        apply_token_bitmask_(want, bitmask, rows)
+        triton_sampling.apply_token_bitmask_(got, bitmask, rows)
+        assert torch.equal(got, want)
+
+
+def test_grammar_rows_places_each_grammar_on_its_sampling_row():
+    placed = grammar_rows(["c", "a", "gone"], ["a", "b", "c"])
+    assert placed is not None
+    src, dst = placed
+    assert src.tolist() == [0, 1] and dst is not None and dst.tolist() == [2, 0]
+    assert grammar_rows(["gone"], ["a"]) is None
+    same = grammar_rows(["a", "b"], ["a", "b"])
+    assert same is not None and same[0].tolist() == [0, 1] and same[1] is None
+
+
+def test_mask_staging_hands_out_slots_in_turn():
+    staging = MaskStaging(words=3, device=torch.device("cpu"), slots=2)
+    a = staging.buffer(2)
+    a[:] = 7
+    assert torch.equal(staging.to_device(a), torch.full((2, 3), 7, dtype=torch.int32))
+    b = staging.buffer(4)  # the other slot, grown
+    assert b.shape == (4, 3) and not np.shares_memory(a, b)
+    c = staging.buffer(1)  # the first slot again
+    assert np.shares_memory(a, c)
 
 
 def test_sampler_respects_the_mask_greedy_and_random():
@@ -62,3 +106,16 @@ def test_sampler_respects_the_mask_greedy_and_random():
             assert out[1] == 37 and out[3] in (1, 3)
             if temp == 0.0:  # unmasked rows: the plain argmax
                 assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
+def test_mask_staging_copies_from_pinned_slots_on_its_stream():
+    staging = MaskStaging(words=5, device=torch.device("cuda"), slots=2)
+    for step in range(5):  # slots reused: each waits for its previous copy
+        buf = staging.buffer(3)
+        buf[:] = step
+        dev = staging.to_device(buf)
+        # Queued on the current stream behind the side stream's copy.
+        assert torch.equal(dev.cpu(), torch.full((3, 5), step, dtype=torch.int32))
+    other = np.arange(10, dtype=np.int32).reshape(2, 5)  # not a staging buffer: pinned copy
+    assert torch.equal(staging.to_device(other).cpu(), torch.from_numpy(other))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tidal.worker.sample.metadata import SamplingMetadata
+from tidal.worker.sample.seeded_random import position_seed
 from tidal.worker.sample.sampler import (
     Sampler,
     apply_min_p,
@@ -88,12 +89,18 @@ def test_seeded_rows_reproduce_whatever_the_batch():
     sampler = Sampler()
 
     def draw(rows, seed):
-        gens = {i: torch.Generator().manual_seed(seed) for i in range(len(rows))}
-        return sampler(logits[rows], meta(len(rows), generators=gens)).token_ids
+        # Every row seeded with ``seed`` at position 0 (keys as the metadata builder makes them).
+        key = position_seed(seed, 0)
+        return sampler(logits[rows], meta(len(rows), seeded_rows=torch.arange(len(rows)),
+                                          seeded_keys=torch.full((len(rows),), key))).token_ids
 
     alone = draw([2], 99)
     batched = draw([0, 1, 2, 3], 99)
     assert int(alone[0]) == int(batched[2])
+    # Rows without a key draw from the global generator; the keyed row keeps its draw.
+    mixed = sampler(logits[[0, 2]], meta(2, seeded_rows=torch.tensor([1]),
+                                          seeded_keys=torch.tensor([position_seed(99, 0)])))
+    assert int(mixed.token_ids[1]) == int(alone[0])
     many = {int(draw([2], s)[0]) for s in range(40)}
     assert len(many) > 3, "different seeds should draw different tokens"
 

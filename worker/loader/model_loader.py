@@ -12,6 +12,7 @@ from torch import nn
 from tidal.engine_core.config import ModelConfig
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.models.decoder import AuxHiddenSpec
 from tidal.worker.models.registry import build_model
 from tidal.worker.ops.kernels import Kernels
 
@@ -29,12 +30,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
                tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
-               kernels: Kernels | None = None) -> nn.Module:
+               kernels: Kernels | None = None,
+               aux_hidden: AuxHiddenSpec | None = None) -> nn.Module:
+    """``aux_hidden``: the model also records the hidden states entering those layers (the
+    target of an EAGLE-3 draft head; ``models.decoder.AuxHiddenSpec``)."""
     start = time.perf_counter()
     dtype = torch_dtype(config.dtype)
     # Parameters are created directly where they will live: no CPU copy of the whole model.
     with torch.device(device):
-        model = build_model(config.arch, dtype, impl, tp, pp, kernels)
+        model = build_model(config.arch, dtype, impl, tp, pp, kernels, aux_hidden)
     model.eval()
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)

@@ -9,6 +9,7 @@ which ``load_weights`` assembles from the separate checkpoint tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -177,6 +178,16 @@ def build_stage_ends(model: nn.Module, arch: ArchSpec, dtype: torch.dtype,
             model.lm_head.weight = model.embed_tokens.weight
 
 
+@dataclass(frozen=True, slots=True)
+class AuxHiddenSpec:
+    """Build-time option of a decoder: record the residual stream entering each of ``layers``
+    (after embedding for layer 0; HF's ``hidden_states[i]`` of ``output_hidden_states``), the
+    inputs of an EAGLE-3 draft head, into one fixed buffer of ``max_tokens`` rows."""
+
+    layers: tuple[int, ...]
+    max_tokens: int
+
+
 def layer_range(num_layers: int, pp: ParallelGroup) -> tuple[int, int]:
     """Layers [start, end) owned by pipeline stage ``pp.rank``: an even split, the remainder
     going to the first stages."""
@@ -189,9 +200,11 @@ class DecoderForCausalLM(nn.Module):
     # Every weight loader below only narrows or materialises what it is given, so the checkpoint
     # reader may hand over lazy tensors (a tensor-parallel rank then reads just its shard).
     supports_lazy_weights = True
+    supports_aux_hidden_states = True
 
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
-                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
+                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
+                 aux_hidden: AuxHiddenSpec | None = None) -> None:
         super().__init__()
         self.arch = arch
         self.tp = tp or single_group()
@@ -202,6 +215,35 @@ class DecoderForCausalLM(nn.Module):
             for i in range(self.start_layer, self.end_layer)
         })
         build_stage_ends(self, arch, dtype, RMSNorm)
+        # The layer loop is chosen here, once: a model built without auxiliary hidden states
+        # runs the plain loop, with no per-layer check in its forward (or its CUDA graphs).
+        self.aux_hidden_states: torch.Tensor | None = None
+        self._run_layers = self._run_layers_plain
+        if aux_hidden is not None:
+            self._init_aux_hidden(aux_hidden, dtype)
+
+    def _init_aux_hidden(self, spec: AuxHiddenSpec, dtype: torch.dtype) -> None:
+        n = self.arch.num_layers
+        bad = [i for i in spec.layers if not 0 <= i < n]
+        if not spec.layers or bad:
+            raise ValueError(f"auxiliary hidden state layer ids must be 1 or more of 0..{n - 1} "
+                             f"(the model has {n} layers), got {list(spec.layers)}")
+        if not self.pp.is_last or any(not self.start_layer <= i < self.end_layer
+                                      for i in spec.layers):
+            raise ValueError("auxiliary hidden states need every chosen layer on the last "
+                             "pipeline stage (EAGLE-3 with pipeline parallelism is not "
+                             "supported)")
+        if spec.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {spec.max_tokens}")
+        width = self.arch.hidden_size
+        # [max_tokens, len(layers) * hidden]: a step's first rows are the draft head's input
+        # as they are (its fc takes the states side by side, in the order of ``layers``).
+        self.aux_hidden_states = torch.empty(spec.max_tokens, len(spec.layers) * width,
+                                             dtype=dtype)
+        self._aux_plan = tuple(
+            (layer, tuple(k * width for k, j in enumerate(spec.layers) if j == int(i)))
+            for i, layer in self.layers.items())
+        self._run_layers = self._run_layers_aux
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers.values()]
@@ -223,8 +265,7 @@ class DecoderForCausalLM(nn.Module):
                                  dtype=self.layers[str(self.start_layer)].input_layernorm
                                  .weight.dtype, device=input_ids.device)
             residual = torch.zeros_like(hidden)
-        for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, residual = self._run_layers(positions, hidden, residual, meta)
         if isinstance(hidden, PendingSum):
             hidden = hidden.wait()
         if not self.pp.is_last:
@@ -233,6 +274,35 @@ class DecoderForCausalLM(nn.Module):
             return self.norm(hidden), None
         hidden, _ = self.norm(hidden, residual)
         return hidden, None
+
+    def _run_layers_plain(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
+                          residual: torch.Tensor | None, meta: AttentionMetadata
+                          ) -> tuple[torch.Tensor | PendingSum, torch.Tensor | None]:
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return hidden, residual
+
+    def _run_layers_aux(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
+                        residual: torch.Tensor | None, meta: AttentionMetadata
+                        ) -> tuple[torch.Tensor | PendingSum, torch.Tensor | None]:
+        """The layer loop, copying the residual stream entering the chosen layers into the
+        first rows of ``aux_hidden_states`` (a fixed buffer: CUDA graphs replay into it)."""
+        buf = self.aux_hidden_states
+        n = positions.shape[0]
+        if n > buf.shape[0]:
+            raise ValueError(f"{n} tokens exceed the {buf.shape[0]} rows of the auxiliary "
+                             "hidden state buffer")
+        width = self.arch.hidden_size
+        for layer, cols in self._aux_plan:
+            if cols:
+                if isinstance(hidden, PendingSum):
+                    hidden = hidden.wait()
+                # tidal's layers hand on the residual add unfinished; the stream is the sum.
+                state = hidden if residual is None else hidden + residual
+                for c in cols:
+                    buf[:n, c:c + width].copy_(state)
+            hidden, residual = layer(positions, hidden, residual, meta)
+        return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

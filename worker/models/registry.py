@@ -16,6 +16,7 @@ from tidal.engine_core.model_registry import family
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.kernel_policy import building, current_kernels
+from tidal.worker.models.decoder import AuxHiddenSpec
 from tidal.worker.ops.kernels import Kernels
 
 
@@ -31,9 +32,18 @@ def model_class(arch: ArchSpec) -> type[nn.Module]:
 
 def build_model(arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
-                kernels: Kernels | None = None) -> nn.Module:
+                kernels: Kernels | None = None, aux_hidden: AuxHiddenSpec | None = None
+                ) -> nn.Module:
     """Create the model's modules (parameters uninitialised) on the current default device.
     Its layers take their fused ops from ``kernels`` (the worker's policy; None: those of an
-    enclosing ``kernel_policy.building``, else the torch ones)."""
+    enclosing ``kernel_policy.building``, else the torch ones). ``aux_hidden``: the model also
+    records the hidden states entering those layers (an EAGLE-3 target; decoder families
+    only)."""
+    cls = model_class(arch)
     with building(kernels or current_kernels()):
-        return model_class(arch)(arch, dtype, impl, tp, pp)
+        if aux_hidden is None:
+            return cls(arch, dtype, impl, tp, pp)
+        if not getattr(cls, "supports_aux_hidden_states", False):
+            raise ValueError(f"model family {arch.family!r} cannot return auxiliary hidden "
+                             "states (EAGLE-3 targets: the Llama-shaped decoder families)")
+        return cls(arch, dtype, impl, tp, pp, aux_hidden=aux_hidden)

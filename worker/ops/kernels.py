@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.ops import torch_ops
+from tidal.worker.sample import grammar_mask, seeded_random
 
 if TYPE_CHECKING:
     from tidal.worker.kernel_policy import KernelPolicy
@@ -52,11 +53,18 @@ def _decode_module() -> ModuleType | None:
         return None
 
 
+def _sampling_module() -> ModuleType | None:
+    try:
+        return importlib.import_module("tidal.worker.ops.triton_sampling")
+    except ImportError:  # as _decode_module: a hand-written policy on a machine without triton
+        return None
+
+
 class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td")
+                 "_vocab", "_td", "_sampling")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -68,6 +76,8 @@ class Kernels:
         self._vocab = policy.vocab_embedding
         # The decode kernels' module imports triton: only where the policy runs them.
         self._td: ModuleType | None = _decode_module() if self._decode else None
+        # The sampling kernels (seeded noise, grammar masks) wherever Triton runs on the GPU.
+        self._sampling = _sampling_module() if policy.triton and policy.device == "cuda" else None
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
@@ -254,6 +264,24 @@ class Kernels:
 
             return triton_ops.vocab_shard_embedding(ids, weight, start)
         return torch_ops.vocab_shard_embedding(ids, weight, start)
+
+    def seeded_exponential_(self, q: torch.Tensor, rows: torch.Tensor,
+                            keys: torch.Tensor) -> None:
+        """Rows ``rows`` of ``q`` get the Exp(1) noise of their position keys (one launch on
+        the GPU). Semantics: ``sample/seeded_random.seeded_exponential_``."""
+        if self._sampling is not None and q.is_cuda:
+            self._sampling.seeded_exponential_(q, rows, keys)
+        else:
+            seeded_random.seeded_exponential_(q, rows, keys)
+
+    def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                             rows: torch.Tensor | None) -> None:
+        """Ban, in place, the tokens whose bits are clear. Semantics:
+        ``sample/grammar_mask.apply_token_bitmask_``."""
+        if self._sampling is not None and logits.is_cuda:
+            self._sampling.apply_token_bitmask_(logits, bitmask, rows)
+        else:
+            grammar_mask.apply_token_bitmask_(logits, bitmask, rows)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of ``[rows, n]``; few rows on the GPU: a two-stage kernel that

@@ -365,6 +365,12 @@ GEMV_CONFIGS: dict[tuple[int, int, bool, int], tuple[int, int, int, int]] = {
     # against 3.884 / 2.340 on cuBLAS; the default rule's 8 rows of 4 KiB chunks lost (2.364).
     (128256, 4096, False, 2): (4, 1024, 4, 1),
     (64128, 4096, False, 2): (4, 1024, 4, 1),
+    # Gemma's q/k/v and Gemma-3-12B's down projection (H100 sweep of section decode1; their
+    # norms are (1 + w), run apart): Gemma-2-9B qkv 23.5 -> 20.0 us, Gemma-3-12B qkv 24.7 ->
+    # 21.5, down 52.6 -> 41.1. Their other GEMVs were already at the sweep's best.
+    (8192, 3584, False, 2): (4, 2048, 4, 1),
+    (8192, 3840, False, 2): (4, 2048, 4, 1),
+    (3840, 15360, False, 2): (4, 2048, 4, 1),
 }
 
 

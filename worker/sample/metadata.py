@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tidal.worker.sample.seeded_random import position_keys, position_seed  # noqa: F401
+
 if TYPE_CHECKING:
     from tidal.worker.input_batch import InputBatch
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-_INT63 = (1 << 63) - 1
 
 # Copies a host array to the device (through the runner's pinned staging); the dtype is the
 # device tensor's.
@@ -29,7 +28,12 @@ class SamplingMetadata:
     top_k: torch.Tensor | None = None  # int64 [B]; vocab size = disabled
     top_p: torch.Tensor | None = None  # float32 [B]; 1 = disabled
     min_p: torch.Tensor | None = None  # float32 [B]; 0 = disabled
-    # row -> generator seeded for this very position (seeded requests only)
+    # Seeded rows (int64 [R], indices into this step's rows) and their position keys
+    # (seeded_random.position_keys): their noise comes from the keys. None: no seeded row.
+    seeded_rows: torch.Tensor | None = None
+    seeded_keys: torch.Tensor | None = None
+    # row -> generator seeded for this very position (seeded requests only); what the
+    # speculative rejection sampler still draws its uniforms from.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None
     # Penalties: None when no row uses them.
@@ -48,16 +52,10 @@ class SamplingMetadata:
     # pair is restricted to its pairs (an allowed list is never empty).
     allowed_rows: torch.Tensor | None = None
     allowed_cols: torch.Tensor | None = None
-    # Structured outputs: int32 [B, ceil(V / 32)] next-token bitmasks (grammar_mask.py); rows
-    # without a grammar are all ones. None when no row has a grammar.
+    # Structured outputs: int32 [G, ceil(V / 32)] next-token bitmasks (grammar_mask.py) of the
+    # rows ``grammar_rows`` (int64 [G]; None: rows 0 .. G - 1). None when no row has a grammar.
     grammar_bitmask: torch.Tensor | None = None
-
-
-def position_seed(seed: int, position: int) -> int:
-    """Seed of one sampled position: a pure function of the request's seed and how many tokens it
-    has generated, so a seeded request draws the same numbers whatever the batch around it and
-    after a preemption."""
-    return ((seed ^ ((position + 1) * _SEED_MIX)) & _INT63) or 1
+    grammar_rows: torch.Tensor | None = None
 
 
 def needs_token_history(b: InputBatch, rows: np.ndarray) -> bool:
@@ -110,14 +108,19 @@ class SamplingMetadataBuilder:
             min_p = b.min_p[rows]
             if (min_p > 0).any():
                 meta.min_p = stage(min_p, torch.float32)
-            n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-            for i in np.nonzero((b.seed[rows] >= 0) & (temp > 0))[0]:
-                row = int(rows[i])
-                gen = self._generators.get(row)
-                if gen is None:
-                    gen = self._generators[row] = torch.Generator(device=self.device)
-                gen.manual_seed(position_seed(int(b.seed[row]), int(n_out[i])))
-                meta.generators[int(i)] = gen
+            seeded = np.nonzero((b.seed[rows] >= 0) & (temp > 0))[0]
+            if len(seeded):
+                srows = rows[seeded]
+                n_out = b.num_tokens[srows] - b.num_prompt_tokens[srows]
+                keys = position_keys(b.seed[srows], n_out)
+                meta.seeded_rows = stage(seeded.astype(np.int64), torch.int64)
+                meta.seeded_keys = stage(keys, torch.int64)
+                for i, row, key in zip(seeded.tolist(), srows.tolist(), keys.tolist()):
+                    gen = self._generators.get(row)
+                    if gen is None:
+                        gen = self._generators[row] = torch.Generator(device=self.device)
+                    gen.manual_seed(key)
+                    meta.generators[i] = gen
         n_lp = b.num_logprobs[rows]
         if (n_lp >= 0).any():
             meta.max_num_logprobs = int(n_lp.max())

@@ -1,10 +1,11 @@
 """The sampler: logits of a batch → one token per row (and log-probabilities when asked).
 
-Order of processing: the allowed-token mask, logit bias, min_tokens bans, penalties,
-temperature; log-probabilities are taken here (the "processed" distribution); then top-k, top-p
-and min-p truncate, and tokens are drawn with the exponential-race trick (argmax of p / q,
-q ~ Exp(1)), which needs one random number per vocabulary entry and lets seeded rows draw from
-their own generator.
+Order of processing: the grammar masks (in place), the allowed-token mask, logit bias,
+min_tokens bans, penalties, temperature; log-probabilities are taken here (the "processed"
+distribution); then top-k, top-p and min-p truncate, and tokens are drawn with the
+exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs one random number per
+vocabulary entry; a seeded row's numbers are a hash of its seed, position and the column
+(``seeded_random.py``), so all seeded rows draw in one launch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.worker.ops.kernels import Kernels
-from tidal.worker.sample.grammar_mask import apply_token_bitmask
+from tidal.worker.sample import seeded_random
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -84,12 +85,21 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_noise(probs: torch.Tensor, meta: SamplingMetadata,
+                      kernels: Kernels | None = None) -> torch.Tensor:
+    """Exp(1) noise [B, V]: the seeded rows' from their position keys, the others' from the
+    global generator."""
     q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+    rows = meta.seeded_rows
+    n_seeded = 0 if rows is None else rows.shape[0]
+    if n_seeded < probs.shape[0]:
         q.exponential_()
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
+    if rows is not None:
+        assert meta.seeded_keys is not None
+        if kernels is None:
+            seeded_random.seeded_exponential_(q, rows, meta.seeded_keys)
+        else:
+            kernels.seeded_exponential_(q, rows, meta.seeded_keys)
     return q
 
 
@@ -111,7 +121,7 @@ def _plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row greedy, and nothing that changes or reports the distribution."""
     return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
             and meta.ban_rows is None and meta.output_counts is None
-            and meta.allowed_rows is None and meta.grammar_bitmask is None)
+            and meta.allowed_rows is None)
 
 
 class Sampler:
@@ -121,16 +131,18 @@ class Sampler:
 
             kernels = reference_kernels()
         self._argmax = kernels.argmax
+        self._kernels = kernels
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row. The grammar masks are applied to ``logits`` in place."""
+        if meta.grammar_bitmask is not None:
+            self._kernels.apply_token_bitmask_(logits, meta.grammar_bitmask, meta.grammar_rows)
         if _plain_greedy(meta):
             # Converting bf16/fp16 to float32 is exact, so the argmax (first maximum) is the
             # same without the [B, V] float copy. A few rows on the GPU take a two-stage
             # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
             return SamplerOutput(self._argmax(logits), None)
         logits = logits.float()
-        if meta.grammar_bitmask is not None:
-            logits = apply_token_bitmask(logits, meta.grammar_bitmask)
         if meta.allowed_rows is not None:
             assert meta.allowed_cols is not None
             logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_cols)
@@ -162,7 +174,7 @@ class Sampler:
             if meta.min_p is not None:
                 truncated = apply_min_p(truncated, meta.min_p)
             probs = truncated.softmax(dim=-1)
-            drawn = (probs / exponential_noise(probs, meta.generators)).argmax(dim=-1)
+            drawn = (probs / exponential_noise(probs, meta, self._kernels)).argmax(dim=-1)
             sampled = drawn if greedy is None else torch.where(
                 meta.temperature == 0.0, greedy, drawn
             )

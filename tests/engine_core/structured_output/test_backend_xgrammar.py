@@ -58,18 +58,21 @@ def sampled(seed: int, max_tokens: int, spec: StructuredOutputsParams) -> Sampli
 
 # --- which backend ---------------------------------------------------------------------------
 
-def test_auto_picks_xgrammar_for_what_it_enforces_and_guidance_for_the_rest():
+def test_auto_picks_guidance_but_for_xgrammar_format_tags():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt_tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "const_string", "value": "hi"}})
+    legacy_tag = json.dumps({"type": "structural_tag", "triggers": ["<f>"], "structures": [
+        {"begin": "<f>", "schema": schema, "end": "</f>"}]})
     cases = [
-        (so(json=schema), "xgrammar"),
-        (so(json_object=True), "xgrammar"),
-        (so(regex="[a-z]+"), "xgrammar"),
-        (so(choice=["x", "y"]), "xgrammar"),
-        (so(grammar='root ::= "a"'), "xgrammar"),  # GBNF
-        (so(grammar='start: "a"'), "guidance"),  # Lark: llguidance's dialect
-        (so(json={"type": "array", "uniqueItems": True}), "guidance"),
-        (so(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), "guidance"),
-        (so(json={**schema, "x-guidance": {"whitespace_flexible": True}}), "guidance"),
+        (so(json=schema), "guidance"),
+        (so(json_object=True), "guidance"),
+        (so(regex="[a-z]+"), "guidance"),
+        (so(choice=["x", "y"]), "guidance"),
+        (so(grammar='root ::= "a"'), "guidance"),  # GBNF: llguidance converts it
+        (so(grammar='start: "a"'), "guidance"),
+        (so(structural_tag=legacy_tag), "guidance"),
+        (so(structural_tag=fmt_tag), "xgrammar"),  # only xgrammar compiles its own form
     ]
     for params, want in cases:
         got, why = choose_backend(params, "auto", has_xgrammar=True)
@@ -77,7 +80,7 @@ def test_auto_picks_xgrammar_for_what_it_enforces_and_guidance_for_the_rest():
         assert why
     # A property *named* like an unenforced keyword is just a name.
     named = so(json={"type": "object", "properties": {"not": {"type": "string"}}})
-    assert choose_backend(named, "auto", has_xgrammar=True)[0] == "xgrammar"
+    assert xgrammar_refusal(named) is None
     assert choose_backend(so(regex="a"), "auto", has_xgrammar=False) == (
         "guidance", "xgrammar is not installed")
     assert choose_backend(so(regex="a"), "guidance")[0] == "guidance"
@@ -228,9 +231,10 @@ def test_regex_choice_grammar_and_json_object(llm):
             assert c.finish_reason == "length" and c.text.startswith("{")
 
 
-def test_auto_falls_back_to_guidance_per_request(tiny_smol_path):
-    """One engine on auto: a regex only llguidance parses (a Unicode class) and a Lark
-    grammar go to llguidance, a schema to xgrammar, in the same batch; all valid."""
+def test_auto_routes_per_request_in_one_batch(tiny_smol_path):
+    """One engine on auto: a regex only llguidance parses (a Unicode class), a Lark grammar and
+    a schema go to llguidance, a structural tag in xgrammar's format form to xgrammar, in the
+    same batch; all valid."""
     from tidal.frontend import LLM
 
     llm = LLM(str(tiny_smol_path), max_num_seqs=8, num_kv_blocks=128, max_model_len=128,
@@ -239,16 +243,24 @@ def test_auto_falls_back_to_guidance_per_request(tiny_smol_path):
         schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                          "maximum": 9}},
                   "required": ["n"], "additionalProperties": False}
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<a>"],
+            "tags": [{"type": "tag", "begin": "<a>", "end": "</a>",
+                      "content": {"type": "json_schema", "json_schema": schema}}]}}
         params = [sampled(1, 16, so(regex=r"\p{Lu}{2,4}")),
                   sampled(2, 16, so(grammar='start: "x" /[0-9]{2}/')),
-                  sampled(3, 32, so(json=schema))]
-        outs = llm.generate(["Go:"] * 3, params, use_tqdm=False)
+                  sampled(3, 32, so(json=schema)),
+                  sampled(4, 32, so(structural_tag=json.dumps(tag)))]
+        outs = llm.generate(["Go:"] * 4, params, use_tqdm=False)
         texts = [o.outputs[0].text for o in outs]
         assert re.fullmatch(r"[^\W\d_a-z]{2,4}", texts[0]) and texts[0].upper() == texts[0]
         assert re.fullmatch(r"x[0-9]{2}", texts[1])
         assert json.loads(texts[2])["n"] in range(10)
+        assert outs[3].outputs[0].finish_reason in ("stop", "length")
+        for body in re.findall(r"<a>(.*?)</a>", texts[3], re.S):
+            assert json.loads(body)["n"] in range(10)
         used = llm.engine.core.structured._backend.compiled_by
-        assert used == {"guidance": 2, "xgrammar": 1}
+        assert used == {"guidance": 3, "xgrammar": 1}
     finally:
         llm.shutdown()
 

@@ -1,0 +1,230 @@
+"""The worker's side of speculative decoding, around the model runner's step:
+
+1. ``write_drafts``: the drafts the scheduler sent for this step become the inputs after each
+   request's last token (in its row of the persistent batch, past ``num_tokens``: they are not
+   the request's tokens until accepted).
+2. ``logits_rows`` / ``verify_sampling``: every verify position of a sampling request gives
+   logits, and the sampling metadata has one row per verify position (each seeded position its
+   own generator, seeded for the token index it samples).
+3. ``verify``: the rejection sampler, one copy of its padded result to the host, the emitted
+   tokens appended to the rows.
+4. ``propose``: the next drafts from each request's tokens (n-gram lookup on the host), except
+   for requests whose sampling at later positions would need what the verify step does not
+   model: penalties (they count earlier outputs) and min_tokens not yet reached (stop tokens
+   banned at some positions only).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tidal.engine_core.protocol import LogprobsArrays
+from tidal.engine_core.speculative_config import SpeculativeConfig
+from tidal.worker.input_batch import InputBatch
+from tidal.worker.sample.metadata import (
+    SamplingMetadata,
+    SamplingMetadataBuilder,
+    Stage,
+    position_seed,
+)
+from tidal.worker.sample.rejection_sampler import RejectionSampler, verify_layout
+from tidal.worker.sample.sampler import compute_logprobs
+from tidal.worker.spec_decode.ngram_proposer import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+
+class SpeculativeStep:
+    def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.sampler = RejectionSampler(
+            config.synthetic_conditional_rates if config.synthetic else None)
+        # Seeded rows: one generator per (batch row, verify position), reseeded every step.
+        self._generators: dict[tuple[int, int], torch.Generator] = {}
+        # This step's verify layout, staged with its inputs by ``verify_sampling`` (one copy
+        # with the rest, no host wait for the forward pass): (drafts, index, draft ids, counts).
+        self._staged: tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor] | None \
+            = None
+
+    # --- before the forward pass ------------------------------------------------------------
+
+    @staticmethod
+    def write_drafts(b: InputBatch, rows: np.ndarray, req_ids: list[str],
+                     spec: dict[str, list[int]]) -> np.ndarray:
+        """Put each request's drafts after its tokens; returns the draft count per request
+        (int32, parallel to ``rows``)."""
+        n = np.zeros(len(rows), dtype=np.int32)
+        width = b.token_ids.shape[1]
+        for i, rid in enumerate(req_ids):
+            drafts = spec.get(rid)
+            if not drafts:
+                continue
+            row = int(rows[i])
+            start = int(b.num_tokens[row])
+            if start + len(drafts) > width:
+                raise ValueError(f"drafts of {rid} run past max_model_len")
+            b.token_ids[row, start:start + len(drafts)] = drafts
+            n[i] = len(drafts)
+        return n
+
+    @staticmethod
+    def logits_rows(cu: np.ndarray, sample_mask: np.ndarray, n_draft: np.ndarray) -> np.ndarray:
+        """Token indices of the step whose logits are needed: each sampling request's last
+        1 + drafts tokens (its verify positions), in order."""
+        n_verify = n_draft[sample_mask].astype(np.int64) + 1
+        ends = cu[1:][sample_mask].astype(np.int64)
+        within = np.arange(int(n_verify.sum()), dtype=np.int64) - np.repeat(
+            np.cumsum(n_verify) - n_verify, n_verify)
+        return np.repeat(ends - n_verify, n_verify) + within
+
+    def verify_sampling(self, builder: SamplingMetadataBuilder, b: InputBatch,
+                        sample_rows: np.ndarray, n_draft: np.ndarray,
+                        stage: Stage) -> SamplingMetadata:
+        """Sampling metadata with one row per verify position (``n_draft``: the sampling
+        requests' draft counts)."""
+        n_verify = n_draft.astype(np.int64) + 1
+        expanded = np.repeat(sample_rows, n_verify)
+        meta = builder.build(b, expanded, stage)
+        if meta.generators:
+            # The builder keys its generators by batch row, so the positions of one request
+            # would share one; each position gets its own, seeded for the token it samples.
+            offset = np.arange(len(expanded), dtype=np.int64) - np.repeat(
+                np.cumsum(n_verify) - n_verify, n_verify)
+            gens: dict[int, torch.Generator] = {}
+            for i in meta.generators:
+                row, j = int(expanded[i]), int(offset[i])
+                gen = self._generators.get((row, j))
+                if gen is None:
+                    gen = self._generators[(row, j)] = torch.Generator(device=self.device)
+                n_out = int(b.num_tokens[row]) - int(b.num_prompt_tokens[row])
+                gen.manual_seed(position_seed(int(b.seed[row]), n_out + j))
+                gens[i] = gen
+            meta.generators = gens
+        drafts = [b.token_ids[row, n:n + k].tolist() if k else []
+                  for row, n, k in zip(sample_rows.tolist(), b.num_tokens[sample_rows].tolist(),
+                                       n_draft.tolist())]
+        lay = verify_layout(drafts)
+        shape = lay.index.shape
+        self._staged = (drafts, stage(lay.index.ravel(), torch.int64).view(shape),
+                        stage(lay.draft_ids.ravel(), torch.int64).view(shape),
+                        stage(lay.num_drafts, torch.int64))
+        return meta
+
+    # --- after the forward pass -------------------------------------------------------------
+
+    def verify(self, b: InputBatch, logits: torch.Tensor, meta: SamplingMetadata,
+               builder: SamplingMetadataBuilder, sample_rows: np.ndarray,
+               sampled_ids: list[str], spec: dict[str, list[int]]
+               ) -> tuple[list[list[int]], dict[str, str], LogprobsArrays | None]:
+        """Run the rejection sampler over the step's verify logits, append the emitted tokens
+        to the rows; returns each sampling request's tokens (empty for one that failed), the
+        failures, and the logprobs of every emitted token in order (when asked for). A batch
+        that fails is retried request by request, so only the requests that fail are dropped
+        (their logprobs too, for that step, as ``ModelRunner._sample`` does)."""
+        drafts = [spec.get(rid, []) for rid in sampled_ids]
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] != drafts:
+            staged = None  # (not this step's: never expected)
+        try:
+            emitted, logprobs = self._verify_batch(logits, meta, drafts, staged)
+            failed: dict[str, str] = {}
+        except Exception as exc:  # noqa: BLE001 - isolated below, request by request
+            logger.warning("batched verification failed (%s); isolating the failing "
+                           "request(s)", exc)
+            emitted, failed = self._verify_each(b, logits, builder, sample_rows, sampled_ids,
+                                                drafts)
+            logprobs = None
+        self._append(b, sample_rows, emitted)
+        return emitted, failed, logprobs
+
+    def _verify_batch(self, logits: torch.Tensor, meta: SamplingMetadata,
+                      drafts: list[list[int]], staged: tuple | None = None
+                      ) -> tuple[list[list[int]], LogprobsArrays | None]:
+        lay = verify_layout(drafts)
+        dev = logits.device
+        if staged is not None:
+            _, index, draft_ids, num_drafts = staged
+        elif not lay.num_drafts.any():  # no drafts: made on the device, nothing copied
+            index = torch.arange(len(drafts), device=dev).unsqueeze(1)
+            draft_ids = torch.zeros_like(index)
+            num_drafts = index.new_zeros(len(drafts))
+        else:
+            index, draft_ids, num_drafts = (torch.from_numpy(a).to(dev) for a in (
+                lay.index, lay.draft_ids, lay.num_drafts))
+        out = self.sampler(logits, meta, index, draft_ids, num_drafts)
+        # The step's one wait for the device: the emitted tokens decide the next step.
+        both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1).cpu().numpy()
+        tokens, counts = both[:, :-1], both[:, -1]
+        emitted = [tokens[i, :counts[i]].tolist() for i in range(len(drafts))]
+        if out.logprobs is None or meta.max_num_logprobs is None:
+            return emitted, None
+        # The emitted tokens' verify positions, request by request (row-major order).
+        mask = np.arange(tokens.shape[1])[None, :] < counts[:, None]
+        rows = torch.from_numpy(lay.index[mask]).to(dev)
+        chosen = torch.from_numpy(tokens[mask]).to(dev)
+        lp = compute_logprobs(out.logprobs[rows], chosen, meta.max_num_logprobs)
+        return emitted, LogprobsArrays(lp.token_ids.to(torch.int32).cpu().numpy(),
+                                       lp.logprobs.cpu().numpy(),
+                                       lp.ranks.to(torch.int32).cpu().numpy())
+
+    def _verify_each(self, b: InputBatch, logits: torch.Tensor,
+                     builder: SamplingMetadataBuilder, sample_rows: np.ndarray,
+                     sampled_ids: list[str], drafts: list[list[int]]
+                     ) -> tuple[list[list[int]], dict[str, str]]:
+        dev = self.device
+
+        def direct(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(arr)).to(dev, dtype=dtype)
+
+        emitted: list[list[int]] = []
+        failed: dict[str, str] = {}
+        start = 0
+        for i, rid in enumerate(sampled_ids):
+            n = len(drafts[i]) + 1
+            try:
+                one = self.verify_sampling(builder, b, sample_rows[i:i + 1],
+                                           np.array([len(drafts[i])]), direct)
+                tokens, _ = self._verify_batch(logits[start:start + n], one,
+                                               drafts[i:i + 1])
+                emitted.append(tokens[0])
+            except Exception as exc:  # noqa: BLE001 - reported to that request only
+                failed[rid] = f"sampling failed: {exc}"
+                emitted.append([])
+            start += n
+        self._staged = None  # (what the per-request metadata above staged)
+        return emitted, failed
+
+    @staticmethod
+    def _append(b: InputBatch, rows: np.ndarray, emitted: list[list[int]]) -> None:
+        counts = np.fromiter((len(e) for e in emitted), dtype=np.int64, count=len(emitted))
+        if not counts.any():
+            return
+        starts = b.num_tokens[rows].astype(np.int64)
+        flat = np.fromiter((t for e in emitted for t in e), dtype=np.int32,
+                           count=int(counts.sum()))
+        row_of = np.repeat(rows, counts)
+        pos = np.repeat(starts, counts) + np.arange(len(flat), dtype=np.int64) - np.repeat(
+            np.cumsum(counts) - counts, counts)
+        inside = pos < b.token_ids.shape[1]
+        b.token_ids[row_of[inside], pos[inside]] = flat[inside]
+        b.num_tokens[rows] = starts + counts
+
+    def propose(self, b: InputBatch, rows: np.ndarray, emitted: list[list[int]]
+                ) -> list[list[int]]:
+        """The next step's drafts of each request of ``rows`` (that emitted tokens now)."""
+        n_tokens = b.num_tokens[rows]
+        n_out = n_tokens - b.num_prompt_tokens[rows]
+        exact = ((b.presence[rows] == 0) & (b.frequency[rows] == 0) & (b.repetition[rows] == 1)
+                 & (n_out >= b.min_tokens[rows]))
+        # Room left in the row: drafts past max_model_len could never be verified.
+        room = b.max_model_len - n_tokens - 1
+        limits = np.where(exact, np.minimum(room, self.config.num_speculative_tokens), 0)
+        limits[np.array([not e for e in emitted], dtype=bool)] = 0
+        return self.proposer.propose(b.token_ids, rows, n_tokens, limits)
+
