@@ -105,7 +105,9 @@ _HELP = {
                     "e.g. '{\"num_hidden_layers\": 2}'; default: none",
     "speculative_config": "speculative decoding as a JSON object in vLLM's field names, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                          "\"prompt_lookup_max\": 4}' (README: Speculative decoding); "
+                          "\"prompt_lookup_max\": 4}', or method draft_model / eagle3 with "
+                          "\"model\": the draft's or EAGLE-3 head's path "
+                          "(README: Speculative decoding); "
                           "default: none (off)",
 }
 

@@ -20,7 +20,11 @@ from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
 from tidal.engine_core.kv_groups import KVLayout, layout_for
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
-from tidal.engine_core.speculative_config import SpeculativeConfig, SpeculativeConfigError
+from tidal.engine_core.speculative_config import (
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    check_draft,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +281,7 @@ class EngineArgs:
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        speculative = self._speculative_config(task, scheduler, parallel)
+        speculative = self._speculative_config(task, scheduler, parallel, arch)
         if speculative is not None and scheduler.async_scheduling:
             if self.async_scheduling:
                 raise ConfigError("--async-scheduling does not combine with speculative "
@@ -290,18 +294,29 @@ class EngineArgs:
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
             speculative=speculative,
         )
+        if speculative is not None and speculative.uses_model \
+                and config.kv_layout().num_groups > 1:
+            raise ConfigError(f"--speculative-config: method {speculative.method!r} with a "
+                              "target of sliding-window layers (several KV cache groups) is "
+                              "not yet implemented in tidal")
         if cache.num_blocks is not None:
             config = config.with_num_blocks(cache.num_blocks)
         return config
 
     def _speculative_config(self, task: str, scheduler: SchedulerConfig,
-                            parallel: ParallelConfig) -> SpeculativeConfig | None:
+                            parallel: ParallelConfig, arch: ArchSpec
+                            ) -> SpeculativeConfig | None:
         try:
             spec = SpeculativeConfig.parse(self.speculative_config)
+            if spec is not None and spec.uses_model:
+                spec = check_draft(spec, arch)
         except SpeculativeConfigError as exc:
             raise ConfigError(str(exc)) from None
         if spec is None:
             return None
+        if spec.uses_model and parallel.tensor_parallel_size > 1:
+            raise ConfigError(f"--speculative-config: method {spec.method!r} with tensor "
+                              "parallelism is not yet implemented in tidal")
         if task != "generate":
             raise ConfigError("--speculative-config applies to generation, not task "
                               f"{task!r}")

@@ -114,6 +114,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Steps that had drafts at hand but verified none (the off-switch), by reason.
+    spec_off_steps_batch_size: int = 0
+    spec_off_steps_acceptance: int = 0
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -121,6 +124,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
         self.spec_num_drafts += earlier.spec_num_drafts
         self.spec_num_draft_tokens += earlier.spec_num_draft_tokens
         self.spec_num_accepted_tokens += earlier.spec_num_accepted_tokens
+        self.spec_off_steps_batch_size += earlier.spec_off_steps_batch_size
+        self.spec_off_steps_acceptance += earlier.spec_off_steps_acceptance
         if earlier.spec_accepted_per_pos:
             self.spec_accepted_per_pos = add_per_pos(earlier.spec_accepted_per_pos,
                                                      self.spec_accepted_per_pos)

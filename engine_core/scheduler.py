@@ -28,6 +28,7 @@ from tidal.engine_core.protocol import (
     SchedulerStats,
 )
 from tidal.engine_core.request import Request, RequestStatus
+from tidal.engine_core.spec_off_switch import SpecOffSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ class Scheduler:
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
         self._spec_per_pos = [0] * k
+        # Per step, whether the drafts at hand are worth verifying (batch size, acceptance).
+        self.spec_off: SpecOffSwitch | None = None
+        if config.speculative is not None:
+            self.spec_off = SpecOffSwitch.from_config(config.speculative)
+            logger.info("speculative decoding off-switch: %s", self.spec_off.describe())
 
     # --- intake -----------------------------------------------------------------------------
 
@@ -154,6 +160,10 @@ class Scheduler:
         cap = self.max_reqs_per_step
         i = 0
         drafts_of = self._drafts
+        spec_off = self.spec_off
+        if drafts_of and spec_off is not None and not spec_off.decide(len(running)):
+            # Not worth verifying this step: plain decodes (the fast path included).
+            drafts_of.clear()
         spec_tokens: dict[str, list[int]] = {}
         # (Requests with drafts take the general loop: they compute more than one token.)
         if self.decode_fast_path and not forward and not drafts_of \
@@ -418,6 +428,7 @@ class Scheduler:
         written again next step); and the acceptance counters."""
         emitted = dict(zip(result.req_ids, result.sampled_token_ids))
         per_pos = self._spec_per_pos
+        spec_off = self.spec_off
         for rid, drafts in spec.items():
             tokens = emitted.get(rid)
             req = self.requests.get(rid)
@@ -430,6 +441,8 @@ class Scheduler:
             self._spec_accepted += accepted
             for i in range(min(accepted, len(per_pos))):
                 per_pos[i] += 1
+            if spec_off is not None:
+                spec_off.observe(len(drafts), accepted)
 
     def _apply_plain_tokens(self, result: ModelRunnerOutput,
                             outputs: list[EngineCoreOutput]) -> int:
@@ -539,6 +552,9 @@ class Scheduler:
             stats.spec_accepted_per_pos = self._spec_per_pos
             self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
             self._spec_per_pos = [0] * len(self._spec_per_pos)
+        if self.spec_off is not None:
+            stats.spec_off_steps_batch_size, stats.spec_off_steps_acceptance = \
+                self.spec_off.take_counts()
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
         self._generation_tokens_step = 0

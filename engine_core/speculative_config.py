@@ -5,8 +5,11 @@ Parsed and validated once (``SpeculativeConfig.parse``) into a frozen struct tha
 EngineCore process and the workers as it is).
 
 Methods: ``ngram`` (prompt lookup: the draft is what followed the latest earlier occurrence of the
-sequence's last n tokens). ``draft_model``, ``eagle3`` and ``mtp`` are known names but not built
-yet; they are refused rather than silently run as something else.
+sequence's last n tokens); ``draft_model`` (``model``: a smaller model with the target's
+vocabulary) and ``eagle3`` (``model``: an EAGLE-3 head trained on the target's hidden states).
+``mtp`` and the other names vLLM knows are not built yet; they are refused rather than silently
+run as something else. ``check_draft`` reads the draft's config when the engine config is made,
+so an incompatible draft fails at start-up with the reason.
 
 Acceptance (``rejection_sample_method``): ``standard`` keeps the target model's distribution
 exactly (greedy: argmax match; sampled: accept / resample from the residual). ``synthetic``
@@ -16,18 +19,30 @@ accepts draft tokens at a configured rate whatever the logits, for measuring the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+if TYPE_CHECKING:
+    from tidal.engine_core.model_arch import ArchSpec
+
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64
-_METHODS = ("ngram",)
-_NOT_YET = ("draft_model", "eagle3", "mtp", "eagle", "medusa", "mlp_speculator", "suffix")
+_METHODS = ("ngram", "draft_model", "eagle3")
+_MODEL_METHODS = ("draft_model", "eagle3")
+_NOT_YET = ("mtp", "eagle", "medusa", "mlp_speculator", "suffix")
 _REJECTION_METHODS = ("standard", "synthetic")
-_KNOWN = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+_KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
+          "prompt_lookup_min", "prompt_lookup_max",
           "rejection_sample_method", "synthetic_acceptance_rate",
-          "synthetic_acceptance_rates", "synthetic_acceptance_length")
+          "synthetic_acceptance_rates", "synthetic_acceptance_length",
+          "disable_by_batch_size", "speculative_disable_by_batch_size", "disable_by_acceptance",
+          "verify_token_cost", "acceptance_window", "acceptance_probe_interval")
+# The off-switch (spec_off_switch.py). 32 running requests: a conservative guess, not measured,
+# for where decode stops being memory bound enough for verify tokens to come nearly free (well
+# below batch 256, which never drafts).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+MAX_ACCEPTANCE_WINDOW = 4096
 
 
 class SpeculativeConfigError(ValueError):
@@ -37,21 +52,40 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     method: str
     num_speculative_tokens: int
+    # draft_model / eagle3: the draft's path or hub id (resolved by ``check_draft``).
+    model: str | None = None
+    # What ``check_draft`` found out about the draft, for the start-up log.
+    draft_summary: str = ""
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
     rejection_sample_method: str = "standard"
     # Synthetic acceptance: per draft position i, the probability that draft i is accepted
     # given drafts 0..i-1 were (resolved from whichever synthetic_* field was given).
     synthetic_conditional_rates: tuple[float, ...] = ()
+    # The off-switch (spec_off_switch.py): no drafts above this many running requests (None:
+    # any batch), nor while the measured acceptance does not pay for verifying them.
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_acceptance: bool = True
+    verify_token_cost: float = 0.1
+    acceptance_window: int = 32
+    acceptance_probe_interval: int = 64
 
     @property
     def synthetic(self) -> bool:
         return self.rejection_sample_method == "synthetic"
 
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model (a draft model or an EAGLE-3 head) run on the workers."""
+        return self.method in _MODEL_METHODS
+
     def describe(self) -> str:
         text = f"method {self.method}, {self.num_speculative_tokens} speculative tokens"
         if self.method == "ngram":
             text += f", prompt lookup n-grams {self.prompt_lookup_min}..{self.prompt_lookup_max}"
+        elif self.model is not None:
+            text += f", draft {self.model}" + (f" ({self.draft_summary})"
+                                                if self.draft_summary else "")
         if self.synthetic:
             rates = ", ".join(f"{r:.3f}" for r in self.synthetic_conditional_rates)
             text += (f", SYNTHETIC acceptance (per-position conditional rates {rates}): outputs "
@@ -81,6 +115,30 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise SpeculativeConfigError(
                 f"--speculative-config: method must be one of {', '.join(_METHODS)}, "
                 f"got {method!r}")
+        model = raw.get("model")
+        if method in _MODEL_METHODS:
+            if not isinstance(model, str) or not model:
+                raise SpeculativeConfigError(
+                    f"--speculative-config: method {method!r} needs model (the "
+                    f"{'draft model' if method == 'draft_model' else 'EAGLE-3 head'}'s path "
+                    "or hub id)")
+            stray = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if n in raw]
+            if stray:
+                raise SpeculativeConfigError(
+                    f"--speculative-config: {stray[0]} applies to method 'ngram' only")
+        elif model is not None:
+            raise SpeculativeConfigError(
+                f"--speculative-config: model applies to methods {', '.join(_MODEL_METHODS)}, "
+                f"not {method!r}")
+        draft_tp = _int(raw, "draft_tensor_parallel_size", 1)
+        if "draft_tensor_parallel_size" in raw and method not in _MODEL_METHODS:
+            raise SpeculativeConfigError(
+                "--speculative-config: draft_tensor_parallel_size applies to methods "
+                f"{', '.join(_MODEL_METHODS)}, not {method!r}")
+        if draft_tp != 1:
+            raise SpeculativeConfigError(
+                "--speculative-config: draft_tensor_parallel_size other than 1 is not yet "
+                f"implemented in tidal (got {draft_tp}): the draft runs whole on one GPU")
         k = _int(raw, "num_speculative_tokens", None)
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(
@@ -112,9 +170,51 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise SpeculativeConfigError(
                 f"--speculative-config: {synthetic_fields[0]} needs rejection_sample_method "
                 "'synthetic'")
-        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo,
+        return cls(method=method, num_speculative_tokens=k, model=model, prompt_lookup_min=lo,
                    prompt_lookup_max=hi, rejection_sample_method=rejection,
-                   synthetic_conditional_rates=rates)
+                   synthetic_conditional_rates=rates, **_off_switch(raw))
+
+
+def _off_switch(raw: dict[str, Any]) -> dict[str, Any]:
+    """The off-switch's fields; ``disable_by_batch_size`` also under vLLM's old engine-argument
+    name, and null for no batch-size limit."""
+    names = [n for n in ("disable_by_batch_size", "speculative_disable_by_batch_size")
+             if n in raw]
+    if len(names) > 1:
+        raise SpeculativeConfigError(
+            "--speculative-config: give disable_by_batch_size or its vLLM name "
+            "speculative_disable_by_batch_size, not both")
+    out: dict[str, Any] = {}
+    if names and raw[names[0]] is not None:
+        limit = _int(raw, names[0], None)
+        if limit < 1:
+            raise SpeculativeConfigError(
+                f"--speculative-config: {names[0]} must be >= 1 (null: no limit), got {limit}")
+        out["disable_by_batch_size"] = limit
+    elif names:
+        out["disable_by_batch_size"] = None
+    if "disable_by_acceptance" in raw:
+        flag = raw["disable_by_acceptance"]
+        if not isinstance(flag, bool):
+            raise SpeculativeConfigError(
+                f"--speculative-config: disable_by_acceptance must be true or false, "
+                f"got {flag!r}")
+        out["disable_by_acceptance"] = flag
+    if "verify_token_cost" in raw:
+        cost = _float(raw["verify_token_cost"], "verify_token_cost")
+        if not 0.0 <= cost <= 1.0:
+            raise SpeculativeConfigError(
+                f"--speculative-config: verify_token_cost must be in [0, 1], got {cost}")
+        out["verify_token_cost"] = cost
+    for name, top in (("acceptance_window", MAX_ACCEPTANCE_WINDOW),
+                      ("acceptance_probe_interval", MAX_ACCEPTANCE_WINDOW)):
+        if name in raw:
+            value = _int(raw, name, None)
+            if not 1 <= value <= top:
+                raise SpeculativeConfigError(
+                    f"--speculative-config: {name} must be in [1, {top}], got {value}")
+            out[name] = value
+    return out
 
 
 def _int(raw: dict[str, Any], name: str, default: int | None) -> int:
@@ -181,3 +281,64 @@ def _float(value: Any, name: str) -> float:
         raise SpeculativeConfigError(f"--speculative-config: {name} must be a number, "
                                      f"got {value!r}")
     return float(value)
+
+
+def check_draft(spec: SpeculativeConfig, target: ArchSpec) -> SpeculativeConfig:
+    """Read the draft's config (``spec.model``) and check it can draft for ``target``: a draft
+    model shares the target's vocabulary (ids mean the same tokens: verification compares them
+    one to one); an EAGLE-3 head has the target's vocabulary, a draft vocabulary within it, and
+    was trained on hidden states of the target's width from layers the target has. Returns the
+    config with the resolved path and a summary for the start-up log."""
+    from tidal.engine_core.model_arch import arch_from_hf_dict
+    from tidal.engine_core.model_source import load_hf_config, resolve_model
+
+    if not spec.uses_model or spec.model is None:
+        return spec
+    where = f"--speculative-config: model {spec.model!r}"
+    try:
+        src = resolve_model(spec.model)
+        draft = arch_from_hf_dict(load_hf_config(src), src.path, draft=True)
+    except (ValueError, OSError) as exc:
+        raise SpeculativeConfigError(f"{where}: {exc}") from None
+    is_head = draft.family == "eagle3"
+    if spec.method == "draft_model":
+        if is_head:
+            raise SpeculativeConfigError(
+                f"{where} is an EAGLE-3 head: use method 'eagle3' for it")
+        if draft.is_embedding:
+            raise SpeculativeConfigError(f"{where} is an embedding model, not a draft model")
+        if draft.vocab_size != target.vocab_size:
+            raise SpeculativeConfigError(
+                f"{where}: its vocabulary has {draft.vocab_size} tokens, the target's "
+                f"{target.vocab_size}: a draft model needs the target's tokenizer")
+        summary = (f"{draft.architecture}, {draft.num_layers} layers, hidden "
+                   f"{draft.hidden_size}, vocabulary {draft.vocab_size}")
+    else:
+        if not is_head:
+            raise SpeculativeConfigError(
+                f"{where} is not an EAGLE-3 head ({draft.architecture}); use method "
+                "'draft_model' for a standalone draft model")
+        if draft.vocab_size != target.vocab_size:
+            raise SpeculativeConfigError(
+                f"{where}: the head's vocabulary has {draft.vocab_size} tokens, the target's "
+                f"{target.vocab_size}")
+        draft_vocab = draft.draft_vocab_size or draft.vocab_size
+        if draft_vocab > target.vocab_size:
+            raise SpeculativeConfigError(
+                f"{where}: draft_vocab_size {draft_vocab} exceeds the target's vocabulary "
+                f"({target.vocab_size})")
+        trained_on = draft.target_hidden_size or draft.hidden_size
+        if trained_on != target.hidden_size:
+            raise SpeculativeConfigError(
+                f"{where}: the head was trained on hidden states of size {trained_on}, the "
+                f"target's are {target.hidden_size} (target_hidden_size)")
+        n = target.num_layers
+        layers = draft.aux_hidden_layer_ids or (2, n // 2, n - 3)
+        if len(layers) != 3 or not all(0 <= i < n for i in layers):
+            raise SpeculativeConfigError(
+                f"{where}: its auxiliary hidden-state layers {list(layers)} must be 3 of the "
+                f"target's layers 0..{n - 1}")
+        summary = (f"EAGLE-3 head, hidden {draft.hidden_size}, draft vocabulary {draft_vocab} "
+                   f"of {draft.vocab_size}, target hidden {trained_on}, target layers "
+                   f"{list(layers)}")
+    return msgspec.structs.replace(spec, model=src.path, draft_summary=summary)

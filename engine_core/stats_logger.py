@@ -15,14 +15,23 @@ logger = logging.getLogger(__name__)
 
 
 def spec_decode_line(drafts: int, draft_tokens: int, accepted: int,
-                     per_pos: list[int]) -> str:
+                     per_pos: list[int], off_batch_size: int = 0, off_acceptance: int = 0
+                     ) -> str:
     """Speculative decoding's acceptance, as vLLM prints it: mean acceptance length counts the
-    target's own token of each verify step (1 + accepted / drafts)."""
-    rate = 100.0 * accepted / draft_tokens if draft_tokens else 0.0
-    per = ", ".join(f"{n / drafts:.3f}" for n in per_pos) if drafts else ""
-    return (f"speculative decoding: mean acceptance length {1 + accepted / max(drafts, 1):.2f}, "
-            f"acceptance rate {rate:.1f}%, accepted {accepted} of {draft_tokens} draft tokens "
-            f"in {drafts} drafts, per-position acceptance [{per}]")
+    target's own token of each verify step (1 + accepted / drafts); and the steps whose drafts
+    the off-switch dropped, by reason."""
+    if drafts:
+        rate = 100.0 * accepted / draft_tokens if draft_tokens else 0.0
+        per = ", ".join(f"{n / drafts:.3f}" for n in per_pos)
+        line = (f"speculative decoding: mean acceptance length {1 + accepted / drafts:.2f}, "
+                f"acceptance rate {rate:.1f}%, accepted {accepted} of {draft_tokens} draft "
+                f"tokens in {drafts} drafts, per-position acceptance [{per}]")
+    else:
+        line = "speculative decoding: no drafts verified"
+    if off_batch_size or off_acceptance:
+        line += (f", drafting off for {off_batch_size} steps (batch size) and "
+                 f"{off_acceptance} steps (acceptance)")
+    return line
 
 
 class StatsLogger:
@@ -41,6 +50,7 @@ class StatsLogger:
         # Speculative decoding since the last line: drafts, draft tokens, accepted, per position.
         self._spec = [0, 0, 0]
         self._spec_per_pos: list[int] = []
+        self._spec_off = [0, 0]  # steps off by (batch size, acceptance)
 
     def record(self, stats: SchedulerStats, step_s: float = 0.0) -> None:
         if stats.spec_num_drafts:
@@ -48,6 +58,9 @@ class StatsLogger:
             self._spec[1] += stats.spec_num_draft_tokens
             self._spec[2] += stats.spec_num_accepted_tokens
             self._spec_per_pos = add_per_pos(self._spec_per_pos, stats.spec_accepted_per_pos)
+        if stats.spec_off_steps_batch_size or stats.spec_off_steps_acceptance:
+            self._spec_off[0] += stats.spec_off_steps_batch_size
+            self._spec_off[1] += stats.spec_off_steps_acceptance
         self._prompt += stats.num_prompt_tokens
         self._generated += stats.num_generation_tokens
         self._preempted += stats.num_preemptions
@@ -78,10 +91,12 @@ class StatsLogger:
             if stats.kv_cache_usage_groups:
                 logger.info("KV cache usage per group: %s", ", ".join(
                     f"{g}: {100.0 * u:.1f}%" for g, u in enumerate(stats.kv_cache_usage_groups)))
-            if self._spec[0]:
-                logger.info("%s", spec_decode_line(*self._spec, self._spec_per_pos))
+            if self._spec[0] or self._spec_off[0] or self._spec_off[1]:
+                logger.info("%s", spec_decode_line(*self._spec, self._spec_per_pos,
+                                                   *self._spec_off))
         self._last_log = now
         self._spec = [0, 0, 0]
         self._spec_per_pos = []
+        self._spec_off = [0, 0]
         self._prompt = self._generated = self._preempted = self._steps = 0
         self._step_s = self._step_max_s = 0.0

@@ -5,6 +5,12 @@ and the mean acceptance length, per batch size.
     python tools/bench_spec.py --batches 1,8,64,256 --k 4 --out spec.json
     python tools/bench_spec.py --shape llama-3.1-8b --method synthetic --alpha 0.8 --k 3
     python tools/bench_spec.py --smoke                          # tiny random model, seconds
+    python tools/bench_spec.py --shape llama-3.1-8b --method draft_model --draft-shape llama-3.2-1b
+    python tools/bench_spec.py --shape llama-3.1-8b --method eagle3 \
+        --draft-shape eagle3-llama-3.1-8b --k 3 --batches 1,8,32
+    python tools/bench_spec.py --model meta-llama/Llama-3.1-8B-Instruct --method eagle3 \
+        --draft-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --workload edit
+    python tools/bench_spec.py --smoke --method draft_model     # (or eagle3) on a CPU
 
 Workloads (``--workload``): ``edit`` asks the model to rewrite a source file of this repository
 with a small change (prompt lookup finds most of the answer in the prompt: issue 21's n-gram
@@ -14,7 +20,11 @@ the n-gram lookup to find drafts, e.g. with ``--method synthetic``).
 Methods: ``ngram`` verifies with standard rejection sampling (greedy here, so the output is the
 plain run's; the tool checks that); ``synthetic`` accepts each draft with probability
 ``--alpha`` whatever the model says (vLLM's benchmarking mode: the output is not the model's), to
-measure the speed envelope of a given acceptance rate.
+measure the speed envelope of a given acceptance rate. ``draft_model`` drafts with a smaller
+model of the target's vocabulary, ``eagle3`` with an EAGLE-3 head: ``--draft-model`` (a
+checkpoint) or ``--draft-shape`` (random weights of a published shape, with a ``--shape`` target:
+a dummy draft's drafts are rarely accepted, so these measure the drafting and verify costs; a
+real head and target measure the speedup).
 
 Both sides run in their own engine, side by side: one warm-up pass each, then ``--repeats``
 timed passes of ``B`` requests of ``--max-tokens`` tokens, the two sides' passes interleaved;
@@ -56,10 +66,62 @@ def repeat_prompt_ids(vocab: int, n: int = 64) -> list[int]:
     return (pattern * (n // len(pattern) + 1))[:n]
 
 
+# Draft shapes for dummy drafts (HF configs of the released checkpoints).
+DRAFT_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama-3.2-1B: Llama-3.1-8B's tokenizer, a draft model for it.
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "eos_token_id": 128001,
+        "bos_token_id": 128000, "hidden_act": "silu",
+    },
+    # The EAGLE-3 head of Llama-3.1-8B-Instruct (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B).
+    "eagle3-llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "vocab_size": 128256, "draft_vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 1, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+    },
+    # For --smoke: the tiny Llama's vocabulary and width (384, 64).
+    "tiny-draft": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 384,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
+    "tiny-eagle3": {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": 384,
+        "draft_vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    },
+}
+
+
 def spec_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.method in ("draft_model", "eagle3"):
+        cfg = {"method": args.method, "model": args.draft_path,
+               "num_speculative_tokens": args.k,
+               "disable_by_batch_size": None, "disable_by_acceptance": False}
+        if args.synthetic_alpha is not None:  # every chain drafts k: the issue's envelope
+            cfg.update(rejection_sample_method="synthetic",
+                       synthetic_acceptance_rate=args.synthetic_alpha)
+        return cfg
     cfg: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k,
                            "prompt_lookup_min": args.lookup_min,
-                           "prompt_lookup_max": args.lookup_max}
+                           "prompt_lookup_max": args.lookup_max,
+                           # The envelope at every batch and acceptance: the off-switch would
+                           # measure plain decoding where speculation does not pay.
+                           "disable_by_batch_size": None, "disable_by_acceptance": False}
     if args.method == "synthetic":
         cfg.update(rejection_sample_method="synthetic", synthetic_acceptance_rate=args.alpha)
     return cfg
@@ -131,8 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny random Llama, CPU-sized run")
     p.add_argument("--workload", choices=("edit", "repeat"), default=None,
                    help="default: edit for a real model, repeat for dummy/tiny ones")
-    p.add_argument("--method", choices=("ngram", "synthetic"), default="ngram")
+    p.add_argument("--method", choices=("ngram", "synthetic", "draft_model", "eagle3"),
+                   default="ngram")
+    p.add_argument("--draft-model", default=None,
+                   help="draft_model / eagle3: the draft's (head's) checkpoint or hub id")
+    p.add_argument("--draft-shape", choices=sorted(DRAFT_SHAPES), default=None,
+                   help="draft_model / eagle3: a dummy draft of this shape (random weights: "
+                        "needs a dummy target, --shape or --smoke)")
     p.add_argument("--alpha", type=float, default=0.8, help="synthetic acceptance rate")
+    p.add_argument("--synthetic-alpha", type=float, default=None,
+                   help="draft_model / eagle3: accept each draft with this probability "
+                        "(vLLM's synthetic mode) instead of verifying")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-min", type=int, default=2)
     p.add_argument("--lookup-max", type=int, default=5)
@@ -170,6 +241,21 @@ def main(argv: list[str] | None = None) -> int:
             p.error("no --model and SmolLM2 is not installed")
         model = str(path)
         workload, max_tokens = args.workload or "edit", args.max_tokens or 160
+    args.draft_path = None
+    if args.method in ("draft_model", "eagle3"):
+        if args.draft_model:
+            args.draft_path = args.draft_model
+        elif args.draft_shape or args.smoke:
+            shape = args.draft_shape or ("tiny-draft" if args.method == "draft_model"
+                                         else "tiny-eagle3")
+            folder = tmp / "draft"
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(DRAFT_SHAPES[shape]))
+            args.draft_path = str(folder)
+            # (A dummy draft means dummy weights for the target too: one load_format.)
+            engine_kw["load_format"] = "dummy"
+        else:
+            p.error(f"--method {args.method} needs --draft-model or --draft-shape")
     batches = [int(b) for b in args.batches.split(",")]
     engine_kw.setdefault("max_num_seqs", max(batches))
     # Two engines live side by side in this process: each gets a fixed KV pool, not a share of
@@ -203,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"plain": plain, "spec": spec,
                "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
                "greedy_output_identical": same}
-        if args.method == "ngram" and not same:
+        if args.method != "synthetic" and args.synthetic_alpha is None and not same:
             logger.warning("batch %d: speculative output differs from the plain run", batch)
         results["batches"][batch] = row
         print(f"batch {batch:4d}: plain {plain['tokens_per_s']:9.1f} tok/s, spec "

@@ -195,8 +195,15 @@ class ModelRunner:
     def load_model(self) -> None:
         if self.on_gpu:
             self._check_weights_fit()
+        aux = (self.spec.aux_hidden_spec(self.config, self.max_num_tokens)
+               if self.spec is not None else None)
         self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp,
-                                self.kernels)
+                                self.kernels, aux_hidden=aux)
+        if self.spec is not None:  # a draft model / EAGLE-3 head (model methods only)
+            self.spec.load_drafter(self.config, self.model, self.attn_impl,
+                                   max_num_reqs=self.max_num_reqs,
+                                   max_num_tokens=self.max_num_tokens,
+                                   block_table=self.bufs.block_table, kernels=self.kernels)
         if self.on_gpu and self.tp.world_size > 1 and isinstance(self.model, DecoderForCausalLM):
             from tidal.worker.distributed.push_allreduce import make_push_all_reduce
 
@@ -253,7 +260,9 @@ class ModelRunner:
         a = layers[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
         n_tensors = len({slot for _, slot in self._layer_slots()})
-        return 2 * n_tensors * self.block_size * a.num_kv_heads * a.head_dim * elem
+        # A draft model's / EAGLE-3 head's cache has a block for every pool block.
+        draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
+        return 2 * n_tensors * self.block_size * a.num_kv_heads * a.head_dim * elem + draft
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: forced by the config, or from the memory budget."""
@@ -262,6 +271,8 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block()
         if not self.on_gpu:
             budget = self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            if self.spec is not None:  # the draft's per-row chain scratch
+                budget -= self.spec.scratch_bytes()
             return max(1, budget // per_block)
         return self._profile_gpu_blocks(per_block)
 
@@ -284,6 +295,8 @@ class ModelRunner:
         budget = int(total * util) - non_torch - peak - graph_reserve
         if self.config.cache.kv_cache_memory_bytes is not None:
             budget = self.config.cache.kv_cache_memory_bytes
+        if self.spec is not None:  # the draft's per-row chain scratch
+            budget -= self.spec.scratch_bytes()
         blocks = budget // per_block
         sched = self.config.scheduler
         need = self.kv_layout.blocks_per_seq(
@@ -374,12 +387,16 @@ class ModelRunner:
                 self.kv_caches.append(cache)
             layer.kv_cache = cache
             layer.kv_group = group
+        if self.spec is not None:
+            self.spec.bind_kv_cache(num_blocks)
 
     def _release_kv(self) -> None:
         assert self.model is not None
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
         self.kv_caches = []
+        if self.spec is not None:
+            self.spec.release_kv_cache()
         if self.on_gpu:
             torch.cuda.empty_cache()
 
@@ -638,10 +655,14 @@ class ModelRunner:
         b.num_computed[rows] = inputs.seq_lens
         if not self.pp.is_last:
             return IntermediateTensors(hidden, residual)
+        if self.spec is not None:  # (an EAGLE-3 head reads the step's hidden states)
+            self.spec.observe(rows, inputs.cu, inputs.seq_lens, self.model)
         prompt_lp = (self._prompt_logprobs(req_ids, inputs, hidden)
                      if b.num_prompt_logprobs_rows else {})
         result = ModelRunnerOutput(failed=failed, prompt_logprobs=prompt_lp)
         if inputs.sampling is None:
+            if self.spec is not None and self.spec.drafter is not None:
+                self.spec.propose(b, rows[:0], [])  # prompt chunks into the draft's cache
             return result
         mask = inputs.sample_mask
         if inputs.all_sample:

@@ -370,6 +370,11 @@ class ServerMetrics:
             self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                                  "Accepted tokens per draft position.",
                                                  ["position"])
+            self.spec_off_steps = counter(
+                "spec_decode_off_steps",
+                "Steps whose drafts were not verified (speculation switched off), by reason: "
+                "batch_size (too many running requests) or acceptance (too few accepted to "
+                "pay for verifying).", ["reason"])
         self._series(0)
 
     @classmethod
@@ -395,6 +400,12 @@ class ServerMetrics:
         self.spec_accepted.labels(model, engine).inc(stats.spec_num_accepted_tokens)
         for pos, n in enumerate(stats.spec_accepted_per_pos):
             self.spec_accepted_per_pos.labels(model, engine, str(pos)).inc(n)
+        if stats.spec_off_steps_batch_size:
+            self.spec_off_steps.labels(model, engine, "batch_size").inc(
+                stats.spec_off_steps_batch_size)
+        if stats.spec_off_steps_acceptance:
+            self.spec_off_steps.labels(model, engine, "acceptance").inc(
+                stats.spec_off_steps_acceptance)
 
     def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:
         e = self._series(record.engine_index)
@@ -423,7 +434,8 @@ class ServerMetrics:
             for kind, backend in zip(stats.structured_requests,
                                      stats.structured_request_backends, strict=True):
                 self.structured_requests.labels(self.model_name, kind, backend).inc()
-            if stats.spec_num_drafts and self.speculative:
+            if self.speculative and (stats.spec_num_drafts or stats.spec_off_steps_batch_size
+                                     or stats.spec_off_steps_acceptance):
                 self._observe_spec(stats, str(record.engine_index))
         if record.prompt_tokens:
             cached = record.cached_prompt_tokens

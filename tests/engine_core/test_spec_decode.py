@@ -29,13 +29,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 @pytest.mark.parametrize("raw,needle", [
-    ({"method": "eagle3", "num_speculative_tokens": 3}, "not yet"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "not yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "needs model"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
     ({"method": "mtp", "num_speculative_tokens": 3}, "not yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown field(s) model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model applies to"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"},
+     "unknown field(s) draft_model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
       "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
@@ -81,7 +83,7 @@ def test_engine_config_turns_async_scheduling_off(tiny_models, spec_config):
                    speculative_config=NGRAM).create_config()
     with pytest.raises(ConfigError, match="not yet"):
         EngineArgs(model=str(tiny_models["llama"][0]),
-                   speculative_config={"method": "eagle3",
+                   speculative_config={"method": "mtp",
                                        "num_speculative_tokens": 2}).create_config()
     # The config travels to the engine and workers as it is.
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(spec_config), type=type(spec_config))

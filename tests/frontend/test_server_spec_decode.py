@@ -46,6 +46,7 @@ def _accepted(server) -> float:
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     assert "# TYPE tidal:spec_decode_num_drafts" in text
+    assert "# TYPE tidal:spec_decode_off_steps_total counter" in text  # the off-switch's
     found = re.findall(r"^tidal:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text,
                        re.M)
     return sum(map(float, found))

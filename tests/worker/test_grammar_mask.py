@@ -109,13 +109,12 @@ def test_sampler_respects_the_mask_greedy_and_random():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
-def test_mask_staging_copies_from_pinned_slots_on_its_stream():
+def test_mask_staging_copies_from_pinned_slots():
     staging = MaskStaging(words=5, device=torch.device("cuda"), slots=2)
     for step in range(5):  # slots reused: each waits for its previous copy
         buf = staging.buffer(3)
         buf[:] = step
         dev = staging.to_device(buf)
-        # Queued on the current stream behind the side stream's copy.
         assert torch.equal(dev.cpu(), torch.full((3, 5), step, dtype=torch.int32))
     other = np.arange(10, dtype=np.int32).reshape(2, 5)  # not a staging buffer: pinned copy
     assert torch.equal(staging.to_device(other).cpu(), torch.from_numpy(other))

@@ -54,13 +54,26 @@ class DraftBatch:
     # rows after it, e.g. rejected drafts, are written but never read).
     last_rows: np.ndarray
     hidden: torch.Tensor | None = None  # EAGLE-3: [T, 3 * target hidden], the aux states
-    temperature: torch.Tensor | None = None  # float32 [R]; rows <= 0 draft greedily
+    # The fields below are of the chain requests (``chain``), in that order.
+    temperature: torch.Tensor | None = None  # float32 [C]; rows <= 0 draft greedily
     all_greedy: bool = True  # no row has temperature > 0 (no probabilities returned)
     generator: torch.Generator | None = None  # draws of the random rows
+    # Host int64 [C]: the requests that draft (the others only write their rows' K/V, e.g.
+    # an EAGLE-3 head over a prompt chunk); None: every request.
+    chain: np.ndarray | None = None
+    # Chain index -> the generator of that request's draws (a seeded request: its drafts
+    # do not depend on the batch it runs in).
+    row_generators: dict[int, torch.Generator] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.last_rows)
+
+    @property
+    def chain_reqs(self) -> np.ndarray:
+        if self.chain is None:
+            return np.arange(self.num_reqs, dtype=np.int64)
+        return self.chain
 
 
 @dataclass(slots=True)
@@ -86,11 +99,12 @@ class DraftProposer(Protocol):
 def make_batch(input_ids: torch.Tensor, counts: np.ndarray, starts: np.ndarray,
                block_table: torch.Tensor, block_size: int, *,
                hidden: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-               all_greedy: bool = True,
-               generator: torch.Generator | None = None) -> DraftBatch:
+               all_greedy: bool = True, generator: torch.Generator | None = None,
+               last_rows: np.ndarray | None = None, chain: np.ndarray | None = None,
+               row_generators: dict[int, torch.Generator] | None = None) -> DraftBatch:
     """A batch of ``counts[i]`` rows for request ``i`` at positions ``starts[i] ..``, its K/V
     slots looked up in ``block_table`` (``[R, max_blocks]``, on the device); each request's
-    chain starts from its last row."""
+    chain starts from its last row, or from ``last_rows`` (indices into the batch's rows)."""
     dev = input_ids.device
     counts = np.asarray(counts, dtype=np.int64)
     starts = np.asarray(starts, dtype=np.int64)
@@ -107,9 +121,19 @@ def make_batch(input_ids: torch.Tensor, counts: np.ndarray, starts: np.ndarray,
         num_actual_tokens=int(qsl[-1]), num_reqs=len(counts), max_query_len=int(counts.max()),
         max_seq_len=int(seq.max()), query_start_loc=torch.from_numpy(qsl).to(dev),
         seq_lens=torch.from_numpy(seq).to(dev), block_table=block_table, slot_mapping=slots,
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_decodes=int((counts == 1).sum()))
-    return DraftBatch(input_ids, positions, meta, qsl[1:].astype(np.int64) - 1, hidden,
-                      temperature, all_greedy, generator)
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_decodes=_leading_decodes(counts))
+    if last_rows is None:
+        last_rows = qsl[1:].astype(np.int64) - 1
+    return DraftBatch(input_ids, positions, meta, np.asarray(last_rows, dtype=np.int64),
+                      hidden, temperature, all_greedy, generator, chain, row_generators)
+
+
+def _leading_decodes(counts: np.ndarray) -> int:
+    """Requests of one row before the first longer one: backends that split decodes from the
+    rest read ``num_decodes`` as that leading run (the runner's batches sort them first; a
+    proposer's rows come in the target step's order)."""
+    longer = np.flatnonzero(counts != 1)
+    return int(longer[0]) if len(longer) else len(counts)
 
 
 def shift_in_next_tokens(input_ids: torch.Tensor, last_rows: np.ndarray,
@@ -184,19 +208,28 @@ class _ChainProposer:
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch) -> DraftOutput:
+        """Write the batch's rows into the draft's cache and draft ``k`` tokens for each
+        request of ``batch.chain`` (every request by default), in that order."""
         k = self.num_speculative_tokens
         meta = batch.meta
         dev = batch.input_ids.device
-        last = torch.from_numpy(batch.last_rows).to(dev)
+        chain = batch.chain_reqs
+        last_rows = batch.last_rows[chain]
+        last = torch.from_numpy(last_rows).to(dev)
         # Host positions of the chain: each request's last row sits this far before its end.
         qsl, seq = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        last_pos = (seq[:batch.num_reqs].astype(np.int64) - 1
-                    - (qsl[1:batch.num_reqs + 1].astype(np.int64) - 1 - batch.last_rows))
+        last_pos = (seq[chain].astype(np.int64) - 1
+                    - (qsl[chain + 1].astype(np.int64) - 1 - last_rows))
         logits, state = self._first(batch, last)
+        if not len(chain):
+            return DraftOutput(torch.zeros(0, k, dtype=torch.int64, device=dev), None)
+        table = meta.block_table
+        if batch.chain is not None:
+            table = table[torch.from_numpy(chain).to(dev)]
         ids, probs = self._pick(logits, batch)
         all_ids, all_probs = [ids], [probs]
         for s in range(1, k):
-            positions, step_meta = self._decode_meta(meta.block_table, last_pos + s, dev)
+            positions, step_meta = self._decode_meta(table, last_pos + s, dev)
             logits, state = self._step(ids, positions, step_meta, state)
             ids, probs = self._pick(logits, batch)
             all_ids.append(ids)
@@ -249,6 +282,8 @@ class _ChainProposer:
         scaled = logits / torch.where(random, temp, torch.ones_like(temp)).unsqueeze(1)
         q = torch.softmax(scaled, dim=-1)
         drawn = torch.multinomial(q, 1, generator=batch.generator).squeeze(1)
+        for i, gen in (batch.row_generators or {}).items():
+            drawn[i] = torch.multinomial(q[i], 1, generator=gen)[0]
         q = torch.where(random.unsqueeze(1), q,
                         torch.nn.functional.one_hot(greedy, q.shape[1]).to(q.dtype))
         draft = torch.where(random, drawn, greedy)

@@ -8,10 +8,15 @@
    own generator, seeded for the token index it samples).
 3. ``verify``: the rejection sampler, one copy of its padded result to the host, the emitted
    tokens appended to the rows.
-4. ``propose``: the next drafts from each request's tokens (n-gram lookup on the host), except
-   for requests whose sampling at later positions would need what the verify step does not
-   model: penalties (they count earlier outputs) and min_tokens not yet reached (stop tokens
-   banned at some positions only).
+4. ``propose``: the next drafts from each request's tokens (n-gram lookup on the host, or a
+   draft model / EAGLE-3 head: ``model_drafter``), except for requests whose sampling at later
+   positions would need what the verify step does not model: penalties (they count earlier
+   outputs) and min_tokens not yet reached (stop tokens banned at some positions only).
+
+For the model methods the runner also calls ``aux_hidden_spec`` (the target records what an
+EAGLE-3 head reads), ``load_drafter`` after the target is loaded, ``bind_kv_cache`` with the
+pool, and ``observe`` after each forward pass (``propose`` with no rows after a step that
+samples nothing: an EAGLE-3 head still reads a prompt chunk's hidden states).
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ import logging
 import numpy as np
 import torch
 
+from tidal.engine_core.config import EngineConfig, ModelConfig
 from tidal.engine_core.protocol import LogprobsArrays
 from tidal.engine_core.speculative_config import SpeculativeConfig
+from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.input_batch import InputBatch
+from tidal.worker.models.decoder import AuxHiddenSpec
+from tidal.worker.ops.kernels import Kernels
 from tidal.worker.sample.metadata import (
     SamplingMetadata,
     SamplingMetadataBuilder,
@@ -32,6 +41,7 @@ from tidal.worker.sample.metadata import (
 )
 from tidal.worker.sample.rejection_sampler import RejectionSampler, verify_layout
 from tidal.worker.sample.sampler import compute_logprobs
+from tidal.worker.spec_decode.model_drafter import ModelDrafter
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -41,8 +51,11 @@ class SpeculativeStep:
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        # n-gram lookup on the host; the model methods' drafter comes with ``load_drafter``.
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+                                      config.prompt_lookup_max) if not config.uses_model else None
+        self.drafter: ModelDrafter | None = None
+        self._draft_config: ModelConfig | None = None  # the draft's (model methods)
         self.sampler = RejectionSampler(
             config.synthetic_conditional_rates if config.synthetic else None)
         # Seeded rows: one generator per (batch row, verify position), reseeded every step.
@@ -51,6 +64,79 @@ class SpeculativeStep:
         # with the rest, no host wait for the forward pass): (drafts, index, draft ids, counts).
         self._staged: tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor] | None \
             = None
+
+    # --- start-up (model methods) ----------------------------------------------------------
+
+    def _draft_model_config(self, engine: EngineConfig) -> ModelConfig:
+        from tidal.worker.spec_decode.draft_proposer import draft_model_config
+
+        if self._draft_config is None:
+            assert self.config.model is not None
+            target = engine.model
+            # Random weights for the target mean random weights for the draft too.
+            fmt = "dummy" if target.load_format == "dummy" else "auto"
+            self._draft_config = draft_model_config(self.config.model, target, load_format=fmt)
+        return self._draft_config
+
+    def aux_hidden_spec(self, engine: EngineConfig, max_tokens: int) -> AuxHiddenSpec | None:
+        """What the target must record for an EAGLE-3 head (None for other methods)."""
+        if self.config.method != "eagle3":
+            return None
+        from tidal.worker.models.eagle3 import aux_layer_ids
+
+        head = self._draft_model_config(engine).arch
+        return AuxHiddenSpec(aux_layer_ids(head, engine.model.arch.num_layers), max_tokens)
+
+    def load_drafter(self, engine: EngineConfig, target: torch.nn.Module, impl: AttentionImpl,
+                     *, max_num_reqs: int, max_num_tokens: int, block_table: torch.Tensor,
+                     kernels: Kernels | None = None) -> None:
+        """Load the draft model / EAGLE-3 head next to ``target`` (model methods only), built
+        with the target's attention backend and fused ops."""
+        if not self.config.uses_model:
+            return
+        from tidal.worker.loader.model_loader import load_model
+        from tidal.worker.spec_decode.draft_proposer import DraftModelProposer, Eagle3Proposer
+
+        if engine.kv_layout().num_groups > 1:
+            raise ValueError(f"speculative method {self.config.method!r} with a target of "
+                             "several KV cache groups (sliding-window layers) is not yet "
+                             "implemented in tidal")
+        dcfg = self._draft_model_config(engine)
+        model = load_model(dcfg, self.device, impl, kernels=kernels)
+        k = self.config.num_speculative_tokens
+        max_len = engine.model.max_model_len
+        if self.config.method == "eagle3":
+            proposer = Eagle3Proposer(model, k, target, max_len)  # type: ignore[arg-type]
+        else:
+            proposer = DraftModelProposer(model, k, engine.model.arch, max_len)
+        self.drafter = ModelDrafter(self.config, proposer, max_num_reqs=max_num_reqs,
+                                    max_num_tokens=max_num_tokens,
+                                    block_size=engine.cache.block_size,
+                                    block_table=block_table, device=self.device)
+        logger.info("speculative %s: draft %s loaded (%s)", self.config.method, dcfg.path,
+                    self.config.draft_summary or dcfg.arch.architecture)
+
+    def kv_bytes_per_block(self) -> int:
+        """What one pool block costs in the draft's cache (0 without one)."""
+        return self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+
+    def scratch_bytes(self) -> int:
+        return self.drafter.scratch_bytes() if self.drafter is not None else 0
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        if self.drafter is not None:
+            self.drafter.bind_kv_cache(num_blocks)
+
+    def release_kv_cache(self) -> None:
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
+
+    def observe(self, rows: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
+                target: torch.nn.Module) -> None:
+        """The target step just run (an EAGLE-3 head reads its hidden states)."""
+        if self.drafter is not None:
+            self.drafter.observe(rows, cu, seq_lens,
+                                 getattr(target, "aux_hidden_states", None))
 
     # --- before the forward pass ------------------------------------------------------------
 
@@ -132,7 +218,7 @@ class SpeculativeStep:
         if staged is not None and staged[0] != drafts:
             staged = None  # (not this step's: never expected)
         try:
-            emitted, logprobs = self._verify_batch(logits, meta, drafts, staged)
+            emitted, logprobs = self._verify_batch(logits, meta, drafts, staged, sampled_ids)
             failed: dict[str, str] = {}
         except Exception as exc:  # noqa: BLE001 - isolated below, request by request
             logger.warning("batched verification failed (%s); isolating the failing "
@@ -144,7 +230,8 @@ class SpeculativeStep:
         return emitted, failed, logprobs
 
     def _verify_batch(self, logits: torch.Tensor, meta: SamplingMetadata,
-                      drafts: list[list[int]], staged: tuple | None = None
+                      drafts: list[list[int]], staged: tuple | None = None,
+                      req_ids: list[str] | None = None
                       ) -> tuple[list[list[int]], LogprobsArrays | None]:
         lay = verify_layout(drafts)
         dev = logits.device
@@ -157,7 +244,11 @@ class SpeculativeStep:
         else:
             index, draft_ids, num_drafts = (torch.from_numpy(a).to(dev) for a in (
                 lay.index, lay.draft_ids, lay.num_drafts))
-        out = self.sampler(logits, meta, index, draft_ids, num_drafts)
+        q = None
+        if (self.drafter is not None and req_ids is not None and not meta.all_greedy
+                and lay.num_drafts.any()):
+            q = self.drafter.draft_probs(req_ids, drafts, logits.shape[1])
+        out = self.sampler(logits, meta, index, draft_ids, num_drafts, q)
         # The step's one wait for the device: the emitted tokens decide the next step.
         both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1).cpu().numpy()
         tokens, counts = both[:, :-1], both[:, -1]
@@ -191,7 +282,7 @@ class SpeculativeStep:
                 one = self.verify_sampling(builder, b, sample_rows[i:i + 1],
                                            np.array([len(drafts[i])]), direct)
                 tokens, _ = self._verify_batch(logits[start:start + n], one,
-                                               drafts[i:i + 1])
+                                               drafts[i:i + 1], None, [rid])
                 emitted.append(tokens[0])
             except Exception as exc:  # noqa: BLE001 - reported to that request only
                 failed[rid] = f"sampling failed: {exc}"
@@ -226,5 +317,8 @@ class SpeculativeStep:
         room = b.max_model_len - n_tokens - 1
         limits = np.where(exact, np.minimum(room, self.config.num_speculative_tokens), 0)
         limits[np.array([not e for e in emitted], dtype=bool)] = 0
+        if self.drafter is not None:
+            return self.drafter.propose(b, rows, limits.astype(np.int64))
+        assert self.proposer is not None
         return self.proposer.propose(b.token_ids, rows, n_tokens, limits)
 

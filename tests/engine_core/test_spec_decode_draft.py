@@ -1,0 +1,347 @@
+"""Speculative decoding with a draft model and an EAGLE-3 head, wired end to end: the config
+(the draft's vocabulary and the head's target hidden size checked at start-up, each error
+naming the field), and on tiny random-weight models on the CPU against the engine without
+speculation: greedy output identical (a draft of another family and width, through chunked
+prefill and preemption; an EAGLE-3 head in the EAGLE checkpoint layout), a draft that is the
+target itself has every draft accepted, and seeded sampling (drafts drawn from q) reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import reference
+from tidal.engine_core.config import ConfigError, EngineArgs
+from tidal.engine_core.sampling_params import SamplingParams
+
+K = 3
+VOCAB, H, HEADS, KV_HEADS, INTER = 384, 64, 4, 2, 96
+DRAFT_VOCAB = 128
+
+
+def _eagle3_head(folder, *, target_hidden: int = H, seed: int = 3) -> None:
+    """A random EAGLE-3 head in EAGLE's own checkpoint layout (``midlayer.*``, no embedding:
+    the target's is shared; a draft vocabulary of scattered target ids through ``d2t``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(rows, cols):
+        return torch.randn(rows, cols, generator=g) * cols ** -0.5 * 2.0
+
+    d = H // HEADS
+    ids = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {
+        "fc.weight": w(H, 3 * target_hidden),
+        "midlayer.self_attn.q_proj.weight": w(HEADS * d, 2 * H),
+        "midlayer.self_attn.k_proj.weight": w(KV_HEADS * d, 2 * H),
+        "midlayer.self_attn.v_proj.weight": w(KV_HEADS * d, 2 * H),
+        "midlayer.self_attn.o_proj.weight": w(H, HEADS * d),
+        "midlayer.mlp.gate_proj.weight": w(INTER, H),
+        "midlayer.mlp.up_proj.weight": w(INTER, H),
+        "midlayer.mlp.down_proj.weight": w(H, INTER),
+        "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "norm.weight": torch.ones(H),
+        "lm_head.weight": w(DRAFT_VOCAB, H),
+        "d2t": ids - torch.arange(DRAFT_VOCAB),
+        "t2d": t2d,
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+        "intermediate_size": INTER, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1, "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "hidden_act": "silu", "tie_word_embeddings": False, "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": target_hidden,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                         "use_aux_hidden_state": True}}))
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_models, tmp_path_factory):
+    """Folders: the target (tiny Llama), a Qwen2 draft of half its width (same vocabulary), a
+    Qwen2 of another vocabulary, an EAGLE-3 head and one trained on another width."""
+    root = tmp_path_factory.mktemp("spec-drafts")
+    out = {"target": tiny_models["llama"][0]}
+    for name, over in (("small", {}), ("other_vocab", {"vocab_size": 512})):
+        out[name] = root / name
+        out[f"{name}_hf"] = reference.make_tiny_model(
+            "qwen2", out[name], seed=1, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=2, **over)
+    for name, width in (("eagle3", H), ("eagle3_wide", 2 * H)):
+        out[name] = root / name
+        out[name].mkdir()
+        _eagle3_head(out[name], target_hidden=width)
+    return out
+
+
+def _config(target, spec, **kw):
+    return EngineArgs(model=str(target), device="cpu", num_kv_blocks=64,
+                      speculative_config=spec, **kw).create_config()
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def test_model_methods_resolve_and_describe_the_draft(drafts):
+    cfg = _config(drafts["target"], {"method": "draft_model", "model": str(drafts["small"]),
+                                     "num_speculative_tokens": K})
+    spec = cfg.speculative
+    assert spec.uses_model and spec.model == str(drafts["small"])
+    assert "hidden 32" in spec.describe() and "vocabulary 384" in spec.describe()
+    head = _config(drafts["target"], {"method": "eagle3", "model": str(drafts["eagle3"]),
+                                      "num_speculative_tokens": K}).speculative
+    assert "draft vocabulary 128 of 384" in head.describe()
+    assert "target layers [0, 1, 2]" in head.describe()
+
+
+@pytest.mark.parametrize("method,draft,extra,needle", [
+    ("draft_model", "other_vocab", {}, "512 tokens, the target's 384"),
+    ("draft_model", "eagle3", {}, "use method 'eagle3'"),
+    ("eagle3", "small", {}, "not an EAGLE-3 head"),
+    ("eagle3", "eagle3_wide", {}, "hidden states of size 128, the target's are 64"),
+    ("draft_model", "small", {"draft_tensor_parallel_size": 2}, "not yet"),
+    ("draft_model", "small", {"prompt_lookup_max": 3}, "prompt_lookup_max applies"),
+    ("draft_model", None, {}, "needs model"),
+    ("ngram", "small", {}, "model applies to methods"),
+])
+def test_incompatible_drafts_are_refused(drafts, method, draft, extra, needle):
+    spec = {"method": method, "num_speculative_tokens": K, **extra}
+    if draft is not None:
+        spec["model"] = str(drafts[draft])
+    with pytest.raises(ConfigError, match="speculative-config") as info:
+        _config(drafts["target"], spec)
+    assert needle in str(info.value)
+
+
+def test_sliding_window_targets_are_refused_for_now(tmp_path):
+    reference.make_tiny_model("gemma2", tmp_path)
+    with pytest.raises(ConfigError, match="sliding-window layers .* not yet"):
+        _config(tmp_path, _spec("draft_model", tmp_path))
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+PROMPTS = [{"prompt_token_ids": ([3 + i, 4, 5, 6, 7] * 9)[:40 + i]} for i in range(3)] + [
+    {"prompt_token_ids": list(range(100, 131))}]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+KW = dict(skip_tokenizer_init=True, max_num_seqs=4, max_model_len=96)
+
+
+def _generate(llm, params, prompts=PROMPTS):
+    """Token ids per prompt, and (drafts, draft tokens, accepted tokens) over the run."""
+    counts = [0, 0, 0]
+    core = llm.engine.core
+    record = core.stats_logger.record
+
+    def counting(stats, *args):
+        counts[0] += stats.spec_num_drafts
+        counts[1] += stats.spec_num_draft_tokens
+        counts[2] += stats.spec_num_accepted_tokens
+        return record(stats, *args)
+
+    core.stats_logger.record = counting
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.stats_logger.record = record
+    return [o.outputs[0].token_ids for o in outs], tuple(counts)
+
+
+@pytest.fixture(scope="module")
+def plain(drafts):
+    from tidal.frontend import LLM
+
+    llm = LLM(str(drafts["target"]), kv_cache_memory_bytes=64 << 20, **KW)
+    try:
+        return _generate(llm, GREEDY)[0]
+    finally:
+        llm.shutdown()
+
+
+def _spec(method, model):
+    # (The off-switch stays out of it: every step with drafts verifies them.)
+    return {"method": method, "model": str(model), "num_speculative_tokens": K,
+            "disable_by_batch_size": None, "disable_by_acceptance": False}
+
+
+SEEDED = [SamplingParams(max_tokens=24, temperature=0.9, seed=s, ignore_eos=True)
+          for s in (7, 7, 8)]
+
+
+def _check_seeds(llm):
+    """Drafts drawn from the draft's q: the same seed gives the same output, batched or
+    not, run after run; another seed another one."""
+    prompts = [PROMPTS[0]] * 3
+    first, _ = _generate(llm, SEEDED, prompts)
+    again, _ = _generate(llm, SEEDED, prompts)
+    alone, _ = _generate(llm, SEEDED[0], prompts[:1])
+    assert first == again
+    assert first[0] == first[1] == alone[0] and first[0] != first[2]
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_identical_through_chunked_prefill_and_preemption(drafts, plain):
+    from tidal.frontend import LLM
+
+    # A token budget of 16 (prompts in chunks, drafts cut to the budget left) and a pool of
+    # 12 blocks of 16 tokens for 4 requests of up to 75 tokens: requests are preempted.
+    llm = LLM(str(drafts["target"]), speculative_config=_spec("draft_model", drafts["small"]),
+              max_num_batched_tokens=16, num_kv_blocks=12, block_size=16, **KW)
+    scheduler = llm.engine.core.scheduler
+    preempted = []
+    preempt = scheduler._preempt
+
+    def counting(req):
+        preempted.append(req.request_id)
+        preempt(req)
+
+    scheduler._preempt = counting
+    try:
+        proposed = _record_drafts(llm)
+        got, (n_drafts, _, _) = _generate(llm, GREEDY)
+        assert got == plain
+        assert n_drafts > 0 and preempted
+        # The draft's cache, caught up in passes and refilled after preemption, drafts what
+        # the draft run alone (HF) does after each sequence.
+        for tokens, drafts_then in proposed[::5]:
+            want = reference.hf_greedy(drafts["small_hf"], tokens, K)[0]
+            assert drafts_then == want[:len(drafts_then)], len(tokens)
+    finally:
+        llm.shutdown()
+    # (Preemption changes which steps draft, so seeds are checked on an engine without it.)
+    llm = LLM(str(drafts["target"]), speculative_config=_spec("draft_model", drafts["small"]),
+              kv_cache_memory_bytes=64 << 20, **KW)
+    try:
+        _check_seeds(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_the_target_as_its_own_draft_has_every_draft_accepted(drafts, plain):
+    from tidal.frontend import LLM
+
+    llm = LLM(str(drafts["target"]), kv_cache_memory_bytes=64 << 20,
+              speculative_config=_spec("draft_model", drafts["target"]), **KW)
+    try:
+        got, (n_drafts, n_tokens, accepted) = _generate(llm, GREEDY)
+        assert got == plain
+        # Mean acceptance length k + 1: every draft accepted, and only a request's last
+        # drafts cut short (by its length limit).
+        assert accepted == n_tokens > 0
+        assert n_tokens >= K * (n_drafts - len(PROMPTS))
+        # Sampled: drafts drawn from q = the target's own p are accepted with probability
+        # min(1, p / q) = 1 when verified against the right q (a one-hot q, or another
+        # position's, would reject most of these flat random-model draws).
+        sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+        _, (_, n_tokens, accepted) = _generate(llm, sampled)
+        assert n_tokens > 0 and accepted >= 0.95 * n_tokens
+    finally:
+        llm.shutdown()
+
+
+def _record_drafts(llm) -> list[tuple[list[int], list[int]]]:
+    """(a request's tokens, the drafts the workers proposed after them), step by step."""
+    scheduler = llm.engine.core.scheduler
+    update = scheduler.update_from_output
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording(sched, result):
+        outputs = update(sched, result)
+        for rid, drafts in zip(result.req_ids, result.spec_token_ids or []):
+            req = scheduler.requests.get(rid)
+            if drafts and req is not None and not req.is_finished:
+                seen.append((list(req.all_token_ids), list(drafts)))
+        return outputs
+
+    scheduler.update_from_output = recording
+    return seen
+
+
+@torch.inference_mode()
+def _eagle3_from_scratch(target: str, head: str, tokens: list[int]) -> list[int]:
+    """The head's drafts after ``tokens``, from one pass of the target over the whole
+    sequence on a fresh cache (what the engine's step-by-step drafting must equal)."""
+    import numpy as np
+
+    from tidal.worker.attention.backend import kv_cache_shape
+    from tidal.worker.attention.torch_backend import TorchAttention
+    from tidal.worker.loader.model_loader import load_model
+    from tidal.worker.models.decoder import AuxHiddenSpec
+    from tidal.worker.spec_decode.draft_proposer import (
+        Eagle3Proposer,
+        draft_model_config,
+        make_batch,
+    )
+
+    cpu, block = torch.device("cpu"), 16
+    cfg = EngineArgs(model=target, device="cpu", num_kv_blocks=8,
+                     max_model_len=128).create_config()
+    model = load_model(cfg.model, cpu, TorchAttention(), aux_hidden=AuxHiddenSpec((0, 1, 2), 128))
+    for layer in model.attention_layers():
+        layer.kv_cache = torch.zeros(kv_cache_shape(8, block, layer.num_kv_heads,
+                                                    layer.head_dim))
+        layer.kv_group = 0
+    head = load_model(draft_model_config(head, cfg.model), cpu, TorchAttention())
+    proposer = Eagle3Proposer(head, K, model, cfg.model.max_model_len)
+    proposer.bind_kv_cache(8, block)
+    table = torch.arange(8, dtype=torch.int32).unsqueeze(0)
+    n = len(tokens) - 1  # rows 0 .. n - 1, row t holding token t + 1
+    start = np.zeros(1, dtype=np.int64)
+    target_rows = make_batch(torch.tensor(tokens[:n]), np.array([n]), start, table, block)
+    model(target_rows.input_ids, target_rows.positions, target_rows.meta)
+    batch = make_batch(torch.tensor(tokens[1:]), np.array([n]), start, table, block,
+                       hidden=model.aux_hidden_states[:n])
+    return proposer.propose(batch).token_ids[0].tolist()
+
+
+@pytest.mark.slow
+def test_eagle3_greedy_identical_and_seeds_reproducible(drafts, plain):
+    from tidal.frontend import LLM
+
+    # A token budget of 16: prompts in chunks (the head reads each chunk's hidden states).
+    llm = LLM(str(drafts["target"]), kv_cache_memory_bytes=64 << 20,
+              max_num_batched_tokens=16, speculative_config=_spec("eagle3", drafts["eagle3"]),
+              **KW)
+    try:
+        proposed = _record_drafts(llm)
+        got, (n_drafts, _, _) = _generate(llm, GREEDY)
+        assert got == plain
+        assert n_drafts > 0
+        # The head's cache, filled step by step over prompt chunks, verify rows (rejected
+        # ones overwritten later) and chains, drafts what a fresh pass over each sequence does.
+        for tokens, drafts_then in proposed[::7]:
+            want = _eagle3_from_scratch(str(drafts["target"]), str(drafts["eagle3"]), tokens)
+            assert drafts_then == want[:len(drafts_then)], len(tokens)
+        _check_seeds(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_dummy_weights_apply_to_the_draft_too(drafts, tmp_path):
+    """``load_format="dummy"``: the draft needs only its config (as ``tools/bench_spec.py
+    --draft-shape`` runs one), and greedy output is the dummy target's."""
+    from tidal.frontend import LLM
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text((drafts["eagle3"] / "config.json").read_text())
+    kw = dict(KW, load_format="dummy", kv_cache_memory_bytes=64 << 20)
+    outs = []
+    for spec in (None, _spec("eagle3", head)):
+        llm = LLM(str(drafts["target"]), speculative_config=spec, **kw)
+        try:
+            outs.append(_generate(llm, GREEDY))
+        finally:
+            llm.shutdown()
+    (want, _), (got, (n_drafts, _, _)) = outs
+    assert got == want and n_drafts > 0
