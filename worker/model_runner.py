@@ -166,7 +166,8 @@ class ModelRunner:
                                 self.block_size, device, self.num_kv_groups)
         self.sampler = Sampler(self.kernels)
         self._mask_staging = MaskStaging((self.vocab_size + 31) // 32, device)
-        self.sampling_builder = SamplingMetadataBuilder(self.vocab_size, device)
+        self.sampling_builder = SamplingMetadataBuilder(
+            self.vocab_size, device, seeded_generators=config.speculative is not None)
         # Speculative decoding: draft inputs, verification and the next drafts (spec_decode/).
         self.spec = (SpeculativeStep(config.speculative, device)
                      if config.speculative is not None else None)

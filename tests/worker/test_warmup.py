@@ -83,7 +83,7 @@ def _assert_every_feature(spy: _Spy, config) -> None:
     for field in ("top_k", "top_p", "min_p", "output_counts", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "bias_rows", "ban_rows"):
         assert any(getattr(m, field) is not None for m in metas), f"{field} never used"
-    assert any(m.generators for m in metas), "no seeded row"
+    assert any(m.seeded_rows is not None for m in metas), "no seeded row"
     assert max(m.max_num_logprobs or 0 for m in metas) == config.runner.max_logprobs
     assert spy.prompt_logprobs > 0, "no prompt logprobs"
 

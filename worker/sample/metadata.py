@@ -70,10 +70,14 @@ class SamplingMetadataBuilder:
     """Gathers the sampling rows' parameters from the persistent batch. Requests with nothing
     but a temperature (the common case) cost three numpy operations and one staged array."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device,
+                 seeded_generators: bool = False) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        # Seeded rows: one generator per batch row, reseeded for every position.
+        # Seeded rows: their position keys always; with ``seeded_generators`` (what the
+        # speculative verify path draws from) also one generator per batch row, reseeded for
+        # every position (about 1 us of host time a row).
+        self._seeded_generators = seeded_generators
         self._generators: dict[int, torch.Generator] = {}
         # What the rows of the last call gave (a decode batch samples the same rows step after
         # step; their parameters change only when the batch's membership does):
@@ -115,18 +119,23 @@ class SamplingMetadataBuilder:
                 keys = position_keys(b.seed[srows], n_out)
                 meta.seeded_rows = stage(seeded.astype(np.int64), torch.int64)
                 meta.seeded_keys = stage(keys, torch.int64)
-                for i, row, key in zip(seeded.tolist(), srows.tolist(), keys.tolist()):
-                    gen = self._generators.get(row)
-                    if gen is None:
-                        gen = self._generators[row] = torch.Generator(device=self.device)
-                    gen.manual_seed(key)
-                    meta.generators[i] = gen
+                if self._seeded_generators:
+                    self._seed_generators(meta, seeded, srows, keys)
         n_lp = b.num_logprobs[rows]
         if (n_lp >= 0).any():
             meta.max_num_logprobs = int(n_lp.max())
         self._penalties(b, rows, meta, stage)
         self._sparse(b, rows, meta, stage)
         return meta
+
+    def _seed_generators(self, meta: SamplingMetadata, seeded: np.ndarray, rows: np.ndarray,
+                         keys: np.ndarray) -> None:
+        for i, row, key in zip(seeded.tolist(), rows.tolist(), keys.tolist()):
+            gen = self._generators.get(row)
+            if gen is None:
+                gen = self._generators[row] = torch.Generator(device=self.device)
+            gen.manual_seed(key)
+            meta.generators[i] = gen
 
     def _penalties(self, b: InputBatch, rows: np.ndarray, meta: SamplingMetadata,
                    stage: Stage) -> None:
