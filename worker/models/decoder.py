@@ -37,6 +37,68 @@ class WeightLoadError(ValueError):
         self.tensor = tensor
 
 
+# Checkpoint names of the parts of the fused q/k/v and gate/up parameters.
+STACKED_PARTS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+class WeightTally:
+    """Loads checkpoint tensors into parameters by name and keeps count of what is complete: a
+    plain parameter once loaded, a fused one (q/k/v, gate/up) once every part has been."""
+
+    __slots__ = ("params", "_loaded", "_shards")
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self.params = params
+        self._loaded: set[str] = set()
+        self._shards: dict[str, set[object]] = {}
+
+    @staticmethod
+    def fused(name: str) -> tuple[str, object | None]:
+        """(the parameter's name, the part it is of a fused parameter, or None)."""
+        for fused, part, sid in STACKED_PARTS:
+            if part in name:
+                return name.replace(part, fused), sid
+        return name, None
+
+    def load(self, ckpt_name: str, name: str, shard_id: object | None,
+             tensor: torch.Tensor) -> None:
+        param = self.params[name]
+        try:
+            if shard_id is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise WeightLoadError(ckpt_name, str(exc)) from exc
+        if shard_id is None:
+            self._loaded.add(name)
+        else:
+            self._shards.setdefault(name, set()).add(shard_id)
+
+    def mark(self, name: str) -> None:
+        self._loaded.add(name)
+
+    def loaded(self) -> set[str]:
+        for name, got in self._shards.items():
+            if got == ({"q", "k", "v"} if ".qkv_proj." in name else {0, 1}):
+                self._loaded.add(name)
+        return self._loaded
+
+    @staticmethod
+    def check_missing(missing: set[str]) -> None:
+        if missing:
+            names = sorted(missing)
+            shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+            raise WeightLoadError(names[0], f"missing from the checkpoint ({len(names)} "
+                                  f"parameters not loaded: {shown})")
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
                  impl: AttentionImpl, layer: int = 0) -> None:
@@ -309,59 +371,25 @@ class DecoderForCausalLM(nn.Module):
 
     # --- weights ------------------------------------------------------------------------------
 
-    _STACKED = (
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; raises ``WeightLoadError``
         naming the tensor on a mismatch, and listing every parameter the checkpoint lacked."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        expected = {name for name in params}
+        tally = WeightTally(dict(self.named_parameters(remove_duplicate=False)))
+        expected = set(tally.params)
         if self.arch.tie_word_embeddings and "lm_head.weight" in expected:
             expected.discard("lm_head.weight")  # shared with the embedding
-        loaded: set[str] = set()
-        shards: dict[str, set[object]] = {}
         for ckpt_name, tensor in weights:
             name = self._param_name(ckpt_name)
             if name is None:
                 continue
-            shard_id = None
-            for fused, part, sid in self._STACKED:
-                if part in name:
-                    name, shard_id = name.replace(part, fused), sid
-                    break
-            param = params.get(name)
-            if param is None:
+            name, shard_id = tally.fused(name)
+            if name not in tally.params:
                 if self._belongs_elsewhere(name):
                     continue
                 raise WeightLoadError(ckpt_name, "the checkpoint has it but the model does not "
                                       f"({self.arch.architecture}); wrong architecture?")
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            except ValueError as exc:
-                raise WeightLoadError(ckpt_name, str(exc)) from exc
-            if shard_id is None:
-                loaded.add(name)
-            else:
-                shards.setdefault(name, set()).add(shard_id)
-        for name, got in shards.items():
-            # A fused parameter is loaded only once every part of it has been.
-            need = {"q", "k", "v"} if ".qkv_proj." in name else {0, 1}
-            if got == need:
-                loaded.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise WeightLoadError(missing[0], f"missing from the checkpoint ({len(missing)} "
-                                  f"parameters not loaded: {shown})")
+            tally.load(ckpt_name, name, shard_id, tensor)
+        tally.check_missing(expected - tally.loaded())
 
     def _param_name(self, ckpt_name: str) -> str | None:
         if "rotary_emb.inv_freq" in ckpt_name:

@@ -30,7 +30,12 @@ from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.worker.layers.linear import QKVParallelLinear, ReplicatedLinear, as_tensor
 from tidal.worker.layers.norm import RMSNorm
-from tidal.worker.models.decoder import DecoderAttention, DecoderMLP, WeightLoadError
+from tidal.worker.models.decoder import (
+    DecoderAttention,
+    DecoderMLP,
+    WeightLoadError,
+    WeightTally,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +152,6 @@ class Eagle3ForCausalLM(nn.Module):
 
     # --- weights ------------------------------------------------------------------------------
 
-    _STACKED = (
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
     _OPTIONAL = ("embed_tokens.weight", "lm_head.weight")
 
     @classmethod
@@ -168,9 +166,7 @@ class Eagle3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy an EAGLE-3 checkpoint's tensors into the head; raises ``WeightLoadError``
         naming the tensor on a mismatch, an unknown tensor, or what the checkpoint lacked."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        shards: dict[str, set[object]] = {}
+        tally = WeightTally(dict(self.named_parameters(remove_duplicate=False)))
         for ckpt_name, tensor in weights:
             name = self._param_name(ckpt_name)
             if name is None:
@@ -181,43 +177,22 @@ class Eagle3ForCausalLM(nn.Module):
                     raise WeightLoadError(ckpt_name, f"shape {tuple(d2t.shape)}, the draft "
                                           f"vocabulary needs ({self.draft_vocab_size},)")
                 self.d2t.copy_(d2t.to(torch.int64))
-                loaded.add(name)
+                tally.mark(name)
                 continue
-            shard_id = None
-            for fused, part, sid in self._STACKED:
-                if part in name:
-                    name, shard_id = name.replace(part, fused), sid
-                    break
-            param = params.get(name)
-            if param is None:
+            name, shard_id = tally.fused(name)
+            if name not in tally.params:
                 raise WeightLoadError(ckpt_name, "not a tensor of an EAGLE-3 head (one decoder "
                                       "layer as midlayer.* or layers.0.*, fc, norm, lm_head, "
                                       "embed_tokens, d2t, t2d)")
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            except ValueError as exc:
-                raise WeightLoadError(ckpt_name, str(exc)) from exc
-            if shard_id is None:
-                loaded.add(name)
-            else:
-                shards.setdefault(name, set()).add(shard_id)
-        for name, got in shards.items():
-            if got == ({"q", "k", "v"} if ".qkv_proj." in name else {0, 1}):
-                loaded.add(name)
+            tally.load(ckpt_name, name, shard_id, tensor)
+        loaded = tally.loaded()
         self.has_embeddings = "embed_tokens.weight" in loaded
         self.has_lm_head = "lm_head.weight" in loaded
         if self.draft_vocab_size != self.arch.vocab_size and "d2t" not in loaded:
             raise WeightLoadError("d2t", f"missing: a draft vocabulary of "
                                   f"{self.draft_vocab_size} tokens needs its map to the "
                                   f"target's {self.arch.vocab_size}")
-        missing = sorted(set(params) - loaded - set(self._OPTIONAL))
-        if missing:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise WeightLoadError(missing[0], f"missing from the checkpoint ({len(missing)} "
-                                  f"parameters not loaded: {shown})")
+        tally.check_missing(set(tally.params) - loaded - set(self._OPTIONAL))
         if not (self.has_embeddings and self.has_lm_head):
             logger.info("EAGLE-3 head without its own %s: the target's will be shared",
                         " and ".join(n for n, own in (("embedding", self.has_embeddings),

@@ -182,7 +182,6 @@ class Gemma2ForCausalLM(nn.Module):
         return logits
 
     # Same checkpoint names and fused q/k/v, gate/up as the decoder: its loader applies as is.
-    _STACKED = DecoderForCausalLM._STACKED
     load_weights = DecoderForCausalLM.load_weights
     _param_name = DecoderForCausalLM._param_name
     _belongs_elsewhere = DecoderForCausalLM._belongs_elsewhere
