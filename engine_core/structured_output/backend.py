@@ -41,8 +41,3 @@ class GrammarBackend(Protocol):
     def fill(self, matchers: list[Matcher], out: np.ndarray) -> None:
         """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
         ...
-
-    def consume_each(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-        """Feed matchers[i] the one token tokens[i] (in parallel where the library can);
-        False where it was rejected."""
-        ...

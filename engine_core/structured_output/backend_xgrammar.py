@@ -194,6 +194,3 @@ class XgrammarBackend:
             matchers[0].matcher.fill_next_token_bitmask(out, 0)
             return
         self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], out)
-
-    def consume_each(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        return [m.consume_tokens([t]) for m, t in zip(matchers, tokens)]

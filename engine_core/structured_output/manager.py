@@ -311,29 +311,6 @@ class StructuredOutputManager:
                 s.gate.shape_mask(out[i])
         return out
 
-    def advance_many(self, items: list[tuple[str, list[int]]]) -> list[str | None]:
-        """``advance`` for a step's outputs: the requests with one new token and no reasoning
-        gate are fed in one parallel call to their backend, the others one by one."""
-        verdicts: list[str | None] = [None] * len(items)
-        batch: list[int] = []
-        for i, (rid, tokens) in enumerate(items):
-            state = self.states.get(rid)
-            if state is None:
-                continue
-            if len(tokens) == 1 and state.gate is None and state.matcher is not None:
-                batch.append(i)
-            else:
-                verdicts[i] = self.advance(rid, tokens)
-        if len(batch) > 1 and self._backend is not None:
-            matchers = [self.states[items[i][0]].matcher for i in batch]
-            oks = self._backend.consume_each(matchers, [items[i][1][0] for i in batch])
-            for i, m, ok in zip(batch, matchers, oks):
-                verdicts[i] = self._verdict(m, items[i][1], ok)
-        else:
-            for i in batch:
-                verdicts[i] = self.advance(*items[i])
-        return verdicts
-
     def advance(self, request_id: str, tokens: list[int]) -> str | None:
         """Feed a request's new tokens to its matcher. Returns None to go on, "stop" when the
         grammar is complete, or an error message (a token the mask did not allow)."""
@@ -347,11 +324,7 @@ class StructuredOutputManager:
         m = state.matcher
         if m is None:
             return None
-        return self._verdict(m, tokens, m.consume_tokens(tokens))
-
-    @staticmethod
-    def _verdict(m: Any, tokens: list[int], ok: bool) -> str | None:
-        if not ok:
+        if not m.consume_tokens(tokens):
             return f"structured output: token(s) {tokens} rejected by the grammar: " \
                    f"{m.get_error()}"
         if m.is_stopped():

@@ -43,20 +43,14 @@ def op_module(name: str) -> ModuleType:
     return importlib.import_module(_OP_MODULES[name])
 
 
-def _decode_module() -> ModuleType | None:
+def _triton_module(name: str) -> ModuleType | None:
+    """``tidal.worker.ops.<name>`` (a module of Triton kernels), or None without triton."""
     try:
-        return importlib.import_module("tidal.worker.ops.triton_decode")
+        return importlib.import_module(f"tidal.worker.ops.{name}")
     except ImportError:
         # Only a policy written by hand for a machine without triton gets here (a resolved
-        # one has the decode kernels only where triton imports): its CPU tensors never reach
-        # the decode kernels, and a CUDA tensor would fail loudly on the missing module.
-        return None
-
-
-def _sampling_module() -> ModuleType | None:
-    try:
-        return importlib.import_module("tidal.worker.ops.triton_sampling")
-    except ImportError:  # as _decode_module: a hand-written policy on a machine without triton
+        # one has the Triton kernels only where triton imports): its CPU tensors never reach
+        # them, and a CUDA tensor would fail loudly on the missing module.
         return None
 
 
@@ -75,9 +69,10 @@ class Kernels:
         self._norm_apart = policy.norm_apart
         self._vocab = policy.vocab_embedding
         # The decode kernels' module imports triton: only where the policy runs them.
-        self._td: ModuleType | None = _decode_module() if self._decode else None
+        self._td: ModuleType | None = _triton_module("triton_decode") if self._decode else None
         # The sampling kernels (seeded noise, grammar masks) wherever Triton runs on the GPU.
-        self._sampling = _sampling_module() if policy.triton and policy.device == "cuda" else None
+        self._sampling = (_triton_module("triton_sampling")
+                          if policy.triton and policy.device == "cuda" else None)
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
