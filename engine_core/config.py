@@ -281,15 +281,9 @@ class EngineArgs:
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        # (With speculative decoding, async scheduling pipelines only the steps that neither
+        # verify nor propose drafts: ``EngineCore._inflight_limit``.)
         speculative = self._speculative_config(task, scheduler, parallel, arch)
-        if speculative is not None and scheduler.async_scheduling:
-            if self.async_scheduling:
-                raise ConfigError("--async-scheduling does not combine with speculative "
-                                  "decoding yet (a step's accepted-token count must be known "
-                                  "before the next is scheduled); drop one of them")
-            scheduler = msgspec.structs.replace(scheduler, async_scheduling=False)
-            logger.info("async scheduling off: speculative decoding schedules each step "
-                        "after the previous one's accepted tokens are known")
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
             speculative=speculative,

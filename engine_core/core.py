@@ -104,9 +104,10 @@ class EngineCore:
             note.detail = "KV cache allocated, graphs captured, warmed up on every worker"
         self.scheduler = Scheduler(self.config)
         if config.speculative is not None:
-            logger.info("speculative decoding: %s; steps run one at a time (no async "
-                        "scheduling): each is scheduled once the previous one's accepted "
-                        "tokens are known", config.speculative.describe())
+            logger.info("speculative decoding: %s; a step that verifies or proposes drafts "
+                        "runs alone (the next is scheduled once its accepted tokens are "
+                        "known), other steps pipeline with async scheduling",
+                        config.speculative.describe())
         self._eos = frozenset(config.model.eos_token_ids)
         # Constrained requests wait here for their grammar, then run with a mask per step.
         self.structured = StructuredOutputManager(
@@ -116,6 +117,7 @@ class EngineCore:
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        self.speculative = config.speculative is not None
         # With steps in flight and a worker in this process, a constrained request runs every
         # step: its step is launched first, and its mask is filled from its previous token
         # (which arrives meanwhile) while the device runs the forward pass, then sampled with.
@@ -168,6 +170,19 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or bool(self.batch_queue)
                 or bool(self.structured.pending))
 
+    def _inflight_limit(self) -> int:
+        """Steps that may be in flight before the next is scheduled. With speculative decoding
+        a step that verifies drafts or proposes them runs alone: the next step's drafts (and
+        its requests' accepted-token counts) come from its output. Steps that do neither (the
+        off-switch is off) pipeline as without speculation."""
+        queue = self.batch_queue
+        if queue and self.max_inflight > 1:
+            newest = queue[-1][0]
+            if newest.scheduled_spec_decode_tokens or (
+                    self.speculative and newest.propose_drafts):
+                return 1
+        return self.max_inflight
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute and update once; returns the new outputs (possibly none).
 
@@ -182,7 +197,7 @@ class EngineCore:
         if structured.pending:
             outputs.extend(self._admit_compiled())
         mask_later: list[str] = []  # constrained requests that sample in the step launched
-        if len(self.batch_queue) < self.max_inflight and self.scheduler.has_unfinished():
+        if len(self.batch_queue) < self._inflight_limit() and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if sched.total_num_scheduled_tokens:
                 if structured.states:

@@ -227,7 +227,10 @@ def gguf_architecture(header: GGUFHeader) -> str:
 
 def header_family(header: GGUFHeader) -> GGUFFamily:
     """The registry's GGUF mapping for the file's architecture; ``ValueError`` if it has none."""
-    fam = gguf_family(header.architecture)
+    arch = header.architecture
+    # llama.cpp writes some MoE families as a dense arch plus an expert count (Mixtral: llama).
+    experts = bool(header.metadata.get(f"{arch}.expert_count"))
+    fam = gguf_family(arch, experts=experts)
     if fam is None:
         known = ", ".join(gguf_architectures())
         raise ValueError(

@@ -49,6 +49,40 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     target_hidden_size: int | None = None
     norm_before_residual: bool = False
     aux_hidden_layer_ids: tuple[int, ...] | None = None
+    # Mixture of experts (``moe_arch``); num_experts 0: a dense model. Routing: each token's
+    # ``scoring_func`` scores over the experts, the best ``num_experts_per_tok`` picked among
+    # the ``topk_group`` best of ``n_group`` groups (DeepSeek), their weights divided by their
+    # sum when ``norm_topk_prob``, then times ``routed_scaling_factor``. ``n_shared_experts``
+    # dense experts of ``shared_expert_intermediate_size`` (0: n_shared * moe size) run on
+    # every token. ``moe_layers``: the layers that are MoE (None: every layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] | None = None
+    # Multi-head latent attention (DeepSeek-V2, ``deepseek_v2_arch``); kv_lora_rank 0: not MLA.
+    # Each token caches one latent of kv_lora_rank values plus a rotated key of
+    # qk_rope_head_dim shared by every head; q_lora_rank None: q is one projection, no LoRA.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.num_experts == 0:
+            return False
+        return self.moe_layers is None or layer in self.moe_layers
 
     @property
     def q_size(self) -> int:
@@ -327,4 +361,166 @@ def eagle3_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: 
         target_hidden_size=int(target_hidden) if target_hidden else spec.hidden_size,
         norm_before_residual=bool(cfg.get("norm_before_residual", nested is not None)),
         aux_hidden_layer_ids=tuple(aux) if aux is not None else None,
+    )
+
+
+def moe_routing(cfg: dict[str, Any], *, family: str, source: str,
+                num_layers: int) -> dict[str, Any]:
+    """The :class:`ArchSpec` MoE fields of an HF config, in any of the published spellings:
+    Mixtral (``num_local_experts``, weights always renormalised), Qwen3-MoE (``num_experts``,
+    ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``) and DeepSeek
+    (``n_routed_experts``, grouped top-k, shared experts, ``first_k_dense_replace``,
+    ``moe_layer_freq``). An empty dict for a dense config."""
+    experts = (cfg.get("num_local_experts") or cfg.get("num_experts")
+               or cfg.get("n_routed_experts") or 0)
+    experts = int(experts)
+    if experts == 0:
+        return {}
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{source}: num_experts_per_tok must be 1..{experts} (the number of "
+                         f"experts), got {cfg.get('num_experts_per_tok')!r}")
+    scoring = str(cfg.get("scoring_func") or "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"{source}: unsupported scoring_func {scoring!r} (tidal supports "
+                         "softmax, sigmoid)")
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"{source}: unsupported topk_method {method!r}")
+    groups = int(cfg.get("n_group") or 1) if method != "greedy" else 1
+    topk_groups = int(cfg.get("topk_group") or 1) if method != "greedy" else 1
+    if experts % groups or not 0 < topk_groups <= groups:
+        raise ValueError(f"{source}: n_group={groups} must divide the {experts} experts and "
+                         f"topk_group={topk_groups} be 1..n_group")
+    if family == "mixtral":
+        renormalize = True  # Mixtral's router has no flag: it always renormalises
+    else:
+        renormalize = bool(cfg.get("norm_topk_prob", family != "qwen3_moe"))
+    moe_size = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    shared = int(cfg.get("n_shared_experts") or 0)
+    shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    # Which layers are MoE, as each family's modeling code decides it.
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    if step < 1 or freq < 1:
+        raise ValueError(f"{source}: decoder_sparse_step and moe_layer_freq must be >= 1")
+    layers = tuple(i for i in range(num_layers)
+                   if i not in dense_only and (i + 1) % step == 0
+                   and i >= first_dense and i % freq == 0)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": moe_size,
+        "norm_topk_prob": renormalize,
+        "scoring_func": scoring,
+        "n_group": groups,
+        "topk_group": topk_groups,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "n_shared_experts": shared,
+        "shared_expert_intermediate_size": shared_size,
+        "moe_layers": None if len(layers) == num_layers else layers,
+    }
+
+
+def moe_arch(cfg: dict[str, Any], *, architecture: str, family: str, source: str,
+             qk_norm: bool = False) -> ArchSpec:
+    """The normaliser of the Llama-shaped MoE families (Mixtral, Qwen3-MoE with ``qk_norm``):
+    the decoder's attention, with the routing fields of :func:`moe_routing`. Only the keys the
+    family's HF modeling code reads are read: others (DeepSeek's grouped routing, shared
+    experts; for Mixtral also Qwen's layer selection and expert size) are ignored, as HF
+    ignores them."""
+    spec = decoder_arch(cfg, architecture=architecture, family=family, source=source,
+                        qkv_bias=False, qk_norm=qk_norm,
+                        window_flag=None if family == "mixtral" else "use_sliding_window")
+    read = _MOE_KEYS[family]
+    routing_cfg = {k: v for k, v in cfg.items() if k in read or k not in _ALL_MOE_KEYS}
+    fields = moe_routing(routing_cfg, family=family, source=source,
+                         num_layers=spec.num_layers)
+    if not fields:
+        raise ValueError(f"{source}: {architecture} needs a number of experts "
+                         f"({' / '.join(sorted(k for k in read if k.endswith('experts')))})")
+    return msgspec.structs.replace(spec, **fields)
+
+
+# The MoE config keys each family's HF modeling code reads (``moe_arch``).
+_MOE_KEYS: dict[str, frozenset[str]] = {
+    "mixtral": frozenset({"num_local_experts", "num_experts_per_tok"}),
+    "qwen3_moe": frozenset({"num_experts", "num_local_experts", "num_experts_per_tok",
+                            "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                            "mlp_only_layers"}),
+}
+_ALL_MOE_KEYS = frozenset({
+    "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "scoring_func", "topk_method", "n_group",
+    "topk_group", "routed_scaling_factor", "n_shared_experts", "shared_expert_intermediate_size",
+    "decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace", "moe_layer_freq",
+})
+
+
+def deepseek_v2_arch(cfg: dict[str, Any], *, architecture: str, family: str,
+                     source: str) -> ArchSpec:
+    """The normaliser of DeepSeek-V2 (and V2-Lite, ``q_lora_rank`` null): multi-head latent
+    attention, YaRN rope with DeepSeek's mscale, dense MLPs on the first
+    ``first_k_dense_replace`` layers and routed + shared experts after them (every
+    ``moe_layer_freq``-th layer), routed greedily or by groups ("group_limited_greedy").
+    Missing keys take the defaults of HF's ``DeepseekV2Config``."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{source}: unsupported activation {act!r} (tidal supports silu)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias is not supported for {architecture}")
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"{source}: topk_method {method!r} is not supported for "
+                         f"{architecture} (tidal supports greedy, group_limited_greedy)")
+    if (cfg.get("scoring_func") or "softmax") != "softmax":
+        raise ValueError(f"{source}: {architecture} scores experts by softmax, got "
+                         f"scoring_func {cfg.get('scoring_func')!r}")
+    num_heads = int(cfg["num_attention_heads"])
+    nope = int(cfg.get("qk_nope_head_dim", 128))
+    rope_dim = int(cfg.get("qk_rope_head_dim", 64))
+    v_dim = int(cfg.get("v_head_dim", 128))
+    kv_rank = int(cfg.get("kv_lora_rank", 512))
+    q_rank = cfg.get("q_lora_rank", 1536)
+    if min(nope, rope_dim, v_dim, kv_rank) < 1 or rope_dim % 2 or (q_rank is not None
+                                                                   and int(q_rank) < 1):
+        raise ValueError(f"{source}: MLA sizes must be positive and qk_rope_head_dim even "
+                         f"(qk_nope_head_dim={nope}, qk_rope_head_dim={rope_dim}, "
+                         f"v_head_dim={v_dim}, kv_lora_rank={kv_rank}, q_lora_rank={q_rank})")
+    theta, scaling = _rope(cfg)
+    if scaling is not None:
+        if scaling["rope_type"] != "yarn":
+            raise ValueError(f"{source}: unsupported rope scaling {scaling['rope_type']!r} for "
+                             f"{architecture} (tidal supports yarn)")
+        if not scaling.get("factor") or not scaling.get("original_max_position_embeddings"):
+            raise ValueError(f"{source}: yarn rope scaling needs factor and "
+                             "original_max_position_embeddings")
+    n = int(cfg["num_hidden_layers"])
+    # HF's DeepseekV2Config leaves norm_topk_prob off unless the config turns it on.
+    routing = moe_routing(dict(cfg, norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
+                          family=family, source=source, num_layers=n)
+    return ArchSpec(
+        architecture=architecture,
+        family=family,
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=n,
+        num_heads=num_heads,
+        # One latent "head" is cached, but every query head has its own K/V once expanded.
+        num_kv_heads=num_heads,
+        head_dim=nope + rope_dim,
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=kv_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=v_dim,
+        **routing,
     )

@@ -24,8 +24,10 @@ from tidal.engine_core.model_arch import (
     ArchSpec,
     bert_arch,
     decoder_arch,
+    deepseek_v2_arch,
     eagle3_arch,
     gemma_arch,
+    moe_arch,
     phi3_arch,
 )
 
@@ -78,6 +80,9 @@ class GGUFFamily:
     # Subtracted from every ``*_norm`` weight on load: llama.cpp stores ``(1 + w)``-style
     # RMSNorm weights (Gemma) with the 1 already added.
     norm_weight_offset: float = 0.0
+    # This mapping is for the files of ``arch`` whose metadata has ``{arch}.expert_count``:
+    # llama.cpp writes Mixtral as ``llama`` with experts.
+    with_experts: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,23 @@ class ModelFamily:
 
 _DECODER = "tidal.worker.models.decoder:DecoderForCausalLM"
 _GEMMA = "tidal.worker.models.gemma2:Gemma2ForCausalLM"
+
+
+def _moe_gguf(arch: str, hf_architecture: str, model_type: str, ffn: str,
+              **kwargs: Any) -> GGUFFamily:
+    # llama.cpp's router (``ffn_gate_inp``) and the experts' weights, stacked [E, ...] in one
+    # tensor each; the model loads those as a whole (``*_exps`` are not HF names).
+    return GGUFFamily(
+        arch, hf_architecture, model_type,
+        block_tensors=MappingProxyType({
+            **LLAMA_GGUF_BLOCK_TENSORS,
+            "ffn_gate_inp": f"{ffn}.gate",
+            "ffn_gate_exps": f"{ffn}.experts.gate_exps",
+            "ffn_up_exps": f"{ffn}.experts.up_exps",
+            "ffn_down_exps": f"{ffn}.experts.down_exps",
+        }),
+        **kwargs,
+    )
 
 
 def _gemma_gguf(arch: str, hf_architecture: str) -> GGUFFamily:
@@ -147,6 +169,30 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gemma3", ("Gemma3ForCausalLM",), _GEMMA, gemma_arch,
                 supports_sliding_window=True,
                 gguf=_gemma_gguf("gemma3", "Gemma3ForCausalLM")),
+    # Mixture of experts on the Llama decoder: Mixtral (a set window applies to every layer;
+    # llama.cpp writes it as ``llama`` with experts, Q/K permuted) and Qwen3-MoE (q/k norms).
+    ModelFamily("mixtral", ("MixtralForCausalLM",),
+                "tidal.worker.models.mixtral:MixtralForCausalLM", moe_arch,
+                supports_sliding_window=True,
+                gguf=_moe_gguf("llama", "MixtralForCausalLM", "mixtral", "block_sparse_moe",
+                               permuted_qk=True, with_experts=True, metadata_keys={
+                                   "expert_count": "num_local_experts",
+                                   "expert_used_count": "num_experts_per_tok",
+                                   "attention.sliding_window": "sliding_window"})),
+    # llama.cpp always renormalises Qwen3-MoE's top-k weights (its files carry no flag).
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",),
+                "tidal.worker.models.qwen3_moe:Qwen3MoeForCausalLM",
+                partial(moe_arch, qk_norm=True),
+                gguf=_moe_gguf("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", "mlp",
+                               metadata_keys={
+                                   "expert_count": "num_experts",
+                                   "expert_used_count": "num_experts_per_tok",
+                                   "expert_feed_forward_length": "moe_intermediate_size"},
+                               config_defaults={"norm_topk_prob": True})),
+    # DeepSeek-V2 / V2-Lite: multi-head latent attention (a latent KV cache) and routed +
+    # shared experts. Safetensors only (llama.cpp's deepseek2 files are not mapped yet).
+    ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
+                "tidal.worker.models.deepseek_v2:DeepseekV2ForCausalLM", deepseek_v2_arch),
     ModelFamily("bert", ("BertModel", "BertForMaskedLM"),
                 "tidal.worker.models.bert:BertEmbeddingModel", bert_arch, task="embed"),
     # EAGLE-3 draft heads for Llama-shaped targets, as EAGLE / SGLang, vLLM and the
@@ -157,10 +203,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
 )
 
 
-def _index() -> tuple[dict[str, ModelFamily], dict[str, ModelFamily], dict[str, ModelFamily]]:
+def _index() -> tuple[dict[str, ModelFamily], dict[str, ModelFamily], dict[str, ModelFamily],
+                      dict[str, ModelFamily]]:
     by_name: dict[str, ModelFamily] = {}
     by_arch: dict[str, ModelFamily] = {}
-    by_gguf: dict[str, ModelFamily] = {}
+    by_plain_gguf: dict[str, ModelFamily] = {}
+    by_gguf_experts: dict[str, ModelFamily] = {}  # ``GGUFFamily.with_experts`` mappings
     for fam in FAMILIES:
         # A duplicate would make lookups depend on list order; fail at import instead.
         if fam.name in by_name:
@@ -172,16 +220,17 @@ def _index() -> tuple[dict[str, ModelFamily], dict[str, ModelFamily], dict[str, 
                                  f"and {fam.name!r}")
             by_arch[arch] = fam
         if fam.gguf is not None:
+            by_gguf = by_gguf_experts if fam.gguf.with_experts else by_plain_gguf
             if fam.gguf.arch in by_gguf:
                 raise ValueError(f"GGUF architecture {fam.gguf.arch!r} registered twice")
             if fam.gguf.hf_architecture not in fam.architectures:
                 raise ValueError(f"{fam.name}: GGUF hf_architecture "
                                  f"{fam.gguf.hf_architecture!r} is not one of its architectures")
             by_gguf[fam.gguf.arch] = fam
-    return by_name, by_arch, by_gguf
+    return by_name, by_arch, by_plain_gguf, by_gguf_experts
 
 
-_BY_NAME, _BY_ARCH, _BY_GGUF = _index()
+_BY_NAME, _BY_ARCH, _BY_GGUF, _BY_GGUF_EXPERTS = _index()
 
 
 def family(name: str) -> ModelFamily:
@@ -197,7 +246,7 @@ def supported_architectures() -> list[str]:
 
 
 def gguf_architectures() -> list[str]:
-    return sorted(_BY_GGUF)
+    return sorted(_BY_GGUF.keys() | _BY_GGUF_EXPERTS.keys())
 
 
 def family_for_architectures(archs: list[str]) -> tuple[str, ModelFamily] | None:
@@ -209,8 +258,12 @@ def family_for_architectures(archs: list[str]) -> tuple[str, ModelFamily] | None
     return None
 
 
-def gguf_family(gguf_arch: str | None) -> GGUFFamily | None:
-    fam = _BY_GGUF.get(gguf_arch) if gguf_arch is not None else None
+def gguf_family(gguf_arch: str | None, experts: bool = False) -> GGUFFamily | None:
+    """The mapping of GGUF files of ``gguf_arch``; ``experts``: the file's metadata has an
+    expert count, which picks the arch's ``with_experts`` mapping where there is one."""
+    if gguf_arch is None:
+        return None
+    fam = (_BY_GGUF_EXPERTS.get(gguf_arch) if experts else None) or _BY_GGUF.get(gguf_arch)
     return fam.gguf if fam is not None else None
 
 

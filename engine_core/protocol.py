@@ -308,6 +308,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Speculative decoding: the draft tokens each request verifies this step (it was scheduled
     # 1 + len(drafts) tokens: its last sampled token, then the drafts as inputs).
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Whether the workers propose drafts after this step: not while the off-switch would not
+    # schedule them next step (e.g. above its batch size), when proposing is pure cost.
+    propose_drafts: bool = True
 
     @property
     def req_ids(self) -> list[str]:

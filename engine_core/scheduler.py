@@ -95,6 +95,7 @@ class Scheduler:
         self._spec_per_pos = [0] * k
         # Per step, whether the drafts at hand are worth verifying (batch size, acceptance).
         self.spec_off: SpecOffSwitch | None = None
+        self._proposed_last = True  # whether the workers proposed drafts after the last step
         if config.speculative is not None:
             self.spec_off = SpecOffSwitch.from_config(config.speculative)
             logger.info("speculative decoding off-switch: %s", self.spec_off.describe())
@@ -161,8 +162,11 @@ class Scheduler:
         i = 0
         drafts_of = self._drafts
         spec_off = self.spec_off
-        if drafts_of and spec_off is not None and not spec_off.decide(len(running)):
-            # Not worth verifying this step: plain decodes (the fast path included).
+        if spec_off is not None and (drafts_of or not self._proposed_last) \
+                and not spec_off.decide(len(running)):
+            # Not worth verifying this step: plain decodes (the fast path included). (A step
+            # after one that proposed nothing decides too: the off-switch counts it, and its
+            # probes come round.)
             drafts_of.clear()
         spec_tokens: dict[str, list[int]] = {}
         # (Requests with drafts take the general loop: they compute more than one token.)
@@ -192,7 +196,7 @@ class Scheduler:
                 num_new = budget
             rid = req.request_id
             drafts = None
-            if drafts_of and num_new == 1 and rid in drafts_of:
+            if drafts_of and num_new == 1 and not placeholders and rid in drafts_of:
                 # A decode with drafts verifies them too: its last token and the drafts are
                 # this step's inputs, and it may emit up to 1 + len(drafts) tokens, so never
                 # more drafts than its length limit or the budget leave room for.
@@ -312,9 +316,11 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_ids if total else [],
             scheduled_spec_decode_tokens=spec_tokens,
+            propose_drafts=spec_off is None or spec_off.wants_drafts(len(running)),
         )
         if not total:
             return out  # nothing runs; the workers learn of finished requests next time
+        self._proposed_last = out.propose_drafts
         self._finished_ids = []
         self._step_id += 1
         self._step_tokens.append(total)

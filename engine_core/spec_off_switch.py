@@ -89,6 +89,14 @@ class SpecOffSwitch:
         self.off_acceptance += 1
         return False
 
+    def wants_drafts(self, batch_size: int) -> bool:
+        """Whether the next step would schedule drafts, were ``batch_size`` requests running
+        then (as ``decide`` would, without counting): if not, proposing them is pure cost."""
+        limit = self.disable_by_batch_size
+        if limit is not None and batch_size > limit:
+            return False
+        return self.pays() or self.off_streak + 1 > self.probe_interval
+
     def observe(self, drafted: int, accepted: int) -> None:
         """One request's verify: ``accepted`` of its ``drafted`` draft tokens."""
         was_paying = self.pays()

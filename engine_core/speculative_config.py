@@ -307,6 +307,10 @@ def check_draft(spec: SpeculativeConfig, target: ArchSpec) -> SpeculativeConfig:
                 f"{where} is an EAGLE-3 head: use method 'eagle3' for it")
         if draft.is_embedding:
             raise SpeculativeConfigError(f"{where} is an embedding model, not a draft model")
+        if draft.is_mla:
+            raise SpeculativeConfigError(
+                f"{where}: a draft model with multi-head latent attention ({draft.architecture}"
+                ") is not supported yet")
         if draft.vocab_size != target.vocab_size:
             raise SpeculativeConfigError(
                 f"{where}: its vocabulary has {draft.vocab_size} tokens, the target's "

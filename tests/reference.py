@@ -184,3 +184,49 @@ def make_tiny_qwen3_with_tokenizer(tokenizer, folder: Path) -> Path:
                     eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def make_eagle3_head(folder: Path, *, vocab: int, hidden: int, heads: int, kv_heads: int,
+                     inter: int, draft_vocab: int, target_hidden: int, seed: int = 3) -> None:
+    """A random EAGLE-3 head in EAGLE's own checkpoint layout (``midlayer.*``, no embedding:
+    the target's is shared; a draft vocabulary of scattered target ids through ``d2t``)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+
+    def w(rows, cols):
+        return torch.randn(rows, cols, generator=g) * cols ** -0.5 * 2.0
+
+    d = hidden // heads
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {
+        "fc.weight": w(hidden, 3 * target_hidden),
+        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * d, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * d, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": w(hidden, heads * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden),
+        "midlayer.mlp.up_proj.weight": w(inter, hidden),
+        "midlayer.mlp.down_proj.weight": w(hidden, inter),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": w(draft_vocab, hidden),
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "vocab_size": vocab,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "hidden_act": "silu", "tie_word_embeddings": False, "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                         "use_aux_hidden_state": True}}))

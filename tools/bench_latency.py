@@ -84,13 +84,28 @@ def _profile_steps(core: EngineCore, steps: int, path: Path | None, label: str) 
     return rows
 
 
+def decode_new_tokens(batch: int, context: int, max_batched_tokens: int, steps: int,
+                      repeats: int, warmup: int, profile: bool) -> int:
+    """Tokens each decode request generates: requests prefilled first decode while the rest
+    still prefill, so there is room for those steps too, and no request finishes (and the
+    batch never shrinks) before the end."""
+    prefill_steps = -(-batch * context // max_batched_tokens)
+    return prefill_steps + warmup + steps * repeats + 16 + (4 if profile else 0)
+
+
 def bench_decode(core: EngineCore, batch: int, context: int, steps: int, repeats: int,
                  warmup: int, vocab: int, facts, bw: float | None, rng: random.Random,
                  profile_path: Path | None) -> dict[str, Any]:
-    # Requests prefilled first decode while the rest still prefill: room for those steps too,
-    # so that no request finishes (and the batch never shrinks) before the end.
-    prefill_steps = -(-batch * context // core.config.scheduler.max_num_batched_tokens)
-    total_new = prefill_steps + warmup + steps * repeats + 16 + (4 if profile_path else 0)
+    total_new = decode_new_tokens(batch, context,
+                                  core.config.scheduler.max_num_batched_tokens, steps, repeats,
+                                  warmup, profile_path is not None)
+    kv_tokens = core.config.cache.num_blocks * core.config.cache.block_size
+    fits = batch * (context + total_new) <= kv_tokens
+    if not fits:
+        # Preemption would shrink the batch mid-window and the bytes would be wrong.
+        logger.warning("decode batch %d x %d tokens exceeds the KV cache (%d tokens): raise "
+                       "--gpu-memory-utilization / --kv-gib or lower --context", batch,
+                       context + total_new, kv_tokens)
     ids = []
     for i in range(batch):
         rid = f"d{batch}-{i}-{rng.random()}"
@@ -122,11 +137,15 @@ def bench_decode(core: EngineCore, batch: int, context: int, steps: int, repeats
     _run_until_done(core)
     ms = [w * 1e3 for w in windows]
     out: dict[str, Any] = {"batch": batch, "context": context, "steps_per_window": steps,
-                           "ms_per_step": summary(ms, 4)}
+                           "ms_per_step": summary(ms, 4), "kv_cache_fits": fits}
     mean_ctx = sum(contexts) / len(contexts)
     step_bytes = facts.decode_bytes_batch(batch, mean_ctx)
     out["mean_context"] = round(mean_ctx, 1)
     out["bytes_per_step"] = step_bytes
+    out["weight_bytes_per_step"] = facts.weight_bytes_batch(batch)
+    if facts.num_experts:
+        # Uniform-routing expectation (bench_common.ShapeFacts): k at batch 1.
+        out["experts_touched_per_layer"] = round(facts.experts_touched(batch), 2)
     out["tokens_per_s"] = round(batch / (out["ms_per_step"]["median"] / 1e3), 1)
     if bw:
         floor_ms = step_bytes / (bw * 1e9) * 1e3
@@ -187,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--prefill", default="8x2048", help="NxL prompts; empty to skip")
     ap.add_argument("--prefill-repeats", type=int, default=3)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="raised to fit --context plus the decode steps, and the prefill")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="a 61 GB MoE shape on an 80 GB card wants ~0.95 for batch-64 KV")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="KV cache size in GiB instead of what the memory profile leaves")
     ap.add_argument("--async-scheduling", type=int, choices=(0, 1), default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default=None)
@@ -212,12 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     if ns.profile:
         profile_path = Path(ns.profile_out or Path(ns.out or "latency.json").with_suffix(
             ".profile.txt"))
+    prefill_len = int(ns.prefill.lower().split("x")[1]) if ns.prefill else 0
+    max_model_len = max([ns.max_model_len, prefill_len + 1] + [
+        ns.context + decode_new_tokens(b, ns.context, ns.max_num_batched_tokens, ns.steps,
+                                       ns.repeats, ns.warmup, ns.profile) for b in batches])
+    if max_model_len != ns.max_model_len:
+        logger.info("max_model_len raised to %d (context %d + decode steps)", max_model_len,
+                    ns.context)
     with tempfile.TemporaryDirectory(prefix="tidal-lat-") as tmp:
         model = write_model_dir(ns.shape, Path(tmp) / ns.shape)
+        kv_bytes = int(ns.kv_gib * 2**30) if ns.kv_gib else None
         args = EngineArgs(model=model, load_format="dummy", dtype=ns.dtype, device=ns.device,
-                          max_model_len=ns.max_model_len,
+                          max_model_len=max_model_len,
                           max_num_seqs=max(batches + [8]),
                           max_num_batched_tokens=ns.max_num_batched_tokens,
+                          gpu_memory_utilization=ns.gpu_memory_utilization,
+                          kv_cache_memory_bytes=kv_bytes,
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
                           enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
                           ops_backend=ns.ops)
@@ -231,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": ns.shape, "dtype": ns.dtype, "ceilings": ceilings,
             "weights_bytes_per_step": facts.weight_bytes_per_step,
             "kv_bytes_per_token": facts.kv_bytes_per_token,
+            "active_params_per_token": facts.linear_params,
+            **_sparse_result(facts),
             "engine": {"async_scheduling": bool(ns.async_scheduling),
                        "cuda_graphs": graphs is not None and len(graphs) > 0,
                        "graph_capture_s": round(graphs.capture_seconds, 2) if graphs else None,
@@ -262,14 +298,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _sparse_result(facts) -> dict[str, Any]:
+    """The MoE / MLA accounting of the shape (bench_common.ShapeFacts), for the JSON."""
+    out: dict[str, Any] = {}
+    if facts.num_experts:
+        out["moe"] = {"experts": facts.num_experts, "top_k": facts.experts_per_tok,
+                      "moe_layers": facts.num_moe_layers,
+                      "expert_bytes": facts.expert_params * facts.dtype_bytes,
+                      "routing_assumption": "uniform: E*(1-(1-k/E)^B) experts per layer"}
+    if facts.kv_cache_dim:
+        out["mla"] = {"kv_values_per_token_layer": facts.kv_cache_dim,
+                      "mha_kv_bytes_per_token": facts.mha_kv_bytes_per_token,
+                      "kv_reduction_vs_mha": round(facts.mha_kv_bytes_per_token
+                                                   / facts.kv_bytes_per_token, 3)}
+    return out
+
+
 def _table(r: dict[str, Any]) -> None:
     print(f"\n{r['shape']} on {r['device']} (HBM {r['ceilings'].get('hbm_GBps')} GB/s, "
           f"matmul {r['ceilings'].get('matmul_TFLOPs')} TFLOP/s)")
-    print(f"{'batch':>6} {'ms/step':>9} {'min-max':>17} {'floor ms':>9} {'MBU':>6}")
+    if r.get("mla"):
+        print(f"MLA KV bytes/token {r['kv_bytes_per_token']} vs MHA "
+              f"{r['mla']['mha_kv_bytes_per_token']}: {r['mla']['kv_reduction_vs_mha']}x smaller")
+    print(f"{'batch':>6} {'ctx':>6} {'GB/step':>8} {'ms/step':>9} {'min-max':>17} "
+          f"{'floor ms':>9} {'MBU':>6}")
     for d in r["decode"]:
         ms = d["ms_per_step"]
         mbu = d.get("MBU", {}).get("median")
-        print(f"{d['batch']:>6} {ms['median']:>9.3f} {ms['min']:>8.3f}-{ms['max']:<8.3f} "
+        print(f"{d['batch']:>6} {d['context']:>6} {d['bytes_per_step'] / 1e9:>8.2f} "
+              f"{ms['median']:>9.3f} {ms['min']:>8.3f}-{ms['max']:<8.3f} "
               f"{d.get('roofline_ms', float('nan')):>9.3f} {mbu if mbu is not None else '-':>6}")
     p = r.get("prefill")
     if p:

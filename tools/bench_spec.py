@@ -108,20 +108,20 @@ DRAFT_SHAPES: dict[str, dict[str, Any]] = {
 
 
 def spec_config(args: argparse.Namespace) -> dict[str, Any]:
+    # The envelope at every batch and acceptance, unless --off-switch: the off-switch would
+    # measure plain decoding where speculation does not pay.
+    off = {} if args.off_switch else {"disable_by_batch_size": None,
+                                      "disable_by_acceptance": False}
     if args.method in ("draft_model", "eagle3"):
         cfg = {"method": args.method, "model": args.draft_path,
-               "num_speculative_tokens": args.k,
-               "disable_by_batch_size": None, "disable_by_acceptance": False}
+               "num_speculative_tokens": args.k, **off}
         if args.synthetic_alpha is not None:  # every chain drafts k: the issue's envelope
             cfg.update(rejection_sample_method="synthetic",
                        synthetic_acceptance_rate=args.synthetic_alpha)
         return cfg
     cfg: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k,
                            "prompt_lookup_min": args.lookup_min,
-                           "prompt_lookup_max": args.lookup_max,
-                           # The envelope at every batch and acceptance: the off-switch would
-                           # measure plain decoding where speculation does not pay.
-                           "disable_by_batch_size": None, "disable_by_acceptance": False}
+                           "prompt_lookup_max": args.lookup_max, **off}
     if args.method == "synthetic":
         cfg.update(rejection_sample_method="synthetic", synthetic_acceptance_rate=args.alpha)
     return cfg
@@ -163,27 +163,58 @@ class Side:
 
 def run_batch(model: str, engine_kw: dict[str, Any], spec_kw: dict[str, Any],
               prompts: list[Any], batch: int, max_tokens: int, repeats: int,
-              ignore_eos: bool) -> tuple[dict[str, Any], dict[str, Any], bool]:
+              ignore_eos: bool, sequential: bool = False
+              ) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """Both engines side by side, their timed passes interleaved (a busy machine slows both
-    alike rather than one side's passes)."""
+    alike rather than one side's passes); ``sequential``: one engine after the other (two
+    8B-sized engines with batch-256 graphs do not fit one GPU together)."""
     from tidal.engine_core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-    sides = [Side(model, engine_kw), Side(model, {**engine_kw, **spec_kw})]
-    try:
-        for side in sides:  # warm-up
-            side.llm.generate(batch_prompts[:2], SamplingParams(max_tokens=8, temperature=0.0),
-                              use_tqdm=False)
-            side.counts[:] = [0, 0]
-        for _ in range(repeats):
+    kws = [engine_kw, {**engine_kw, **spec_kw}]
+
+    def warm(side: Side) -> None:
+        side.llm.generate(batch_prompts[:2], SamplingParams(max_tokens=8, temperature=0.0),
+                          use_tqdm=False)
+        side.counts[:] = [0, 0]
+
+    sides: list[Side] = []
+    if sequential:
+        import gc
+
+        for kw in kws:
+            side = Side(model, kw)
+            try:
+                warm(side)
+                for _ in range(repeats):
+                    side.run(batch_prompts, params)
+            finally:
+                side.llm.shutdown()
+            side.llm = None  # type: ignore[assignment]
+            sides.append(side)
+            gc.collect()
+            _empty_cuda_cache()
+    else:
+        sides = [Side(model, kw) for kw in kws]
+        try:
             for side in sides:
-                side.run(batch_prompts, params)
-    finally:
-        for side in sides:
-            side.llm.shutdown()
+                warm(side)
+            for _ in range(repeats):
+                for side in sides:
+                    side.run(batch_prompts, params)
+        finally:
+            for side in sides:
+                side.llm.shutdown()
     plain, spec = sides
     return plain.report(), spec.report(), plain.outputs == spec.outputs
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=int, default=None,
                    help="KV cache of each side, GiB; default: 16 on a GPU, 2 on a CPU")
     p.add_argument("--engine-args", default="{}", help="JSON of extra engine arguments")
+    p.add_argument("--off-switch", action="store_true",
+                   help="keep the automatic off-switch's defaults (by batch size and measured "
+                        "acceptance) instead of speculating at every step")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the plain engine, then the speculative one (not side by side): "
+                        "for shapes whose two engines do not fit the GPU together")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -285,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         plain, spec, same = run_batch(model, engine_kw,
                                       {"speculative_config": spec_config(args)}, prompts,
-                                      batch, max_tokens, args.repeats, ignore_eos)
+                                      batch, max_tokens, args.repeats, ignore_eos,
+                                      args.sequential)
         row = {"plain": plain, "spec": spec,
                "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
                "greedy_output_identical": same}

@@ -72,14 +72,21 @@ def fixed_workload(n: int, length: int, vocab: int) -> tuple[list[list[int]], li
 def roofline_seconds(prompts: list[list[int]], max_tokens: list[int], max_num_seqs: int,
                      facts, bw_gbps: float, peak_tflops: float) -> float:
     """Lower bound: sequences run in waves of ``max_num_seqs``; each decode step of a wave
-    reads the weights once and every live sequence's KV once."""
+    reads the weights once and every live sequence's KV once. MoE: a step reads the routed
+    experts its live sequences are expected to touch (``ShapeFacts.weight_bytes_batch``), so
+    the weight bytes shrink as a wave's sequences finish."""
     kv, w = facts.kv_bytes_per_token, facts.weight_bytes_per_step
     total_bytes = 0.0
     order = list(range(len(prompts)))
     for start in range(0, len(order), max_num_seqs):
         wave = order[start:start + max_num_seqs]
         steps = max(max_tokens[i] for i in wave)
-        total_bytes += steps * w
+        if facts.num_experts:
+            lengths = [max_tokens[i] for i in wave]
+            total_bytes += sum(facts.weight_bytes_batch(sum(1 for m in lengths if m > s))
+                               for s in range(steps))
+        else:
+            total_bytes += steps * w
         for i in wave:
             p, m = len(prompts[i]), max_tokens[i]
             total_bytes += kv * (m * p + m * (m - 1) / 2)  # contexts p .. p+m-1
@@ -198,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="KV cache size in GiB instead of what the memory profile leaves")
     ap.add_argument("--async-scheduling", type=int, choices=(0, 1), default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default=None)
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = dict(load_format="dummy", dtype=ns.dtype, device=ns.device,
                       max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
+                      gpu_memory_utilization=ns.gpu_memory_utilization,
+                      kv_cache_memory_bytes=int(ns.kv_gib * 2**30) if ns.kv_gib else None,
                       async_scheduling=bool(ns.async_scheduling), enforce_eager=ns.enforce_eager,
                       attention_backend=ns.attention_backend, ops_backend=ns.ops)
         t0 = time.perf_counter()

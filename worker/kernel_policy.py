@@ -255,6 +255,10 @@ def describe(policy: KernelPolicy) -> list[str]:
         line("decode_kernels", decode),
         line("gemv", gemv),
         line("vocab_embedding", "triton" if policy.vocab_embedding else "torch"),
+        # Kernels.fused_moe / select_experts follow this rule (MoE models only).
+        line("fused_moe", "triton (routing, expert alignment, grouped GEMMs)"
+             if policy.triton and policy.device == "cuda" and policy.ops != "torch"
+             else "torch"),
     ]
     if policy.triton:
         lines.append(f"variants: pdl {on(policy.pdl)}, gemv_stream {on(policy.gemv_stream)}, "

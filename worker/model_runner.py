@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.protocol import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
-from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
+from tidal.worker.attention.backend import AttentionMetadata
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.attention.selector import attention_impl
@@ -258,12 +259,14 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if not layers:
             return 0
-        a = layers[0]
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        n_tensors = len({slot for _, slot in self._layer_slots()})
+        # Each layer's cache layout is its own (``cache_shape``: K/V heads, or MLA's one latent
+        # row per token); layers sharing a slot share one tensor.
+        per_slot = {slot: math.prod(layer.cache_shape(1, self.block_size))
+                    for layer, (_, slot) in zip(layers, self._layer_slots())}
         # A draft model's / EAGLE-3 head's cache has a block for every pool block.
         draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
-        return 2 * n_tensors * self.block_size * a.num_kv_heads * a.head_dim * elem + draft
+        return sum(per_slot.values()) * elem + draft
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: forced by the config, or from the memory budget."""
@@ -382,8 +385,7 @@ class ModelRunner:
         for layer, (group, slot) in zip(self.model.attention_layers(), self._layer_slots()):
             cache = by_slot.get(slot)
             if cache is None:
-                shape = kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
-                                       layer.head_dim)
+                shape = layer.cache_shape(num_blocks, self.block_size)
                 cache = by_slot[slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(cache)
             layer.kv_cache = cache
@@ -465,7 +467,8 @@ class ModelRunner:
         """Token counts of the mixed-step graphs: none unless the attention backend plans a
         mixed batch from its token and request counts alone (Triton; the CUDA backend splits
         the batch on the host)."""
-        if self.attn_impl.name != "triton":
+        if self.attn_impl.name != "triton" or self.arch.is_mla:
+            # MLA's prefill (expanded) path walks its requests on the host.
             return []
         return mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
                                        self.bufs.input_ids.shape[0]))
@@ -520,6 +523,10 @@ class ModelRunner:
 
         graphs.capture(prepare, forward, prepare_mixed, forward_mixed)
         self.graphs = graphs
+        if self.spec is not None and self.attn_impl.name == "triton":
+            # (A propose step's first pass is a mixed batch: the CUDA backend plans those on
+            # the host, so with it proposals run eagerly.)
+            self.spec.capture_graphs(self._max_graph_batch())
 
     def _graph_meta(self, size: int, num_reqs: int | None = None,
                     max_query_len: int = 1) -> AttentionMetadata:
@@ -675,18 +682,24 @@ class ModelRunner:
         logits = self.model.compute_logits(picked)
         later = SampleLater(so, logits, inputs.sampling, sample_rows, sampled_ids, result,
                             failed)
-        if self.spec is not None:  # (the EngineCore never defers sampling with speculation)
+        if self.spec is not None and (so.scheduled_spec_decode_tokens or so.propose_drafts):
+            # (The EngineCore never defers sampling with speculation.)
             return self._verify_and_propose(later)
         return later if defer_sample else self.finish_sample(later)
 
     def _verify_and_propose(self, later: SampleLater) -> ModelRunnerOutput:
         """Speculative decoding's sampling: verify the step's drafts (a request without drafts
         samples its one token the same way), append what each request emitted, and propose
-        its next drafts. Steps run one at a time here (no async scheduling)."""
+        its next drafts. Its output is final (never deferred): the EngineCore schedules the
+        next step only once it has it."""
         assert self.spec is not None
+        # Verification appends each request's tokens to its row: an older step still in flight
+        # (async scheduling pipelines the steps that do not speculate) lands first.
+        self.finish_inflight()
         emitted, bad, logprobs = self.spec.verify(
             self.batch, later.logits, later.sampling, self.sampling_builder, later.sample_rows,
-            later.sampled_ids, later.so.scheduled_spec_decode_tokens)
+            later.sampled_ids, later.so.scheduled_spec_decode_tokens,
+            propose=later.so.propose_drafts)
         result = later.result
         result.logprobs = logprobs  # one row per emitted token, in order
         result.failed = later.failed
@@ -696,7 +709,9 @@ class ModelRunner:
         rows = later.sample_rows[keep] if len(keep) < len(emitted) else later.sample_rows
         result.req_ids = [later.sampled_ids[i] for i in keep]
         result.sampled_token_ids = [emitted[i] for i in keep]
-        result.spec_token_ids = self.spec.propose(self.batch, rows, result.sampled_token_ids)
+        if later.so.propose_drafts:
+            result.spec_token_ids = self.spec.propose(self.batch, rows,
+                                                      result.sampled_token_ids)
         return result
 
     @torch.inference_mode()

@@ -74,13 +74,12 @@ def spec_config(tiny_models):
                       speculative_config=NGRAM).create_config()
 
 
-def test_engine_config_turns_async_scheduling_off(tiny_models, spec_config):
+def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
     assert spec_config.speculative.num_speculative_tokens == 4
-    assert not spec_config.scheduler.async_scheduling
-    assert spec_config.max_concurrent_batches == 1
-    with pytest.raises(ConfigError, match="async-scheduling"):
-        EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
-                   speculative_config=NGRAM).create_config()
+    assert not spec_config.scheduler.async_scheduling  # (its CPU default)
+    both = EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
+                      speculative_config=NGRAM).create_config()
+    assert both.scheduler.async_scheduling and both.max_concurrent_batches == 2
     with pytest.raises(ConfigError, match="not yet"):
         EngineArgs(model=str(tiny_models["llama"][0]),
                    speculative_config={"method": "mtp",
@@ -318,6 +317,55 @@ def test_tiny_llama_greedy_identical_and_seeds_reproducible(tiny_models):
         assert first[0] == first[1] and first[0] != first[2]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_async_scheduling_pipelines_only_steps_that_do_not_speculate(tiny_models):
+    """With async scheduling, steps that verify or propose drafts run alone and the others
+    (above the off-switch's batch size) pipeline two deep; requests finishing at different
+    lengths take the batch across the limit both ways. Greedy output stays the plain
+    engine's, logprobs included."""
+    from tidal.frontend import LLM
+
+    folder = str(tiny_models["llama"][0])
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
+               {"prompt_token_ids": [11, 12, 13, 11, 12, 13, 11, 12]},
+               {"prompt_token_ids": [30, 31, 32] * 5},
+               {"prompt_token_ids": list(range(20, 40))}]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1)
+              for n in (40, 12, 30, 8)]
+    kw = dict(skip_tokenizer_init=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
+              async_scheduling=True)
+    plain = LLM(folder, **kw)
+    try:
+        want, want_outs, _ = _generate(plain, prompts, params)
+    finally:
+        plain.shutdown()
+    llm = LLM(folder, speculative_config={**NGRAM, "disable_by_batch_size": 2}, **kw)
+    core = llm.engine.core
+    depths: list[tuple[int, bool]] = []  # (steps in flight, whether the newest speculates)
+    launch = core.executor.execute_model
+
+    def recording(sched, *args, **kwargs):
+        out = launch(sched, *args, **kwargs)
+        depths.append((len(core.batch_queue) + 1, bool(sched.scheduled_spec_decode_tokens
+                                                       or sched.propose_drafts)))
+        return out
+
+    core.executor.execute_model = recording
+    try:
+        got, got_outs, accepted = _generate(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    assert got == want
+    for w, g in zip(want_outs, got_outs):
+        assert [list(p) for p in g.logprobs] == [list(p) for p in w.logprobs]
+    assert accepted > 0  # drafting resumed once two requests were left
+    # Pipelined steps while four or three requests ran; a step launched behind another never
+    # followed one that speculates.
+    assert any(d == 2 for d, _ in depths)
+    for (d, _), (_, prev_spec) in zip(depths[1:], depths):
+        assert not (d == 2 and prev_spec)
 
 
 @pytest.mark.slow

@@ -8,11 +8,8 @@ target itself has every draft accepted, and seeded sampling (drafts drawn from q
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import reference
 from tidal.engine_core.config import ConfigError, EngineArgs
@@ -24,44 +21,9 @@ DRAFT_VOCAB = 128
 
 
 def _eagle3_head(folder, *, target_hidden: int = H, seed: int = 3) -> None:
-    """A random EAGLE-3 head in EAGLE's own checkpoint layout (``midlayer.*``, no embedding:
-    the target's is shared; a draft vocabulary of scattered target ids through ``d2t``)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def w(rows, cols):
-        return torch.randn(rows, cols, generator=g) * cols ** -0.5 * 2.0
-
-    d = H // HEADS
-    ids = torch.sort(torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(VOCAB, dtype=torch.bool)
-    t2d[ids] = True
-    tensors = {
-        "fc.weight": w(H, 3 * target_hidden),
-        "midlayer.self_attn.q_proj.weight": w(HEADS * d, 2 * H),
-        "midlayer.self_attn.k_proj.weight": w(KV_HEADS * d, 2 * H),
-        "midlayer.self_attn.v_proj.weight": w(KV_HEADS * d, 2 * H),
-        "midlayer.self_attn.o_proj.weight": w(H, HEADS * d),
-        "midlayer.mlp.gate_proj.weight": w(INTER, H),
-        "midlayer.mlp.up_proj.weight": w(INTER, H),
-        "midlayer.mlp.down_proj.weight": w(H, INTER),
-        "midlayer.input_layernorm.weight": torch.ones(H),
-        "midlayer.hidden_norm.weight": torch.ones(H),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H),
-        "norm.weight": torch.ones(H),
-        "lm_head.weight": w(DRAFT_VOCAB, H),
-        "d2t": ids - torch.arange(DRAFT_VOCAB),
-        "t2d": t2d,
-    }
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "intermediate_size": INTER, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "num_hidden_layers": 1, "vocab_size": VOCAB,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
-        "hidden_act": "silu", "tie_word_embeddings": False, "draft_vocab_size": DRAFT_VOCAB,
-        "target_hidden_size": target_hidden,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
-                         "use_aux_hidden_state": True}}))
+    reference.make_eagle3_head(folder, vocab=VOCAB, hidden=H, heads=HEADS, kv_heads=KV_HEADS,
+                               inter=INTER, draft_vocab=DRAFT_VOCAB,
+                               target_hidden=target_hidden, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +171,7 @@ def test_draft_model_greedy_identical_through_chunked_prefill_and_preemption(dra
         got, (n_drafts, _, _) = _generate(llm, GREEDY)
         assert got == plain
         assert n_drafts > 0 and preempted
+        assert _uniform_steps(llm) > 0
         # The draft's cache, caught up in passes and refilled after preemption, drafts what
         # the draft run alone (HF) does after each sequence.
         for tokens, drafts_then in proposed[::5]:
@@ -234,6 +197,7 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(drafts, plain):
     try:
         got, (n_drafts, n_tokens, accepted) = _generate(llm, GREEDY)
         assert got == plain
+        assert _uniform_steps(llm) > 0
         # Mean acceptance length k + 1: every draft accepted, and only a request's last
         # drafts cut short (by its length limit).
         assert accepted == n_tokens > 0
@@ -246,6 +210,42 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(drafts, plain):
         assert n_tokens > 0 and accepted >= 0.95 * n_tokens
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_nothing_is_proposed_where_the_off_switch_would_drop_it(drafts, plain):
+    """Above the off-switch's batch size the workers are not asked for drafts (proposing would
+    be pure cost: the scheduler would drop them); the output stays the plain engine's."""
+    from tidal.frontend import LLM
+
+    spec = {**_spec("draft_model", drafts["small"]), "disable_by_batch_size": 2}
+    llm = LLM(str(drafts["target"]), kv_cache_memory_bytes=64 << 20, speculative_config=spec,
+              **KW)
+    try:
+        drafter = llm.engine.core.executor.worker.runner.spec.drafter
+        calls = []
+        propose = drafter.propose
+
+        def counting(b, rows, limits):
+            calls.append(len(rows))
+            return propose(b, rows, limits)
+
+        drafter.propose = counting
+        got, (n_drafts, _, _) = _generate(llm, GREEDY)  # 4 requests: above the limit
+        assert got == plain
+        # Prompt chunks still feed the draft (rows=0 calls); no proposal for decodes.
+        assert n_drafts == 0 and not any(calls)
+        calls.clear()
+        alone, (n_drafts, _, _) = _generate(llm, GREEDY, PROMPTS[:2])  # at the limit: drafts
+        assert alone == plain[:2] and n_drafts > 0 and any(calls)
+    finally:
+        llm.shutdown()
+
+
+def _uniform_steps(llm) -> int:
+    """Proposals that took the uniform step (``spec_decode.uniform_propose``: every request
+    k + 1 rows, all on the device; captured in a CUDA graph on a GPU)."""
+    return llm.engine.core.executor.worker.runner.spec.drafter.uniform_steps
 
 
 def _record_drafts(llm) -> list[tuple[list[int], list[int]]]:
@@ -315,7 +315,7 @@ def test_eagle3_greedy_identical_and_seeds_reproducible(drafts, plain):
         proposed = _record_drafts(llm)
         got, (n_drafts, _, _) = _generate(llm, GREEDY)
         assert got == plain
-        assert n_drafts > 0
+        assert n_drafts > 0 and _uniform_steps(llm) > 0
         # The head's cache, filled step by step over prompt chunks, verify rows (rejected
         # ones overwritten later) and chains, drafts what a fresh pass over each sequence does.
         for tokens, drafts_then in proposed[::7]:

@@ -147,10 +147,15 @@ def _add(s: Scheduler, rid: str) -> None:
         s.max_model_len, frozenset({2})))
 
 
+PROPOSED: list[bool] = []  # each step's ``propose_drafts``, as the fake model saw it
+
+
 def _step(s: Scheduler, accepted: int) -> dict[str, list[int]]:
     """One step of a fake model: each verify accepts ``accepted`` drafts, every request
-    proposes 4 drafts next. Returns the drafts the step verified."""
+    proposes 4 drafts next where the step asks for proposals. Returns the drafts the step
+    verified."""
     so = s.schedule()
+    PROPOSED.append(so.propose_drafts)
     ids, toks = [], []
     for rid in so.req_ids:
         req = s.requests[rid]
@@ -158,8 +163,9 @@ def _step(s: Scheduler, accepted: int) -> dict[str, list[int]]:
             ids.append(rid)
             drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             toks.append(drafts[:accepted] + [7])
+    proposals = [[3, 4, 5, 6]] * len(ids) if so.propose_drafts else []
     s.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=toks,
-                                               spec_token_ids=[[3, 4, 5, 6]] * len(ids)))
+                                               spec_token_ids=proposals))
     s.kv.check_invariants()
     return so.scheduled_spec_decode_tokens
 
@@ -176,9 +182,12 @@ def test_scheduler_drafts_nothing_above_the_batch_size_limit(tiny_models, caplog
     assert set(_step(s, 2)) == {"r0", "r1", "r2"}  # 3 running: at the limit, still drafts
     _add(s, "r3")
     _step(s, 2)  # r3's prefill joins the batch: 3 running when scheduled
-    # 4 running: above the limit, no drafts at all (plain decodes, one token each).
+    # 4 running: above the limit, no drafts at all (plain decodes, one token each), and
+    # the workers are not asked to propose any (pure cost).
+    PROPOSED.clear()
     for _ in range(3):
         assert _step(s, 2) == {}
+    assert PROPOSED == [False] * 3
     stats = s.make_stats()
     assert (stats.spec_off_steps_batch_size, stats.spec_off_steps_acceptance) == (3, 0)
     # Back to 3 running: drafting resumes the next step the worker proposed for.
@@ -192,9 +201,13 @@ def test_scheduler_stops_drafting_at_zero_acceptance(tiny_models):
     _add(s, "a")
     _add(s, "b")
     _step(s, 0)
+    PROPOSED.clear()
     verified = [bool(_step(s, 0)) for _ in range(12)]
     # 3 steps of 2 verifies fill the window; then 4 steps off, a probe, 4 off, a probe...
     assert verified == [True] * 3 + [False] * 4 + [True] + [False] * 4
+    # ... and the workers propose only for the step after (the warm-up's last step still
+    # does: the window is not full when it is scheduled).
+    assert PROPOSED == [True] * 3 + [False] * 3 + [True] + [False] * 4 + [True]
     stats = s.make_stats()
     assert stats.spec_num_drafts == 8 and stats.spec_off_steps_acceptance == 8
     # Rejected drafts rolled back: KV through all but the newest token, as without drafts.

@@ -28,7 +28,8 @@ def test_a_step_replays_the_next_captured_size_only_if_captured():
     runner = CudaGraphRunner(capture_sizes(16), mixed_capture_sizes(512))
     assert runner.mixed_size_for(100) is None  # nothing captured yet
     runner._mixed = {s: (None, None) for s in runner.mixed_sizes}  # as if captured
-    assert runner.mixed_size_for(2) == 64
+    assert runner.mixed_size_for(2) == 8
+    assert runner.mixed_size_for(40) == 64
     assert runner.mixed_size_for(100) == 128
     assert runner.mixed_size_for(512) == 512
     assert runner.mixed_size_for(513) is None  # larger steps run eagerly

@@ -158,7 +158,7 @@ def test_mixed_step_graphs_match_eager(gpu_models, family):
     _close(eager)
     graphed = _llm(folder, **kw)
     runner = _runner(graphed)
-    assert runner.graphs is not None and runner.graphs.mixed_sizes == [64, 128]
+    assert runner.graphs is not None and runner.graphs.mixed_sizes == [8, 16, 32, 64, 128]
     mixed: dict[int, int] = {}
     original = runner.graphs.replay_mixed
 

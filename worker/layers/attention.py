@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.attention.backend import (
+    AttentionImpl,
+    AttentionMetadata,
+    kv_cache_shape,
+)
 
 
 class Attention(nn.Module):
@@ -30,6 +34,10 @@ class Attention(nn.Module):
         # table and slot mapping address it (``engine_core.kv_groups``).
         self.kv_cache = torch.empty(0)
         self.kv_group = 0
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of this layer's cache tensor (what the model runner allocates)."""
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
     def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         """This layer's view of the step's metadata (its KV group's block table and slots)."""

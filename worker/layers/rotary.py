@@ -34,11 +34,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context ``factor`` times the trained one."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn_inv_freq(base: float, dim: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
     factor = float(s["factor"])
     orig = float(s.get("original_max_position_embeddings", 4096))
     beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
-    mscale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    mscale = s.get("attention_factor")
+    if not mscale:
+        # DeepSeek's YaRN scales cos/sin by mscale over mscale_all_dim (1 when equal, as in
+        # V2-Lite); the softmax scale takes yarn_mscale(factor, mscale_all_dim)^2 instead.
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        mscale = (yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all))
+                  if m and m_all else yarn_mscale(factor))
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))

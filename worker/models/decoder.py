@@ -273,7 +273,7 @@ class DecoderForCausalLM(nn.Module):
         self.pp = pp or single_group()
         self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
         self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(arch, dtype, self.tp, impl, i)
+            str(i): self.make_layer(arch, dtype, impl, i)
             for i in range(self.start_layer, self.end_layer)
         })
         build_stage_ends(self, arch, dtype, RMSNorm)
@@ -380,7 +380,7 @@ class DecoderForCausalLM(nn.Module):
             expected.discard("lm_head.weight")  # shared with the embedding
         for ckpt_name, tensor in weights:
             name = self._param_name(ckpt_name)
-            if name is None:
+            if name is None or self.load_special(tally, ckpt_name, name, tensor):
                 continue
             name, shard_id = tally.fused(name)
             if name not in tally.params:
@@ -390,6 +390,18 @@ class DecoderForCausalLM(nn.Module):
                                       f"({self.arch.architecture}); wrong architecture?")
             tally.load(ckpt_name, name, shard_id, tensor)
         tally.check_missing(expected - tally.loaded())
+
+    def make_layer(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
+                   layer: int) -> nn.Module:
+        """Layer ``layer`` of this stage (called with ``self.tp`` set); families whose layers
+        differ only in their feed-forward part (MoE) return their own."""
+        return DecoderLayer(arch, dtype, self.tp, impl, layer)
+
+    def load_special(self, tally: WeightTally, ckpt_name: str, name: str,
+                     tensor: torch.Tensor) -> bool:
+        """A family's hook for checkpoint tensors that fill no one parameter by name (MoE
+        experts, stacked into one parameter): True when it has loaded ``tensor``."""
+        return False
 
     def _param_name(self, ckpt_name: str) -> str | None:
         if "rotary_emb.inv_freq" in ckpt_name:

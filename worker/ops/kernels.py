@@ -23,6 +23,7 @@ from tidal.worker.sample import grammar_mask, seeded_random
 
 if TYPE_CHECKING:
     from tidal.worker.kernel_policy import KernelPolicy
+    from tidal.worker.layers.fused_moe import RoutingConfig
 
 GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
 ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
@@ -58,7 +59,7 @@ class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td", "_sampling")
+                 "_vocab", "_td", "_sampling", "_moe")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -73,6 +74,11 @@ class Kernels:
         # The sampling kernels (seeded noise, grammar masks) wherever Triton runs on the GPU.
         self._sampling = (_triton_module("triton_sampling")
                           if policy.triton and policy.device == "cuda" else None)
+        # The MoE routing and grouped GEMM kernels wherever the fused ops run on Triton-capable
+        # GPUs (ops forced to torch: the torch reference, graph-safe while capturing).
+        self._moe = (_triton_module("triton_moe")
+                     if policy.triton and policy.device == "cuda" and policy.ops != "torch"
+                     else None)
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
@@ -119,6 +125,56 @@ class Kernels:
                          is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return self.impl_for(query).rotary_embedding(positions, query, key, cos_sin_cache,
                                                      is_neox)
+
+    def select_experts(self, router_logits: torch.Tensor, routing: RoutingConfig,
+                       correction_bias: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE routing, ``[T, E]`` logits -> ``(weights float32 [T, k], ids int32 [T, k])`` by
+        a ``fused_moe.RoutingConfig``. Semantics: ``moe_torch.select_experts``; on the GPU
+        one Triton kernel."""
+        if self._moe is not None and router_logits.is_cuda:
+            return self._moe.select_experts(router_logits, routing, correction_bias)
+        from tidal.worker.ops import moe_torch
+
+        return moe_torch.select_experts(router_logits, routing, correction_bias)
+
+    def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' SwiGLU MLPs summed over top-k: ``hidden [T, H]``, ``w13 [E, 2I,
+        H]``, ``w2 [E, H, I]`` -> ``[T, H]``. Semantics: ``moe_torch.fused_moe``; on the GPU
+        the Triton grouped GEMM (CUDA-graph safe)."""
+        if self._moe is not None and hidden.is_cuda:
+            return self._moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        from tidal.worker.ops import moe_torch
+
+        return moe_torch.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+    # --- multi-head latent attention (DeepSeek-V2) over the paged latent cache -----------------
+
+    def _mla_triton(self, x: torch.Tensor) -> ModuleType | None:
+        # Wherever Triton runs on the GPU (imported on first use: only MLA models need it).
+        if x.is_cuda and self.policy.triton and self.policy.device == "cuda":
+            return _triton_module("triton_mla")
+        return None
+
+    def mla_write_latent(self, latent: torch.Tensor, k_rope: torch.Tensor,
+                         cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Each new token's latent ``[T, r]`` and rotated rope key ``[T, dr]`` into its slot of
+        ``cache [blocks, block_size, r + dr]`` (slot < 0: padding). Semantics:
+        ``mla_torch.write_latent``; on the GPU a Triton kernel (CUDA-graph safe)."""
+        mod = self._mla_triton(latent)
+        if mod is None:
+            from tidal.worker.ops import mla_torch as mod
+        mod.write_latent(latent, k_rope, cache, slot_mapping)
+
+    def mla_decode(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """Absorbed-MLA decode attention, ``q [B, H, r + dr]`` -> latent outputs ``[B, H, r]``.
+        Semantics: ``mla_torch.mla_decode``; on the GPU the split-K Triton kernel."""
+        mod = self._mla_triton(q)
+        if mod is None:
+            from tidal.worker.ops import mla_torch as mod
+        return mod.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank)
 
     # --- one-row (batch-1 decode) GEMV and its fusions ------------------------------------------
 

@@ -37,8 +37,21 @@ from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
 from tidal.worker.layers.attention import Attention
 from tidal.worker.models.eagle3 import Eagle3ForCausalLM
+from tidal.worker.spec_decode.uniform_propose import UniformBuffers, UniformHost
 
 logger = logging.getLogger(__name__)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without a wait: a copy from pageable memory would block the
+    host until the GPU had caught up with everything queued before it."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -113,14 +126,14 @@ def make_batch(input_ids: torch.Tensor, counts: np.ndarray, starts: np.ndarray,
     req = np.repeat(np.arange(len(counts)), counts)
     pos = starts[req] + (np.arange(int(qsl[-1])) - qsl[:-1][req])
     seq = (starts + counts).astype(np.int32)
-    positions = torch.from_numpy(pos).to(dev)
-    rows = torch.from_numpy(req).to(dev)
+    positions = to_device(pos, dev)
+    rows = to_device(req, dev)
     slots = (block_table[rows, positions // block_size].long() * block_size
              + positions % block_size)
     meta = AttentionMetadata(
         num_actual_tokens=int(qsl[-1]), num_reqs=len(counts), max_query_len=int(counts.max()),
-        max_seq_len=int(seq.max()), query_start_loc=torch.from_numpy(qsl).to(dev),
-        seq_lens=torch.from_numpy(seq).to(dev), block_table=block_table, slot_mapping=slots,
+        max_seq_len=int(seq.max()), query_start_loc=to_device(qsl, dev),
+        seq_lens=to_device(seq, dev), block_table=block_table, slot_mapping=slots,
         query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_decodes=_leading_decodes(counts))
     if last_rows is None:
         last_rows = qsl[1:].astype(np.int64) - 1
@@ -141,7 +154,7 @@ def shift_in_next_tokens(input_ids: torch.Tensor, last_rows: np.ndarray,
     """EAGLE-3's inputs from a target step's: row t takes row t + 1's token, and each
     request's last row the token the target sampled after it (``next_token_ids`` [R])."""
     shifted = torch.roll(input_ids, -1)
-    shifted[torch.from_numpy(last_rows).to(input_ids.device)] = next_token_ids
+    shifted[to_device(last_rows, input_ids.device)] = next_token_ids
     return shifted
 
 
@@ -215,7 +228,7 @@ class _ChainProposer:
         dev = batch.input_ids.device
         chain = batch.chain_reqs
         last_rows = batch.last_rows[chain]
-        last = torch.from_numpy(last_rows).to(dev)
+        last = to_device(last_rows, dev)
         # Host positions of the chain: each request's last row sits this far before its end.
         qsl, seq = meta.query_start_loc_cpu, meta.seq_lens_cpu
         last_pos = (seq[chain].astype(np.int64) - 1
@@ -225,7 +238,7 @@ class _ChainProposer:
             return DraftOutput(torch.zeros(0, k, dtype=torch.int64, device=dev), None)
         table = meta.block_table
         if batch.chain is not None:
-            table = table[torch.from_numpy(chain).to(dev)]
+            table = table[to_device(chain, dev)]
         ids, probs = self._pick(logits, batch)
         all_ids, all_probs = [ids], [probs]
         for s in range(1, k):
@@ -237,6 +250,70 @@ class _ChainProposer:
         return DraftOutput(torch.stack(all_ids, dim=1),
                            None if batch.all_greedy else torch.stack(all_probs, dim=1))
 
+    @torch.inference_mode()
+    def propose_uniform(self, u: UniformBuffers, n: int, host: UniformHost | None = None
+                        ) -> None:
+        """Greedy drafts of ``n`` requests of ``u.q`` rows each into ``u.out[:n]``, from the
+        buffers alone (what a CUDA graph captures: see ``uniform_propose``). ``host``: the
+        inputs' host copies, for a backend that plans on the host (None under a graph)."""
+        q, k = u.q, self.num_speculative_tokens
+        t = n * q
+        bs = self._block_size()
+        table, valid = u.table[:n], u.valid[:n]
+        width = table.shape[1]
+        cap = min(self.max_model_len, width * bs)
+        pos2 = u.pos_start[:n, None] + u.offsets[None, :]
+        ok2 = valid[:, None] & (pos2 < cap)
+        u.slots[:t].copy_(self._slots(table, pos2, ok2).reshape(t))
+        u.seq[:n].copy_(u.pos_start[:n] + q)
+        empty = np.zeros(0, dtype=np.int32)
+        qsl_h = seq_h = chain_h = empty
+        max_seq = cap
+        if host is not None:
+            qsl_h = np.arange(n + 1, dtype=np.int32) * q
+            seq_h = (host.pos_start + q).astype(np.int32)
+            max_seq = int(seq_h.max())
+        meta = AttentionMetadata(
+            num_actual_tokens=t, num_reqs=n, max_query_len=q, max_seq_len=max_seq,
+            query_start_loc=u.qsl[:n + 1], seq_lens=u.seq[:n], block_table=table,
+            slot_mapping=u.slots[:t], query_start_loc_cpu=qsl_h, seq_lens_cpu=seq_h,
+            num_decodes=n if q == 1 else 0)
+        hidden = u.hidden[:t] if u.hidden is not None else None
+        batch = DraftBatch(u.ids[:t], pos2.reshape(t), meta, _NO_ROWS, hidden)
+        logits, state = self._first(batch, u.qsl[:n].long() + u.last[:n])
+        ids = self._to_target(logits.float().argmax(dim=-1))
+        u.out[:n, 0].copy_(ids)
+        last_pos = u.pos_start[:n] + u.last[:n]
+        for s in range(1, k):
+            p = last_pos + s
+            ok = valid & (p < cap)
+            # A position past the context attends a clamped one (its draft is never verified);
+            # a padding request attends one token.
+            c = torch.where(valid, p.clamp(max=cap - 1), torch.zeros_like(p))
+            u.chain_slots[:n].copy_(self._slots(table, c[:, None], ok[:, None]).squeeze(1))
+            u.chain_seq[:n].copy_(c + 1)
+            if host is not None:
+                ph = host.pos_start + host.last + s
+                chain_h = np.where(host.valid, np.minimum(ph, cap - 1), 0).astype(np.int32) + 1
+                max_seq = int(chain_h.max())
+            step_meta = AttentionMetadata(
+                num_actual_tokens=n, num_reqs=n, max_query_len=1, max_seq_len=max_seq,
+                query_start_loc=u.qsl1[:n + 1], seq_lens=u.chain_seq[:n], block_table=table,
+                slot_mapping=u.chain_slots[:n],
+                query_start_loc_cpu=empty if host is None else np.arange(n + 1, dtype=np.int32),
+                seq_lens_cpu=chain_h, num_decodes=n)
+            logits, state = self._step(ids, c, step_meta, state)
+            ids = self._to_target(logits.float().argmax(dim=-1))
+            u.out[:n, s].copy_(ids)
+
+    def _slots(self, table: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """KV slots of positions ``pos`` [n, m] in the rows' block tables ``[n, width]``; -1
+        where not ``ok`` (nothing is written there)."""
+        bs = self._block_size()
+        safe = torch.where(ok, pos, torch.zeros_like(pos))
+        blocks = table.gather(1, safe // bs).long()
+        return torch.where(ok, blocks * bs + safe % bs, torch.full_like(safe, -1))
+
     def _decode_meta(self, block_table: torch.Tensor, pos: np.ndarray, dev: torch.device
                      ) -> tuple[torch.Tensor, AttentionMetadata]:
         """One token per request at host positions ``pos``. A position past the context or
@@ -247,16 +324,16 @@ class _ChainProposer:
         width = block_table.shape[1]
         ok = (pos < self.max_model_len) & (pos // block_size < width)
         clamped = np.minimum(pos, min(self.max_model_len, width * block_size) - 1)
-        positions = torch.from_numpy(clamped).to(dev)
+        positions = to_device(clamped, dev)
         rows = torch.arange(n, device=dev)
         slots = (block_table[rows, positions // block_size].long() * block_size
                  + positions % block_size)
-        slots = torch.where(torch.from_numpy(ok).to(dev), slots, torch.full_like(slots, -1))
+        slots = torch.where(to_device(ok, dev), slots, torch.full_like(slots, -1))
         qsl = np.arange(n + 1, dtype=np.int32)
         seq = (clamped + 1).astype(np.int32)
         meta = AttentionMetadata(
             num_actual_tokens=n, num_reqs=n, max_query_len=1, max_seq_len=int(seq.max()),
-            query_start_loc=torch.from_numpy(qsl).to(dev), seq_lens=torch.from_numpy(seq).to(dev),
+            query_start_loc=to_device(qsl, dev), seq_lens=to_device(seq, dev),
             block_table=block_table, slot_mapping=slots, query_start_loc_cpu=qsl,
             seq_lens_cpu=seq, num_decodes=n)
         return positions, meta

@@ -34,7 +34,8 @@ import torch
 from tidal.engine_core.speculative_config import SpeculativeConfig
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.sample.metadata import position_seed
-from tidal.worker.spec_decode.draft_proposer import DraftProposer, make_batch
+from tidal.worker.spec_decode.draft_proposer import DraftProposer, make_batch, to_device
+from tidal.worker.spec_decode.uniform_propose import ProposeGraphs, UniformBuffers, UniformHost
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class StepRows:
 class ModelDrafter:
     def __init__(self, config: SpeculativeConfig, proposer: DraftProposer, *,
                  max_num_reqs: int, max_num_tokens: int, block_size: int,
-                 block_table: torch.Tensor, device: torch.device) -> None:
+                 block_table: torch.Tensor, device: torch.device,
+                 aux_buffer: torch.Tensor | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.eagle = config.method == "eagle3"
@@ -74,6 +76,20 @@ class ModelDrafter:
         # Request id -> (its drafts, q [len(drafts), V]) for the next verification.
         self._q: dict[str, tuple[list[int], torch.Tensor]] = {}
         self._step: StepRows | None = None
+        # Uniform steps (``uniform_propose``): k + 1 rows per request, as many requests as
+        # the buffers (and an EAGLE-3 head's share of the target's aux buffer) hold.
+        q = self.k + 1
+        uniform_reqs = max_num_reqs
+        if self.eagle:
+            uniform_reqs = 0 if aux_buffer is None else min(max_num_reqs,
+                                                             aux_buffer.shape[0] // q)
+        self._uniform = (UniformBuffers.allocate(uniform_reqs, q, self.k, block_table.shape[1],
+                                                 device, aux_buffer if self.eagle else None)
+                         if uniform_reqs and hasattr(proposer, "propose_uniform") else None)
+        self.graphs: ProposeGraphs | None = None
+        self.uniform_steps = 0  # (counted for tests and benchmarks)
+        self.early_steps = 0  # of which launched by ``propose_early``
+        self._early: StepRows | None = None  # the step ``propose_early`` launched for
 
     # --- the draft's KV cache ------------------------------------------------------------------
 
@@ -92,16 +108,21 @@ class ModelDrafter:
         self._seen_generation.fill(-1)
 
     def release_kv_cache(self) -> None:
+        self.graphs = None  # (they address the cache being released)
         for layer in self.proposer.attention_layers():
             layer.kv_cache = torch.empty(0)
         self._seen_generation.fill(-1)
 
     def _tables(self, b: InputBatch, rows: np.ndarray) -> torch.Tensor:
         """The rows' block tables with every entry past a row's own blocks in its scratch."""
+        both = to_device(np.stack((rows.astype(np.int64),
+                                   b.num_blocks[rows].astype(np.int64))), self.device)
+        return self._tables_from(both[0], both[1])
+
+    def _tables_from(self, rows_d: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
         dev = self.device
-        rows_d = torch.from_numpy(rows.astype(np.int64)).to(dev)
         table = self.block_table.index_select(0, rows_d)
-        own = torch.from_numpy(b.num_blocks[rows].astype(np.int64)).to(dev).unsqueeze(1)
+        own = own.unsqueeze(1)
         j = torch.arange(table.shape[1], device=dev).unsqueeze(0)
         scratch = (self._scratch_base + rows_d.unsqueeze(1) * self.scratch_per_row
                    + (j - own).clamp(0, self.scratch_per_row - 1))
@@ -112,6 +133,7 @@ class ModelDrafter:
     def observe(self, rows: np.ndarray, cu: np.ndarray, seq_lens: np.ndarray,
                 aux: torch.Tensor | None) -> None:
         """The target step just run (EAGLE-3 drafts from its hidden states)."""
+        self._early = None
         if self.eagle:
             assert aux is not None
             self._step = StepRows(rows, cu, seq_lens, aux[:int(cu[-1])])
@@ -143,6 +165,23 @@ class ModelDrafter:
         self._seen_generation[rows] = b.generation[rows]
         n_tokens = b.num_tokens[rows].astype(np.int64)
         seen = self._seen[rows].copy()
+        own = b.num_blocks[rows].astype(np.int64) * self.block_size
+        q = self.k + 1
+        u = self._uniform
+        if (u is not None and len(rows) <= u.max_reqs and not fresh.any()
+                and bool((n_tokens >= q).all()) and bool((n_tokens - seen <= q).all())
+                and bool((b.temperature[rows] <= 0).all())):
+            # Each request's newest q tokens: those it has not seen, then older ones again
+            # (their K/V rewritten as they were), so every request has q rows.
+            starts = n_tokens - q
+            ids_h = b.token_ids[np.repeat(rows, q),
+                                (starts[:, None] + np.arange(q)).ravel()].astype(np.int64)
+            tokens = self._run_uniform(b, rows, ids_h, starts,
+                                       np.full(len(rows), q - 1, dtype=np.int64))
+            self._seen[rows] = np.minimum(n_tokens, own)
+            for j, i in enumerate(where.tolist()):
+                out[i] = tokens[j, :int(limits[j])].tolist()
+            return
         table = self._tables(b, rows)
         # Catch up in passes of at most the token budget; the last pass ends each request
         # with its newest token (the chain starts there).
@@ -164,7 +203,6 @@ class ModelDrafter:
         batch_rows = np.ones(len(rows), dtype=bool)
         drafts = self._run(b, rows, seen, counts, table, batch_rows,
                            chain=np.arange(len(rows), dtype=np.int64), limits=limits)
-        own = b.num_blocks[rows].astype(np.int64) * self.block_size
         self._seen[rows] = np.minimum(n_tokens, own)
         for j, i in enumerate(where.tolist()):
             out[i] = drafts[j]
@@ -180,9 +218,9 @@ class ModelDrafter:
         pos = np.repeat(starts_p, counts_p) + (
             np.arange(int(counts_p.sum()), dtype=np.int64)
             - np.repeat(np.cumsum(counts_p) - counts_p, counts_p))
-        ids = torch.from_numpy(b.token_ids[token_rows, pos].astype(np.int64)).to(self.device)
+        ids = to_device(b.token_ids[token_rows, pos].astype(np.int64), self.device)
         if len(sel) < len(rows):
-            table = table[torch.from_numpy(sel).to(self.device)]
+            table = table[to_device(sel, self.device)]
         # (A pass with a chain holds every row: ``chain`` indexes the pass as it does ``rows``.)
         return self._draft(b, rows_p, ids, counts_p, starts_p, table, None, None, chain, limits)
 
@@ -196,9 +234,7 @@ class ModelDrafter:
         # Row t holds token t + 1: a prompt's next token, an accepted draft, the target's
         # sample; past a request's tokens (rejected drafts) whatever its row holds, unread.
         width = b.token_ids.shape[1]
-        ids = torch.from_numpy(
-            b.token_ids[token_rows, np.minimum(pos + 1, width - 1)].astype(np.int64)
-        ).to(self.device)
+        ids_h = b.token_ids[token_rows, np.minimum(pos + 1, width - 1)].astype(np.int64)
         index_of = {int(r): i for i, r in enumerate(step.rows.tolist())}
         chain_step, chain_out, chain_limits = [], [], []
         last_rows = step.cu[1:].astype(np.int64) - 1
@@ -214,12 +250,117 @@ class ModelDrafter:
             chain_step.append(i)
             chain_out.append(j)
             chain_limits.append(int(limits[j]))
+        q = self.k + 1
+        u = self._uniform
+        early, self._early = self._early is step, None
+        if early:  # launched from the verify step's outputs (``propose_early``)
+            tokens = self._uniform_out(len(step.rows))
+            for i, j, limit in zip(chain_step, chain_out, chain_limits):
+                out[j] = tokens[i, :limit].tolist()
+            return
+        if (u is not None and chain_step and len(step.rows) <= u.max_reqs
+                and bool((counts == q).all())
+                and bool((b.temperature[step.rows[chain_step]] <= 0).all())):
+            last = np.full(len(step.rows), q - 1, dtype=np.int64)
+            last[chain_step] = last_rows[chain_step] - step.cu[chain_step].astype(np.int64)
+            tokens = self._run_uniform(b, step.rows, ids_h, starts, last)
+            for i, j, limit in zip(chain_step, chain_out, chain_limits):
+                out[j] = tokens[i, :limit].tolist()
+            return
+        ids = to_device(ids_h, self.device)
         table = self._tables(b, step.rows)
         drafts = self._draft(b, step.rows, ids, counts, starts, table, step.aux, last_rows,
                              np.array(chain_step, dtype=np.int64),
                              np.array(chain_limits, dtype=np.int64))
         for j, d in zip(chain_out, drafts):
             out[j] = d
+
+    def _run_uniform(self, b: InputBatch, rows: np.ndarray, ids: np.ndarray,
+                     starts: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """Greedy drafts ``[len(rows), k]`` of a uniform step (``uniform_propose``): its
+        captured graph where there is one, else the same step eagerly."""
+        self._launch_uniform(b, rows, ids, starts, last)
+        return self._uniform_out(len(rows))
+
+    def _launch_uniform(self, b: InputBatch, rows: np.ndarray, ids: np.ndarray | torch.Tensor,
+                        starts: np.ndarray, last: np.ndarray | torch.Tensor) -> None:
+        """Fill the uniform buffers and run the step; ``ids`` / ``last`` may already be on
+        the device (``propose_early``: only where a graph replays, which needs no host
+        copies of them)."""
+        u = self._uniform
+        assert u is not None
+        n_req, q = len(rows), u.q
+        t = n_req * q
+        on_host = isinstance(ids, np.ndarray)
+        host_last = last
+        parts = [starts, rows.astype(np.int64), b.num_blocks[rows].astype(np.int64)]
+        if on_host:
+            parts += [last, ids]  # type: ignore[list-item]
+        packed = to_device(np.concatenate(parts), self.device)
+        starts_d, rows_d, blocks_d = packed[:n_req], packed[n_req:2 * n_req], \
+            packed[2 * n_req:3 * n_req]
+        if on_host:
+            last, ids = packed[3 * n_req:4 * n_req], packed[4 * n_req:]
+        u.ids[:t].copy_(ids.reshape(t))  # type: ignore[union-attr]
+        u.last[:n_req].copy_(last)  # type: ignore[arg-type]
+        size = self.graphs.size_for(n_req) if self.graphs is not None else None
+        n = size or n_req
+        u.pos_start[:n_req].copy_(starts_d)
+        u.table[:n_req].copy_(self._tables_from(rows_d, blocks_d))
+        u.valid[:n] = u.qsl1[:n] < n_req
+        if n > n_req:  # padding requests: one short query each, nothing written
+            u.pos_start[n_req:n].zero_()
+            u.last[n_req:n].fill_(q - 1)
+        if size is not None:
+            self.graphs.replay(size)  # type: ignore[union-attr]
+        else:
+            assert on_host, "an early launch needs its graph"
+            self.proposer.propose_uniform(  # type: ignore[attr-defined]
+                u, n_req, UniformHost(starts, host_last, np.ones(n_req, dtype=bool)))
+        self.uniform_steps += 1
+
+    def _uniform_out(self, n_req: int) -> np.ndarray:
+        assert self._uniform is not None
+        return self._uniform.out[:n_req].cpu().numpy()
+
+    def propose_early(self, b: InputBatch, sample_rows: np.ndarray, token_ids: torch.Tensor,
+                      num_emitted: torch.Tensor) -> bool:
+        """An EAGLE-3 head's uniform step launched from the verify step's device outputs,
+        before the host has them (one wait for both): row j of a request holds token j of
+        what it emitted (its accepted drafts, then the target's token), the chain starts at
+        its last emitted one. Only for a step whose graph is captured; ``propose`` then
+        picks the drafts up. Returns whether it launched."""
+        step, u = self._step, self._uniform
+        if not self.eagle or step is None or u is None or self.graphs is None:
+            return False
+        q = self.k + 1
+        n_req = len(step.rows)
+        counts = np.diff(step.cu)
+        if (n_req > u.max_reqs or self.graphs.size_for(n_req) is None
+                or tuple(token_ids.shape) != (n_req, q) or not bool((counts == q).all())
+                or not np.array_equal(sample_rows, step.rows)
+                or bool((b.temperature[step.rows] > 0).any())):
+            return False
+        starts = step.seq_lens.astype(np.int64) - counts
+        self._launch_uniform(b, step.rows, token_ids.clamp(min=0), starts,
+                             (num_emitted - 1).clamp(min=0))
+        self._early = step
+        self.early_steps += 1
+        return True
+
+    def capture_graphs(self, max_reqs: int) -> None:
+        """Capture the uniform propose step for padded request counts up to ``max_reqs`` (the
+        target's decode graph sizes); call with the draft's KV cache bound."""
+        from tidal.worker.cuda_graphs import capture_sizes
+
+        if self._uniform is None:
+            return
+        sizes = capture_sizes(min(max_reqs, self._uniform.max_reqs))
+        if not sizes:
+            return
+        graphs = ProposeGraphs(sizes)
+        graphs.capture(self.proposer, self._uniform)  # type: ignore[arg-type]
+        self.graphs = graphs
 
     def _draft(self, b: InputBatch, rows: np.ndarray, ids: torch.Tensor, counts: np.ndarray,
                starts: np.ndarray, table: torch.Tensor, hidden: torch.Tensor | None,
@@ -231,7 +372,7 @@ class ModelDrafter:
         all_greedy = not random.any()
         temperature = gens = None
         if not all_greedy:
-            temperature = torch.from_numpy(temp).to(self.device)
+            temperature = to_device(temp, self.device)
             gens = {}
             for i in np.flatnonzero(random & (b.seed[chain_rows] >= 0)).tolist():
                 row = int(chain_rows[i])

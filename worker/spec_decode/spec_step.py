@@ -22,6 +22,7 @@ samples nothing: an EAGLE-3 head still reads a prompt chunk's hidden states).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,7 +40,11 @@ from tidal.worker.sample.metadata import (
     Stage,
     position_seed,
 )
-from tidal.worker.sample.rejection_sampler import RejectionSampler, verify_layout
+from tidal.worker.sample.rejection_sampler import (
+    RejectionOutput,
+    RejectionSampler,
+    verify_layout,
+)
 from tidal.worker.sample.sampler import compute_logprobs
 from tidal.worker.spec_decode.model_drafter import ModelDrafter
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
@@ -112,7 +117,8 @@ class SpeculativeStep:
         self.drafter = ModelDrafter(self.config, proposer, max_num_reqs=max_num_reqs,
                                     max_num_tokens=max_num_tokens,
                                     block_size=engine.cache.block_size,
-                                    block_table=block_table, device=self.device)
+                                    block_table=block_table, device=self.device,
+                                    aux_buffer=getattr(target, "aux_hidden_states", None))
         logger.info("speculative %s: draft %s loaded (%s)", self.config.method, dcfg.path,
                     self.config.draft_summary or dcfg.arch.architecture)
 
@@ -122,6 +128,11 @@ class SpeculativeStep:
 
     def scratch_bytes(self) -> int:
         return self.drafter.scratch_bytes() if self.drafter is not None else 0
+
+    def capture_graphs(self, max_reqs: int) -> None:
+        """CUDA graphs of the drafter's uniform propose steps (model methods)."""
+        if self.drafter is not None:
+            self.drafter.capture_graphs(max_reqs)
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         if self.drafter is not None:
@@ -206,19 +217,29 @@ class SpeculativeStep:
 
     def verify(self, b: InputBatch, logits: torch.Tensor, meta: SamplingMetadata,
                builder: SamplingMetadataBuilder, sample_rows: np.ndarray,
-               sampled_ids: list[str], spec: dict[str, list[int]]
+               sampled_ids: list[str], spec: dict[str, list[int]], propose: bool = False
                ) -> tuple[list[list[int]], dict[str, str], LogprobsArrays | None]:
         """Run the rejection sampler over the step's verify logits, append the emitted tokens
         to the rows; returns each sampling request's tokens (empty for one that failed), the
         failures, and the logprobs of every emitted token in order (when asked for). A batch
         that fails is retried request by request, so only the requests that fail are dropped
-        (their logprobs too, for that step, as ``ModelRunner._sample`` does)."""
+        (their logprobs too, for that step, as ``ModelRunner._sample`` does). ``propose``:
+        ``propose`` follows, so a drafter may launch its proposal before the wait for the
+        emitted tokens (``ModelDrafter.propose_early``)."""
         drafts = [spec.get(rid, []) for rid in sampled_ids]
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] != drafts:
             staged = None  # (not this step's: never expected)
         try:
-            emitted, logprobs = self._verify_batch(logits, meta, drafts, staged, sampled_ids)
+            early = None
+            if propose and self.drafter is not None:
+                drafter = self.drafter
+
+                def early(out: RejectionOutput) -> None:
+                    drafter.propose_early(b, sample_rows, out.token_ids, out.num_emitted)
+
+            emitted, logprobs = self._verify_batch(logits, meta, drafts, staged, sampled_ids,
+                                                   early)
             failed: dict[str, str] = {}
         except Exception as exc:  # noqa: BLE001 - isolated below, request by request
             logger.warning("batched verification failed (%s); isolating the failing "
@@ -231,7 +252,8 @@ class SpeculativeStep:
 
     def _verify_batch(self, logits: torch.Tensor, meta: SamplingMetadata,
                       drafts: list[list[int]], staged: tuple | None = None,
-                      req_ids: list[str] | None = None
+                      req_ids: list[str] | None = None,
+                      early: Callable[[RejectionOutput], None] | None = None
                       ) -> tuple[list[list[int]], LogprobsArrays | None]:
         lay = verify_layout(drafts)
         dev = logits.device
@@ -249,6 +271,8 @@ class SpeculativeStep:
                 and lay.num_drafts.any()):
             q = self.drafter.draft_probs(req_ids, drafts, logits.shape[1])
         out = self.sampler(logits, meta, index, draft_ids, num_drafts, q)
+        if early is not None:
+            early(out)
         # The step's one wait for the device: the emitted tokens decide the next step.
         both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1).cpu().numpy()
         tokens, counts = both[:, :-1], both[:, -1]

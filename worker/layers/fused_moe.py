@@ -1,0 +1,198 @@
+"""The mixture-of-experts layer: routing (``select_experts``) and the experts' SwiGLU MLPs run
+as one fused op (``FusedMoE``).
+
+The router gate (a replicated ``nn.Linear(H, E)``) and any shared experts belong to the model;
+it hands ``FusedMoE.forward`` the router logits. Each expert is ``down(silu(gate(x)) * up(x))``;
+the experts' gate and up weights are stacked as ``w13 [E, 2 * I_shard, H]`` (each expert's gate
+rows, then its up rows, the layout ``silu_and_mul`` takes) and the down weights as
+``w2 [E, H, I_shard]``. Tensor parallelism shards every expert's intermediate dimension, like a
+column-parallel gate/up followed by a row-parallel down: each rank's output is a partial sum,
+completed by one all-reduce when ``reduce_results``.
+
+Which kernels run is the worker's kernel policy (``Kernels.select_experts`` and
+``Kernels.fused_moe``): Triton on CUDA (``ops/triton_moe``), plain torch (``ops/moe_torch``,
+where ``select_experts`` is defined; this module re-exports it) elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.kernel_policy import current_kernels
+from tidal.worker.layers.linear import WeightShapeError, _shard, as_tensor, set_weight_loader
+from tidal.worker.ops.moe_torch import select_experts
+
+__all__ = ["FusedMoE", "RoutingConfig", "select_experts"]
+
+Which = Literal["gate", "up", "down"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How router logits pick experts and weigh them.
+
+    ``num_groups`` / ``topk_groups``: grouped top-k (DeepSeek-V2's "group_limited_greedy"): the
+    experts fall in ``num_groups`` equal groups, a group's score is the max of its experts'
+    scores, and only experts of the ``topk_groups`` best groups are eligible.
+    """
+
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    renormalize: bool = True  # divide the top-k weights by their sum
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the final weights
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {self.top_k}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.num_groups < 1 or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"need 1 <= topk_groups ({self.topk_groups}) <= num_groups "
+                             f"({self.num_groups})")
+
+    def check(self, num_experts: int) -> None:
+        """Raise ``ValueError`` unless this routing can pick from ``num_experts`` experts."""
+        if num_experts % self.num_groups:
+            raise ValueError(f"{num_experts} experts do not split into {self.num_groups} groups")
+        eligible = num_experts // self.num_groups * self.topk_groups
+        if self.top_k > eligible:
+            raise ValueError(f"top_k {self.top_k} exceeds the {eligible} eligible experts "
+                             f"({num_experts} experts, {self.topk_groups} of "
+                             f"{self.num_groups} groups)")
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` SwiGLU experts behind a router; ``forward(hidden, router_logits)``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 routing: RoutingConfig, dtype: torch.dtype, tp: ParallelGroup | None = None,
+                 reduce_results: bool = True, prefix: str = "") -> None:
+        super().__init__()
+        self.tp = tp or single_group()
+        routing.check(num_experts)
+        if intermediate_size % self.tp.world_size:
+            raise ValueError(f"{prefix or 'MoE'}: intermediate size {intermediate_size} does not "
+                             f"split over {self.tp.world_size} tensor-parallel ranks")
+        self.kernels = current_kernels()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.shard_size = intermediate_size // self.tp.world_size
+        self.routing = routing
+        self.reduce_results = reduce_results
+        self.prefix = prefix
+        i = self.shard_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype),
+                               requires_grad=False)
+        set_weight_loader(self.w13, self.weight_loader)
+        set_weight_loader(self.w2, self.weight_loader)
+        # (which, expert) pairs loaded so far, so a model can tell a checkpoint that lacks some.
+        self._loaded: set[tuple[str, int]] = set()
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.shard_size}/{self.intermediate_size}, "
+                f"routing={self.routing}")
+
+    # --- weights ------------------------------------------------------------------------------
+
+    def _slot(self, which: str, expert: int) -> torch.Tensor:
+        """This rank's place for ``which`` of ``expert`` (a view into w13 or w2)."""
+        i = self.shard_size
+        if which == "gate":
+            return self.w13.data[expert, :i]
+        if which == "up":
+            return self.w13.data[expert, i:]
+        if which == "down":
+            return self.w2.data[expert]
+        raise WeightShapeError(f"unknown expert weight {which!r} (gate, up or down)")
+
+    def _rank_part(self, which: str, weight: Any, dim: int) -> torch.Tensor:
+        """This rank's shard of a full checkpoint tensor: gate/up split their output rows,
+        down its input columns (``dim`` counts from the end so stacked tensors work too)."""
+        what = f"{self.prefix or 'MoE'} expert {which}"
+        full = self.intermediate_size
+        if weight.shape[dim] != full:
+            raise WeightShapeError(f"{what}: expected intermediate size {full} in dimension "
+                                   f"{dim % len(weight.shape)}, got shape {tuple(weight.shape)}")
+        if self.tp.world_size == 1:
+            return as_tensor(weight)
+        return as_tensor(_shard(weight, dim % len(weight.shape), self.tp.rank,
+                                self.tp.world_size, what))
+
+    def load_expert_weight(self, which: Which, expert: int, weight: Any) -> None:
+        """Load one expert's FULL checkpoint tensor (gate/up ``[I, H]``, down ``[H, I]``); this
+        rank keeps its shard of the intermediate dimension."""
+        if not 0 <= expert < self.num_experts:
+            raise WeightShapeError(f"{self.prefix or 'MoE'}: expert {expert} out of range "
+                                   f"(0..{self.num_experts - 1})")
+        part = self._rank_part(which, weight, -2 if which != "down" else -1)
+        dst = self._slot(which, expert)
+        if dst.shape != part.shape:
+            raise WeightShapeError(f"{self.prefix or 'MoE'} expert {expert} {which}: the model "
+                                   f"expects {tuple(dst.shape)}, the checkpoint gives "
+                                   f"{tuple(part.shape)}")
+        dst.copy_(part)
+        self._loaded.add((which, expert))
+
+    def load_stacked_weight(self, which: Which, weight: Any) -> None:
+        """Load every expert's ``which`` from one stacked tensor (``[E, I, H]`` for gate/up,
+        ``[E, H, I]`` for down, full size), as GGUF stores them."""
+        if len(weight.shape) != 3 or weight.shape[0] != self.num_experts:
+            raise WeightShapeError(f"{self.prefix or 'MoE'} stacked {which}: expected "
+                                   f"{self.num_experts} experts stacked in a 3-d tensor, got "
+                                   f"shape {tuple(weight.shape)}")
+        part = self._rank_part(which, weight, -2 if which != "down" else -1)
+        i = self.shard_size
+        dst = {"gate": self.w13.data[:, :i], "up": self.w13.data[:, i:],
+               "down": self.w2.data}.get(which)
+        if dst is None:
+            raise WeightShapeError(f"unknown expert weight {which!r} (gate, up or down)")
+        if dst.shape != part.shape:
+            raise WeightShapeError(f"{self.prefix or 'MoE'} stacked {which}: the model expects "
+                                   f"{tuple(dst.shape)}, the checkpoint gives "
+                                   f"{tuple(part.shape)}")
+        dst.copy_(part)
+        self._loaded.update((which, e) for e in range(self.num_experts))
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """The parameters' loader: ``shard_id`` is ``(which, expert)`` for one expert's tensor,
+        ``(which, None)`` or ``which`` for a stacked one."""
+        if isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] is not None:
+            self.load_expert_weight(shard_id[0], int(shard_id[1]), loaded)
+            return
+        which = shard_id[0] if isinstance(shard_id, tuple) else shard_id
+        if which is None:
+            raise WeightShapeError(f"{self.prefix or 'MoE'}: an expert tensor needs a shard id "
+                                   "(which, expert)")
+        self.load_stacked_weight(which, loaded)
+
+    def missing_weights(self) -> list[str]:
+        """The expert tensors not loaded yet, as ``'<which> of expert <e>'``."""
+        return [f"{w} of expert {e}" for e in range(self.num_experts)
+                for w in ("gate", "up", "down") if (w, e) not in self._loaded]
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden [T, H]`` (or ``[..., H]``) and ``router_logits [T, E]`` -> ``[T, H]``, summed
+        over the tensor-parallel ranks when ``reduce_results``. ``correction_bias [E]`` biases
+        the choice of experts only (``select_experts``)."""
+        shape = hidden.shape
+        x = hidden.reshape(-1, self.hidden_size)
+        weights, ids = self.kernels.select_experts(router_logits.reshape(-1, self.num_experts),
+                                                   self.routing, correction_bias)
+        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.reduce_results:
+            out = self.tp.all_reduce(out)
+        return out.view(shape)

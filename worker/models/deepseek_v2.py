@@ -1,0 +1,242 @@
+"""DeepSeek-V2 (and V2-Lite): multi-head latent attention (``layers.mla``) and a mixture of
+experts with shared experts.
+
+Each layer: RMSNorm -> MLA -> RMSNorm -> feed-forward, the residual added before each norm. The
+feed-forward block is a dense SwiGLU MLP on the first ``first_k_dense_replace`` layers (and any
+the config's ``moe_layer_freq`` skips), elsewhere a router (replicated, scored in float32 as HF
+does), the routed experts (``FusedMoE``: greedy or group-limited top-k, ``routed_scaling_factor``)
+and the shared experts (one dense MLP of ``n_shared_experts`` x ``moe_intermediate_size``) added
+to the routed output.
+
+Parameter names follow HF's ``DeepseekV2ForCausalLM``, except the fused ``gate_up_proj`` of the
+dense MLPs and the stacked ``experts.w13`` / ``experts.w2``, which ``load_weights`` assembles
+from the checkpoint's per-expert tensors (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.engine_core.model_arch import ArchSpec
+from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.layers.activation import SiluAndMul
+from tidal.worker.layers.fused_moe import FusedMoE, RoutingConfig
+from tidal.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    as_tensor,
+    default_weight_loader,
+    set_weight_loader,
+)
+from tidal.worker.layers.mla import MLAAttention
+from tidal.worker.layers.norm import RMSNorm
+from tidal.worker.layers.rotary import RotaryEmbedding
+from tidal.worker.models.decoder import (
+    WeightLoadError,
+    WeightTally,
+    build_stage_ends,
+    layer_range,
+)
+
+# ``layers.{i}.mlp.experts.`` then ``{e}.{gate,up,down}_proj.weight`` (HF checkpoints) or
+# ``{gate_up,down}_proj`` (every expert stacked, as transformers holds them in memory).
+_EXPERT_TENSOR = re.compile(
+    r"layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate|up|down)_proj\.weight|(gate_up|down)_proj)$")
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; ``reduce_results`` False leaves the tensor-parallel sum
+    to the caller (the MoE block sums the shared and routed experts with one all-reduce)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, tp: ParallelGroup,
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, dtype, tp,
+                                           reduce_results=reduce_results)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 prefix: str) -> None:
+        super().__init__()
+        self.tp = tp
+        # The router stays float32 whatever the model dtype (HF keeps ``gate`` in float32).
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size,
+                                                    dtype=torch.float32), requires_grad=False)
+        set_weight_loader(self.gate.weight, lambda p, t, shard_id=None: default_weight_loader(p, t))
+        routing = RoutingConfig(top_k=arch.num_experts_per_tok, scoring="softmax",
+                                renormalize=arch.norm_topk_prob, num_groups=arch.n_group,
+                                topk_groups=arch.topk_group,
+                                routed_scaling_factor=arch.routed_scaling_factor)
+        self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size,
+                                routing, dtype, tp, reduce_results=False, prefix=prefix)
+        shared = (arch.shared_expert_intermediate_size
+                  or arch.n_shared_experts * arch.moe_intermediate_size)
+        self.shared_experts = (GatedMLP(arch.hidden_size, shared, dtype, tp,
+                                        reduce_results=False) if shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight)
+        out = self.experts(x, logits)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)
+
+
+class DeepseekV2Layer(nn.Module):
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
+                 rotary_emb: RotaryEmbedding, layer: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(arch, dtype, tp, rotary_emb)
+        if arch.is_moe_layer(layer):
+            self.mlp: nn.Module = DeepseekV2MoE(arch, dtype, tp, f"layers.{layer}.mlp.experts")
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, dtype, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    supports_lazy_weights = True
+
+    def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
+                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
+        super().__init__()
+        if not arch.is_mla:
+            raise ValueError(f"{arch.architecture}: DeepSeek-V2 needs kv_lora_rank (MLA)")
+        self.arch = arch
+        self.tp = tp or single_group()
+        self.pp = pp or single_group()
+        self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
+        # One cos/sin table for every layer (V2's is 160k positions long); DeepSeek rotates
+        # interleaved pairs (GPT-J style), as HF's complex-number rotary does.
+        rope = RotaryEmbedding(arch.qk_rope_head_dim, arch.max_position_embeddings,
+                               arch.rope_theta, arch.rope_scaling, is_neox=False)
+        self.layers = nn.ModuleDict({
+            str(i): DeepseekV2Layer(arch, dtype, self.tp, rope, i)
+            for i in range(self.start_layer, self.end_layer)
+        })
+        build_stage_ends(self, arch, dtype, RMSNorm)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn for layer in self.layers.values()]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``DecoderForCausalLM.forward``: the first stage embeds, the last returns the
+        final normed hidden states (and None), others (hidden, residual) to send on."""
+        self.tp.begin_step()
+        if self.pp.is_first:
+            hidden = self.embed_tokens(input_ids)
+            residual = None
+        elif hidden is None:  # a later stage's memory-profiling pass
+            dtype = self.layers[str(self.start_layer)].input_layernorm.weight.dtype
+            hidden = torch.zeros(input_ids.shape[0], self.arch.hidden_size, dtype=dtype,
+                                 device=input_ids.device)
+            residual = torch.zeros_like(hidden)
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if not self.pp.is_last:
+            return hidden, residual
+        if residual is None:
+            return self.norm(hidden), None
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    # --- weights ------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; raises ``WeightLoadError``
+        naming the tensor on a mismatch, and listing every parameter the checkpoint lacked."""
+        tally = WeightTally(dict(self.named_parameters(remove_duplicate=False)))
+        expected = set(tally.params)
+        if self.arch.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        for ckpt_name, tensor in weights:
+            name = self._param_name(ckpt_name)
+            if name is None:
+                continue
+            if self._load_expert(ckpt_name, name, tensor):
+                continue
+            shard_id = None
+            if ".mlp." in name:  # dense and shared-expert gate/up fuse into gate_up_proj
+                name, shard_id = tally.fused(name)
+            if name not in tally.params:
+                head = name.split(".")[0]
+                if head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None:
+                    continue  # another pipeline stage's
+                raise WeightLoadError(ckpt_name, "the checkpoint has it but the model does not "
+                                      f"({self.arch.architecture}); wrong architecture?")
+            tally.load(ckpt_name, name, shard_id, tensor)
+        missing = expected - tally.loaded()
+        for i, layer in self.layers.items():
+            if isinstance(layer.mlp, DeepseekV2MoE):
+                lacking = layer.mlp.experts.missing_weights()
+                for p in ("w13", "w2"):
+                    missing.discard(f"layers.{i}.mlp.experts.{p}")
+                if lacking:
+                    missing.add(f"layers.{i}.mlp.experts ({lacking[0]}, ...)")
+        tally.check_missing(missing)
+
+    def _load_expert(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> bool:
+        m = _EXPERT_TENSOR.fullmatch(name)
+        if m is None:
+            return False
+        layer = self.layers[m.group(1)]
+        if not isinstance(layer.mlp, DeepseekV2MoE):
+            raise WeightLoadError(ckpt_name, f"layer {m.group(1)} is a dense layer here "
+                                  "(first_k_dense_replace / moe_layer_freq), not an MoE one")
+        experts = layer.mlp.experts
+        try:
+            if m.group(2) is not None:
+                experts.load_expert_weight(m.group(3), int(m.group(2)), tensor)
+            elif m.group(4) == "down":
+                experts.load_stacked_weight("down", tensor)
+            else:  # [E, 2I, H]: each expert's gate rows, then its up rows
+                full = as_tensor(tensor)
+                inter = full.shape[1] // 2
+                experts.load_stacked_weight("gate", full[:, :inter])
+                experts.load_stacked_weight("up", full[:, inter:])
+        except ValueError as exc:
+            raise WeightLoadError(ckpt_name, str(exc)) from exc
+        return True
+
+    def _param_name(self, ckpt_name: str) -> str | None:
+        if "rotary_emb.inv_freq" in ckpt_name:
+            return None
+        name = ckpt_name[len("model."):] if ckpt_name.startswith("model.") else ckpt_name
+        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            return None
+        if name.startswith("layers."):
+            idx = int(name.split(".")[1])
+            if not self.start_layer <= idx < self.end_layer:
+                return None  # another pipeline stage's layer
+        return name
