@@ -382,14 +382,25 @@ class DecoderForCausalLM(nn.Module):
             name = self._param_name(ckpt_name)
             if name is None or self.load_special(tally, ckpt_name, name, tensor):
                 continue
-            name, shard_id = tally.fused(name)
+            name, shard_id = self.fused_name(tally, name)
             if name not in tally.params:
                 if self._belongs_elsewhere(name):
                     continue
                 raise WeightLoadError(ckpt_name, "the checkpoint has it but the model does not "
                                       f"({self.arch.architecture}); wrong architecture?")
             tally.load(ckpt_name, name, shard_id, tensor)
-        tally.check_missing(expected - tally.loaded())
+        tally.check_missing(self.still_missing(expected - tally.loaded()))
+
+    def fused_name(self, tally: WeightTally, name: str) -> tuple[str, object | None]:
+        """The parameter a checkpoint tensor fills and its shard id: q/k/v into ``qkv_proj``,
+        gate/up into ``gate_up_proj``; a family with other projections under those names
+        narrows it."""
+        return tally.fused(name)
+
+    def still_missing(self, missing: set[str]) -> set[str]:
+        """The parameters the checkpoint lacked, as the tally counts them; a family whose
+        ``load_special`` fills parameters piecewise (MoE experts) corrects the count."""
+        return missing
 
     def make_layer(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                    layer: int) -> nn.Module:

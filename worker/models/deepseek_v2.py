@@ -16,7 +16,6 @@ from the checkpoint's per-expert tensors (``mlp.experts.{e}.{gate,up,down}_proj.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
-from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.fused_moe import FusedMoE, RoutingConfig
 from tidal.worker.layers.linear import (
@@ -37,12 +36,7 @@ from tidal.worker.layers.linear import (
 from tidal.worker.layers.mla import MLAAttention
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
-from tidal.worker.models.decoder import (
-    WeightLoadError,
-    WeightTally,
-    build_stage_ends,
-    layer_range,
-)
+from tidal.worker.models.decoder import DecoderForCausalLM, WeightLoadError, WeightTally
 
 # ``layers.{i}.mlp.experts.`` then ``{e}.{gate,up,down}_proj.weight`` (HF checkpoints) or
 # ``{gate_up,down}_proj`` (every expert stacked, as transformers holds them in memory).
@@ -120,83 +114,38 @@ class DeepseekV2Layer(nn.Module):
         return self.mlp(x), residual
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    supports_lazy_weights = True
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    """The decoder's stages, forward pass and checkpoint loading over DeepSeek-V2's layers."""
+
+    # No EAGLE-3 head has been trained on an MLA target here.
+    supports_aux_hidden_states = False
 
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                  tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
-        super().__init__()
         if not arch.is_mla:
             raise ValueError(f"{arch.architecture}: DeepSeek-V2 needs kv_lora_rank (MLA)")
-        self.arch = arch
-        self.tp = tp or single_group()
-        self.pp = pp or single_group()
-        self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
-        # One cos/sin table for every layer (V2's is 160k positions long); DeepSeek rotates
-        # interleaved pairs (GPT-J style), as HF's complex-number rotary does.
-        rope = RotaryEmbedding(arch.qk_rope_head_dim, arch.max_position_embeddings,
-                               arch.rope_theta, arch.rope_scaling, is_neox=False)
-        self.layers = nn.ModuleDict({
-            str(i): DeepseekV2Layer(arch, dtype, self.tp, rope, i)
-            for i in range(self.start_layer, self.end_layer)
-        })
-        build_stage_ends(self, arch, dtype, RMSNorm)
+        self._rope: RotaryEmbedding | None = None
+        super().__init__(arch, dtype, impl, tp, pp)
 
-    def attention_layers(self) -> list[MLAAttention]:
+    def make_layer(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
+                   layer: int) -> nn.Module:
+        if self._rope is None:
+            # One cos/sin table for every layer (V2's is 160k positions long); DeepSeek rotates
+            # interleaved pairs (GPT-J style), as HF's complex-number rotary does.
+            self._rope = RotaryEmbedding(arch.qk_rope_head_dim, arch.max_position_embeddings,
+                                         arch.rope_theta, arch.rope_scaling, is_neox=False)
+        return DeepseekV2Layer(arch, dtype, self.tp, self._rope, layer)
+
+    def attention_layers(self) -> list[MLAAttention]:  # type: ignore[override]
         return [layer.self_attn for layer in self.layers.values()]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As ``DecoderForCausalLM.forward``: the first stage embeds, the last returns the
-        final normed hidden states (and None), others (hidden, residual) to send on."""
-        self.tp.begin_step()
-        if self.pp.is_first:
-            hidden = self.embed_tokens(input_ids)
-            residual = None
-        elif hidden is None:  # a later stage's memory-profiling pass
-            dtype = self.layers[str(self.start_layer)].input_layernorm.weight.dtype
-            hidden = torch.zeros(input_ids.shape[0], self.arch.hidden_size, dtype=dtype,
-                                 device=input_ids.device)
-            residual = torch.zeros_like(hidden)
-        for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual, meta)
-        if not self.pp.is_last:
-            return hidden, residual
-        if residual is None:
-            return self.norm(hidden), None
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, None
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
 
     # --- weights ------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters; raises ``WeightLoadError``
-        naming the tensor on a mismatch, and listing every parameter the checkpoint lacked."""
-        tally = WeightTally(dict(self.named_parameters(remove_duplicate=False)))
-        expected = set(tally.params)
-        if self.arch.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        for ckpt_name, tensor in weights:
-            name = self._param_name(ckpt_name)
-            if name is None:
-                continue
-            if self._load_expert(ckpt_name, name, tensor):
-                continue
-            shard_id = None
-            if ".mlp." in name:  # dense and shared-expert gate/up fuse into gate_up_proj
-                name, shard_id = tally.fused(name)
-            if name not in tally.params:
-                head = name.split(".")[0]
-                if head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None:
-                    continue  # another pipeline stage's
-                raise WeightLoadError(ckpt_name, "the checkpoint has it but the model does not "
-                                      f"({self.arch.architecture}); wrong architecture?")
-            tally.load(ckpt_name, name, shard_id, tensor)
-        missing = expected - tally.loaded()
+    def fused_name(self, tally: WeightTally, name: str) -> tuple[str, object | None]:
+        # Only the MLPs' gate/up fuse: q_proj, kv_a_proj_with_mqa, ... are MLA's own.
+        return tally.fused(name) if ".mlp." in name else (name, None)
+
+    def still_missing(self, missing: set[str]) -> set[str]:
         for i, layer in self.layers.items():
             if isinstance(layer.mlp, DeepseekV2MoE):
                 lacking = layer.mlp.experts.missing_weights()
@@ -204,9 +153,11 @@ class DeepseekV2ForCausalLM(nn.Module):
                     missing.discard(f"layers.{i}.mlp.experts.{p}")
                 if lacking:
                     missing.add(f"layers.{i}.mlp.experts ({lacking[0]}, ...)")
-        tally.check_missing(missing)
+        return missing
 
-    def _load_expert(self, ckpt_name: str, name: str, tensor: torch.Tensor) -> bool:
+    def load_special(self, tally: WeightTally, ckpt_name: str, name: str,
+                     tensor: torch.Tensor) -> bool:
+        """Expert tensors, one per expert or stacked, into the layer's ``FusedMoE``."""
         m = _EXPERT_TENSOR.fullmatch(name)
         if m is None:
             return False
@@ -228,15 +179,3 @@ class DeepseekV2ForCausalLM(nn.Module):
         except ValueError as exc:
             raise WeightLoadError(ckpt_name, str(exc)) from exc
         return True
-
-    def _param_name(self, ckpt_name: str) -> str | None:
-        if "rotary_emb.inv_freq" in ckpt_name:
-            return None
-        name = ckpt_name[len("model."):] if ckpt_name.startswith("model.") else ckpt_name
-        if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-            return None
-        if name.startswith("layers."):
-            idx = int(name.split(".")[1])
-            if not self.start_layer <= idx < self.end_layer:
-                return None  # another pipeline stage's layer
-        return name

@@ -184,5 +184,7 @@ class Gemma2ForCausalLM(nn.Module):
     # Same checkpoint names and fused q/k/v, gate/up as the decoder: its loader applies as is.
     load_weights = DecoderForCausalLM.load_weights
     load_special = DecoderForCausalLM.load_special
+    fused_name = DecoderForCausalLM.fused_name
+    still_missing = DecoderForCausalLM.still_missing
     _param_name = DecoderForCausalLM._param_name
     _belongs_elsewhere = DecoderForCausalLM._belongs_elsewhere
