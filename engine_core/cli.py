@@ -59,6 +59,10 @@ _HELP = {
                              "leaves; default: measured at start-up",
     "num_kv_blocks": "number of KV cache blocks, instead of measuring; default: measured at "
                      "start-up",
+    "quantization": "weight quantization: fp8 (FP8 e4m3 weights with per-channel scales, "
+                    "quantized as a 16/32-bit checkpoint loads; per-token activation scales) "
+                    "or compressed-tensors (an FP8 checkpoint, also detected from its "
+                    "config.json); dense Llama/Mistral/Qwen2/Qwen3 only; default: none",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes shared between requests",
     "disable_hybrid_kv_cache_manager": "keep every layer's KV cache whole, sliding-window "
                                        "layers too (one KV group, as before the hybrid KV "

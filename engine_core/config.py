@@ -20,6 +20,11 @@ from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
 from tidal.engine_core.kv_groups import KVLayout, layout_for
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
+from tidal.engine_core.quantization_config import (
+    QuantConfig,
+    QuantConfigError,
+    build_quant_config,
+)
 from tidal.engine_core.speculative_config import (
     SpeculativeConfig,
     SpeculativeConfigError,
@@ -52,6 +57,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: str | None = None
     task: str = "generate"  # "generate" | "embed"
     seed: int = 0
+    # FP8 weights (quantization_config.py); None: the weights stay in ``dtype``.
+    quantization: QuantConfig | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -178,6 +185,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
+    quantization: str | None = None  # fp8 | compressed-tensors (quantization_config.py)
     enable_prefix_caching: bool = True
     prefix_hash_seed: int | None = None
     disable_hybrid_kv_cache_manager: bool = False
@@ -245,6 +253,10 @@ class EngineArgs:
                 f"{arch.max_position_embeddings} tokens (max_position_embeddings in {src.path})"
             )
 
+        try:
+            quantization = build_quant_config(self.quantization, hf, arch.family)
+        except QuantConfigError as exc:
+            raise ConfigError(f"--quantization: {exc}") from None
         model = ModelConfig(
             path=src.path,
             format=src.format,
@@ -259,6 +271,7 @@ class EngineArgs:
             chat_template=hf.get("_chat_template"),
             task=task,
             seed=self.seed,
+            quantization=quantization,
         )
         cache = self._cache_config()
         if task == "embed":
@@ -284,6 +297,10 @@ class EngineArgs:
         # (With speculative decoding, async scheduling pipelines only the steps that neither
         # verify nor propose drafts: ``EngineCore._inflight_limit``.)
         speculative = self._speculative_config(task, scheduler, parallel, arch)
+        if quantization is not None and speculative is not None and speculative.uses_model:
+            raise ConfigError(f"--quantization: FP8 with speculative method "
+                              f"{speculative.method!r} (a draft model or EAGLE-3 head) is not "
+                              "yet implemented in tidal")
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
             speculative=speculative,

@@ -47,6 +47,7 @@ class DeviceInfo:
     triton: bool = False  # triton imports and a CUDA device exists
     cuda_ext: bool = False  # the CUDA extension built (probed only where it could be used)
     name: str = ""
+    capability: tuple[int, int] = (0, 0)  # CUDA compute capability; (0, 0) off a GPU
 
 
 def probe_device(device: torch.device, kc: KernelConfig) -> DeviceInfo:
@@ -63,7 +64,8 @@ def probe_device(device: torch.device, kc: KernelConfig) -> DeviceInfo:
 
         cuda_ext = load_extension() is not None  # the loader warns once when it can't build
     return DeviceInfo("cuda", triton=triton_available(), cuda_ext=cuda_ext,
-                      name=torch.cuda.get_device_name(device))
+                      name=torch.cuda.get_device_name(device),
+                      capability=tuple(torch.cuda.get_device_capability(device)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,9 @@ class KernelPolicy:
     push_allreduce: bool
     # (choice, why) for everything turned off or moved by the device or the model.
     reasons: tuple[tuple[str, str], ...] = field(default=())
+    # FP8 linears on cuBLASLt (torch._scaled_mm, compute capability >= 8.9); else the torch
+    # reference (dequantize and matmul).
+    fp8_scaled_mm: bool = False
 
     @property
     def fused_add_norm(self) -> str:
@@ -203,6 +208,8 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
     else:
         all_reduce = "symmetric"
     push = kc.push_allreduce and all_reduce == "symmetric" and gemv
+    # (No entry in ``reasons``: this matters only to FP8 models, and ``describe`` says it.)
+    fp8_scaled_mm = gpu and device.capability >= (8, 9)
 
     return KernelPolicy(
         device=device.type,
@@ -226,6 +233,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         lamport_allreduce=kc.lamport_allreduce,
         push_allreduce=push,
         reasons=tuple(why),
+        fp8_scaled_mm=fp8_scaled_mm,
     )
 
 
@@ -255,6 +263,10 @@ def describe(policy: KernelPolicy) -> list[str]:
         line("decode_kernels", decode),
         line("gemv", gemv),
         line("vocab_embedding", "triton" if policy.vocab_embedding else "torch"),
+        # Kernels.fp8_linear (models loaded with --quantization fp8 only).
+        line("fp8_linear", "torch._scaled_mm (row-wise scales)" if policy.fp8_scaled_mm
+             else "torch reference" + (" (compute capability < 8.9)"
+                                       if policy.device == "cuda" else "")),
         # Kernels.fused_moe / select_experts follow this rule (MoE models only).
         line("fused_moe", "triton (routing, expert alignment, grouped GEMMs)"
              if policy.triton and policy.device == "cuda" and policy.ops != "torch"

@@ -217,10 +217,12 @@ class ModelRunner:
 
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""
+        from tidal.worker.layers.fp8 import quantizing
         from tidal.worker.models.registry import build_model
 
         try:
-            with torch.device("meta"):
+            # (Built as it will be loaded: FP8 layers count one byte a weight.)
+            with torch.device("meta"), quantizing(self.config.model.quantization):
                 shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp,
                                     self.kernels)
         except Exception as exc:  # noqa: BLE001 - the estimate is a courtesy, loading decides

@@ -21,6 +21,8 @@ from torch import nn
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
+from tidal.worker.layers import fp8
+from tidal.worker.ops.fp8_torch import FP8_DTYPE
 
 
 class WeightShapeError(ValueError):
@@ -64,6 +66,9 @@ def _shard(t: torch.Tensor, dim: int, index: int, count: int, what: str) -> torc
 
 
 class LinearBase(nn.Module):
+    # Row-parallel layers shard the input features; every rank holds every output row.
+    input_sharded = False
+
     def __init__(
         self,
         in_features: int,
@@ -77,9 +82,17 @@ class LinearBase(nn.Module):
         self.kernels = current_kernels()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype),
-                                   requires_grad=False)
+        # Built under ``fp8.quantizing``: FP8 weights with per-row scales (layers/fp8.py).
+        quant = fp8.current_quant()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features,
+                        dtype=dtype if quant is None else FP8_DTYPE), requires_grad=False)
         set_weight_loader(self.weight, self.weight_loader)
+        if quant is None:
+            self.register_parameter("weight_scale", None)
+            self.register_parameter("input_scale", None)
+        else:
+            fp8.attach(self, quant)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
@@ -89,10 +102,25 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        """Rows of the checkpoint tensor that fills part ``shard_id`` (all ranks together)."""
+        return self.out_features
+
+    @staticmethod
+    def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+        _copy_checked(dst, src, what)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` times this rank's weight (plus ``bias``), FP8 or not."""
+        if self.weight_scale is not None:
+            return self.kernels.fp8_linear(x, self.weight, self.weight_scale, bias,
+                                           self.input_scale)
+        return self.kernels.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.linear, except a single row on the GPU (batch-1 decode), which takes the GEMV
         # kernel where the policy has it: cuBLAS runs such shapes on too few CTAs.
-        return self.kernels.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -109,6 +137,9 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"{out_features} output features do not split over {tp.world_size}")
         super().__init__(in_features, out_features // tp.world_size, bias, dtype, tp)
 
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return self.out_features * self.tp.world_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         part = _shard(loaded, 0, self.tp.rank, self.tp.world_size, "column-parallel weight")
         _copy_checked(param.data, part, "column-parallel weight")
@@ -121,6 +152,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  dtype: torch.dtype, tp: ParallelGroup | None = None) -> None:
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, dtype, tp)
+
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        return self.output_sizes[shard_id]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
@@ -147,6 +181,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * world
         super().__init__(hidden_size, out, bias, dtype, tp)
 
+    def checkpoint_rows(self, shard_id: object = None) -> int:
+        if shard_id == "q":
+            return self.num_heads * self.tp.world_size * self.head_dim
+        return self.total_num_kv_heads * self.head_dim
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         d = self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
@@ -165,6 +204,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial results are summed with one all-reduce."""
+
+    input_sharded = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  tp: ParallelGroup | None = None, reduce_results: bool = True) -> None:
@@ -186,10 +227,10 @@ class RowParallelLinear(LinearBase):
         ``Kernels.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
         if defer_reduce and self.reduce_results and self.bias is None:
             push = self.tp.push_all_reduce
-            if push is not None and push.applies(x, self.weight):
+            if push is not None and self.weight_scale is None and push.applies(x, self.weight):
                 return push.gemv(x, self.weight)
-            return self.tp.defer_all_reduce(self.kernels.linear(x, self.weight))
-        y = self.kernels.linear(x, self.weight)
+            return self.tp.defer_all_reduce(self.matmul(x, None))
+        y = self.matmul(x, None)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -12,6 +12,7 @@ from torch import nn
 from tidal.engine_core.config import ModelConfig
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.layers import fp8
 from tidal.worker.models.decoder import AuxHiddenSpec
 from tidal.worker.models.registry import build_model
 from tidal.worker.ops.kernels import Kernels
@@ -37,7 +38,7 @@ def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
     start = time.perf_counter()
     dtype = torch_dtype(config.dtype)
     # Parameters are created directly where they will live: no CPU copy of the whole model.
-    with torch.device(device):
+    with torch.device(device), fp8.quantizing(config.quantization):
         model = build_model(config.arch, dtype, impl, tp, pp, kernels, aux_hidden)
     model.eval()
     if config.load_format == "dummy":
@@ -85,15 +86,24 @@ def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
 
     Drawn on the parameter's own device: an 8B model initialises in seconds on a GPU."""
     gens: dict[torch.device, torch.Generator] = {}
+
+    def gen_for(device: torch.device) -> torch.Generator:
+        gen = gens.get(device)
+        if gen is None:
+            gen = gens[device] = torch.Generator(device=device).manual_seed(seed)
+        return gen
+
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
+        if param.dtype == torch.float8_e4m3fn or name.endswith(("weight_scale", "input_scale")):
+            continue  # FP8 layers: drawn in float32 and quantized below
         if "norm" in name:
             param.fill_(1.0)
             continue
-        gen = gens.get(param.device)
-        if gen is None:
-            gen = gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.uniform_(low, high, generator=gen)
+        param.uniform_(low, high, generator=gen_for(param.device))
+    for module in model.modules():
+        if getattr(module, "weight_scale", None) is not None:
+            fp8.dummy_fill(module, low, high, gen_for(module.weight.device))

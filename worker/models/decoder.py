@@ -183,17 +183,33 @@ class NormLinear:
     the order the math reads. A plain object, not a module: it borrows the parameters of
     ``norm`` and ``linear``, which stay where the checkpoint names them."""
 
-    __slots__ = ("_op", "_norm", "_linear", "_silu")
+    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8")
 
     def __init__(self, norm: RMSNorm, linear: nn.Module, silu: bool = False) -> None:
         self._op = norm.kernels.rms_norm_linear
         self._norm, self._linear, self._silu = norm, linear, silu
+        # FP8 weights never reach the fused GEMV paths: the plain norm, then the FP8 linear.
+        self._fp8 = getattr(linear, "weight_scale", None) is not None
 
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         norm, linear = self._norm, self._linear
+        if self._fp8:
+            return self._norm_then_fp8(x, residual)
         return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
                         silu=self._silu)
+
+    def _norm_then_fp8(self, x: torch.Tensor | PendingSum,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, kernels = self._norm, self._norm.kernels
+        if isinstance(x, PendingSum):
+            x = x.wait()
+        if residual is None:
+            h, residual = kernels.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        y = self._linear(h)
+        return (kernels.silu_and_mul(y) if self._silu else y), residual
 
 
 class DecoderLayer(nn.Module):
@@ -378,6 +394,8 @@ class DecoderForCausalLM(nn.Module):
         expected = set(tally.params)
         if self.arch.tie_word_embeddings and "lm_head.weight" in expected:
             expected.discard("lm_head.weight")  # shared with the embedding
+        # FP8 scales computed as their weights quantize on load (layers/fp8.py).
+        expected -= {n for n, p in tally.params.items() if getattr(p, "derived_on_load", False)}
         for ckpt_name, tensor in weights:
             name = self._param_name(ckpt_name)
             if name is None or self.load_special(tally, ckpt_name, name, tensor):

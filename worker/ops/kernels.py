@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.worker.distributed.pending_sum import PendingSum
-from tidal.worker.ops import torch_ops
+from tidal.worker.ops import fp8_scaled_mm, fp8_torch, torch_ops
 from tidal.worker.sample import grammar_mask, seeded_random
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td", "_sampling", "_moe")
+                 "_vocab", "_td", "_sampling", "_moe", "_fp8")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -79,6 +79,7 @@ class Kernels:
         self._moe = (_triton_module("triton_moe")
                      if policy.triton and policy.device == "cuda" and policy.ops != "torch"
                      else None)
+        self._fp8: ModuleType | None = fp8_scaled_mm if policy.fp8_scaled_mm else None
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
@@ -190,6 +191,8 @@ class Kernels:
         """Whether ``linear`` / ``rms_norm_linear`` on ``x`` run the one-row GEMV kernel."""
         if not (self._gemv and x.is_cuda and x.dim() >= 1 and x.numel() == x.shape[-1]):
             return False
+        if any(w.dtype == torch.float8_e4m3fn for w in weights):
+            return False  # the GEMV reads 16/32-bit weights; FP8 layers use fp8_linear
         td = self._td
         return all(td.gemv_supported(x, w)
                    and w.numel() * w.element_size() <= self._gemv_max_bytes for w in weights)
@@ -210,6 +213,17 @@ class Kernels:
             y, _ = self._td.gemv(x, weight, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+
+    def fp8_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` times an FP8 e4m3 weight ``w_q`` [N, K] with float32 scales ``w_scale``
+        [N, 1], activations quantized per token (or by the static ``input_scale``): cuBLASLt
+        where the policy has it (compute capability >= 8.9), else the torch reference
+        (``fp8_torch``)."""
+        if self._fp8 is not None and x.is_cuda:
+            return self._fp8.fp8_linear(x, w_q, w_scale, bias, input_scale)
+        return fp8_torch.fp8_linear(x, w_q, w_scale, bias, input_scale)
 
     def rms_norm_linear(
         self,

@@ -1,0 +1,99 @@
+"""``--quantization`` and a checkpoint's ``quantization_config``: what is accepted, and every
+refusal naming the value or method it refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tidal.engine_core.config import ConfigError, EngineArgs
+from tidal.engine_core.quantization_config import (
+    QuantConfig,
+    QuantConfigError,
+    build_quant_config,
+)
+
+
+def _ct(weights: dict, acts: dict | None, **extra) -> dict:
+    group = {"weights": weights, "targets": ["Linear"]}
+    if acts is not None:
+        group["input_activations"] = acts
+    return {"quantization_config": {"quant_method": "compressed-tensors",
+                                    "config_groups": {"group_0": group}, **extra}}
+
+
+FP8_W = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True}
+FP8_DYN = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
+FP8_STATIC = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+
+
+def test_accepted_values():
+    assert build_quant_config(None, {}, "llama") is None
+    assert build_quant_config("fp8", {}, "qwen3") == QuantConfig()
+    for requested in (None, "fp8", "compressed-tensors"):
+        got = build_quant_config(requested, _ct(FP8_W, FP8_DYN), "mistral")
+        assert got == QuantConfig(prequantized=True, static_activations=False)
+    got = build_quant_config(None, _ct(dict(FP8_W, strategy="tensor"), FP8_STATIC), "qwen2")
+    assert got == QuantConfig(prequantized=True, static_activations=True)
+
+
+@pytest.mark.parametrize("requested,hf,family,needle", [
+    ("awq", {}, "llama", "'awq'"),
+    ("gptq", {}, "llama", "'gptq'"),
+    ("int4", {}, "llama", "'int4'"),
+    (None, {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "llama", "'gptq'"),
+    ("fp8", {"quantization_config": {"quant_method": "awq"}}, "llama", "'awq'"),
+    (None, {"quantization_config": {"quant_method": "bitsandbytes"}}, "llama", "bitsandbytes"),
+    (None, _ct({"type": "int", "num_bits": 8}, FP8_DYN), "llama", "'int' with 8 bits"),
+    (None, _ct({"type": "int", "num_bits": 4, "strategy": "group"}, None), "llama", "'int'"),
+    (None, _ct(dict(FP8_W, strategy="block"), FP8_DYN), "llama", "'block'"),
+    (None, _ct(FP8_W, None), "llama", "input_activations"),
+    (None, _ct(FP8_W, FP8_DYN, ignore=["model.layers.0.mlp.down_proj"]), "llama", "ignore"),
+    ("compressed-tensors", {}, "llama", "compressed-tensors"),
+    ("fp8", {}, "gemma2", "'gemma2'"),
+    ("fp8", {}, "phi3", "'phi3'"),
+    ("fp8", {}, "mixtral", "'mixtral'"),
+    (None, _ct(FP8_W, FP8_DYN), "qwen3_moe", "'qwen3_moe'"),
+])
+def test_refusals_name_what_they_refuse(requested, hf, family, needle):
+    with pytest.raises(QuantConfigError, match="not yet implemented|needs") as info:
+        build_quant_config(requested, hf, family)
+    assert needle in str(info.value)
+
+
+def test_engine_args_carry_it_into_the_frozen_config(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    config = EngineArgs(model=str(folder), device="cpu", num_kv_blocks=64,
+                        quantization="fp8").create_config()
+    assert config.model.quantization == QuantConfig()
+    assert EngineArgs(model=str(folder), device="cpu",
+                      num_kv_blocks=64).create_config().model.quantization is None
+    with pytest.raises(ConfigError, match=r"--quantization: quantization 'awq' is not yet"):
+        EngineArgs(model=str(folder), device="cpu", quantization="awq").create_config()
+    with pytest.raises(ConfigError, match="--quantization: FP8 with speculative method "
+                                          "'draft_model'"):
+        EngineArgs(model=str(folder), device="cpu", quantization="fp8",
+                   speculative_config={"method": "draft_model", "model": str(folder),
+                                       "num_speculative_tokens": 2}).create_config()
+    # A GPTQ checkpoint is refused at start-up, not loaded as if it were 16-bit.
+    gptq = tmp_path / "gptq"
+    shutil.copytree(folder, gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="--quantization: .*'gptq' is not yet implemented"):
+        EngineArgs(model=str(gptq), device="cpu").create_config()
+
+
+def test_cli_flag(tiny_models):
+    import argparse
+
+    from tidal.engine_core.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--quantization", "fp8"]))
+    assert args.quantization == "fp8"
+    assert engine_args_from(parser.parse_args([])).quantization is None
