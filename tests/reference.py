@@ -230,3 +230,41 @@ def make_eagle3_head(folder: Path, *, vocab: int, hidden: int, heads: int, kv_he
         "target_hidden_size": target_hidden,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
                          "use_aux_hidden_state": True}}))
+
+
+def engine_greedy(model, prompts: list[list[int]], params, device: str = "cpu",
+                  **kw) -> list[tuple[list[int], list[float]]]:
+    """tidal's tokens and each token's logprob for ``prompts`` (float32, token-id prompts;
+    ``params`` must ask for ``logprobs``), from an engine started and shut down here."""
+    from tidal.frontend import LLM
+
+    llm = LLM(str(model), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
+              dtype="float32", device=device, **kw)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    result = []
+    for out in outs:
+        got = out.outputs[0]
+        result.append((got.token_ids,
+                       [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]))
+    return result
+
+
+def max_logprob_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def record_preemptions(llm) -> list[str]:
+    """The ids of the requests ``llm``'s scheduler preempts from now on, as it does."""
+    scheduler = llm.engine.core.scheduler
+    preempted: list[str] = []
+    preempt = scheduler._preempt
+
+    def counting(req):
+        preempted.append(req.request_id)
+        preempt(req)
+
+    scheduler._preempt = counting
+    return preempted

@@ -38,7 +38,7 @@ from tidal.worker.sample.metadata import (
 from tidal.worker.sample.grammar_mask import MaskStaging, grammar_rows
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
 from tidal.worker.spec_decode.spec_step import SpeculativeStep
-from tidal.worker.step_buffers import StepBuffers
+from tidal.worker.step_buffers import StepBuffers, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -924,15 +924,10 @@ class ModelRunner:
         src, dst = placed
         bitmask = self._mask_staging.to_device(so.grammar_bitmask)
         if len(src) < bitmask.shape[0]:  # a grammar row whose request does not sample
-            bitmask = bitmask[self._small_to_device(src)]
+            bitmask = bitmask[to_device(src, self.device)]
         meta.grammar_bitmask = bitmask
         if dst is not None:
-            meta.grammar_rows = self._small_to_device(dst)
-
-    def _small_to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """A small host array on the device, queued behind the work already launched."""
-        host = torch.from_numpy(arr)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.on_gpu else host
+            meta.grammar_rows = to_device(dst, self.device)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray,
                 req_ids: list[str]) -> tuple[SamplerOutput, dict[str, str]]:

@@ -26,6 +26,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device``, queued behind the work already launched: a copy from
+    pageable memory would block the host until the GPU had caught up with all of it."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 _DTYPES = (torch.int64, torch.int32, torch.float32)
 _MAX_CACHED_VIEWS = 256
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+import reference
 from tidal.engine_core.config import ConfigError, EngineArgs
 from tidal.engine_core.protocol import (
     EngineCoreRequest,
@@ -386,15 +387,7 @@ def test_tiny_llama_chunked_prefill_and_preemption_keep_greedy_output(tiny_model
     # 12 blocks of 16 tokens for 4 requests of up to 83 tokens each.
     llm = LLM(folder, speculative_config=NGRAM, max_num_batched_tokens=16, num_kv_blocks=12,
               block_size=16, **kw)
-    scheduler = llm.engine.core.scheduler
-    preempted = []
-    preempt = scheduler._preempt
-
-    def counting(req):
-        preempted.append(req.request_id)
-        preempt(req)
-
-    scheduler._preempt = counting
+    preempted = reference.record_preemptions(llm)
     try:
         got, _, accepted = _generate(llm, prompts, greedy)
         assert got == want

@@ -157,15 +157,7 @@ def test_draft_model_greedy_identical_through_chunked_prefill_and_preemption(dra
     # 12 blocks of 16 tokens for 4 requests of up to 75 tokens: requests are preempted.
     llm = LLM(str(drafts["target"]), speculative_config=_spec("draft_model", drafts["small"]),
               max_num_batched_tokens=16, num_kv_blocks=12, block_size=16, **KW)
-    scheduler = llm.engine.core.scheduler
-    preempted = []
-    preempt = scheduler._preempt
-
-    def counting(req):
-        preempted.append(req.request_id)
-        preempt(req)
-
-    scheduler._preempt = counting
+    preempted = reference.record_preemptions(llm)
     try:
         proposed = _record_drafts(llm)
         got, (n_drafts, _, _) = _generate(llm, GREEDY)

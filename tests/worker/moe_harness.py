@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import reference
-from tidal.frontend import LLM, SamplingParams
+from tidal.frontend import SamplingParams
 
 NEW_TOKENS = 16
 LOGPROB_TOL = 2e-4
@@ -54,22 +54,10 @@ def generate(model: str | Path, prompts: list[list[int]],
 
 def generate_on(model: str | Path, prompts: list[list[int]], device: str,
                 **kw) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(str(model), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
-              dtype="float32", device=device, **kw)
-    try:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    result = []
-    for out in outs:
-        got = out.outputs[0]
-        result.append((got.token_ids,
-                       [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]))
-    return result
+    return reference.engine_greedy(model, prompts, GREEDY, device, **kw)
 
 
-def max_logprob_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+max_logprob_diff = reference.max_logprob_diff
 
 
 def assert_matches(got: list[tuple[list[int], list[float]]],

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reference
-from tidal.frontend import LLM, SamplingParams
+from tidal.frontend import SamplingParams
 
 # The tiny configs slide a 16-token window: all prompts but the first are longer than it, and
 # decoding runs on past it.
@@ -40,22 +40,10 @@ def gemma_models(tmp_path_factory):
 
 
 def _generate(folder, prompts, **kw) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
-              dtype="float32", device="cpu", **kw)
-    try:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    result = []
-    for out in outs:
-        got = out.outputs[0]
-        result.append((got.token_ids,
-                       [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]))
-    return result
+    return reference.engine_greedy(folder, prompts, GREEDY, **kw)
 
 
-def _max_logprob_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b))
+_max_logprob_diff = reference.max_logprob_diff
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -81,16 +69,9 @@ def test_gemma_matches_hf_on_gpu(gemma_models, family):
     """The GPU path (Triton Gemma norms fused with the residual adds, GeGLU, CUDA graphs) gives
     HF's greedy tokens too."""
     folder, hf, prompts, refs = gemma_models[family]
-    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
-              dtype="float32", device="cuda")
-    try:
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for prompt, out, (ref_tokens, ref_lps) in zip(prompts, outs, refs):
-        got = out.outputs[0]
-        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
-        assert got.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
+    got = reference.engine_greedy(folder, prompts, GREEDY, device="cuda")
+    for prompt, (tokens, lps), (ref_tokens, ref_lps) in zip(prompts, got, refs):
+        assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens"
         assert _max_logprob_diff(lps, ref_lps) < GPU_LOGPROB_TOL, f"prompt of {len(prompt)}"
 
 

@@ -22,6 +22,7 @@ from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.worker.layers.fused_moe import FusedMoE
 from tidal.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -416,8 +417,16 @@ class DecoderForCausalLM(nn.Module):
         return tally.fused(name)
 
     def still_missing(self, missing: set[str]) -> set[str]:
-        """The parameters the checkpoint lacked, as the tally counts them; a family whose
-        ``load_special`` fills parameters piecewise (MoE experts) corrects the count."""
+        """The parameters the checkpoint lacked. A ``FusedMoE`` layer's stacked parameters
+        are filled piecewise (a tensor per expert, by ``load_special``), so they count by
+        expert: the first one lacking is named."""
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                missing.discard(f"{name}.w13")
+                missing.discard(f"{name}.w2")
+                lacking = module.missing_weights()
+                if lacking:
+                    missing.add(f"{name} ({lacking[0]}, ...)")
         return missing
 
     def make_layer(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,

@@ -145,16 +145,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         # Only the MLPs' gate/up fuse: q_proj, kv_a_proj_with_mqa, ... are MLA's own.
         return tally.fused(name) if ".mlp." in name else (name, None)
 
-    def still_missing(self, missing: set[str]) -> set[str]:
-        for i, layer in self.layers.items():
-            if isinstance(layer.mlp, DeepseekV2MoE):
-                lacking = layer.mlp.experts.missing_weights()
-                for p in ("w13", "w2"):
-                    missing.discard(f"layers.{i}.mlp.experts.{p}")
-                if lacking:
-                    missing.add(f"layers.{i}.mlp.experts ({lacking[0]}, ...)")
-        return missing
-
     def load_special(self, tally: WeightTally, ckpt_name: str, name: str,
                      tensor: torch.Tensor) -> bool:
         """Expert tensors, one per expert or stacked, into the layer's ``FusedMoE``."""

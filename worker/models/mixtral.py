@@ -64,8 +64,6 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
         self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size,
                                 routing_config(arch), dtype, tp, prefix=prefix)
-        # Checkpoint tensors loaded so far (3 per expert); the tally is told once all are in.
-        self.tensors_loaded = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
@@ -128,19 +126,12 @@ class MixtralForCausalLM(DecoderForCausalLM):
         try:
             if stacked is not None:
                 block.experts.load_stacked_weight(stacked, tensor)
-                block.tensors_loaded += block.experts.num_experts
             else:
                 which = self.EXPERT_PARTS.get(part)
                 if which is None:
                     raise ValueError(f"unknown expert tensor {part!r} (expected "
                                      f"{', '.join(self.EXPERT_PARTS)})")
                 block.experts.load_expert_weight(which, int(expert), tensor)
-                block.tensors_loaded += 1
         except ValueError as exc:
             raise WeightLoadError(ckpt_name, str(exc)) from exc
-        # Counting is cheap; the exact check runs once the count says all may be in.
-        if (block.tensors_loaded >= 3 * block.experts.num_experts
-                and not block.experts.missing_weights()):
-            tally.mark(f"layers.{layer}.mlp.experts.w13")
-            tally.mark(f"layers.{layer}.mlp.experts.w2")
         return True

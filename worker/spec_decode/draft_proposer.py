@@ -38,20 +38,12 @@ from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
 from tidal.worker.layers.attention import Attention
 from tidal.worker.models.eagle3 import Eagle3ForCausalLM
 from tidal.worker.spec_decode.uniform_propose import UniformBuffers, UniformHost
+from tidal.worker.step_buffers import to_device
 
 logger = logging.getLogger(__name__)
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-
-
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` without a wait: a copy from pageable memory would block the
-    host until the GPU had caught up with everything queued before it."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -294,7 +286,7 @@ class _ChainProposer:
             u.chain_seq[:n].copy_(c + 1)
             if host is not None:
                 ph = host.pos_start + host.last + s
-                chain_h = np.where(host.valid, np.minimum(ph, cap - 1), 0).astype(np.int32) + 1
+                chain_h = np.minimum(ph, cap - 1).astype(np.int32) + 1
                 max_seq = int(chain_h.max())
             step_meta = AttentionMetadata(
                 num_actual_tokens=n, num_reqs=n, max_query_len=1, max_seq_len=max_seq,

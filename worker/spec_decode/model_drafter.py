@@ -34,8 +34,9 @@ import torch
 from tidal.engine_core.speculative_config import SpeculativeConfig
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.sample.metadata import position_seed
-from tidal.worker.spec_decode.draft_proposer import DraftProposer, make_batch, to_device
+from tidal.worker.spec_decode.draft_proposer import DraftProposer, make_batch
 from tidal.worker.spec_decode.uniform_propose import ProposeGraphs, UniformBuffers, UniformHost
+from tidal.worker.step_buffers import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +317,7 @@ class ModelDrafter:
         else:
             assert on_host, "an early launch needs its graph"
             self.proposer.propose_uniform(  # type: ignore[attr-defined]
-                u, n_req, UniformHost(starts, host_last, np.ones(n_req, dtype=bool)))
+                u, n_req, UniformHost(starts, host_last))
         self.uniform_steps += 1
 
     def _uniform_out(self, n_req: int) -> np.ndarray:

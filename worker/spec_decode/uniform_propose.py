@@ -76,12 +76,11 @@ class UniformBuffers:
 
 @dataclass(slots=True)
 class UniformHost:
-    """Host copies of a uniform step's inputs, for attention backends that plan on the host
-    (the torch one); a captured step has none."""
+    """Host copies of an eager uniform step's inputs (every request real: no padding), for
+    attention backends that plan on the host (the torch one); a captured step has none."""
 
     pos_start: np.ndarray  # int64 [n]
     last: np.ndarray  # int64 [n]
-    valid: np.ndarray  # bool [n]
 
 
 class ProposeGraphs:
