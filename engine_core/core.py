@@ -301,3 +301,9 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        self.batch_queue.clear()
+        # Start-up froze everything alive (gc.freeze above), the model's reference cycles
+        # included: frozen cycles are never collected, so an engine shut down inside a
+        # longer-lived process would keep its weights and KV cache until the process ends.
+        gc.unfreeze()
+        gc.collect()

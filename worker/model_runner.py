@@ -405,6 +405,20 @@ class ModelRunner:
         if self.on_gpu:
             torch.cuda.empty_cache()
 
+    def release(self) -> None:
+        """Drop the model, KV cache, graphs and drafter, so an engine shut down inside a
+        longer-lived process (``LLM(...).shutdown()`` in a notebook or a benchmark running
+        engines one after another) hands its GPU memory back: captured graphs keep their
+        memory pools, and their closures the model, until they go."""
+        if self.model is not None:
+            self._release_kv()
+        self._inflight.clear()
+        self.graphs = None
+        self.spec = None
+        self.model = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and capture the decode graphs (the worker times the two
         apart and warms up after them: ``tidal.worker.warmup``)."""

@@ -33,7 +33,7 @@ class PoolingRunner:
         self.config = config
         self.device = device
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []  # always empty; Worker.shutdown clears it
+        self.kv_caches: list[torch.Tensor] = []  # always empty: an encoder keeps no KV
         self._prompts: dict[str, _Prompt] = {}
 
     def load_model(self) -> None:
@@ -47,6 +47,10 @@ class PoolingRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         return None  # nothing to allocate: the blocks are bookkeeping only
+
+    def release(self) -> None:
+        """Drop the model at shutdown (``ModelRunner.release``)."""
+        self.model = None
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -271,5 +271,4 @@ class Worker:
                 self._sender.wait()
             except Exception:  # noqa: BLE001 - the next stage may be gone already
                 logger.debug("rank %d: pending pipeline send failed at shutdown", self.rank)
-        self.runner.kv_caches = []
-        self.runner.model = None
+        self.runner.release()

@@ -209,3 +209,22 @@ def test_async_scheduling_gives_identical_outputs(tiny, num_blocks):
     assert _tokens(fast.generate(prompts, params, use_tqdm=False)) == expected
     core.scheduler.kv.check_invariants()
     assert core.scheduler.kv.num_free_blocks == core.config.cache.num_blocks
+
+
+def test_shutdown_releases_the_model_and_kv_cache(tiny):
+    """An engine shut down in a longer-lived process (a notebook, a benchmark running engines
+    one after another) leaves nothing of its model or KV cache alive."""
+    import gc
+    import weakref
+
+    folder, _ = tiny
+    llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=64, device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], SamplingParams(max_tokens=4, temperature=0.0),
+                 use_tqdm=False)
+    runner = llm.engine.core.executor.worker.runner
+    model, kv = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    llm.shutdown()
+    del runner
+    gc.collect()
+    assert model() is None and kv() is None
