@@ -5,7 +5,8 @@ canonical byte encoding (little-endian int32 token ids, length-prefixed extra ke
 prefixes give equal hashes and a block's hash commits to everything before it. The seed is random
 per process unless the user fixes one: hashes are never predictable from outside, so one client
 cannot probe whether another's prompt is cached by crafting collisions. A request's ``cache_salt``
-is an extra key of its first block; requests with different salts never share a block.
+is an extra key of its first block; requests with different salts never share a block, nor do
+requests with different LoRA adapters (the adapter is a key of the first block too).
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ class BlockHasher:
         bs = self.block_size
         for i in range(len(hashes), limit // bs):
             extra = b""
-            if i == 0 and req.cache_salt:
-                extra = req.cache_salt.encode()
+            if i == 0:
+                if req.cache_salt:
+                    extra = req.cache_salt.encode()
+                lora = req.lora_request
+                if lora is not None:
+                    # Another adapter computes other K/V for the same tokens: its blocks are
+                    # its own (the path too: an id re-registered for other weights).
+                    extra += _LEN.pack(lora.lora_int_id) + lora.lora_path.encode()
             hashes.append(self.block_hash(hashes[-1] if hashes else None,
                                           tokens[i * bs:(i + 1) * bs], extra))
         return hashes

@@ -62,7 +62,13 @@ _HELP = {
     "quantization": "weight quantization: fp8 (FP8 e4m3 weights with per-channel scales, "
                     "quantized as a 16/32-bit checkpoint loads; per-token activation scales) "
                     "or compressed-tensors (an FP8 checkpoint, also detected from its "
-                    "config.json); dense Llama/Mistral/Qwen2/Qwen3 only; default: none",
+                    "config.json); awq or gptq (INT4 weight-only checkpoints, read as they "
+                    "are, also detected from config.json); dense Llama/Mistral/Qwen2/Qwen3 "
+                    "only; default: none",
+    "kv_cache_dtype": "KV cache type: auto (the model dtype) or fp8 / fp8_e4m3 (FP8 e4m3 "
+                      "with per-layer K/V scales from the checkpoint, else 1.0; twice the "
+                      "cached tokens); not with MLA models, encoders, draft models or the "
+                      "cuda attention backend",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes shared between requests",
     "disable_hybrid_kv_cache_manager": "keep every layer's KV cache whole, sliding-window "
                                        "layers too (one KV group, as before the hybrid KV "
@@ -105,6 +111,9 @@ _HELP = {
                                   "max-num-batched-tokens",
     "max_logprobs": "most logprobs / top_logprobs a request may ask for",
     "cpu_threads": "torch threads of a CPU worker; default: torch's own choice",
+    "logits_processors": "global logits processors applied to every request: comma-separated "
+                         "entry-point names (group tidal.logits_processors) or "
+                         "package.module:Class import strings; default: none",
     "hf_overrides": "JSON object merged into the model's HF config before anything reads it, "
                     "e.g. '{\"num_hidden_layers\": 2}'; default: none",
     "speculative_config": "speculative decoding as a JSON object in vLLM's field names, e.g. "
@@ -113,6 +122,11 @@ _HELP = {
                           "\"model\": the draft's or EAGLE-3 head's path "
                           "(README: Speculative decoding); "
                           "default: none (off)",
+    "enable_lora": "serve LoRA adapters (PEFT format) next to the base model "
+                   "(README: LoRA adapters)",
+    "max_loras": "LoRA adapters on the device at once (one batch mixes at most this many)",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory (LRU); default: --max-loras",
+    "max_lora_rank": "largest LoRA rank served (8..256); device slots are sized for it",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -191,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from tidal.engine_core.core_proc import serve, setup_logging
+    from tidal.engine_core.plugins import PluginError
     from tidal.engine_core.sockets import normalize_address
 
     ns = build_parser().parse_args(argv)
@@ -201,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = engine_args_from(ns)
         config = args.create_config()
         listen = normalize_address(ns.listen) if ns.listen else None
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, PluginError) as exc:
         logger.error("%s", exc)
         return 2
     logger.info("start-up: config resolved in %.2f s: %s (%s, %s) on %s, executor %s",

@@ -17,7 +17,13 @@ from typing import Any
 import msgspec
 
 from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
+from tidal.engine_core.kv_cache_dtype import (
+    KVCacheDtypeError,
+    check_fp8_kv_supported,
+    resolve_kv_cache_dtype,
+)
 from tidal.engine_core.kv_groups import KVLayout, layout_for
+from tidal.engine_core.lora_config import LoRAConfig, LoRAConfigError, build_lora_config
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
 from tidal.engine_core.quantization_config import (
@@ -74,6 +80,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hash_seed: int | None = None  # None: a random seed per process
     # Every layer's KV kept whole, sliding-window layers too (one KV group: kv_groups).
     disable_hybrid_kv_cache_manager: bool = False
+    # "auto" (the model dtype) | "fp8_e4m3" (kv_cache_dtype.py: per-layer K/V scales).
+    cache_dtype: str = "auto"
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +122,9 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_mixed_graph_tokens: int = 0
     max_logprobs: int = 20
     cpu_threads: int | None = None  # torch intra-op threads of a CPU worker; None: torch's default
+    # Global logits processors (worker/sample/logits_processors.py): entry-point names or
+    # "package.module:Class" import strings, applied to every request.
+    logits_processors: tuple[str, ...] = ()
     # Every kernel choice (kernel_config.py); each worker resolves it against its device.
     kernels: KernelConfig = msgspec.field(default_factory=KernelConfig)
 
@@ -126,6 +137,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     runner: RunnerConfig
     # Speculative decoding (speculative_config.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (lora_config.py); None: --enable-lora is off.
+    lora: LoRAConfig | None = None
 
     def kv_layout(self) -> KVLayout:
         """How the layers share the KV cache (groups by attention type: ``kv_groups``)."""
@@ -186,6 +199,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     quantization: str | None = None  # fp8 | compressed-tensors (quantization_config.py)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (kv_cache_dtype.py)
     enable_prefix_caching: bool = True
     prefix_hash_seed: int | None = None
     disable_hybrid_kv_cache_manager: bool = False
@@ -208,10 +222,17 @@ class EngineArgs:
     max_mixed_cudagraph_tokens: int | None = None
     max_logprobs: int = 20
     cpu_threads: int | None = None
+    # Global logits processors, comma-separated entry-point names / "pkg.mod:Class" strings.
+    logits_processors: str | None = None
     # Applied to the model's HF config before anything reads it (e.g. shapes for benchmarks).
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding as vLLM's JSON object (speculative_config.py); None: off.
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (lora_config.py): slots on the device, the host LRU, the largest rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -222,6 +243,9 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_config(self) -> EngineConfig:
+        from tidal.engine_core.plugins import load_general_plugins
+
+        load_general_plugins()  # (once per process) a plugin may register the model's family
         src = resolve_model(self.model)
         hf = load_hf_config(src)
         hf.update(self.hf_overrides)
@@ -254,7 +278,8 @@ class EngineArgs:
             )
 
         try:
-            quantization = build_quant_config(self.quantization, hf, arch.family)
+            quantization = build_quant_config(self.quantization, hf, arch.family,
+                                              dummy=load_format == "dummy")
         except QuantConfigError as exc:
             raise ConfigError(f"--quantization: {exc}") from None
         model = ModelConfig(
@@ -280,7 +305,9 @@ class EngineArgs:
             cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
-        kernels = build_kernel_config(self.kernel_config, attention_backend=self.attention_backend,
+        kernels = build_kernel_config(self.kernel_config,
+                                      attention_backend=self.attention_backend
+                                      or _platform_attention_backend(device),
                                       ops=self.ops_backend)
         runner = RunnerConfig(
             device=device,
@@ -290,6 +317,8 @@ class EngineArgs:
             max_mixed_graph_tokens=self._mixed_graph_tokens(scheduler),
             max_logprobs=self.max_logprobs,
             cpu_threads=self.cpu_threads,
+            logits_processors=_global_logits_processors(
+                self.logits_processors, task, self.speculative_config is not None),
             kernels=kernels,
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -298,13 +327,28 @@ class EngineArgs:
         # verify nor propose drafts: ``EngineCore._inflight_limit``.)
         speculative = self._speculative_config(task, scheduler, parallel, arch)
         if quantization is not None and speculative is not None and speculative.uses_model:
-            raise ConfigError(f"--quantization: FP8 with speculative method "
-                              f"{speculative.method!r} (a draft model or EAGLE-3 head) is not "
-                              "yet implemented in tidal")
+            raise ConfigError(f"--quantization: {quantization.method.upper()} with speculative "
+                              f"method {speculative.method!r} (a draft model or EAGLE-3 head) "
+                              "is not yet implemented in tidal")
+        try:
+            lora = build_lora_config(
+                self.enable_lora, self.max_loras, self.max_cpu_loras, self.max_lora_rank,
+                arch=arch, task=task, quantized=quantization is not None,
+                speculative=speculative is not None,
+                pipeline_parallel_size=parallel.pipeline_parallel_size)
+        except LoRAConfigError as exc:
+            raise ConfigError(str(exc)) from None
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
-            speculative=speculative,
+            speculative=speculative, lora=lora,
         )
+        if cache.cache_dtype != "auto":
+            try:
+                check_fp8_kv_supported(
+                    is_mla=arch.is_mla, task=task, attention_backend=kernels.attention_backend,
+                    speculative_uses_model=speculative is not None and speculative.uses_model)
+            except KVCacheDtypeError as exc:
+                raise ConfigError(str(exc)) from None
         if speculative is not None and speculative.uses_model \
                 and config.kv_layout().num_groups > 1:
             raise ConfigError(f"--speculative-config: method {speculative.method!r} with a "
@@ -320,7 +364,7 @@ class EngineArgs:
         try:
             spec = SpeculativeConfig.parse(self.speculative_config)
             if spec is not None and spec.uses_model:
-                spec = check_draft(spec, arch)
+                spec = check_draft(spec, arch, target_name=self.model or "")
         except SpeculativeConfigError as exc:
             raise ConfigError(str(exc)) from None
         if spec is None:
@@ -354,6 +398,10 @@ class EngineArgs:
             raise ConfigError(
                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
             )
+        try:
+            cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
+        except KVCacheDtypeError as exc:
+            raise ConfigError(str(exc)) from None
         return CacheConfig(
             block_size=bs,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -362,6 +410,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_hash_seed=self.prefix_hash_seed,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+            cache_dtype=cache_dtype,
         )
 
     def _mixed_graph_tokens(self, scheduler: SchedulerConfig) -> int:
@@ -472,11 +521,43 @@ def check_backend(name: str) -> str:
                       f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {name!r}")
 
 
+def _global_logits_processors(value: str | None, task: str,
+                              speculative: bool) -> tuple[str, ...]:
+    """``--logits-processors``, each checked to import here (the worker imports it again)."""
+    from tidal.engine_core.plugins import LOGITS_PROCESSORS, PluginError, import_string, load_plugin
+
+    names = tuple(n.strip() for n in (value or "").split(",") if n.strip())
+    if names and task != "generate":
+        raise ConfigError("--logits-processors: an embedding model samples nothing")
+    if names and speculative:
+        raise ConfigError("--logits-processors with --speculative-config is not yet "
+                          "implemented in tidal")
+    for name in names:
+        try:
+            import_string(name) if ":" in name else load_plugin(LOGITS_PROCESSORS, name)
+        except PluginError as exc:
+            raise ConfigError(f"--logits-processors: {exc}") from None
+    return names
+
+
+def _platform_attention_backend(device: str) -> str | None:
+    """The platform's default attention backend (None: the kernel policy's choice)."""
+    from tidal.engine_core.plugins.platform import platform_for
+
+    return platform_for(device).default_attention_backend
+
+
 def _resolve_device(device: str) -> str:
     import torch
 
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        from tidal.engine_core.plugins import PluginError
+        from tidal.engine_core.plugins.platform import current_platform
+
+        try:  # a platform plugin that reports itself available, else CUDA, else the CPU
+            return current_platform().device_type
+        except PluginError as exc:
+            raise ConfigError(str(exc)) from None
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():

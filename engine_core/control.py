@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
+from tidal.engine_core.lora_request import LoRARequest
+
 if TYPE_CHECKING:
     from tidal.engine_core.core import EngineCore
 
@@ -57,7 +59,14 @@ class CompileStats(msgspec.Struct, tag="compile_stats", **_WIRE):
         )
 
 
-ControlResult = KVStats | Pong | CompileStats | bool | None
+class LoRAIds(msgspec.Struct, tag="lora_ids", **_WIRE):
+    """The registered LoRA adapters' ids, ascending (a struct: a bare list cannot share the
+    result union with the array-like structs)."""
+
+    ids: list[int] = []
+
+
+ControlResult = KVStats | Pong | CompileStats | LoRAIds | bool | None
 
 
 # --- calls -----------------------------------------------------------------------------------
@@ -87,7 +96,30 @@ class GetCompileStats(msgspec.Struct, tag="get_compile_stats", **_WIRE):
     result_type: ClassVar[type] = CompileStats
 
 
-ControlCall = GetKVStats | ResetPrefixCache | Ping | GetCompileStats
+class AddLora(msgspec.Struct, tag="add_lora", **_WIRE):
+    """Register a LoRA adapter, checking its files against the base model (the workers load
+    its weights on first use); False when it was registered already. A bad adapter raises
+    ``LoRAAdapterError`` naming the problem; the engine is unharmed."""
+
+    lora: LoRARequest
+    result_type: ClassVar[type] = bool
+
+
+class RemoveLora(msgspec.Struct, tag="remove_lora", **_WIRE):
+    """Forget a LoRA adapter by id; False when it was not registered."""
+
+    lora_int_id: int
+    result_type: ClassVar[type] = bool
+
+
+class ListLoras(msgspec.Struct, tag="list_loras", **_WIRE):
+    """The ids of the registered LoRA adapters, ascending."""
+
+    result_type: ClassVar[type] = LoRAIds
+
+
+ControlCall = (GetKVStats | ResetPrefixCache | Ping | GetCompileStats | AddLora | RemoveLora
+               | ListLoras)
 
 
 def execute(core: EngineCore, call: ControlCall) -> ControlResult:
@@ -110,4 +142,10 @@ def execute(core: EngineCore, call: ControlCall) -> ControlResult:
             # Executors without workers (noop, test doubles) compile nothing.
             stats = getattr(core.executor, "compile_stats", None)
             return stats() if stats is not None else CompileStats(ready=True)
+        case AddLora(lora=lora):
+            return core.lora_registry.add(lora)
+        case RemoveLora(lora_int_id=lora_int_id):
+            return core.lora_registry.remove(lora_int_id)
+        case ListLoras():
+            return LoRAIds(core.lora_registry.list())
     raise TypeError(f"not a control call: {type(call).__name__}")

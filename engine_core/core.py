@@ -15,6 +15,7 @@ from typing import Any
 from tidal.engine_core import control
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.executor import Deferred, Executor, create_executor
+from tidal.engine_core.lora_registry import LoRARegistry
 from tidal.engine_core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -103,6 +104,7 @@ class EngineCore:
             self.executor.init_kv_cache(num_blocks)
             note.detail = "KV cache allocated, graphs captured, warmed up on every worker"
         self.scheduler = Scheduler(self.config)
+        self.lora_registry = LoRARegistry(self.config)
         if config.speculative is not None:
             logger.info("speculative decoding: %s; a step that verifies or proposes drafts "
                         "runs alone (the next is scheduled once its accepted tokens are "
@@ -144,6 +146,8 @@ class EngineCore:
         and ValueError if its id is already in use; nothing is queued then."""
         validate_request(req.prompt_token_ids, req.sampling_params, self.config,
                          check_grammar=False)
+        if req.lora_request is not None:
+            self.lora_registry.check_request(req.lora_request)  # LoRAAdapterError: a ValueError
         request = Request.from_engine_request(req, self.config.model.max_model_len, self._eos)
         if req.sampling_params.thinking_token_budget is not None:
             if self.structured.reasoning is None:
@@ -213,7 +217,10 @@ class EngineCore:
                                if self.max_inflight > 1 else self.executor.execute_model(sched))
                 self.batch_queue.append((sched, pending))
                 launched = True
-        if self.batch_queue and (len(self.batch_queue) >= self.max_inflight or not launched):
+        # A step that verifies or proposes drafts is collected in the call that launched it
+        # (nothing may be scheduled behind it), not in an empty extra turn of the loop.
+        limit = self.max_inflight if mask_later else self._inflight_limit()
+        if self.batch_queue and (len(self.batch_queue) >= limit or not launched):
             sched, pending = self.batch_queue.popleft()
             result = pending.result() if self.max_inflight > 1 else pending
             # (Added to the failed compiles' outputs, if any.)

@@ -734,5 +734,8 @@ def run_engine_core(config_bytes: bytes, listen: str) -> None:
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent()
+    from tidal.engine_core.plugins import load_general_plugins
+
+    load_general_plugins()  # before the config: its ArchSpec may name a plugin's family
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     sys.exit(serve(config, listen, spawned=True))

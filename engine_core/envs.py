@@ -46,6 +46,22 @@ def api_key() -> str | None:
     return os.environ.get("TIDAL_API_KEY") or None
 
 
+def plugins() -> list[str] | None:
+    """``$TIDAL_PLUGINS``: a comma-separated allow-list of the entry-point plugins to load (by
+    entry-point name, in every group); None (unset) loads every installed one, "" none."""
+    raw = os.environ.get("TIDAL_PLUGINS")
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def allow_runtime_lora_updating() -> bool:
+    """``$TIDAL_ALLOW_RUNTIME_LORA_UPDATING=1`` (or true): the server takes
+    ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (off by default, as vLLM:
+    whoever can reach the server could load any adapter folder on its host)."""
+    return os.environ.get("TIDAL_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
 # --- other programs' settings tidal honours -------------------------------------------------
 
 

@@ -66,6 +66,12 @@ class ArchSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     n_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] | None = None
+    # DeepSeek-V3's routing ("noaux_tc"): a group scores the sum of its two best experts, and
+    # each router has an ``e_score_correction_bias`` added to the scores for the choice only.
+    topk_method: str = "greedy"
+    # DeepSeek-V3: multi-token-prediction layers after the decoder's, ``layers.{num_layers +
+    # i}`` in the checkpoint (the ``mtp`` speculative method's drafter; not part of the model).
+    num_nextn_predict_layers: int = 0
     # Multi-head latent attention (DeepSeek-V2, ``deepseek_v2_arch``); kv_lora_rank 0: not MLA.
     # Each token caches one latent of kv_lora_rank values plus a rotated key of
     # qk_rope_head_dim shared by every head; q_lora_rank None: q is one projection, no LoRA.
@@ -409,7 +415,9 @@ def moe_routing(cfg: dict[str, Any], *, family: str, source: str,
     layers = tuple(i for i in range(num_layers)
                    if i not in dense_only and (i + 1) % step == 0
                    and i >= first_dense and i % freq == 0)
+    extra = {"topk_method": "noaux_tc"} if method == "noaux_tc" else {}
     return {
+        **extra,
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": moe_size,
@@ -465,17 +473,36 @@ def deepseek_v2_arch(cfg: dict[str, Any], *, architecture: str, family: str,
     attention, YaRN rope with DeepSeek's mscale, dense MLPs on the first
     ``first_k_dense_replace`` layers and routed + shared experts after them (every
     ``moe_layer_freq``-th layer), routed greedily or by groups ("group_limited_greedy").
-    Missing keys take the defaults of HF's ``DeepseekV2Config``."""
+    Missing keys take the defaults of HF's ``DeepseekV2Config``.
+
+    DeepSeek-V3 (``family`` "deepseek_v3") differs in configuration only, as HF's
+    ``DeepseekV3`` reads it: sigmoid scores with a per-router ``e_score_correction_bias`` and
+    "noaux_tc" grouped top-k (whatever ``scoring_func`` / ``topk_method`` say), no
+    ``moe_layer_freq``, other defaults (``DeepseekV3Config``'s), and its
+    ``num_nextn_predict_layers`` MTP layers after the decoder's, classified dense / MoE by the
+    same rule (``moe_layers`` covers them)."""
+    v3 = family == "deepseek_v3" or family == "deepseek_mtp"
+    if v3:
+        method = cfg.get("topk_method") or "noaux_tc"
+        if method != "noaux_tc" or (cfg.get("scoring_func") or "sigmoid") != "sigmoid":
+            raise ValueError(f"{source}: {architecture} routes by sigmoid scores and noaux_tc "
+                             f"top-k, got scoring_func {cfg.get('scoring_func')!r}, "
+                             f"topk_method {cfg.get('topk_method')!r}")
+        if cfg.get("rope_interleave", True) is False:
+            raise ValueError(f"{source}: rope_interleave false is not supported for "
+                             f"{architecture} (tidal rotates interleaved pairs)")
+        cfg = {**_V3_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None},
+               "topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"{source}: unsupported activation {act!r} (tidal supports silu)")
     if cfg.get("attention_bias"):
         raise ValueError(f"{source}: attention_bias is not supported for {architecture}")
     method = cfg.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"{source}: topk_method {method!r} is not supported for "
                          f"{architecture} (tidal supports greedy, group_limited_greedy)")
-    if (cfg.get("scoring_func") or "softmax") != "softmax":
+    if not v3 and (cfg.get("scoring_func") or "softmax") != "softmax":
         raise ValueError(f"{source}: {architecture} scores experts by softmax, got "
                          f"scoring_func {cfg.get('scoring_func')!r}")
     num_heads = int(cfg["num_attention_heads"])
@@ -498,9 +525,12 @@ def deepseek_v2_arch(cfg: dict[str, Any], *, architecture: str, family: str,
             raise ValueError(f"{source}: yarn rope scaling needs factor and "
                              "original_max_position_embeddings")
     n = int(cfg["num_hidden_layers"])
+    nextn = int(cfg.get("num_nextn_predict_layers") or 0) if v3 else 0
+    if nextn < 0:
+        raise ValueError(f"{source}: num_nextn_predict_layers must be >= 0, got {nextn}")
     # HF's DeepseekV2Config leaves norm_topk_prob off unless the config turns it on.
     routing = moe_routing(dict(cfg, norm_topk_prob=bool(cfg.get("norm_topk_prob", False))),
-                          family=family, source=source, num_layers=n)
+                          family=family, source=source, num_layers=n + nextn)
     return ArchSpec(
         architecture=architecture,
         family=family,
@@ -522,5 +552,14 @@ def deepseek_v2_arch(cfg: dict[str, Any], *, architecture: str, family: str,
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_dim,
         v_head_dim=v_dim,
+        num_nextn_predict_layers=nextn,
         **routing,
     )
+
+
+# HF's ``DeepseekV3Config`` defaults for the keys where they differ from V2's.
+_V3_DEFAULTS: dict[str, Any] = {
+    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1, "norm_topk_prob": True, "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+}

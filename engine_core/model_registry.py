@@ -20,6 +20,8 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any, Literal
 
+import msgspec
+
 from tidal.engine_core.model_arch import (
     ArchSpec,
     bert_arch,
@@ -193,6 +195,13 @@ FAMILIES: tuple[ModelFamily, ...] = (
     # shared experts. Safetensors only (llama.cpp's deepseek2 files are not mapped yet).
     ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",),
                 "tidal.worker.models.deepseek_v2:DeepseekV2ForCausalLM", deepseek_v2_arch),
+    # DeepSeek-V3 / R1: V2's layers with sigmoid + bias "noaux_tc" routing; the checkpoint's
+    # multi-token-prediction layers (``num_nextn_predict_layers``) are the ``mtp`` speculative
+    # method's drafter (``deepseek_mtp``, built by the worker next to the target, never served).
+    ModelFamily("deepseek_v3", ("DeepseekV3ForCausalLM",),
+                "tidal.worker.models.deepseek_v3:DeepseekV3ForCausalLM", deepseek_v2_arch),
+    ModelFamily("deepseek_mtp", ("DeepSeekMTPModel",),
+                "tidal.worker.models.deepseek_mtp:DeepseekMTP", deepseek_v2_arch, task="draft"),
     ModelFamily("bert", ("BertModel", "BertForMaskedLM"),
                 "tidal.worker.models.bert:BertEmbeddingModel", bert_arch, task="embed"),
     # EAGLE-3 draft heads for Llama-shaped targets, as EAGLE / SGLang, vLLM and the
@@ -233,6 +242,42 @@ def _index() -> tuple[dict[str, ModelFamily], dict[str, ModelFamily], dict[str, 
 _BY_NAME, _BY_ARCH, _BY_GGUF, _BY_GGUF_EXPERTS = _index()
 
 
+def register_family(fam: ModelFamily) -> None:
+    """Add a model family from outside tidal (a ``tidal.general_plugins`` plugin, which runs in
+    every process, so the worker finds it too). Its ``model_class`` is an import string the
+    worker imports. An architecture or name tidal already serves is refused, not replaced."""
+    if _BY_NAME.get(fam.name) == fam:
+        return  # the same registration again (a plugin run twice in one process)
+    if fam.name in _BY_NAME:
+        raise ValueError(f"model family {fam.name!r} is already registered")
+    taken = [arch for arch in fam.architectures if arch in _BY_ARCH]
+    if taken:
+        raise ValueError(f"architecture(s) {', '.join(taken)} already served by "
+                         f"{_BY_ARCH[taken[0]].name!r}")
+    if ":" not in fam.model_class:
+        raise ValueError(f"model_class must be an import string 'package.module:Class', got "
+                         f"{fam.model_class!r}")
+    _BY_NAME[fam.name] = fam
+    for arch in fam.architectures:
+        _BY_ARCH[arch] = fam
+
+
+def register_model(architecture: str, model_class: str, *,
+                   config_like: str = "LlamaForCausalLM") -> ModelFamily:
+    """vLLM's ``ModelRegistry.register_model(architecture, "pkg.module:Class")``: serve HF
+    configs naming ``architecture`` with ``model_class`` (constructed as the built-in families
+    are: ``Class(arch, dtype, impl, tp, pp)``). Its ``config.json`` is read as that of the
+    built-in architecture ``config_like`` (the same normaliser, task and window support)."""
+    base = _BY_ARCH.get(config_like)
+    if base is None:
+        raise ValueError(f"config_like={config_like!r} is not an architecture tidal serves; "
+                         f"known: {', '.join(supported_architectures())}")
+    fam = ModelFamily(architecture, (architecture,), model_class, base.normalise,
+                      task=base.task, supports_sliding_window=base.supports_sliding_window)
+    register_family(fam)
+    return fam
+
+
 def family(name: str) -> ModelFamily:
     """The family an :class:`ArchSpec` names (``arch.family``)."""
     fam = _BY_NAME.get(name)
@@ -265,6 +310,26 @@ def gguf_family(gguf_arch: str | None, experts: bool = False) -> GGUFFamily | No
         return None
     fam = (_BY_GGUF_EXPERTS.get(gguf_arch) if experts else None) or _BY_GGUF.get(gguf_arch)
     return fam.gguf if fam is not None else None
+
+
+# A target family -> the family of its multi-token-prediction drafter (``mtp`` method).
+_MTP_DRAFTERS: dict[str, str] = {"deepseek_v3": "deepseek_mtp"}
+
+
+def mtp_families() -> tuple[str, ...]:
+    """The target families whose MTP layers tidal can draft with."""
+    return tuple(_MTP_DRAFTERS)
+
+
+def mtp_arch(target: ArchSpec) -> ArchSpec:
+    """The ``ArchSpec`` of ``target``'s MTP drafter: the target's sizes (the layer is one of
+    the target's kind), under its drafter family (built by the worker, never served)."""
+    name = _MTP_DRAFTERS.get(target.family)
+    if name is None:
+        raise ValueError(f"{target.architecture}: no multi-token-prediction drafter for family "
+                         f"{target.family!r} (tidal has them for {', '.join(_MTP_DRAFTERS)})")
+    return msgspec.structs.replace(target, family=name,
+                                   architecture=family(name).architectures[0])
 
 
 def arch_from_hf_dict(cfg: dict[str, Any], source: str, *, draft: bool = False) -> ArchSpec:

@@ -14,6 +14,7 @@ import numpy as np
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import ControlCall, ControlResult
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.sampling_params import SamplingParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -37,6 +38,8 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     cache_salt: str | None = None
     # Which frontend sent it (the engine routes outputs back by this index).
     client_index: int = 0
+    # The LoRA adapter it runs with; None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsArrays(msgspec.Struct, **_WIRE):
@@ -270,6 +273,8 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     prompt_logprobs_from: int = 0
     # The block tables of KV groups 1.. (``kv_groups``); empty with one group (not on the wire).
     group_block_ids: list[list[int]] = []
+    # The LoRA adapter it runs with; None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -343,12 +348,13 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 8  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+PROTOCOL_VERSION = 9  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
 # (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
 # and structured_requests; 6: SamplingParams.thinking_token_budget and reasoning_first,
 # StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen);
 # 7: SchedulerStats.grammar_compile_backends and structured_request_backends; 8:
-# SchedulerStats.spec_* (speculative decoding counters) and EngineConfig.speculative
+# SchedulerStats.spec_* (speculative decoding counters) and EngineConfig.speculative; 9:
+# EngineCoreRequest.lora_request, EngineConfig.lora and the LoRA control calls
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

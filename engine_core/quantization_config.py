@@ -18,7 +18,11 @@ import msgspec
 # Dense decoder families whose linear layers take FP8 weights; the others (Gemma, Phi-3, MoE
 # experts, MLA, EAGLE-3 heads, encoders) have projections or fused weights not wired for it yet.
 FP8_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_ACCEPTED = (None, "fp8", "compressed-tensors")
+# Mixture-of-experts families whose experts (and other linears) take FP8 quantized on load
+# (layers/fused_moe.py); their FP8 checkpoints are not read yet.
+FP8_MOE_FAMILIES = ("mixtral", "qwen3_moe")
+_ACCEPTED = (None, "fp8", "compressed-tensors", "awq", "gptq")
+INT4_METHODS = ("awq", "gptq")
 
 
 class QuantConfigError(ValueError):
@@ -26,13 +30,25 @@ class QuantConfigError(ValueError):
 
 
 class QuantConfig(msgspec.Struct, frozen=True, kw_only=True):
-    method: str = "fp8"  # the only scheme implemented: FP8 e4m3 W8A8
+    # "fp8": FP8 e4m3 W8A8; "awq" / "gptq": INT4 weight-only (W4A16) checkpoints, read as they
+    # are (int4_config.py checks them; worker/layers/int4.py holds the layout).
+    method: str = "fp8"
     # True: the checkpoint already holds FP8 weights and their scales (compressed-tensors);
     # False: 16/32-bit weights are quantized as each one loads.
     prequantized: bool = False
     # A compressed-tensors checkpoint with static activation scales (``input_scale``);
     # otherwise each token's activations are scaled by their own amax.
     static_activations: bool = False
+    # INT4 only: input channels per scale/zero group (-1: one group per whole input row),
+    # GPTQ act-order (``g_idx`` maps each input channel to its group), and the GPTQ format's
+    # zero points stored minus one (``checkpoint_format`` "gptq", not "gptq_v2").
+    group_size: int = 0
+    desc_act: bool = False
+    zeros_minus_one: bool = False
+
+    @property
+    def int4(self) -> bool:
+        return self.method in INT4_METHODS
 
 
 def _fp8_args(args: Any, what: str) -> dict[str, Any]:
@@ -87,15 +103,21 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
 
 
 def build_quant_config(requested: str | None, hf_config: dict[str, Any],
-                       family: str) -> QuantConfig | None:
+                       family: str, dummy: bool = False) -> QuantConfig | None:
     """The quantization of a model of ``family`` with HF config ``hf_config`` when the user
-    asked for ``requested`` (``--quantization``; None: whatever the checkpoint says)."""
+    asked for ``requested`` (``--quantization``; None: whatever the checkpoint says).
+    ``dummy``: random weights (``--load-format dummy``), which need no INT4 checkpoint."""
     if requested not in _ACCEPTED:
         raise QuantConfigError(f"quantization {requested!r} is not yet implemented in tidal "
-                               "(accepted: fp8, compressed-tensors for FP8 checkpoints)")
+                               "(accepted: fp8, compressed-tensors for FP8 checkpoints, awq "
+                               "and gptq for INT4 checkpoints)")
     qc = hf_config.get("quantization_config")
-    if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if requested in INT4_METHODS or method in INT4_METHODS:
+        from tidal.engine_core.int4_config import int4_quant_config
+
+        config = int4_quant_config(requested, qc, dummy)
+    elif qc is not None:
         if method != "compressed-tensors":
             raise QuantConfigError(f"the checkpoint's quantization_config quant_method "
                                    f"{method!r} is not yet implemented in tidal (only FP8 "
@@ -108,7 +130,11 @@ def build_quant_config(requested: str | None, hf_config: dict[str, Any],
         config = QuantConfig()
     else:
         config = None
+    if (config is not None and family in FP8_MOE_FAMILIES and config.method == "fp8"
+            and not config.prequantized):
+        return config
     if config is not None and family not in FP8_FAMILIES:
-        raise QuantConfigError(f"FP8 quantization of model family {family!r} is not yet "
+        what = "INT4 (AWQ/GPTQ)" if config.int4 else "FP8"
+        raise QuantConfigError(f"{what} quantization of model family {family!r} is not yet "
                                f"implemented in tidal (families: {', '.join(FP8_FAMILIES)})")
     return config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
 from tidal.engine_core.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class Request:
     arrival_time: float = 0.0
     cache_salt: str | None = None
     client_index: int = 0
+    lora_request: LoRARequest | None = None
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
@@ -78,8 +80,14 @@ class Request:
             arrival_time=req.arrival_time,
             cache_salt=req.cache_salt,
             client_index=req.client_index,
+            lora_request=req.lora_request,
             all_token_ids=list(req.prompt_token_ids),
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The LoRA adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary in use
 MAX_GRAMMAR_CHARS = 1 << 17  # a schema, regex or grammar, as text
 MAX_CHOICES = 1024
 MAX_THINKING_TOKENS = 1 << 31
+MAX_LOGITS_PROCESSORS = 16
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -127,6 +128,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # chat reply): the grammar then applies after it. Set by the chat paths (chat completions,
     # Messages, Responses, ``LLM.chat``); a raw completion's output is all answer.
     reasoning_first: bool = False
+    # Logits processors by entry-point name (group ``tidal.logits_processors``), applied in the
+    # worker (worker/sample/logits_processors.py); only names travel, never callables.
+    logits_processors: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -203,6 +207,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
             _check(min(self.allowed_token_ids) >= 0, "allowed_token_ids",
                    "token ids must be >= 0")
+        if self.logits_processors is not None:
+            _check(len(self.logits_processors) <= MAX_LOGITS_PROCESSORS, "logits_processors",
+                   f"at most {MAX_LOGITS_PROCESSORS} names, got {len(self.logits_processors)}")
+            _check(all(isinstance(n, str) and 0 < len(n) <= 200 for n in self.logits_processors),
+                   "logits_processors", "names must be non-empty strings of at most 200 "
+                   "characters")
         if self.thinking_token_budget is not None:
             _check(0 <= self.thinking_token_budget <= MAX_THINKING_TOKENS,
                    "thinking_token_budget",

@@ -74,6 +74,8 @@ class Scheduler:
         # With M pipeline stages up to M steps are in flight, and a request sits out while its
         # own step is: cap each step at 1/M of the sequences so every stage gets a share.
         self.max_reqs_per_step = max(1, self.max_num_seqs // config.parallel.pipeline_parallel_size)
+        # Distinct LoRA adapters a running batch may hold (0: LoRA off).
+        self.max_loras = config.lora.max_loras if config.lora is not None else 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -248,6 +250,13 @@ class Scheduler:
             if computed >= n_tokens + placeholders:
                 req.num_placeholders = placeholders + 1
 
+        # LoRA: the running batch holds at most max_loras distinct adapters (the workers'
+        # device slots); a request whose adapter would exceed that is passed over this step
+        # and keeps its place in the queue (the base model needs no slot).
+        max_loras = self.max_loras
+        if max_loras:
+            active_loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
+            skipped: list[Request] = []
         # Admitting while preempting would only thrash: the pool is already short.
         while (
             self.waiting
@@ -259,6 +268,13 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a step in flight: resume once its token is known
+            if max_loras and req.lora_request is not None:
+                lora_id = req.lora_int_id
+                if lora_id not in active_loras:
+                    if len(active_loras) >= max_loras:
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    active_loras.add(lora_id)
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
             remaining = req.num_tokens - num_hit
@@ -298,10 +314,13 @@ class Scheduler:
                     group_block_ids=self.kv.group_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
                     prompt_logprobs_from=req.prompt_logprobs_sent,
+                    lora_request=req.lora_request,
                 )
             )
             num_scheduled.append(num_new)
             budget -= num_new
+        if max_loras and skipped:
+            self.waiting.extendleft(reversed(skipped))
 
         if self.hybrid_kv and c_block_ids:
             # Each entry holds every group's new entries: group 0's go where one group's do.

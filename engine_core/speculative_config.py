@@ -6,10 +6,11 @@ EngineCore process and the workers as it is).
 
 Methods: ``ngram`` (prompt lookup: the draft is what followed the latest earlier occurrence of the
 sequence's last n tokens); ``draft_model`` (``model``: a smaller model with the target's
-vocabulary) and ``eagle3`` (``model``: an EAGLE-3 head trained on the target's hidden states).
-``mtp`` and the other names vLLM knows are not built yet; they are refused rather than silently
-run as something else. ``check_draft`` reads the draft's config when the engine config is made,
-so an incompatible draft fails at start-up with the reason.
+vocabulary), ``eagle3`` (``model``: an EAGLE-3 head trained on the target's hidden states) and
+``mtp`` (the target's own multi-token-prediction layer, DeepSeek-V3 style: ``model`` may be
+omitted, or name the target itself). The other names vLLM knows are not built yet; they are
+refused rather than silently run as something else. ``check_draft`` reads the draft's config
+when the engine config is made, so an incompatible draft fails at start-up with the reason.
 
 Acceptance (``rejection_sample_method``): ``standard`` keeps the target model's distribution
 exactly (greedy: argmax match; sampled: accept / resample from the residual). ``synthetic``
@@ -28,9 +29,12 @@ if TYPE_CHECKING:
 
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 64
-_METHODS = ("ngram", "draft_model", "eagle3")
+_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# Methods whose ``model`` is required (a separate draft checkpoint).
 _MODEL_METHODS = ("draft_model", "eagle3")
-_NOT_YET = ("mtp", "eagle", "medusa", "mlp_speculator", "suffix")
+# Methods that draft with a model on the workers (its own KV cache).
+_DRAFTER_METHODS = ("draft_model", "eagle3", "mtp")
+_NOT_YET = ("eagle", "medusa", "mlp_speculator", "suffix")
 _REJECTION_METHODS = ("standard", "synthetic")
 _KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
           "prompt_lookup_min", "prompt_lookup_max",
@@ -76,8 +80,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def uses_model(self) -> bool:
-        """Drafts come from a model (a draft model or an EAGLE-3 head) run on the workers."""
-        return self.method in _MODEL_METHODS
+        """Drafts come from a model (a draft model, an EAGLE-3 head or the target's MTP
+        layer) run on the workers."""
+        return self.method in _DRAFTER_METHODS
 
     def describe(self) -> str:
         text = f"method {self.method}, {self.num_speculative_tokens} speculative tokens"
@@ -86,6 +91,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         elif self.model is not None:
             text += f", draft {self.model}" + (f" ({self.draft_summary})"
                                                 if self.draft_summary else "")
+        elif self.draft_summary:
+            text += f", {self.draft_summary}"
         if self.synthetic:
             rates = ", ".join(f"{r:.3f}" for r in self.synthetic_conditional_rates)
             text += (f", SYNTHETIC acceptance (per-position conditional rates {rates}): outputs "
@@ -122,19 +129,25 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                     f"--speculative-config: method {method!r} needs model (the "
                     f"{'draft model' if method == 'draft_model' else 'EAGLE-3 head'}'s path "
                     "or hub id)")
+        if method in _DRAFTER_METHODS:
             stray = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if n in raw]
             if stray:
                 raise SpeculativeConfigError(
                     f"--speculative-config: {stray[0]} applies to method 'ngram' only")
-        elif model is not None:
+        if method == "mtp":
+            if model is not None and (not isinstance(model, str) or not model):
+                raise SpeculativeConfigError(
+                    "--speculative-config: model of method 'mtp' must be the target's path "
+                    f"or hub id (or omitted), got {model!r}")
+        elif method not in _MODEL_METHODS and model is not None:
             raise SpeculativeConfigError(
                 f"--speculative-config: model applies to methods {', '.join(_MODEL_METHODS)}, "
                 f"not {method!r}")
         draft_tp = _int(raw, "draft_tensor_parallel_size", 1)
-        if "draft_tensor_parallel_size" in raw and method not in _MODEL_METHODS:
+        if "draft_tensor_parallel_size" in raw and method not in _DRAFTER_METHODS:
             raise SpeculativeConfigError(
                 "--speculative-config: draft_tensor_parallel_size applies to methods "
-                f"{', '.join(_MODEL_METHODS)}, not {method!r}")
+                f"{', '.join(_DRAFTER_METHODS)}, not {method!r}")
         if draft_tp != 1:
             raise SpeculativeConfigError(
                 "--speculative-config: draft_tensor_parallel_size other than 1 is not yet "
@@ -283,7 +296,8 @@ def _float(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_draft(spec: SpeculativeConfig, target: ArchSpec) -> SpeculativeConfig:
+def check_draft(spec: SpeculativeConfig, target: ArchSpec, *, target_name: str = ""
+                ) -> SpeculativeConfig:
     """Read the draft's config (``spec.model``) and check it can draft for ``target``: a draft
     model shares the target's vocabulary (ids mean the same tokens: verification compares them
     one to one); an EAGLE-3 head has the target's vocabulary, a draft vocabulary within it, and
@@ -292,6 +306,8 @@ def check_draft(spec: SpeculativeConfig, target: ArchSpec) -> SpeculativeConfig:
     from tidal.engine_core.model_arch import arch_from_hf_dict
     from tidal.engine_core.model_source import load_hf_config, resolve_model
 
+    if spec.method == "mtp":
+        return _check_mtp(spec, target, target_name)
     if not spec.uses_model or spec.model is None:
         return spec
     where = f"--speculative-config: model {spec.model!r}"
@@ -346,3 +362,43 @@ def check_draft(spec: SpeculativeConfig, target: ArchSpec) -> SpeculativeConfig:
                    f"of {draft.vocab_size}, target hidden {trained_on}, target layers "
                    f"{list(layers)}")
     return msgspec.structs.replace(spec, model=src.path, draft_summary=summary)
+
+
+def _check_mtp(spec: SpeculativeConfig, target: ArchSpec, target_name: str
+               ) -> SpeculativeConfig:
+    """``mtp`` drafts with the target's own multi-token-prediction layer: the target must have
+    one (``num_nextn_predict_layers``) of a family tidal drafts with; a ``model`` given must be
+    the target itself (same architecture and sizes). Returns the config without ``model`` and
+    with a summary for the start-up log."""
+    from tidal.engine_core.model_arch import arch_from_hf_dict
+    from tidal.engine_core.model_registry import mtp_families
+    from tidal.engine_core.model_source import load_hf_config, resolve_model
+
+    name = f"{target_name!r} ({target.architecture})" if target_name else target.architecture
+    if target.num_nextn_predict_layers < 1:
+        raise SpeculativeConfigError(
+            f"--speculative-config: method 'mtp' needs a target with multi-token-prediction "
+            f"layers, and the model {name} has none (num_nextn_predict_layers is "
+            f"{target.num_nextn_predict_layers} or missing in its config.json)")
+    if target.family not in mtp_families():
+        raise SpeculativeConfigError(
+            f"--speculative-config: method 'mtp' for {name} is not yet implemented in tidal "
+            f"(MTP layers of {', '.join(mtp_families())} targets only)")
+    if spec.model is not None:
+        where = f"--speculative-config: model {spec.model!r}"
+        try:
+            src = resolve_model(spec.model)
+            given = arch_from_hf_dict(load_hf_config(src), src.path)
+        except (ValueError, OSError) as exc:
+            raise SpeculativeConfigError(f"{where}: {exc}") from None
+        if given != target:
+            raise SpeculativeConfigError(
+                f"{where}: method 'mtp' drafts with the target's own MTP layer, read from "
+                f"the target's checkpoint; model must be the target itself or omitted "
+                f"(it is a {given.architecture}, not the target's configuration)")
+    n = target.num_nextn_predict_layers
+    summary = (f"MTP layer {target.num_layers} of the target (hidden {target.hidden_size}, "
+               f"{n} in the checkpoint, the first used)")
+    if spec.num_speculative_tokens > 1:
+        summary += f", reused for each of the {spec.num_speculative_tokens} draft steps"
+    return msgspec.structs.replace(spec, model=None, draft_summary=summary)

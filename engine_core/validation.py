@@ -67,12 +67,33 @@ def validate_request(
             raise RequestValidationError(
                 f"{name}={value} exceeds this server's limit of {limit}", name
             )
+    if params.logits_processors:
+        _check_logits_processors(params.logits_processors)
     if config.speculative is not None:
         _check_speculative(params)
 
 
+def _check_logits_processors(names: list[str]) -> None:
+    # Only installed entry points (never import strings: a request must not make the worker
+    # import an arbitrary module).
+    from tidal.engine_core.plugins import LOGITS_PROCESSORS, plugin_names
+
+    known = plugin_names(LOGITS_PROCESSORS)
+    for name in names:
+        if name not in known:
+            shown = name if len(name) <= 100 else name[:100] + "..."
+            raise RequestValidationError(
+                f"unknown logits processor {shown!r}; this server has "
+                f"{', '.join(known) or 'none'} (entry points of {LOGITS_PROCESSORS})",
+                "logits_processors")
+
+
 def _check_speculative(params: SamplingParams) -> None:
     """What speculative decoding does not combine with yet: refused, never run inexactly."""
+    if params.logits_processors:
+        raise RequestValidationError(
+            "logits_processors are not supported yet with speculative decoding "
+            "(--speculative-config)", "logits_processors")
     if params.structured_outputs is not None:
         raise RequestValidationError(
             "structured outputs (response_format / structured_outputs / guided_*) are not "

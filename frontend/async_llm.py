@@ -28,10 +28,16 @@ from tidal.engine_core.config import EngineArgs, EngineConfig
 from tidal.engine_core.control import (
     ControlCall,
     ControlResult,
+    AddLora,
     GetKVStats,
     KVStats,
+    ListLoras,
+    LoRAIds,
+    RemoveLora,
     ResetPrefixCache,
 )
+from tidal.engine_core.lora_adapter import LoRAAdapterError
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.protocol import EngineCoreRequest, OutputBatch, SchedulerStats
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.engine_core.validation import validate_request
@@ -216,6 +222,29 @@ class AsyncLLM:
         """Forget every cached prefix; False (nothing done) while requests hold blocks."""
         return bool(await self.control(ResetPrefixCache()))
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter, its files checked against the model (the workers load it
+        on first use); False when it was registered already. Raises ``LoRAAdapterError`` (a
+        ValueError naming the problem) for an adapter that cannot be served."""
+        from tidal.frontend.llm import lora_error
+
+        if self.config.lora is None:
+            raise LoRAAdapterError("LoRA adapters need the engine started with --enable-lora")
+        try:
+            return bool(await self.control(AddLora(lora_request)))
+        except RuntimeError as exc:  # from an engine process: mp_client.ControlCallError
+            raise lora_error(exc) from None
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter; False when it was not registered."""
+        return bool(await self.control(RemoveLora(lora_int_id)))
+
+    async def list_loras(self) -> list[int]:
+        """The registered LoRA adapters' ids, ascending."""
+        ids = await self.control(ListLoras())
+        assert isinstance(ids, LoRAIds)
+        return list(ids.ids)
+
     # --- requests -----------------------------------------------------------------------------
 
     async def tokenize(self, prompt: str) -> list[int]:
@@ -254,6 +283,7 @@ class AsyncLLM:
         collector: OutputCollector | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputCollector:
         """Start a request; its outputs (the kind set by ``params.output_kind``) are read from
         the returned collector (``collector`` if given: one consumer may read several
@@ -267,6 +297,9 @@ class AsyncLLM:
         if self.tokenizer is None and (ids is None or params.stop):
             raise ValueError("text prompts and stop strings need a tokenizer "
                              "(this engine was started with skip_tokenizer_init)")
+        if lora_request is not None and self.config.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} needs the engine started "
+                             "with --enable-lora")
         ids = await self.tokenize(text) if ids is None else list(ids)
         validate_request(ids, params, self.config)
         self._raise_if_dead()  # tokenizing may have waited
@@ -274,6 +307,9 @@ class AsyncLLM:
         collector = collector or OutputCollector()
         engine_reqs = self.processor.add_request(request_id, text, ids, params, arrival_time,
                                                  cache_salt, collector)
+        if lora_request is not None:
+            for req in engine_reqs:
+                req.lora_request = lora_request
         self.client.add_requests(engine_reqs)
         return collector
 
@@ -285,6 +321,7 @@ class AsyncLLM:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (the kind set by ``params.output_kind``).
 
@@ -294,7 +331,7 @@ class AsyncLLM:
         reason is ``abort``.
         """
         collector = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                           arrival_time=arrival_time)
+                                           arrival_time=arrival_time, lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -392,3 +429,4 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self.client.shutdown()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+

@@ -139,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "none; default: 1000)")
     s.add_argument("--max-stored-response-bytes", type=int, default=64 << 20, metavar="BYTES",
                    help="the bytes those stored responses may take in all (default: 64 MiB)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served by name (needs --enable-lora): name=path, or the "
+                        "JSON form {\"name\": ..., \"path\": ..., \"base_model_name\": ...}; "
+                        "default: none")
+    s.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="an unknown model name NAME is the LoRA adapter in DIR/NAME, loaded on "
+                        "first use (needs --enable-lora); default: none")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="create no stat logger plugins (tidal.stat_logger_plugins)")
 
     gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout",
                          description="Generate a continuation of one prompt and stream the text "
@@ -232,6 +241,17 @@ def _server_settings(ns: argparse.Namespace) -> Any:
                        ns.tool_parser_plugin)
     except ValueError as exc:
         raise SystemExit(f"tidal: {exc}") from None
+    from tidal.frontend.server.lora_models import parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(ns.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(f"tidal: {exc}") from None
+    if (lora_modules or ns.lora_resolver_dir) and not ns.engine_address \
+            and not getattr(ns, "enable_lora", False):
+        raise SystemExit("tidal: --lora-modules and --lora-resolver-dir need --enable-lora")
+    if ns.lora_resolver_dir is not None and not os.path.isdir(ns.lora_resolver_dir):
+        raise SystemExit(f"tidal: --lora-resolver-dir {ns.lora_resolver_dir} is not a folder")
     limits = ServerLimits()
     if ns.max_request_bytes is not None:
         limits = ServerLimits(max_body_bytes=ns.max_request_bytes)
@@ -262,12 +282,25 @@ def _server_settings(ns: argparse.Namespace) -> Any:
         keep_alive_timeout=ns.keep_alive_timeout,
         root_path=root_path,
         enable_server_load_tracking=ns.enable_server_load_tracking,
+        lora_modules=tuple(lora_modules),
+        lora_resolver_dir=ns.lora_resolver_dir,
+        allow_runtime_lora_updating=envs.allow_runtime_lora_updating(),
+        disable_log_stats=ns.disable_log_stats,
     )
 
 
 def _api_server_count(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from tidal.frontend.server.api_servers import default_api_server_count
 
+    if envs.allow_runtime_lora_updating():
+        # Each API server process keeps its own adapter table: one that loads an adapter at
+        # run time cannot tell the others.
+        if ns.api_server_count is not None and ns.api_server_count > 1:
+            raise SystemExit("tidal: TIDAL_ALLOW_RUNTIME_LORA_UPDATING=1 needs one API server "
+                             "process (--api-server-count 1): the others would not see the "
+                             "adapters it loads")
+        logger.info("API server processes: 1 (TIDAL_ALLOW_RUNTIME_LORA_UPDATING=1)")
+        return 1
     if ns.api_server_count is not None:
         if ns.api_server_count < 1:
             raise SystemExit(f"tidal: --api-server-count must be >= 1, got "
@@ -328,6 +361,12 @@ async def _generate(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     _setup_logging(ns.log_level)
+    from tidal.engine_core.plugins import PluginError, load_general_plugins
+
+    try:
+        load_general_plugins()  # before anything reads the model's config
+    except PluginError as exc:
+        raise SystemExit(f"tidal: {exc}") from None
     import uvloop
 
     from tidal.frontend.server.app import ServerStartError

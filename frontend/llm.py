@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tidal.engine_core.config import EngineArgs
+from tidal.engine_core.control import AddLora, ListLoras, LoRAIds, RemoveLora
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.engine_core.validation import validate_request
 from tidal.frontend.beam_search import (
@@ -41,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 Prompt = PromptType
 
-# One request ready to run: prompt text (for the output), token ids, parameters, salt.
-_Encoded = tuple[str | None, list[int], SamplingParams, str | None]
+# One request ready to run: prompt text (for the output), token ids, parameters, salt, and
+# the LoRA adapter (None: the base model).
+_Encoded = tuple[str | None, list[int], SamplingParams, str | None, LoRARequest | None]
 
 
 class LLM:
@@ -87,13 +90,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in the order of ``prompts``. A prompt is text,
         token ids, or a dict ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` with an
-        optional ``"cache_salt"`` (see ``tidal.frontend.prompt_inputs``).
+        optional ``"cache_salt"`` (see ``tidal.frontend.prompt_inputs``). ``lora_request``: one
+        LoRA adapter for every prompt, or one per prompt (None: the base model); needs the
+        engine started with ``enable_lora=True``.
 
-        Every prompt and parameter set is validated before any request starts: a bad one raises
-        ``ValueError`` and nothing runs.
+        Every prompt, parameter set and adapter is validated before any request starts: a bad
+        one raises ``ValueError`` and nothing runs.
         """
         prompt_list = parse_prompts(prompts)
         if sampling_params is None:
@@ -105,8 +111,9 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
                                  "sampling parameter sets")
+        loras = self._lora_list(lora_request, len(prompt_list))
         encoded: list[_Encoded] = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+        for i, (prompt, params, lora) in enumerate(zip(prompt_list, params_list, loras)):
             try:
                 if params.stop and self.tokenizer is None:
                     raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True)")
@@ -114,8 +121,51 @@ class LLM:
                 validate_request(ids, params, self.config)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from exc
-            encoded.append((prompt.text, ids, params, prompt.cache_salt))
+            encoded.append((prompt.text, ids, params, prompt.cache_salt, lora))
         return self._run(encoded, use_tqdm)
+
+    def _lora_list(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                   n: int) -> list[LoRARequest | None]:
+        """One adapter per prompt, each registered with the engine (which checks its files)
+        before anything runs."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"got {n} prompts but {len(loras)} LoRA requests")
+        seen: set[LoRARequest] = set()
+        for i, lora in enumerate(loras):
+            if lora is None or lora in seen:
+                continue
+            if not isinstance(lora, LoRARequest):
+                raise ValueError(f"prompt {i}: lora_request must be a LoRARequest or None, got "
+                                 f"{type(lora).__name__}")
+            if self.config.lora is None:
+                raise ValueError(f"prompt {i}: LoRA adapter {lora.lora_name!r} needs the engine "
+                                 "started with enable_lora=True")
+            try:
+                self.add_lora(lora)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from exc
+            seen.add(lora)
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter (its files checked against the model); False when it was
+        registered already. Raises ``LoRAAdapterError`` (a ValueError) for a bad adapter."""
+        try:
+            return bool(self.engine.call(AddLora(lora_request)))
+        except RuntimeError as exc:  # from an engine process: mp_client.ControlCallError
+            raise lora_error(exc) from None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return bool(self.engine.call(RemoveLora(lora_int_id)))
+
+    def list_loras(self) -> list[int]:
+        ids = self.engine.call(ListLoras())
+        assert isinstance(ids, LoRAIds)
+        return list(ids.ids)
 
     def beam_search(
         self,
@@ -142,7 +192,7 @@ class LLM:
         bar = ProgressBar(params.max_tokens, "Beam search steps", enabled=use_tqdm)
         try:
             while live := [(s, salt) for s, salt in searches if not s.done]:
-                batch: list[_Encoded] = [(None, tokens, step_params, salt)
+                batch: list[_Encoded] = [(None, tokens, step_params, salt, None)
                                          for s, salt in live for tokens in s.step_prompts()]
                 outs = self._run(batch, use_tqdm=False)
                 pos = 0
@@ -173,6 +223,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -188,16 +239,17 @@ class LLM:
         else:
             sampling_params = [msgspec.structs.replace(p, reasoning_first=True)
                                for p in sampling_params]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, encoded: list[_Encoded], use_tqdm: bool) -> list[RequestOutput]:
         processor = OutputProcessor(self.tokenizer)
         order: dict[str, int] = {}
-        for i, (text, ids, params, salt) in enumerate(encoded):
+        for i, (text, ids, params, salt, lora) in enumerate(encoded):
             rid = str(next(self._ids))
             order[rid] = i
             final = _final_only(params)
             for req in processor.add_request(rid, text, ids, final, cache_salt=salt):
+                req.lora_request = lora
                 self.engine.add_request(req)
         results: list[RequestOutput | None] = [None] * len(encoded)
         bar = ProgressBar(len(encoded), "Processed prompts", enabled=use_tqdm)
@@ -237,3 +289,15 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 
     return msgspec.structs.replace(params, output_kind=OutputKind.FINAL_ONLY)
 
+
+def lora_error(exc: BaseException) -> BaseException:
+    """The error of a LoRA control call as the caller should see it: an engine in another
+    process reports ``LoRAAdapterError: why`` in a ``ControlCallError``, turned back into the
+    ``LoRAAdapterError`` (a ValueError); anything else unchanged."""
+    from tidal.engine_core.lora_adapter import LoRAAdapterError
+
+    prefix = f"{LoRAAdapterError.__name__}: "
+    text = str(exc)
+    if not isinstance(exc, LoRAAdapterError) and text.startswith(prefix):
+        return LoRAAdapterError(text[len(prefix):])
+    return exc

@@ -37,6 +37,30 @@ def _dump_descendants() -> None:
 
 
 @pytest.fixture(autouse=True)
+def _triton_interpreter_loop_bounds(monkeypatch):
+    """Under ``TRITON_INTERPRET=1`` (the Triton kernel tests on a CPU), Triton 3.6's
+    interpreter holds a kernel's runtime scalars as one-element arrays, whose ``__index__``
+    (``int(array)``) NumPy 2 rejects, so ``range`` over a runtime bound fails there (the
+    compiled kernel has no such issue): index through the element, for every test."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        yield
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _test_deadline():
     """With ``$TIDAL_TEST_TIMEOUT_S``, a test running longer fails (its stacks and those of its
     engine and worker processes in its captured stderr) and the run goes on."""

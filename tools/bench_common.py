@@ -96,6 +96,39 @@ SHAPES: dict[str, dict[str, Any]] = {
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "eos_token_id": 100001, "bos_token_id": 100000, "hidden_act": "silu",
     },
+    # DeepSeek-V2-Lite's sizes under DeepSeek-V3's routing (sigmoid + bias, noaux_tc over 8
+    # groups) with one multi-token-prediction layer: the ``mtp`` method's dummy target.
+    "deepseek-v3-lite-mtp": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0},
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eos_token_id": 1, "bos_token_id": 0, "hidden_act": "silu",
+    },
+    # For CPU smoke runs of ``mtp``: the layout above, shrunk.
+    "tiny-deepseek-v3-mtp": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 1,
+        "hidden_act": "silu",
+    },
     # For smoke runs on a CPU: the Qwen3 layout, shrunk.
     "tiny": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 2048,

@@ -147,7 +147,12 @@ def bench_decode(core: EngineCore, batch: int, context: int, steps: int, repeats
         # Uniform-routing expectation (bench_common.ShapeFacts): k at batch 1.
         out["experts_touched_per_layer"] = round(facts.experts_touched(batch), 2)
     out["tokens_per_s"] = round(batch / (out["ms_per_step"]["median"] / 1e3), 1)
-    if bw:
+    if not fits:
+        # The batch never ran whole (preempted requests waited), so the bytes above were not
+        # what the steps read: no MBU rather than a wrong one.
+        out["MBU_omitted"] = (f"batch {batch} x {context + total_new} tokens does not fit the "
+                              f"KV cache ({kv_tokens} tokens)")
+    elif bw:
         floor_ms = step_bytes / (bw * 1e9) * 1e3
         out["roofline_ms"] = round(floor_ms, 4)
         ms_s = out["ms_per_step"]

@@ -11,6 +11,8 @@ and the mean acceptance length, per batch size.
     python tools/bench_spec.py --model meta-llama/Llama-3.1-8B-Instruct --method eagle3 \
         --draft-model yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --workload edit
     python tools/bench_spec.py --smoke --method draft_model     # (or eagle3) on a CPU
+    python tools/bench_spec.py --shape deepseek-v3-lite-mtp --method mtp --k 1 --batches 1,8,32
+    python tools/bench_spec.py --smoke --method mtp             # tiny DeepSeek-V3 + MTP, CPU
 
 Workloads (``--workload``): ``edit`` asks the model to rewrite a source file of this repository
 with a small change (prompt lookup finds most of the answer in the prompt: issue 21's n-gram
@@ -24,7 +26,10 @@ measure the speed envelope of a given acceptance rate. ``draft_model`` drafts wi
 model of the target's vocabulary, ``eagle3`` with an EAGLE-3 head: ``--draft-model`` (a
 checkpoint) or ``--draft-shape`` (random weights of a published shape, with a ``--shape`` target:
 a dummy draft's drafts are rarely accepted, so these measure the drafting and verify costs; a
-real head and target measure the speedup).
+real head and target measure the speedup). ``mtp`` drafts with the target's own
+multi-token-prediction layer (a DeepSeek-V3-shaped target: ``--shape deepseek-v3-lite-mtp``
+with dummy weights, or a real checkpoint with ``--model``); ``--synthetic-alpha`` applies to it
+too.
 
 Both sides run in their own engine, side by side: one warm-up pass each, then ``--repeats``
 timed passes of ``B`` requests of ``--max-tokens`` tokens, the two sides' passes interleaved;
@@ -112,9 +117,10 @@ def spec_config(args: argparse.Namespace) -> dict[str, Any]:
     # measure plain decoding where speculation does not pay.
     off = {} if args.off_switch else {"disable_by_batch_size": None,
                                       "disable_by_acceptance": False}
-    if args.method in ("draft_model", "eagle3"):
-        cfg = {"method": args.method, "model": args.draft_path,
-               "num_speculative_tokens": args.k, **off}
+    if args.method in ("draft_model", "eagle3", "mtp"):
+        cfg = {"method": args.method, "num_speculative_tokens": args.k, **off}
+        if args.method != "mtp":  # (mtp's layer is in the target's checkpoint)
+            cfg["model"] = args.draft_path
         if args.synthetic_alpha is not None:  # every chain drafts k: the issue's envelope
             cfg.update(rejection_sample_method="synthetic",
                        synthetic_acceptance_rate=args.synthetic_alpha)
@@ -221,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model path; default: the bundled SmolLM2")
     p.add_argument("--shape", default=None, help="bench_common shape with dummy weights")
-    p.add_argument("--smoke", action="store_true", help="tiny random Llama, CPU-sized run")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random Llama (mtp: a tiny dummy DeepSeek-V3), CPU-sized run")
     p.add_argument("--workload", choices=("edit", "repeat"), default=None,
                    help="default: edit for a real model, repeat for dummy/tiny ones")
-    p.add_argument("--method", choices=("ngram", "synthetic", "draft_model", "eagle3"),
+    p.add_argument("--method", choices=("ngram", "synthetic", "draft_model", "eagle3", "mtp"),
                    default="ngram")
     p.add_argument("--draft-model", default=None,
                    help="draft_model / eagle3: the draft's (head's) checkpoint or hub id")
@@ -233,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                         "needs a dummy target, --shape or --smoke)")
     p.add_argument("--alpha", type=float, default=0.8, help="synthetic acceptance rate")
     p.add_argument("--synthetic-alpha", type=float, default=None,
-                   help="draft_model / eagle3: accept each draft with this probability "
+                   help="draft_model / eagle3 / mtp: accept each draft with this probability "
                         "(vLLM's synthetic mode) instead of verifying")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup-min", type=int, default=2)
@@ -259,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_kw: dict[str, Any] = json.loads(args.engine_args)
     tmp = Path(tempfile.mkdtemp(prefix="tidal-bench-spec-"))
-    if args.smoke:
+    if args.smoke and args.method == "mtp":  # a target with an MTP layer, dummy weights
+        args.shape = "tiny-deepseek-v3-mtp"
+    if args.smoke and args.method != "mtp":
         model = str(tmp / "tiny")
         reference.make_tiny_model("llama", Path(model))
         engine_kw.setdefault("skip_tokenizer_init", True)

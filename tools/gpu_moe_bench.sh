@@ -83,6 +83,7 @@ for f in sorted(out.glob("*.json")):
             print(f"{r['shape']} decode batch {d['batch']} context {d['context']}: "
                   f"{d['ms_per_step']['median']} ms/step, {d['bytes_per_step'] / 1e9:.2f} GB/step, "
                   f"MBU {d.get('MBU', {}).get('median')}"
+                  + (f" ({d['MBU_omitted']})" if d.get("MBU_omitted") else "")
                   + (f" (target {t})" if t else "") + f" [{dev}]")
         p = r.get("prefill")
         if p:

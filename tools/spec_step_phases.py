@@ -40,6 +40,47 @@ def _timed(table: dict[str, list[float]], name: str, fn: Callable, sync: Callabl
     return wrapper
 
 
+def kernel_table(model: str, engine_kw: dict[str, Any], batch: int, prompt: list[int],
+                 max_tokens: int, top: int = 30) -> dict[str, Any]:
+    """The device kernels of a steady-state run (torch.profiler; kernels inside CUDA graphs
+    included), by total time, in µs per engine step: the phase timings say which phase is
+    slow, this says which kernels make it so."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tidal.engine_core.sampling_params import SamplingParams
+    from tidal.frontend import LLM
+
+    llm = LLM(model, **engine_kw)
+    try:
+        core = llm.engine.core
+        steps = [0]
+        step = core.step
+
+        def counting(*a: Any, **kw: Any) -> Any:
+            steps[0] += 1
+            return step(*a, **kw)
+
+        core.step = counting
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": prompt}] * batch
+        llm.generate(prompts, params, use_tqdm=False)  # warm
+        steps[0] = 0
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+    finally:
+        llm.shutdown()
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    n = max(steps[0], 1)
+    total = sum(r[1] for r in rows)
+    return {"steps": n, "device_us_per_step": total / n,
+            "kernels": [{"name": k[:120], "us_per_step": t / n, "calls_per_step": c / n}
+                        for k, t, c in rows[:top]]}
+
+
 def measure(model: str, engine_kw: dict[str, Any], batch: int, prompt: list[int],
             max_tokens: int) -> dict[str, Any]:
     import torch
@@ -95,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kv-gib", type=int, default=16)
     p.add_argument("--out", default=None)
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile each side's device kernels (torch.profiler)")
     args = p.parse_args(argv)
 
     from bench_common import write_model_dir
@@ -120,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     for side, extra in (("plain", {}), ("spec", {"speculative_config": spec})):
         out[side] = measure(model, {**kw, **extra}, args.batch, prompt, args.max_tokens)
         print(side, json.dumps(out[side], indent=1), flush=True)
+        if args.kernels:
+            table = kernel_table(model, {**kw, **extra}, args.batch, prompt, args.max_tokens)
+            out[side]["kernels"] = table
+            print(f"{side}: {table['device_us_per_step']:.0f} us of kernels per step")
+            for k in table["kernels"]:
+                print(f"  {k['us_per_step']:8.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -40,32 +40,38 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
 
     cases = []
     ints = {"num_slots", "stride_qkv", "stride_qo", "stride_cs", "stride_c_blk", "stride_c_tok"}
-    for times in (False, True):
+    # (times, FP8 KV cache): the stamped variants, and the FP8 cache without stamps.
+    for times, fp8 in ((False, False), (True, False), (False, True)):
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        name = " + stamps" if times else " (FP8 cache)" if fp8 else ""
         consts = dict(NUM_HEADS=16, NUM_KV_HEADS=4, HEADS_P=16, KV_HEADS_P=4, HEAD_DIM=128,
-                      HALF=64, PAGE_SIZE=16, NORM=False, PDL=True, TIMES=times)
+                      HALF=64, PAGE_SIZE=16, NORM=False, PDL=True, TIMES=times, KV_FP8=fp8)
         sig = {a: "constexpr" if a in consts else "i32" if a in ints else "fp32" if a == "eps"
                else "*i64" if a in ("pos_ptr", "slot_ptr", "times_ptr") else "*fp32"
-               if a == "cs_ptr" else "*bf16" for a in td._qk_norm_rope_kv_kernel.arg_names}
-        cases.append((f"rotary + K/V write{' + stamps' if times else ''}",
-                      td._qk_norm_rope_kv_kernel, sig, consts))
+               if a in ("cs_ptr", "k_scale_ptr", "v_scale_ptr") else cache
+               if a in ("k_cache_ptr", "v_cache_ptr") else "*bf16"
+               for a in td._qk_norm_rope_kv_kernel.arg_names}
+        cases.append((f"rotary + K/V write{name}", td._qk_norm_rope_kv_kernel, sig, consts))
         consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
                       IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=16, EARLY_V=True, PDL=True,
-                      QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False, SOFT_CAP=False)
-        ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*bf16",
-                "v_cache_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+                      QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False, SOFT_CAP=False,
+                      KV_FP8=fp8)
+        ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": cache,
+                "v_cache_ptr": cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
                 "part_sum_ptr": "*fp32", "counter_ptr": "*i32", "block_table_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "times_ptr": "*i64",
                 "scale_log2": "fp32", "softcap_log2": "fp32"}
         sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
                for a in tak._paged_attention_kernel.arg_names}
-        cases.append((f"split-decode attention{' + stamps' if times else ''}",
+        cases.append((f"split-decode attention{name}",
                       tak._paged_attention_kernel, sig, consts))
         consts = dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_P=128, SPLITS_P=16, PDL=True,
                       TIMES=times)
         sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
                for a in tak._merge_splits_kernel.arg_names}
-        cases.append((f"split merge{' + stamps' if times else ''}", tak._merge_splits_kernel,
+        cases.append((f"split merge{name}", tak._merge_splits_kernel,
                       sig, consts))
     return cases
 

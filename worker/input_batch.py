@@ -172,7 +172,7 @@ class InputBatch:
             or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             or p.repetition_penalty != 1.0 or bias is not None or p.min_tokens > 0
             or (p.seed is not None and p.temperature > 0) or p.logprobs is not None
-            or allowed is not None
+            or allowed is not None or bool(p.logits_processors)
         )
 
     def remove(self, req_id: str) -> None:

@@ -97,6 +97,16 @@ class KernelPolicy:
     # FP8 linears on cuBLASLt (torch._scaled_mm, compute capability >= 8.9); else the torch
     # reference (dequantize and matmul).
     fp8_scaled_mm: bool = False
+    # The RMSNorm before an FP8 linear of several rows also quantizes its output (one Triton
+    # pass, ``triton_fp8_quant``) for cuBLASLt; where the one-row GEMV applies it reads the
+    # FP8 weights itself (weight-only).
+    fp8_norm_quant: bool = False
+    # INT4 (AWQ/GPTQ) linears on the Triton W4A16 kernels (``triton_w4a16``: a GEMM, a
+    # split-K GEMV for decode rows); else the torch reference (dequantize and matmul).
+    triton_w4a16: bool = False
+    # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
+    # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
+    triton_lora: bool = False
 
     @property
     def fused_add_norm(self) -> str:
@@ -210,6 +220,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
     push = kc.push_allreduce and all_reduce == "symmetric" and gemv
     # (No entry in ``reasons``: this matters only to FP8 models, and ``describe`` says it.)
     fp8_scaled_mm = gpu and device.capability >= (8, 9)
+    fp8_norm_quant = fp8_scaled_mm and triton_ok and ops != "torch"
 
     return KernelPolicy(
         device=device.type,
@@ -234,6 +245,9 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         push_allreduce=push,
         reasons=tuple(why),
         fp8_scaled_mm=fp8_scaled_mm,
+        fp8_norm_quant=fp8_norm_quant,
+        triton_w4a16=gpu and triton_ok,
+        triton_lora=gpu and triton_ok,
     )
 
 
@@ -264,9 +278,20 @@ def describe(policy: KernelPolicy) -> list[str]:
         line("gemv", gemv),
         line("vocab_embedding", "triton" if policy.vocab_embedding else "torch"),
         # Kernels.fp8_linear (models loaded with --quantization fp8 only).
-        line("fp8_linear", "torch._scaled_mm (row-wise scales)" if policy.fp8_scaled_mm
+        line("fp8_linear", ("torch._scaled_mm (row-wise scales)"
+                            + ("; norm + activation quantization fused (triton)"
+                               if policy.fp8_norm_quant else "")
+                            + ("; one row: the GEMV on FP8 weights, weight-only"
+                               if policy.gemv and policy.fp8_scaled_mm else ""))
+             if policy.fp8_scaled_mm
              else "torch reference" + (" (compute capability < 8.9)"
                                        if policy.device == "cuda" else "")),
+        # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
+        line("w4a16_linear", "triton (GEMM; split-K GEMV for decode rows)"
+             if policy.triton_w4a16 else "torch reference"),
+        # Kernels.lora_shrink / lora_expand (--enable-lora only).
+        line("lora", "triton (per-token shrink / expand; segmented for eager steps)"
+             if policy.triton_lora else "torch reference"),
         # Kernels.fused_moe / select_experts follow this rule (MoE models only).
         line("fused_moe", "triton (routing, expert alignment, grouped GEMMs)"
              if policy.triton and policy.device == "cuda" and policy.ops != "torch"

@@ -22,12 +22,15 @@ import torch
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.protocol import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from tidal.worker.attention.backend import AttentionMetadata
+from tidal.worker.attention.fp8_kv import check_device as check_fp8_kv_device
+from tidal.worker.attention.fp8_kv import kv_cache_torch_dtype
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.attention.selector import attention_impl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.kernel_policy import kernels_for
 from tidal.worker.loader.model_loader import load_model, torch_dtype
+from tidal.worker.lora.manager import LoRAManager
 from tidal.worker.models.decoder import DecoderForCausalLM
 from tidal.worker.sample.metadata import (
     SamplingMetadata,
@@ -36,6 +39,7 @@ from tidal.worker.sample.metadata import (
     position_seed,
 )
 from tidal.worker.sample.grammar_mask import MaskStaging, grammar_rows
+from tidal.worker.sample.logits_processors import LogitsProcessors
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
 from tidal.worker.spec_decode.spec_step import SpeculativeStep
 from tidal.worker.step_buffers import StepBuffers, to_device
@@ -149,11 +153,14 @@ class ModelRunner:
         self.vocab_size = self.arch.vocab_size
         self.block_size = config.cache.block_size
         self.dtype = torch_dtype(config.model.dtype)
+        # The KV cache's element type: the model's, or FP8 e4m3 (--kv-cache-dtype fp8).
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         # Every kernel choice, resolved once against this device (kernel_policy.py): the model
         # is built with these kernels, the attention backend is the policy's.
         self.kernels = kernels_for(device, config.runner.kernels, self.arch, config.parallel)
         self.kernel_policy = self.kernels.policy
         self.attn_impl = attention_impl(self.kernel_policy.attention)
+        check_fp8_kv_device(self.kv_dtype, self.kernel_policy.attention, device)
         max_reqs = config.scheduler.max_num_seqs
         self.max_num_reqs = max_reqs
         # Which layers share which cache tensor and block table (engine_core.kv_groups).
@@ -168,11 +175,15 @@ class ModelRunner:
         self.sampler = Sampler(self.kernels)
         self._mask_staging = MaskStaging((self.vocab_size + 31) // 32, device)
         self.sampling_builder = SamplingMetadataBuilder(
-            self.vocab_size, device, seeded_generators=config.speculative is not None)
+            self.vocab_size, device, seeded_generators=config.speculative is not None,
+            processors=LogitsProcessors(self.vocab_size, device,
+                                        config.runner.logits_processors))
         # Speculative decoding: draft inputs, verification and the next drafts (spec_decode/).
         self.spec = (SpeculativeStep(config.speculative, device)
                      if config.speculative is not None else None)
         self.model: torch.nn.Module | None = None
+        # LoRA adapters (--enable-lora): slots, host cache, per-token slot ids (worker/lora).
+        self.lora: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         # Off only while the warm-up compiles the eager launches of mixed steps.
@@ -201,6 +212,10 @@ class ModelRunner:
                if self.spec is not None else None)
         self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp,
                                 self.kernels, aux_hidden=aux)
+        if self.config.lora is not None:
+            # (Before the KV cache is sized: the profile counts the slot buffers.)
+            self.lora = LoRAManager(self.config, self.model, self.device, self.dtype, self.tp,
+                                    self.kernels, self.max_num_tokens)
         if self.spec is not None:  # a draft model / EAGLE-3 head (model methods only)
             self.spec.load_drafter(self.config, self.model, self.attn_impl,
                                    max_num_reqs=self.max_num_reqs,
@@ -234,6 +249,11 @@ class ModelRunner:
             if id(p) not in seen:
                 seen.add(id(p))
                 need += p.numel() * p.element_size()
+        if self.spec is not None:  # a draft model / EAGLE-3 head / MTP layer loads too
+            try:
+                need += self.spec.draft_weight_bytes(self.config, self.attn_impl, self.kernels)
+            except Exception as exc:  # noqa: BLE001 - as above: a courtesy
+                logger.debug("could not size the draft before loading: %s", exc)
         free, total = torch.cuda.mem_get_info(self.device)
         util = self.config.cache.gpu_memory_utilization
         room = int(total * util) - (total - free)
@@ -261,7 +281,7 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if not layers:
             return 0
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         # Each layer's cache layout is its own (``cache_shape``: K/V heads, or MLA's one latent
         # row per token); layers sharing a slot share one tensor.
         per_slot = {slot: math.prod(layer.cache_shape(1, self.block_size))
@@ -317,10 +337,10 @@ class ModelRunner:
                 f"{util}), lower --max-model-len, or use more GPUs (tensor parallelism)"
             )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); weights %.2f GiB, peak "
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens, %s); weights %.2f GiB, peak "
             "activations %.2f GiB, CUDA graphs reserve %.2f GiB, other %.2f GiB of %.2f GiB "
             "(gpu_memory_utilization %.2f)", blocks, self.block_size, blocks * per_block / 2**30,
-            blocks * self.block_size, weights / 2**30, activations / 2**30,
+            blocks * self.block_size, self.kv_dtype, weights / 2**30, activations / 2**30,
             graph_reserve / 2**30, non_torch / 2**30, total / 2**30, util)
         return int(blocks)
 
@@ -347,7 +367,11 @@ class ModelRunner:
         meta = self._dummy_meta(n, n_blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device) % self.config.model.max_model_len
+        if self.lora is not None:
+            self.lora.profile_begin(n)
         hidden, _ = self.model(ids, pos, meta)
+        if self.lora is not None:
+            self.lora.profile_end()
         if self.pp.is_last:
             rows = min(self.max_num_reqs, n)
             logits = self.model.compute_logits(hidden[:rows])
@@ -388,7 +412,8 @@ class ModelRunner:
             cache = by_slot.get(slot)
             if cache is None:
                 shape = layer.cache_shape(num_blocks, self.block_size)
-                cache = by_slot[slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                cache = by_slot[slot] = torch.zeros(shape, dtype=self.kv_dtype,
+                                                    device=self.device)
                 self.kv_caches.append(cache)
             layer.kv_cache = cache
             layer.kv_group = group
@@ -578,14 +603,23 @@ class ModelRunner:
 
     def _apply_new_and_finished(self, so: SchedulerOutput) -> dict[str, str]:
         b = self.batch
+        lora = self.lora
         for rid in so.finished_req_ids:
             b.remove(rid)
+            if lora is not None:
+                lora.remove_request(rid)
         failed: dict[str, str] = {}
         for new in so.new_reqs:
             try:
+                if lora is not None:  # a LoRAAdapterError (a ValueError) fails it alone
+                    lora.add_request(new.req_id, new.lora_request)
+                elif new.lora_request is not None:
+                    raise ValueError("LoRA adapters need the engine started with --enable-lora")
                 b.add(new, self.vocab_size)
             except ValueError as exc:
                 failed[new.req_id] = str(exc)
+                if lora is not None:
+                    lora.remove_request(new.req_id)
         return failed
 
     def _apply_cached(self, so: SchedulerOutput, rows: np.ndarray, all_known: bool) -> None:
@@ -663,6 +697,9 @@ class ModelRunner:
         inputs = self.prepare_inputs(rows, n_sched, total, n_draft)
         assert self.model is not None
         num_tokens = inputs.meta.num_actual_tokens
+        if self.lora is not None:
+            graph = inputs.graph_size or inputs.mixed_graph_tokens
+            self.lora.prepare_step(req_ids, n_sched, graph or num_tokens, eager=graph is None)
         if inputs.graph_size is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(inputs.graph_size)[:num_tokens]

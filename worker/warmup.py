@@ -85,11 +85,14 @@ class WarmupReport:
     sampling_steps: int = 0
     wide_steps: int = 0
     attention_steps: int = 0
+    moe_calls: int = 0
     skipped: str = ""  # why parts did not run, for the log
 
     def describe(self) -> str:
         parts = [f"{self.steps} steps: {self.sampling_steps} sampling, {self.wide_steps} wide, "
                  f"{self.attention_steps} attention-launch"]
+        if self.moe_calls:
+            parts.append(f"{self.moe_calls} MoE-layer launch-config calls")
         if self.skipped:
             parts.append(self.skipped)
         return "; ".join(parts)
@@ -275,6 +278,7 @@ class Warmup:
             self._sampling_rounds()
             if self.on_gpu:
                 self._wide_rounds()
+                self._moe_configs()
                 # Mixed steps above the largest mixed graph run eagerly, with launch variants
                 # the graphs' capture did not compile: warm those up with the graphs aside.
                 self.runner.mixed_graphs_on = False
@@ -399,6 +403,35 @@ class Warmup:
             self.toy.finish(dummies)
             n += 1
         self.report.wide_steps = n
+
+    def _moe_configs(self) -> None:
+        """Every MoE launch config a step within the token budget can pick (``moe_configs``
+        chooses one per token-count bucket), through one layer of each expert shape: whole
+        steps warm up only the token counts they happen to run, and a bucket first met while
+        serving compiled for about a second (DeepSeek-V2-Lite on an H100)."""
+        from tidal.worker.layers.fused_moe import FusedMoE
+        from tidal.worker.ops.moe_configs import M_BUCKETS
+
+        model = self.runner.model
+        if model is None:
+            return
+        seen: set[tuple] = set()
+        dev, dtype = self.runner.device, self.runner.dtype
+        for mod in model.modules():
+            if not isinstance(mod, FusedMoE):
+                continue
+            key = (mod.num_experts, mod.hidden_size, mod.shard_size, mod.routing,
+                   mod.w13.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            with torch.inference_mode():
+                for m in M_BUCKETS:
+                    if m > self.budget:
+                        break
+                    mod(torch.randn(m, mod.hidden_size, device=dev, dtype=dtype),
+                        torch.randn(m, mod.num_experts, device=dev, dtype=dtype))
+                    self.report.moe_calls += 1
 
     # --- 3. attention launches ----------------------------------------------------------------
 

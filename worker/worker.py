@@ -188,7 +188,8 @@ class Worker:
             with self.startup.phase("kv allocate") as note:
                 if isinstance(runner, ModelRunner):
                     size = runner.allocate_kv_cache(num_blocks)
-                    note.detail = f"{num_blocks} blocks, {size / 2**30:.2f} GiB"
+                    note.detail = (f"{num_blocks} blocks, {size / 2**30:.2f} GiB, "
+                                   f"{str(runner.kv_dtype).removeprefix('torch.')}")
                 else:
                     runner.init_kv_cache(num_blocks)
                     note.detail = f"{num_blocks} blocks (bookkeeping only)"

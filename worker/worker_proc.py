@@ -355,6 +355,9 @@ def worker_main(args_bytes: bytes, conn: Connection) -> None:
         os.environ[key] = value
     encode = msgspec.msgpack.encode
     try:
+        from tidal.engine_core.plugins import load_general_plugins
+
+        load_general_plugins()  # a plugin's model family must be known here too
         store = None
         if args.rank == 0:
             from tidal.worker.distributed.parallel_state import serve_store

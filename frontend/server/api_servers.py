@@ -274,6 +274,9 @@ def run_api_server(index: int, count: int, settings: ServerSettings, engine_addr
     from tidal.engine_core.core_proc import setup_logging, watch_parent
 
     setup_logging(f"APIServer-{index}")
+    from tidal.engine_core.plugins import load_general_plugins
+
+    load_general_plugins()
     for sig in (signal.SIGINT, signal.SIGTERM):  # the supervisor passes them on as _DRAIN
         signal.signal(sig, signal.SIG_IGN)
     watch_parent(_DRAIN)

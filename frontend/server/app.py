@@ -24,16 +24,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 
 from tidal.engine_core.gc_control import freeze_startup_objects
+from tidal.engine_core.plugins import PluginError
 from tidal.engine_core.protocol import SchedulerStats
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.frontend.output_processor import StepRecord
 from tidal.frontend.server.admission import Admission, AdmissionBoard
 from tidal.frontend.server.anthropic_protocol import error_response as anthropic_error_response
 from tidal.frontend.server.auth import PUBLIC_PATHS, check_api_key
-from tidal.frontend.server.common import json_response
+from tidal.frontend.server.common import json_response, read_body
 from tidal.frontend.server.connections import (
     GuardedAppRunner,
     connection_limits,
@@ -45,9 +47,11 @@ from tidal.frontend.server.errors import (
     engine_unavailable,
     internal_error,
 )
+from tidal.frontend.server.lora_models import FilesystemResolver, LoRAModels
 from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.frontend.server.openai_protocol import ModelCard, ModelList
 from tidal.frontend.server.response_store import ResponseStore
+from tidal.frontend.server.server_plugins import ServerPlugins
 from tidal.frontend.server.serving_chat import create_chat_completion
 from tidal.frontend.server.serving_completions import create_completion
 from tidal.frontend.server.serving_embeddings import create_embedding
@@ -57,6 +61,7 @@ from tidal.frontend.server.serving_responses import (
     get_response,
 )
 from tidal.frontend.server.serving_messages import count_message_tokens, create_message
+from tidal.frontend.server.serving_io_processor import io_processor
 from tidal.frontend.server.serving_tokenize import detokenize, tokenize
 from tidal.frontend.server.state import STATE_KEY, ServerSettings, ServerState, get_state
 
@@ -178,7 +183,59 @@ async def models(request: web.Request) -> web.Response:
     state = get_state(request)
     card = ModelCard(id=state.model_name, created=state.created,
                      max_model_len=state.max_model_len, root=state.model_name)
-    return json_response(ModelList(data=[card]))
+    cards = [card]
+    if state.loras is not None:
+        cards += [ModelCard(id=name, created=state.created, max_model_len=state.max_model_len,
+                            root=lora.lora_path, parent=state.model_name)
+                  for name, lora in state.loras.by_name.items()]
+    return json_response(ModelList(data=cards))
+
+
+async def _json_object(request: web.Request, state: ServerState) -> dict:
+    raw = await read_body(request, state)
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise APIError(400, "the request body is not valid JSON; send a JSON object",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _loras(state: ServerState) -> LoRAModels:
+    if state.loras is None:
+        raise APIError(400, "this server runs no LoRA adapters: start it with --enable-lora "
+                       "(and TIDAL_ALLOW_RUNTIME_LORA_UPDATING=1 to load them at run time)",
+                       code="lora_disabled")
+    return state.loras
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/load_lora_adapter`` {lora_name, lora_path}."""
+    state = get_state(request)
+    if not state.settings.allow_runtime_lora_updating:
+        _runtime_lora_off()
+    body = await _json_object(request, state)
+    lora = await _loras(state).load(body.get("lora_name"), body.get("lora_path"))
+    return web.Response(text=f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/unload_lora_adapter`` {lora_name}."""
+    state = get_state(request)
+    if not state.settings.allow_runtime_lora_updating:
+        _runtime_lora_off()
+    body = await _json_object(request, state)
+    name = body.get("lora_name")
+    await _loras(state).unload(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _runtime_lora_off() -> None:
+    raise APIError(404, "loading and unloading LoRA adapters at run time is off; start the "
+                   "server with TIDAL_ALLOW_RUNTIME_LORA_UPDATING=1 and --enable-lora (one API "
+                   "server process) to allow it", code="not_found")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -224,7 +281,8 @@ def route_path(path: str, root_path: str) -> str:
 
 
 def create_state(engine: AsyncLLM, settings: ServerSettings,
-                 board: AdmissionBoard | None = None) -> ServerState:
+                 board: AdmissionBoard | None = None,
+                 plugins: ServerPlugins | None = None) -> ServerState:
     config = engine.config
     model_name = config.model.served_model_name
     max_queued = settings.max_queued_requests
@@ -241,12 +299,19 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
         task=config.model.task,
         responses=ResponseStore(settings.max_stored_responses,
                                 settings.max_stored_response_bytes),
+        plugins=plugins or ServerPlugins(),
     )
+    if getattr(config, "lora", None) is not None:
+        state.loras = LoRAModels(engine, model_name, True,
+                                 runtime_updates=settings.allow_runtime_lora_updating,
+                                 resolvers=state.plugins.lora_resolvers)
 
     def observe(stats: SchedulerStats | None, record: StepRecord) -> None:
         if stats is not None:
             state.admission.engine_waiting = stats.num_waiting
         state.metrics.observe_step(stats, record)
+        if state.plugins.stat_loggers:
+            state.plugins.record(stats, record)
 
     engine.add_stat_observer(observe)
     return state
@@ -272,7 +337,10 @@ def build_app(state: ServerState) -> web.Application:
         ("/v1/messages", create_message, True),
         ("/v1/messages/count_tokens", count_message_tokens, False),
         ("/v1/embeddings", create_embedding, True),
-        ("/tokenize", tokenize, False), ("/detokenize", detokenize, False)]
+        ("/tokenize", tokenize, False), ("/detokenize", detokenize, False),
+        ("/v1/load_lora_adapter", load_lora_adapter, False),
+        ("/v1/unload_lora_adapter", unload_lora_adapter, False),
+        ("/v1/io_processor/{name}", io_processor, True)]
     tracking = state.settings.enable_server_load_tracking
     for prefix in ("", state.settings.root_path) if state.settings.root_path else ("",):
         for path, handler in get_routes:
@@ -332,6 +400,7 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
     the shared port, keep admission counts on the shared board. ``on_ready`` is called once
     the server listens. ``stop_signals``: the first drains, a second aborts what runs."""
     try:
+        plugins = _load_plugins(engine, settings)
         # Before the metrics observe the engine: the warm-up is no client's request.
         seconds = await warm_up(engine)
     except BaseException:
@@ -350,7 +419,18 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         raise ServerStartError(
             f"the engine was started with --reasoning-parser {engine_parser} and this server "
             f"with {settings.reasoning_parser}: give both the same one")
-    state = create_state(engine, settings, board)
+    state = create_state(engine, settings, board, plugins)
+    if settings.lora_modules:
+        try:
+            assert state.loras is not None  # (the CLI requires --enable-lora)
+            await state.loras.register_startup(list(settings.lora_modules))
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            engine.shutdown()
+            if isinstance(exc, ValueError):
+                raise ServerStartError(str(exc)) from None
+            raise
     app = build_app(state)
     limits = connection_limits(settings, raise_fd_limit())
     logger.info("%s: at most %d connections (--max-connections), header timeout %g s, body "
@@ -402,9 +482,27 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+        state.plugins.shutdown()
         engine.shutdown()
     logger.info("%s stopped (exit code %d)", label, code)
     return code
+
+
+def _load_plugins(engine: AsyncLLM, settings: ServerSettings) -> ServerPlugins:
+    """This process's plugins (server_plugins.py); one that fails stops start-up, named."""
+    config = engine.config
+    if getattr(config, "lora", None) is None and (settings.lora_modules
+                                                   or settings.lora_resolver_dir):
+        raise ServerStartError("--lora-modules and --lora-resolver-dir need --enable-lora")
+    builtin = {}
+    if settings.lora_resolver_dir is not None:
+        builtin["filesystem"] = FilesystemResolver(settings.lora_resolver_dir)
+    try:
+        return ServerPlugins.load(config, engine.get_tokenizer(),
+                                  log_stats=not settings.disable_log_stats,
+                                  lora_resolvers=builtin)
+    except PluginError as exc:
+        raise ServerStartError(str(exc)) from None
 
 
 async def _drain(state: ServerState, timeout: float, force: asyncio.Event) -> None:

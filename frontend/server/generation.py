@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.sampling_params import SamplingParams
 from tidal.frontend.async_llm import RequestFailedError
 from tidal.frontend.output_processor import OutputCollector
@@ -34,7 +35,8 @@ class _Aborted(Exception):
 class Generation:
     def __init__(self, engine: AsyncLLM, admission: Admission, ticket: Ticket, request_id: str,
                  prompts: list[list[int]], params: SamplingParams,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, *,
+                 lora_request: LoRARequest | None = None) -> None:
         self.engine = engine
         self.admission = admission
         self.ticket = ticket
@@ -42,6 +44,7 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.aborted = False
         self.failed = False  # a prompt's engine request failed (the error goes to the client)
         self._collector = OutputCollector()
@@ -75,7 +78,8 @@ class Generation:
             for i, ids in enumerate(self.prompts):
                 rid = self.engine_id(i)
                 await self.engine.add_request(rid, ids, self.params, collector=self._collector,
-                                              cache_salt=self.cache_salt)
+                                              cache_salt=self.cache_salt,
+                                              lora_request=self.lora_request)
                 self._open.add(rid)
             while self._open:
                 try:

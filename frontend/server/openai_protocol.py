@@ -115,6 +115,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     early_stopping: bool | str | None = None  # true, false or "never"; unset: "never"
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    # Entry-point names of logits processors (group tidal.logits_processors) for this request.
+    logits_processors: list[str] | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's default
     # Structured outputs: one form per request (frontend/server/structured.py checks them).
     response_format: Any = None
@@ -356,6 +358,7 @@ class ModelCard(msgspec.Struct):
     object: str = "model"
     owned_by: str = "tidal"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's shape)
 
 
 class ModelList(msgspec.Struct):

@@ -164,6 +164,7 @@ def _build(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             output_kind=OutputKind.DELTA,
             structured_outputs=structured,
+            logits_processors=req.logits_processors or None,
         )
     except SamplingParamError as exc:
         raise bad_request(str(exc), exc.param) from None

@@ -166,7 +166,7 @@ async def render_chat(state: ServerState, messages: list[dict[str, Any]],
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req = decode_request(await read_body(request, state), ChatCompletionRequest)
-    model = state.check_model(req.model)
+    model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/chat/completions")
     cfg = state.settings
     parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
@@ -178,6 +178,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if tools.tools or kwargs or parsers.reasoning is not None:
             raise bad_request("use_beam_search does not take tools or chat_template_kwargs, "
                               "nor run on a server with --reasoning-parser, yet",
+                              "use_beam_search")
+        if lora is not None:
+            raise bad_request("use_beam_search with a LoRA adapter is not supported yet",
                               "use_beam_search")
         return await create_beam_chat(state, req, model)
     params = chat_params(req, state.limits,
@@ -201,7 +204,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     request_id = new_id("chatcmpl")
     ticket = state.admission.admit(params.n)
     gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
-                     req.cache_salt)
+                     req.cache_salt, lora_request=lora)
     choices = [_Choice(i, parse=new_output_parse(parsers, tools.parse, req.include_reasoning,
                                                  req.parallel_tool_calls, tools.enforced))
                for i in range(params.n)]

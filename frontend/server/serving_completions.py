@@ -18,7 +18,7 @@ from tidal.engine_core.sampling_params import SamplingParams
 from tidal.frontend.detokenizer import decode_token
 from tidal.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
-from tidal.frontend.server.errors import APIError, from_exception
+from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
 from tidal.frontend.server.logprobs import (
     extend_completion_logprobs,
@@ -157,9 +157,12 @@ def _merge(into: CompletionLogprobs, part: CompletionLogprobs) -> None:
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req = decode_request(await read_body(request, state), CompletionRequest)
-    model = state.check_model(req.model)
+    model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/completions")
     if req.use_beam_search:
+        if lora is not None:
+            raise bad_request("use_beam_search with a LoRA adapter is not supported yet",
+                              "use_beam_search")
         return await create_beam_completion(state, req, model)
     params = completion_params(req, state.limits)
     raw = split_prompts(req.prompt, "prompt", state.limits.max_prompts)
@@ -172,7 +175,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     request_id = new_id("cmpl")
     ticket = state.admission.admit(params.n * len(prompts))
     gen = Generation(state.engine, state.admission, ticket, request_id,
-                     [p.token_ids for p in prompts], params, req.cache_salt)
+                     [p.token_ids for p in prompts], params, req.cache_salt,
+                     lora_request=lora)
     folded = _Completion(state, req, prompts, params)
     try:
         if req.stream:

@@ -96,7 +96,7 @@ def _parsers(state: ServerState) -> ChatParsers:
 async def count_message_tokens(request: web.Request) -> web.Response:
     state = get_state(request)
     req = decode_request(await read_body(request, state), CountTokensRequest)
-    state.check_model(req.model)
+    await state.resolve_model(req.model)
     state.require_task("generate", "/v1/messages/count_tokens")
     parsers = _parsers(state)
     chat = to_chat_request(req, parsers, for_count=True)
@@ -107,7 +107,7 @@ async def count_message_tokens(request: web.Request) -> web.Response:
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req = decode_request(await read_body(request, state), MessagesRequest)
-    model = state.check_model(req.model)
+    model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/messages")
     if req.max_tokens is None:
         raise bad_request("is required", "max_tokens")
@@ -123,7 +123,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
     request_id = f"msg_{uuid.uuid4().hex}"
     ticket = state.admission.admit(1)
-    gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params)
+    gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
+                     lora_request=lora)
     out = _Output(parse=new_output_parse(parsers, tools.parse, chat.include_reasoning,
                                          chat.parallel_tool_calls, tools.enforced),
                   prompt_tokens=len(ids))

@@ -87,7 +87,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req = decode_request(await read_body(request, state), ResponsesRequest,
                          RESPONSES_UNSUPPORTED)
-    model = state.check_model(req.model)
+    model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/responses")
     check_reasoning(req.reasoning)
     metadata = check_metadata(req.metadata)
@@ -140,7 +140,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     run = _Run(obj, conversation, new_output_parse(parsers, chat_tools.parse, True,
                                                    req.parallel_tool_calls, enforced), len(ids))
     ticket = state.admission.admit(1)
-    gen = Generation(state.engine, state.admission, ticket, response_id, [ids], params)
+    gen = Generation(state.engine, state.admission, ticket, response_id, [ids], params,
+                     lora_request=lora)
     try:
         if req.stream:
             return await _stream(request, state, gen, run)

@@ -28,7 +28,7 @@ from tidal.frontend.server.state import get_state
 async def tokenize(request: web.Request) -> web.Response:
     state = get_state(request)
     req = decode_request(await read_body(request, state), TokenizeRequest)
-    state.check_model(req.model)
+    await state.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if req.prompt is not None:
@@ -49,7 +49,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = get_state(request)
     req = decode_request(await read_body(request, state), DetokenizeRequest)
-    state.check_model(req.model)
+    await state.resolve_model(req.model)  # an adapter shares the base model's tokenizer
     vocab = state.engine.config.model.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from tidal.engine_core.lora_request import LoRARequest
 from tidal.frontend.server.admission import Admission, Ticket
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.metrics import ServerMetrics
@@ -16,7 +17,9 @@ from tidal.frontend.server.response_store import (
     DEFAULT_MAX_ENTRIES,
     ResponseStore,
 )
+from tidal.frontend.server.lora_models import LoRAModels, LoRAModule
 from tidal.frontend.server.sampling import ServerLimits
+from tidal.frontend.server.server_plugins import ServerPlugins
 
 if TYPE_CHECKING:
     from tidal.frontend.async_llm import AsyncLLM
@@ -57,6 +60,13 @@ class ServerSettings:
     # /v1/responses kept for previous_response_id (frontend/server/response_store.py)
     max_stored_responses: int = DEFAULT_MAX_ENTRIES
     max_stored_response_bytes: int = DEFAULT_MAX_BYTES
+    # LoRA adapters by model name (lora_models.py): --lora-modules, --lora-resolver-dir.
+    lora_modules: tuple[LoRAModule, ...] = ()
+    lora_resolver_dir: str | None = None
+    # Load / unload endpoints ($TIDAL_ALLOW_RUNTIME_LORA_UPDATING, read by the CLI).
+    allow_runtime_lora_updating: bool = False
+    # --disable-log-stats: no stat logger plugins (server_plugins.py).
+    disable_log_stats: bool = False
 
 
 @dataclass(slots=True)
@@ -70,6 +80,8 @@ class ServerState:
     task: str  # "generate" | "embed"
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
+    plugins: ServerPlugins = field(default_factory=ServerPlugins)
+    loras: LoRAModels | None = None  # None: the engine runs no LoRA (--enable-lora off)
 
     @property
     def limits(self) -> ServerLimits:
@@ -95,6 +107,14 @@ class ServerState:
         raise APIError(404, f"the model {shown!r} does not exist on this server; it serves "
                        f"{self.model_name!r} (GET /v1/models lists it)", param="model",
                        code="model_not_found")
+
+    async def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name a request's ``model`` asks for and the LoRA adapter it names (None:
+        the base model); an unknown name goes to the LoRA resolvers, then is a 404."""
+        if name is None or name == "" or name == self.model_name or self.loras is None:
+            return self.check_model(name), None
+        lora = await self.loras.lookup(name)
+        return (name, lora) if lora is not None else (self.model_name, None)
 
     def require_task(self, task: str, endpoint: str) -> None:
         if self.task != task:

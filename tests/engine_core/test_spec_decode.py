@@ -32,7 +32,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 @pytest.mark.parametrize("raw,needle", [
     ({"method": "eagle3", "num_speculative_tokens": 3}, "needs model"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "needs model"),
-    ({"method": "mtp", "num_speculative_tokens": 3}, "not yet"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "not yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens"),
@@ -83,7 +83,7 @@ def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
     assert both.scheduler.async_scheduling and both.max_concurrent_batches == 2
     with pytest.raises(ConfigError, match="not yet"):
         EngineArgs(model=str(tiny_models["llama"][0]),
-                   speculative_config={"method": "mtp",
+                   speculative_config={"method": "medusa",
                                        "num_speculative_tokens": 2}).create_config()
     # The config travels to the engine and workers as it is.
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(spec_config), type=type(spec_config))

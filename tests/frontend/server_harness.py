@@ -45,8 +45,9 @@ def minilm_path() -> str | None:
 class ServerProcess:
     def __init__(self, args: list[str], api_key: str | None = API_KEY,
                  new_session: bool = False, preexec_fn: Callable[[], None] | None = None,
-                 ) -> None:
+                 env: dict[str, str] | None = None) -> None:
         self.args = list(args)
+        self.env = env  # the whole environment of the server (None: this process's)
         self.api_key = api_key
         self.new_session = new_session  # a process group of its own (to signal it whole)
         self.preexec_fn = preexec_fn  # run in the child before exec (e.g. to lower a limit)
@@ -72,7 +73,8 @@ class ServerProcess:
                "--port", str(self.port)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(self.env if self.env is not None else os.environ,
+                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=self.new_session,
@@ -118,13 +120,15 @@ class ServerProcess:
 _SHARED: dict[tuple[str, ...], ServerProcess] = {}
 
 
-def shared_server(args: list[str], api_key: str | None = API_KEY) -> ServerProcess:
-    """A server with these flags, started once per test session (stopped at exit)."""
-    key = (*args, f"key={api_key}")
+def shared_server(args: list[str], api_key: str | None = API_KEY,
+                  env: dict[str, str] | None = None) -> ServerProcess:
+    """A server with these flags (and ``env``: its whole environment), started once per test
+    session (stopped at exit)."""
+    key = (*args, f"key={api_key}", *sorted(f"{k}={v}" for k, v in (env or {}).items()))
     server = _SHARED.get(key)
     if server is None or server.proc is None or server.proc.poll() is not None:
         try:
-            server = ServerProcess(args, api_key).start()
+            server = ServerProcess(args, api_key, env=env).start()
         except RuntimeError as exc:
             pytest.fail(str(exc))
         _SHARED[key] = server

@@ -536,10 +536,10 @@ def test_every_vllm_field_is_implemented_rejected_or_harmless(cls, fields, base)
     _decode(cls, {**base, "tools": None, "tool_choice": "none", "priority": 0,
                   "response_format": {"type": "text"}, "bad_words": [], "guided_json": None})
     for name in ("prompt_logprobs", "allowed_token_ids", "return_tokens_as_token_ids",
-                 "stream_options"):
+                 "stream_options", "logits_processors"):  # logits processors: plugins by name
         assert name in kinds["implemented"]
     assert {"guided_decoding_backend", "guided_whitespace_pattern",
-            "structural_tag", "logits_processors"} & set(fields) <= set(kinds["rejected"])
+            "structural_tag"} & set(fields) <= set(kinds["rejected"])
     # Tool calling is chat's (tests/frontend/test_server_tools.py); completions reject it.
     tool_kind = "implemented" if cls is ChatCompletionRequest else "rejected"
     assert {"tools", "tool_choice"} & set(fields) <= set(kinds[tool_kind])

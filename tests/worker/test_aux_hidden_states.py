@@ -107,7 +107,8 @@ def test_aux_hidden_states_refused_where_unsupported(tiny_llama):
     from tidal.worker.models.registry import build_model
 
     folder, _ = tiny_llama
-    for bad in ((), (LAYERS,), (-1, 2)):
+    # (LAYERS itself is the final hidden state, which MTP reads: tests/worker/test_mtp.py.)
+    for bad in ((), (LAYERS + 1,), (-1, 2)):
         with pytest.raises(ValueError, match="layer ids"):
             _load(folder, AuxHiddenSpec(bad, max_tokens=8))
     model = _load(folder, AuxHiddenSpec((1,), max_tokens=4))

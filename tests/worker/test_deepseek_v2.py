@@ -237,8 +237,9 @@ def test_a_checkpoint_missing_an_expert_is_refused(deepseek_models, tmp_path):
             device="cpu")
 
 
-@pytest.mark.parametrize("s,n", [(7, 7), (3, 11), (1, 5)])
-def test_padded_causal_prefill_attention_equals_the_dense_one(s, n):
+@pytest.mark.parametrize("s,n,max_scores", [(7, 7, 1 << 27), (3, 11, 1 << 27), (1, 5, 1 << 27),
+                                            (7, 7, 4 * 7 * 2), (9, 13, 4 * 13 * 4)])
+def test_padded_causal_prefill_attention_equals_the_dense_one(s, n, max_scores):
     """The GPU prefill's attention (V zero-padded to the Q/K width so SDPA can fuse; a chunk
     after a cached prefix aligned to the last key) equals the CPU path's, here on the CPU."""
     from tidal.worker.attention.torch_backend import attend_dense
@@ -248,7 +249,7 @@ def test_padded_causal_prefill_attention_equals_the_dense_one(s, n):
     q = torch.randn(4, s, 24, generator=g)
     k = torch.randn(4, n, 24, generator=g)
     v = torch.randn(4, n, 16, generator=g)
-    got = attend_causal_padded(q, k, v, 0.3)
+    got = attend_causal_padded(q, k, v, 0.3, max_scores)  # small max_scores: query chunks
     assert got.shape == (4, s, 16)
     torch.testing.assert_close(got, attend_dense(q, k, v, 0.3, 0), rtol=1e-5, atol=1e-5)
     # (It could fail: top-left causal alignment of a chunk after a prefix differs.)

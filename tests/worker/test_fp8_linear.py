@@ -158,9 +158,10 @@ def test_gpu_kernels_take_scaled_mm():
 
     kernels = kernels_for(torch.device("cuda"))
     assert kernels.policy.fp8_scaled_mm
-    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w_q, w_s = fp8_torch.quantize_rows(torch.randn(128, 256, device="cuda"))
-    assert not kernels.gemv_applies(x, w_q)
+    # One row takes the FP8 GEMV (tests/worker/test_fp8_gemv.py); two take cuBLASLt.
+    assert kernels.gemv_applies(x[:1], w_q) and not kernels.gemv_applies(x, w_q)
     y = kernels.fp8_linear(x, w_q, w_s)
     ref = fp8_torch.fp8_linear(x, w_q, w_s)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)

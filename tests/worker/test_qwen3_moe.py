@@ -99,3 +99,36 @@ def test_gguf_matches_hf(tmp_path) -> None:
     mh.write_moe_gguf(model.hf, path, "qwen3moe",
                       {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
     mh.assert_matches(mh.generate(path, model.prompts), model.refs, model.prompts)
+
+
+def test_warm_up_runs_every_moe_launch_config_within_the_token_budget(qwen3_moe, monkeypatch):
+    """The GPU warm-up calls one MoE layer per expert shape with each token-count bucket
+    (``moe_configs.M_BUCKETS``) up to the step budget, so no launch config is first compiled
+    while serving; driven through a CPU runner here."""
+    from tidal.engine_core.config import EngineArgs
+    from tidal.worker.layers.fused_moe import FusedMoE
+    from tidal.worker.ops.moe_configs import M_BUCKETS
+    from tidal.worker.warmup import Warmup
+    from tidal.worker.worker import Worker
+
+    monkeypatch.setenv("TIDAL_WARMUP", "0")
+    config = EngineArgs(model=str(qwen3_moe.folder), num_kv_blocks=64, max_model_len=256,
+                        max_num_batched_tokens=300, dtype="float32",
+                        device="cpu").create_config()
+    worker = Worker(config)
+    worker.load_model()
+    seen: list[tuple[int, int]] = []
+    forward = FusedMoE.forward
+
+    def spy(self, hidden, logits, *a, **kw):
+        seen.append((id(self), hidden.shape[0]))
+        return forward(self, hidden, logits, *a, **kw)
+
+    monkeypatch.setattr(FusedMoE, "forward", spy)
+    plan = Warmup(worker, 64, full=True)
+    plan._moe_configs()
+    # Two MoE layers of one shape (layer 1 is dense): one of them, every bucket up to 300.
+    assert len({layer for layer, _ in seen}) == 1
+    assert [m for _, m in seen] == [b for b in M_BUCKETS if b <= 300]
+    assert plan.report.moe_calls == len(seen)
+    worker.shutdown()

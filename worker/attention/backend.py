@@ -57,7 +57,14 @@ class AttentionImpl(Protocol):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> None: ...
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """``k_scale`` / ``v_scale``: the layer's float32 one-element scales, passed (by the
+        attention layer) only when ``kv_cache`` is FP8 (``attention.fp8_kv``: stored =
+        clamp(x / scale) as e4m3); a backend without FP8 support need not take them."""
+        ...
 
     def forward(
         self,
@@ -69,10 +76,13 @@ class AttentionImpl(Protocol):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Attention of each query row over its causal context. ``sliding_window`` W: the row at
         position p sees only keys at k with p - W < k <= p. ``logits_soft_cap`` c: the scaled
-        scores become c * tanh(scores / c) before the mask and softmax (Gemma 2)."""
+        scores become c * tanh(scores / c) before the mask and softmax (Gemma 2). An FP8
+        ``kv_cache`` is read as ``entry * k_scale`` / ``entry * v_scale``."""
         ...
 
 

@@ -29,6 +29,13 @@ def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
 
 
+def _no_fp8(kv_cache: torch.Tensor) -> None:
+    # The config refuses --kv-cache-dtype fp8 with this backend; fail loudly if it gets one.
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError("the cuda attention backend has no FP8 KV cache kernels; use the "
+                         "triton or torch backend")
+
+
 class CudaAttention:
     name = "cuda"
 
@@ -46,7 +53,11 @@ class CudaAttention:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
+        _no_fp8(kv_cache)
         slots = meta.slot_mapping
         if (
             key.dtype != kv_cache.dtype
@@ -72,7 +83,10 @@ class CudaAttention:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
+        _no_fp8(kv_cache)
         if sliding_window is not None or logits_soft_cap is not None:
             # The selector never pairs this backend with such a layer; fail loudly if it is.
             raise ValueError(

@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from tidal.worker.attention.backend import AttentionMetadata
+from tidal.worker.attention.fp8_kv import dequantize_kv, is_fp8, quantize_kv
 
 
 def write_kv_reference(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter new K/V rows into the paged cache; slots < 0 are padding and skipped."""
+    """Scatter new K/V rows into the paged cache; slots < 0 are padding and skipped. An FP8
+    cache stores them quantized with the layer's scales (``attention.fp8_kv``)."""
     num_tokens = slot_mapping.shape[0]
     key, value = key[:num_tokens], value[:num_tokens]
     keep = slot_mapping >= 0
@@ -23,6 +26,13 @@ def write_kv_reference(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_flat = kv_cache[0].view(-1, *kv_cache.shape[3:])
     v_flat = kv_cache[1].view(-1, *kv_cache.shape[3:])
+    if is_fp8(kv_cache):
+        # (As bytes: index_copy_ has no float8 kernel on the CPU.)
+        k_flat.view(torch.uint8).index_copy_(0, slot_mapping,
+                                             quantize_kv(key, k_scale).view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slot_mapping,
+                                             quantize_kv(value, v_scale).view(torch.uint8))
+        return
     k_flat.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     v_flat.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
@@ -88,7 +98,10 @@ def paged_attention_reference(
     out: torch.Tensor,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    fp8 = is_fp8(kv_cache)
     qsl = meta.query_start_loc_cpu
     seq_lens = meta.seq_lens_cpu
     for i in range(meta.num_reqs):
@@ -98,8 +111,13 @@ def paged_attention_reference(
             continue
         # Keys before the first query's window are invisible to every query: don't read them.
         first = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
-        k, v = gather_kv(kv_cache, meta.block_table[i], kv_len, first)
         q = query[start:end].transpose(0, 1)  # [H, q, D]
+        if fp8:  # gathered as bytes (not every device indexes float8), then widened
+            k, v = gather_kv(kv_cache.view(torch.uint8), meta.block_table[i], kv_len, first)
+            k = dequantize_kv(k.view(kv_cache.dtype), k_scale, q.dtype)
+            v = dequantize_kv(v.view(kv_cache.dtype), v_scale, q.dtype)
+        else:
+            k, v = gather_kv(kv_cache, meta.block_table[i], kv_len, first)
         k = k.transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
         v = v.transpose(0, 1).to(q.dtype)
         o = attend_dense(q, k, v, scale, first, sliding_window, logits_soft_cap)
@@ -115,8 +133,11 @@ class TorchAttention:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        write_kv_reference(key, value, kv_cache, meta.slot_mapping)
+        write_kv_reference(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -128,7 +149,9 @@ class TorchAttention:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         paged_attention_reference(
-            query, kv_cache, meta, scale, out, sliding_window, logits_soft_cap
+            query, kv_cache, meta, scale, out, sliding_window, logits_soft_cap, k_scale, v_scale
         )

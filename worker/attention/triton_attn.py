@@ -38,8 +38,12 @@ class TritonAttention:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        kernels.write_kv(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping, k_scale,
+                         v_scale)
 
     def forward(
         self,
@@ -51,6 +55,8 @@ class TritonAttention:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         self.run(
             query,
@@ -64,6 +70,8 @@ class TritonAttention:
             out,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def run(
@@ -80,6 +88,8 @@ class TritonAttention:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Attention for requests described by raw metadata tensors.
 
@@ -113,4 +123,6 @@ class TritonAttention:
             plan,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

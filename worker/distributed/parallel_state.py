@@ -231,7 +231,9 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     if store is None:
         store = dist.TCPStore(host, port, None, False, timeout=RENDEZVOUS_TIMEOUT)
     _gloo_on_loopback(host)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    from tidal.engine_core.plugins.platform import platform_for
+
+    backend = platform_for(device.type).dist_backend  # nccl on CUDA, gloo on the CPU
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds the communicator to this GPU up front

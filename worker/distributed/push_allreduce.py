@@ -130,13 +130,15 @@ class PushAllReduce:
         return (self._next < self.num_slots and x.dtype == self.dtype
                 and weight.shape[0] == self.hidden and self._gemv_applies(x, weight))
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> PushedRows:
-        """``x @ weight.T``, pushed to every rank for summing; check ``applies`` first."""
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor,
+             weight_scale: torch.Tensor | None = None) -> PushedRows:
+        """``x @ weight.T``, pushed to every rank for summing; check ``applies`` first. An
+        FP8 ``weight`` comes with its ``weight_scale`` (``triton_decode.gemv``)."""
         from tidal.worker.ops import triton_decode
 
         slot = self._next
         self._next += 1
-        triton_decode.gemv(x, weight, push=self._push[slot])
+        triton_decode.gemv(x, weight, push=self._push[slot], weight_scale=weight_scale)
         return PushedRows(self, slot, self._like)
 
     def parts(self, slot: int) -> Any:

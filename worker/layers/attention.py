@@ -11,6 +11,7 @@ from tidal.worker.attention.backend import (
     AttentionMetadata,
     kv_cache_shape,
 )
+from tidal.worker.attention.fp8_kv import FP8_KV_DTYPE, new_scale
 
 
 class Attention(nn.Module):
@@ -34,10 +35,21 @@ class Attention(nn.Module):
         # table and slot mapping address it (``engine_core.kv_groups``).
         self.kv_cache = torch.empty(0)
         self.kv_group = 0
+        # FP8 KV cache scales (attention/fp8_kv.py): read only when the cache is FP8; loaded
+        # from the checkpoint or left at 1.0. Buffers so they live on the model's device.
+        self.register_buffer("k_scale", new_scale(), persistent=False)
+        self.register_buffer("v_scale", new_scale(), persistent=False)
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The shape of this layer's cache tensor (what the model runner allocates)."""
         return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def _fp8_scales(self) -> dict[str, torch.Tensor]:
+        # Only an FP8 cache hands the backend its scales: a backend (or plugin) written before
+        # FP8 KV caches keeps its signature.
+        if self.kv_cache.dtype != FP8_KV_DTYPE:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
         """This layer's view of the step's metadata (its KV group's block table and slots)."""
@@ -50,7 +62,7 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         meta = self.group_meta(meta)
-        self.impl.write_kv(k, v, self.kv_cache, meta)
+        self.impl.write_kv(k, v, self.kv_cache, meta, **self._fp8_scales())
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -62,5 +74,5 @@ class Attention(nn.Module):
         meta = self.group_meta(meta)
         self.impl.forward(q, self.kv_cache, meta, self.scale, out,
                           sliding_window=self.sliding_window,
-                          logits_soft_cap=self.logits_soft_cap)
+                          logits_soft_cap=self.logits_soft_cap, **self._fp8_scales())
         return out.view(n, self.num_heads * self.head_dim)

@@ -9,6 +9,14 @@ rows, then its up rows, the layout ``silu_and_mul`` takes) and the down weights 
 column-parallel gate/up followed by a row-parallel down: each rank's output is a partial sum,
 completed by one all-reduce when ``reduce_results``.
 
+Built under ``fp8.quantizing`` with FP8 (``--quantization fp8``), the stacked expert weights
+are e4m3 with a float32 scale per expert and output row (``w13_weight_scale [E, 2 * I_shard]``,
+``w2_weight_scale [E, H]``), each checkpoint tensor quantized per row as it loads (the whole
+row, before the tensor-parallel shard is cut, so every rank scales as one rank would). The
+experts then compute weight-only (W8A16, ``moe_torch.expert_linear``): the activations stay in
+16 bits, which costs the grouped GEMMs nothing at decode sizes, where the weight bytes set the
+time. FP8 checkpoints of MoE models are not read yet (refused at start-up).
+
 Which kernels run is the worker's kernel policy (``Kernels.select_experts`` and
 ``Kernels.fused_moe``): Triton on CUDA (``ops/triton_moe``), plain torch (``ops/moe_torch``,
 where ``select_experts`` is defined; this module re-exports it) elsewhere.
@@ -24,7 +32,9 @@ from torch import nn
 
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.kernel_policy import current_kernels
+from tidal.worker.layers import fp8
 from tidal.worker.layers.linear import WeightShapeError, _shard, as_tensor, set_weight_loader
+from tidal.worker.ops.fp8_torch import FP8_DTYPE, quantize_rows
 from tidal.worker.ops.moe_torch import select_experts
 
 __all__ = ["FusedMoE", "RoutingConfig", "select_experts"]
@@ -47,6 +57,8 @@ class RoutingConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0  # multiplies the final weights
+    # A group's score: its best expert's (V2), or the sum of its two best (V3's "noaux_tc").
+    group_score: Literal["max", "top2_sum"] = "max"
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -89,19 +101,36 @@ class FusedMoE(nn.Module):
         self.reduce_results = reduce_results
         self.prefix = prefix
         i = self.shard_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype),
+        quant = fp8.current_quant()
+        if quant is not None and (quant.method != "fp8" or quant.prequantized):
+            raise ValueError(f"{prefix or 'MoE'}: expert weights take FP8 quantized on load "
+                             f"only; {quant.method} checkpoints of them are not yet "
+                             "implemented in tidal")
+        self.quantized = quant is not None
+        wdt = FP8_DTYPE if self.quantized else dtype
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=wdt),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype),
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=wdt),
                                requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
+        if self.quantized:
+            self.w13_weight_scale = nn.Parameter(
+                torch.ones(num_experts, 2 * i, dtype=torch.float32), requires_grad=False)
+            self.w2_weight_scale = nn.Parameter(
+                torch.ones(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+            for p in (self.w13_weight_scale, self.w2_weight_scale):
+                p.derived_on_load = True  # type: ignore[attr-defined]  # computed as they load
+        else:
+            self.register_parameter("w13_weight_scale", None)
+            self.register_parameter("w2_weight_scale", None)
         # (which, expert) pairs loaded so far, so a model can tell a checkpoint that lacks some.
         self._loaded: set[tuple[str, int]] = set()
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.shard_size}/{self.intermediate_size}, "
-                f"routing={self.routing}")
+                f"routing={self.routing}" + (", fp8" if self.quantized else ""))
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -116,18 +145,43 @@ class FusedMoE(nn.Module):
             return self.w2.data[expert]
         raise WeightShapeError(f"unknown expert weight {which!r} (gate, up or down)")
 
-    def _rank_part(self, which: str, weight: Any, dim: int) -> torch.Tensor:
-        """This rank's shard of a full checkpoint tensor: gate/up split their output rows,
-        down its input columns (``dim`` counts from the end so stacked tensors work too)."""
+    def _check_intermediate(self, which: str, weight: Any, dim: int) -> str:
         what = f"{self.prefix or 'MoE'} expert {which}"
         full = self.intermediate_size
         if weight.shape[dim] != full:
             raise WeightShapeError(f"{what}: expected intermediate size {full} in dimension "
                                    f"{dim % len(weight.shape)}, got shape {tuple(weight.shape)}")
+        return what
+
+    def _rank_part(self, which: str, weight: Any, dim: int) -> torch.Tensor:
+        """This rank's shard of a full checkpoint tensor: gate/up split their output rows,
+        down its input columns (``dim`` counts from the end so stacked tensors work too)."""
+        what = self._check_intermediate(which, weight, dim)
         if self.tp.world_size == 1:
             return as_tensor(weight)
         return as_tensor(_shard(weight, dim % len(weight.shape), self.tp.rank,
                                 self.tp.world_size, what))
+
+    def _scale_slot(self, which: str) -> torch.Tensor:
+        """Every expert's scales of ``which`` (FP8): ``[E, rows]``."""
+        i = self.shard_size
+        if which == "down":
+            return self.w2_weight_scale.data
+        return self.w13_weight_scale.data[:, :i] if which == "gate" else \
+            self.w13_weight_scale.data[:, i:]
+
+    def _quantized_part(self, which: str, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8: ``weight`` (one expert's ``[rows, cols]`` or stacked ``[E, rows, cols]``)
+        quantized per whole row, then this rank's shard of it and of its scales ``[..., rows]``
+        (gate/up shard their rows, and so their scales; down its columns, all scales kept)."""
+        t = as_tensor(weight).to(self.w13.device)
+        q, s = quantize_rows(t.reshape(-1, t.shape[-1]))
+        del t
+        q = q.view(*weight.shape)
+        s = s.view(*weight.shape[:-1], 1)
+        if which == "down":
+            return self._rank_part(which, q, -1), s.squeeze(-1)
+        return self._rank_part(which, q, -2), self._rank_part(which, s, -2).squeeze(-1)
 
     def load_expert_weight(self, which: Which, expert: int, weight: Any) -> None:
         """Load one expert's FULL checkpoint tensor (gate/up ``[I, H]``, down ``[H, I]``); this
@@ -135,13 +189,21 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise WeightShapeError(f"{self.prefix or 'MoE'}: expert {expert} out of range "
                                    f"(0..{self.num_experts - 1})")
-        part = self._rank_part(which, weight, -2 if which != "down" else -1)
+        dim = -2 if which != "down" else -1
+        scale = None
+        if self.quantized:
+            self._check_intermediate(which, weight, dim)  # before any work
+            part, scale = self._quantized_part(which, weight)
+        else:
+            part = self._rank_part(which, weight, dim)
         dst = self._slot(which, expert)
         if dst.shape != part.shape:
             raise WeightShapeError(f"{self.prefix or 'MoE'} expert {expert} {which}: the model "
                                    f"expects {tuple(dst.shape)}, the checkpoint gives "
                                    f"{tuple(part.shape)}")
         dst.copy_(part)
+        if scale is not None:
+            self._scale_slot(which)[expert].copy_(scale)
         self._loaded.add((which, expert))
 
     def load_stacked_weight(self, which: Which, weight: Any) -> None:
@@ -151,12 +213,19 @@ class FusedMoE(nn.Module):
             raise WeightShapeError(f"{self.prefix or 'MoE'} stacked {which}: expected "
                                    f"{self.num_experts} experts stacked in a 3-d tensor, got "
                                    f"shape {tuple(weight.shape)}")
-        part = self._rank_part(which, weight, -2 if which != "down" else -1)
         i = self.shard_size
         dst = {"gate": self.w13.data[:, :i], "up": self.w13.data[:, i:],
                "down": self.w2.data}.get(which)
         if dst is None:
             raise WeightShapeError(f"unknown expert weight {which!r} (gate, up or down)")
+        if self.quantized:
+            self._check_intermediate(which, weight, -2 if which != "down" else -1)
+            part, scale = self._quantized_part(which, weight)
+            slot = self._scale_slot(which)
+            if slot.shape == scale.shape and dst.shape == part.shape:
+                slot.copy_(scale)  # (a mismatch is reported below)
+        else:
+            part = self._rank_part(which, weight, -2 if which != "down" else -1)
         if dst.shape != part.shape:
             raise WeightShapeError(f"{self.prefix or 'MoE'} stacked {which}: the model expects "
                                    f"{tuple(dst.shape)}, the checkpoint gives "
@@ -181,6 +250,18 @@ class FusedMoE(nn.Module):
         return [f"{w} of expert {e}" for e in range(self.num_experts)
                 for w in ("gate", "up", "down") if (w, e) not in self._loaded]
 
+    @torch.no_grad()
+    def dummy_fill(self, low: float, high: float, gen: torch.Generator) -> None:
+        """FP8 experts for ``--load-format dummy``: each expert's weights drawn in float32 like
+        any dummy weight and quantized as a checkpoint tensor would be."""
+        for w, scale in ((self.w13, self.w13_weight_scale), (self.w2, self.w2_weight_scale)):
+            for e in range(self.num_experts):
+                tmp = torch.empty(w.shape[1:], dtype=torch.float32, device=w.device)
+                tmp.uniform_(low, high, generator=gen)
+                q, s = quantize_rows(tmp)
+                w.data[e].copy_(q)
+                scale.data[e].copy_(s.reshape(-1))
+
     # --- forward ------------------------------------------------------------------------------
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
@@ -192,7 +273,8 @@ class FusedMoE(nn.Module):
         x = hidden.reshape(-1, self.hidden_size)
         weights, ids = self.kernels.select_experts(router_logits.reshape(-1, self.num_experts),
                                                    self.routing, correction_bias)
-        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids,
+                                     self.w13_weight_scale, self.w2_weight_scale)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
         return out.view(shape)

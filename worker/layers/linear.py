@@ -21,7 +21,7 @@ from torch import nn
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
-from tidal.worker.layers import fp8
+from tidal.worker.layers import fp8, int4
 from tidal.worker.ops.fp8_torch import FP8_DTYPE
 
 
@@ -68,6 +68,9 @@ def _shard(t: torch.Tensor, dim: int, index: int, count: int, what: str) -> torc
 class LinearBase(nn.Module):
     # Row-parallel layers shard the input features; every rank holds every output row.
     input_sharded = False
+    # LoRA adapters' slot buffers (worker/lora/layers.py), hung here by the model runner with
+    # --enable-lora; None: the plain linear.
+    lora: Any = None
 
     def __init__(
         self,
@@ -84,14 +87,21 @@ class LinearBase(nn.Module):
         self.out_features = out_features
         # Built under ``fp8.quantizing``: FP8 weights with per-row scales (layers/fp8.py).
         quant = fp8.current_quant()
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features,
-                        dtype=dtype if quant is None else FP8_DTYPE), requires_grad=False)
-        set_weight_loader(self.weight, self.weight_loader)
+        # AWQ / GPTQ: no 16-bit ``weight``, packed INT4 tensors instead (layers/int4.py).
+        self.w4a16: int4.Int4Layout | None = None
+        if quant is not None and quant.int4:
+            for name in ("weight", "weight_scale", "input_scale"):
+                self.register_parameter(name, None)
+            self.w4a16 = int4.attach(self, quant, dtype)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features,
+                            dtype=dtype if quant is None else FP8_DTYPE), requires_grad=False)
+            set_weight_loader(self.weight, self.weight_loader)
         if quant is None:
             self.register_parameter("weight_scale", None)
             self.register_parameter("input_scale", None)
-        else:
+        elif not quant.int4:
             fp8.attach(self, quant)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
@@ -111,7 +121,17 @@ class LinearBase(nn.Module):
         _copy_checked(dst, src, what)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` times this rank's weight (plus ``bias``), FP8 or not."""
+        """``base_matmul``, plus the LoRA adapters' products where ``--enable-lora`` hung a
+        ``worker.lora.layers.LoRALayer`` here (a row-parallel layer adds its partial product
+        before the all-reduce, which sums it with the base's)."""
+        if self.lora is not None:
+            return self.lora.add(x, self.base_matmul(x, bias))
+        return self.base_matmul(x, bias)
+
+    def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` times this rank's weight (plus ``bias``), FP8, INT4 or not."""
+        if self.w4a16 is not None:
+            return int4.matmul(self, x, bias)
         if self.weight_scale is not None:
             return self.kernels.fp8_linear(x, self.weight, self.weight_scale, bias,
                                            self.input_scale)
@@ -227,8 +247,9 @@ class RowParallelLinear(LinearBase):
         ``Kernels.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
         if defer_reduce and self.reduce_results and self.bias is None:
             push = self.tp.push_all_reduce
-            if push is not None and self.weight_scale is None and push.applies(x, self.weight):
-                return push.gemv(x, self.weight)
+            if push is not None and self.w4a16 is None and self.lora is None \
+                    and push.applies(x, self.weight):
+                return push.gemv(x, self.weight, self.weight_scale)
             return self.tp.defer_all_reduce(self.matmul(x, None))
         y = self.matmul(x, None)
         if self.reduce_results:

@@ -169,18 +169,32 @@ class MLAAttention(nn.Module):
 
 
 def attend_causal_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, max_scores: int = 1 << 27) -> torch.Tensor:
     """Causal attention of ``q [H, s, D]`` (the last ``s`` positions) over ``k [H, n, D]``,
-    ``v [H, n, Dv]`` with V zero-padded to D, so that SDPA can take a fused kernel (flash) on
-    the GPU: with V narrower than Q/K it took its unfused path, whose ``[H, s, n]`` float
-    scores made the profiling pass of a 16k-token step peak at 38 GiB (DeepSeek-V2-Lite on an
-    H100), crowding out the KV cache. The padded columns come out zero and are cut off."""
-    s, n, dv = q.shape[1], k.shape[1], v.shape[-1]
+    ``v [H, n, Dv]``, with V zero-padded to D so that SDPA can take a fused kernel on the GPU
+    (the padded columns come out zero and are cut off), in query chunks of at most
+    ``max_scores`` attention scores: the profiling pass of a 16k-token step peaked at 38 GiB
+    on DeepSeek-V2-Lite (an H100) where SDPA fell back to its unfused path, whose ``[H, s, n]``
+    float scores crowded out the KV cache; chunked, that path stays within ~0.5 GiB."""
+    h, s, n, dv = q.shape[0], q.shape[1], k.shape[1], v.shape[-1]
     if dv < k.shape[-1]:
         v = F.pad(v, (0, k.shape[-1] - dv))
-    if s == n:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:  # a chunk after a cached prefix: the last query sees every key
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, n),
+    # A batch dimension: SDPA's fused kernels take [B, H, L, D].
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    rows = max(1, max_scores // max(1, h * n))
+    if rows >= s:
+        if s == n:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:  # a chunk after a cached prefix: the last query sees every key
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(s, n),
+                                               scale=scale)
+        return o[0, ..., :dv]
+    out = q.new_empty(h, s, dv)
+    for a in range(0, s, rows):
+        b = min(s, a + rows)
+        keys = n - s + b  # query b - 1 sees keys up to its own position
+        o = F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, :keys], v[:, :, :keys],
+                                           attn_mask=causal_lower_right(b - a, keys),
                                            scale=scale)
-    return o[..., :dv]
+        out[:, a:b] = o[0, ..., :dv]
+    return out

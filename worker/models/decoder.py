@@ -16,6 +16,7 @@ from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.attention.fp8_kv import load_kv_scale
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
@@ -147,7 +148,7 @@ class DecoderAttention(nn.Module):
                 None if qn is None else qn.weight,
                 None if qn is None else self.k_norm.weight,
                 0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache,
-                self.attn.group_meta(meta).slot_mapping)
+                self.attn.group_meta(meta).slot_mapping, self.attn.k_scale, self.attn.v_scale)
             return self.o_proj(self.attn.attend(q.view(n, -1), meta), defer_reduce)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -184,24 +185,41 @@ class NormLinear:
     the order the math reads. A plain object, not a module: it borrows the parameters of
     ``norm`` and ``linear``, which stay where the checkpoint names them."""
 
-    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8")
+    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8", "_int4")
 
     def __init__(self, norm: RMSNorm, linear: nn.Module, silu: bool = False) -> None:
         self._op = norm.kernels.rms_norm_linear
         self._norm, self._linear, self._silu = norm, linear, silu
-        # FP8 weights never reach the fused GEMV paths: the plain norm, then the FP8 linear.
+        # FP8 weights: one row on the GPU goes through the same fused GEMV paths (reading the
+        # FP8 weights, weight-only); other rows take the norm that quantizes for the FP8 GEMM.
         self._fp8 = getattr(linear, "weight_scale", None) is not None
+        # INT4 weights (AWQ/GPTQ) never reach the fused GEMV paths: the plain norm, then the
+        # layer's own W4A16 matmul.
+        self._int4 = getattr(linear, "w4a16", None) is not None
 
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         norm, linear = self._norm, self._linear
-        if self._fp8:
-            return self._norm_then_fp8(x, residual)
-        return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
-                        silu=self._silu)
+        # (LoRA, hung on the linear after the model is built: the fused GEMV paths would skip
+        # its product, so the plain norm, then the linear with its adapters.)
+        if self._int4 or linear.lora is not None:
+            return self._norm_then_linear(x, residual)
+        if not self._fp8:
+            return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                            silu=self._silu)
+        kernels = norm.kernels
+        if kernels.one_row_fusion_applies(x):
+            return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                            silu=self._silu, weight_scale=linear.weight_scale,
+                            input_scale=linear.input_scale)
+        if isinstance(x, PendingSum):
+            x = x.wait()
+        return kernels.rms_norm_fp8_linear(x, residual, norm.weight, norm.eps, linear.weight,
+                                           linear.weight_scale, linear.bias, linear.input_scale,
+                                           silu=self._silu)
 
-    def _norm_then_fp8(self, x: torch.Tensor | PendingSum,
-                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_then_linear(self, x: torch.Tensor | PendingSum,
+                          residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         norm, kernels = self._norm, self._norm.kernels
         if isinstance(x, PendingSum):
             x = x.wait()
@@ -261,7 +279,9 @@ def build_stage_ends(model: nn.Module, arch: ArchSpec, dtype: torch.dtype,
 class AuxHiddenSpec:
     """Build-time option of a decoder: record the residual stream entering each of ``layers``
     (after embedding for layer 0; HF's ``hidden_states[i]`` of ``output_hidden_states``), the
-    inputs of an EAGLE-3 draft head, into one fixed buffer of ``max_tokens`` rows."""
+    inputs of an EAGLE-3 draft head, into one fixed buffer of ``max_tokens`` rows. Layer
+    ``num_layers`` is the final hidden state after the norm (HF's ``hidden_states[-1]``), what
+    multi-token-prediction layers read."""
 
     layers: tuple[int, ...]
     max_tokens: int
@@ -298,17 +318,19 @@ class DecoderForCausalLM(nn.Module):
         # runs the plain loop, with no per-layer check in its forward (or its CUDA graphs).
         self.aux_hidden_states: torch.Tensor | None = None
         self._run_layers = self._run_layers_plain
+        self._aux_final_cols: tuple[int, ...] = ()  # where the final state goes in the buffer
         if aux_hidden is not None:
             self._init_aux_hidden(aux_hidden, dtype)
 
     def _init_aux_hidden(self, spec: AuxHiddenSpec, dtype: torch.dtype) -> None:
         n = self.arch.num_layers
-        bad = [i for i in spec.layers if not 0 <= i < n]
+        bad = [i for i in spec.layers if not 0 <= i <= n]
         if not spec.layers or bad:
-            raise ValueError(f"auxiliary hidden state layer ids must be 1 or more of 0..{n - 1} "
-                             f"(the model has {n} layers), got {list(spec.layers)}")
+            raise ValueError(f"auxiliary hidden state layer ids must be 1 or more of 0..{n} "
+                             f"(the model has {n} layers; {n}: the final hidden state), got "
+                             f"{list(spec.layers)}")
         if not self.pp.is_last or any(not self.start_layer <= i < self.end_layer
-                                      for i in spec.layers):
+                                      for i in spec.layers if i < n):
             raise ValueError("auxiliary hidden states need every chosen layer on the last "
                              "pipeline stage (EAGLE-3 with pipeline parallelism is not "
                              "supported)")
@@ -322,7 +344,9 @@ class DecoderForCausalLM(nn.Module):
         self._aux_plan = tuple(
             (layer, tuple(k * width for k, j in enumerate(spec.layers) if j == int(i)))
             for i, layer in self.layers.items())
-        self._run_layers = self._run_layers_aux
+        self._aux_final_cols = tuple(k * width for k, j in enumerate(spec.layers) if j == n)
+        if any(j < n for j in spec.layers):
+            self._run_layers = self._run_layers_aux
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers.values()]
@@ -350,9 +374,22 @@ class DecoderForCausalLM(nn.Module):
         if not self.pp.is_last:
             return hidden, residual
         if residual is None:
-            return self.norm(hidden), None
-        hidden, _ = self.norm(hidden, residual)
+            hidden = self.norm(hidden)
+        else:
+            hidden, _ = self.norm(hidden, residual)
+        if self._aux_final_cols:
+            self._record_final(hidden)
         return hidden, None
+
+    def _record_final(self, hidden: torch.Tensor) -> None:
+        buf = self.aux_hidden_states
+        assert buf is not None
+        n, width = hidden.shape[0], self.arch.hidden_size
+        if n > buf.shape[0]:
+            raise ValueError(f"{n} tokens exceed the {buf.shape[0]} rows of the auxiliary "
+                             "hidden state buffer")
+        for c in self._aux_final_cols:
+            buf[:n, c:c + width].copy_(hidden)
 
     def _run_layers_plain(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
                           residual: torch.Tensor | None, meta: AttentionMetadata
@@ -401,6 +438,11 @@ class DecoderForCausalLM(nn.Module):
             name = self._param_name(ckpt_name)
             if name is None or self.load_special(tally, ckpt_name, name, tensor):
                 continue
+            try:  # FP8 KV cache scales (attention/fp8_kv.py), not parameters
+                if load_kv_scale(self, name, tensor):
+                    continue
+            except ValueError as exc:
+                raise WeightLoadError(ckpt_name, str(exc)) from None
             name, shard_id = self.fused_name(tally, name)
             if name not in tally.params:
                 if self._belongs_elsewhere(name):

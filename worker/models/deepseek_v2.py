@@ -36,13 +36,36 @@ from tidal.worker.layers.linear import (
 from tidal.worker.layers.mla import MLAAttention
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
-from tidal.worker.models.decoder import DecoderForCausalLM, WeightLoadError, WeightTally
+from tidal.worker.models.decoder import (
+    AuxHiddenSpec,
+    DecoderForCausalLM,
+    WeightLoadError,
+    WeightTally,
+)
 
 # ``layers.{i}.mlp.experts.`` then ``{e}.{gate,up,down}_proj.weight`` (HF checkpoints) or
 # ``{gate_up,down}_proj`` (every expert stacked, as transformers holds them in memory).
 _EXPERT_TENSOR = re.compile(
     r"layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate|up|down)_proj\.weight|(gate_up|down)_proj)$")
 
+
+def load_expert_tensor(experts: FusedMoE, ckpt_name: str, expert: str | None, which: str,
+                       tensor: torch.Tensor) -> None:
+    """One checkpoint tensor into ``experts``: expert ``expert``'s ``which`` (gate / up /
+    down) projection, or with ``expert`` None the stacked ``[E, ...]`` down projections or
+    gate/up pair (each expert's gate rows, then its up rows)."""
+    try:
+        if expert is not None:
+            experts.load_expert_weight(which, int(expert), tensor)
+        elif which == "down":
+            experts.load_stacked_weight("down", tensor)
+        else:
+            full = as_tensor(tensor)
+            inter = full.shape[1] // 2
+            experts.load_stacked_weight("gate", full[:, :inter])
+            experts.load_stacked_weight("up", full[:, inter:])
+    except ValueError as exc:
+        raise WeightLoadError(ckpt_name, str(exc)) from exc
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; ``reduce_results`` False leaves the tensor-parallel sum
@@ -70,10 +93,20 @@ class DeepseekV2MoE(nn.Module):
         self.gate.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size,
                                                     dtype=torch.float32), requires_grad=False)
         set_weight_loader(self.gate.weight, lambda p, t, shard_id=None: default_weight_loader(p, t))
-        routing = RoutingConfig(top_k=arch.num_experts_per_tok, scoring="softmax",
+        v3 = arch.topk_method == "noaux_tc"
+        routing = RoutingConfig(top_k=arch.num_experts_per_tok,
+                                scoring="sigmoid" if v3 else "softmax",
                                 renormalize=arch.norm_topk_prob, num_groups=arch.n_group,
                                 topk_groups=arch.topk_group,
-                                routed_scaling_factor=arch.routed_scaling_factor)
+                                routed_scaling_factor=arch.routed_scaling_factor,
+                                group_score="top2_sum" if v3 else "max")
+        # DeepSeek-V3: a bias on the scores for the choice of experts only (float32, as HF).
+        self.gate.e_score_correction_bias = None
+        if v3:
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(arch.num_experts, dtype=torch.float32), requires_grad=False)
+            set_weight_loader(self.gate.e_score_correction_bias,
+                              lambda p, t, shard_id=None: default_weight_loader(p, t))
         self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size,
                                 routing, dtype, tp, reduce_results=False, prefix=prefix)
         shared = (arch.shared_expert_intermediate_size
@@ -83,7 +116,7 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight)
-        out = self.experts(x, logits)
+        out = self.experts(x, logits, self.gate.e_score_correction_bias)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
@@ -121,11 +154,12 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     supports_aux_hidden_states = False
 
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
-                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
+                 tp: ParallelGroup | None = None, pp: ParallelGroup | None = None,
+                 aux_hidden: AuxHiddenSpec | None = None) -> None:
         if not arch.is_mla:
             raise ValueError(f"{arch.architecture}: DeepSeek-V2 needs kv_lora_rank (MLA)")
         self._rope: RotaryEmbedding | None = None
-        super().__init__(arch, dtype, impl, tp, pp)
+        super().__init__(arch, dtype, impl, tp, pp, aux_hidden)
 
     def make_layer(self, arch: ArchSpec, dtype: torch.dtype, impl: AttentionImpl,
                    layer: int) -> nn.Module:
@@ -155,17 +189,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         if not isinstance(layer.mlp, DeepseekV2MoE):
             raise WeightLoadError(ckpt_name, f"layer {m.group(1)} is a dense layer here "
                                   "(first_k_dense_replace / moe_layer_freq), not an MoE one")
-        experts = layer.mlp.experts
-        try:
-            if m.group(2) is not None:
-                experts.load_expert_weight(m.group(3), int(m.group(2)), tensor)
-            elif m.group(4) == "down":
-                experts.load_stacked_weight("down", tensor)
-            else:  # [E, 2I, H]: each expert's gate rows, then its up rows
-                full = as_tensor(tensor)
-                inter = full.shape[1] // 2
-                experts.load_stacked_weight("gate", full[:, :inter])
-                experts.load_stacked_weight("up", full[:, inter:])
-        except ValueError as exc:
-            raise WeightLoadError(ckpt_name, str(exc)) from exc
+        load_expert_tensor(layer.mlp.experts, ckpt_name, m.group(2), m.group(3) or m.group(4),
+                           tensor)
         return True

@@ -80,7 +80,8 @@ class GemmaAttention(nn.Module):
                 qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox, kv_cache):
             q = kernels.qk_norm_rope_write_kv(
                 qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim, None, None,
-                0.0, rope.cos_sin_cache, kv_cache, self.attn.group_meta(meta).slot_mapping)
+                0.0, rope.cos_sin_cache, kv_cache, self.attn.group_meta(meta).slot_mapping,
+                self.attn.k_scale, self.attn.v_scale)
             return self.o_proj(self.attn.attend(q.view(n, -1), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)

@@ -25,6 +25,7 @@ from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.layers.fused_moe import FusedMoE, RoutingConfig
+from tidal.worker.layers.fp8 import quantizing
 from tidal.worker.layers.linear import ReplicatedLinear
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.models.decoder import (
@@ -61,7 +62,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
                  prefix: str) -> None:
         super().__init__()
-        self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
+        # The router stays in the model dtype under --quantization fp8 (as in vLLM): its few
+        # bytes decide every token's experts.
+        with quantizing(None):
+            self.gate = ReplicatedLinear(arch.hidden_size, arch.num_experts, False, dtype)
         self.experts = FusedMoE(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size,
                                 routing_config(arch), dtype, tp, prefix=prefix)
 

@@ -28,6 +28,14 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     x_q, x_scale = fp8_torch.quantize_activations(x2, input_scale)
+    return mm_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype).reshape(*lead, w_q.shape[0])
+
+
+def mm_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                 w_scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Already quantized activations ``x_q`` [M, K] (e4m3, scales ``x_scale`` [M, 1]) times
+    ``w_q`` [N, K]: ``[M, N]`` in ``out_dtype``. Shapes as ``supported`` takes them."""
     # Row-wise scaling gives bfloat16 out on every torch that has it; other activation
     # dtypes are cast from it.
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale.contiguous(),
@@ -35,4 +43,4 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                          out_dtype=torch.bfloat16)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.to(x.dtype).reshape(*lead, w_q.shape[0])
+    return y.to(out_dtype)

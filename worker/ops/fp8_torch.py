@@ -55,3 +55,15 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*lead, w_q.shape[0])
+
+
+def fp8_weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] as it is times the dequantized FP8 weight (W8A16), float32 accumulate,
+    cast to ``x.dtype``: what the one-row FP8 GEMV computes (``triton_decode.gemv``), where
+    quantizing the activation would save no bytes and lose precision."""
+    b = w_q.float() * w_scale.float().reshape(-1, 1)
+    y = x.float() @ b.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

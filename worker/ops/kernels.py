@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.worker.distributed.pending_sum import PendingSum
-from tidal.worker.ops import fp8_scaled_mm, fp8_torch, torch_ops
+from tidal.worker.ops import fp8_scaled_mm, fp8_torch, int4_torch, lora_torch, torch_ops
 from tidal.worker.sample import grammar_mask, seeded_random
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td", "_sampling", "_moe", "_fp8")
+                 "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_w4", "_lora")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -80,6 +80,15 @@ class Kernels:
                      if policy.triton and policy.device == "cuda" and policy.ops != "torch"
                      else None)
         self._fp8: ModuleType | None = fp8_scaled_mm if policy.fp8_scaled_mm else None
+        # The norm that also quantizes its output for the FP8 GEMMs (imports triton).
+        self._fp8q: ModuleType | None = (_triton_module("triton_fp8_quant")
+                                         if policy.fp8_norm_quant else None)
+        # The W4A16 (AWQ/GPTQ) GEMM and split-K GEMV (imports triton).
+        self._w4: ModuleType | None = (_triton_module("triton_w4a16")
+                                       if policy.triton_w4a16 else None)
+        # LoRA's shrink / expand kernels (imports triton; --enable-lora models only call them).
+        self._lora: ModuleType | None = (_triton_module("triton_lora")
+                                         if policy.triton_lora else None)
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
@@ -133,22 +142,31 @@ class Kernels:
         """MoE routing, ``[T, E]`` logits -> ``(weights float32 [T, k], ids int32 [T, k])`` by
         a ``fused_moe.RoutingConfig``. Semantics: ``moe_torch.select_experts``; on the GPU
         one Triton kernel."""
-        if self._moe is not None and router_logits.is_cuda:
+        # (The Triton kernel scores a group by its best expert only: V3's top-2 sums take
+        # the torch ops, which are graph-safe.)
+        if (self._moe is not None and router_logits.is_cuda
+                and (routing.group_score == "max" or routing.num_groups == 1)):
             return self._moe.select_experts(router_logits, routing, correction_bias)
         from tidal.worker.ops import moe_torch
 
         return moe_torch.select_experts(router_logits, routing, correction_bias)
 
     def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' SwiGLU MLPs summed over top-k: ``hidden [T, H]``, ``w13 [E, 2I,
         H]``, ``w2 [E, H, I]`` -> ``[T, H]``. Semantics: ``moe_torch.fused_moe``; on the GPU
-        the Triton grouped GEMM (CUDA-graph safe)."""
-        if self._moe is not None and hidden.is_cuda:
-            return self._moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        the Triton grouped GEMM (CUDA-graph safe). FP8 experts take their per-row scales
+        (weight-only; Triton converts e4m3 from compute capability 8.9, where the policy has
+        ``fp8_scaled_mm``)."""
+        if self._moe is not None and hidden.is_cuda and (
+                w13_scale is None or self.policy.fp8_scaled_mm):
+            return self._moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids,
+                                       w13_scale=w13_scale, w2_scale=w2_scale)
         from tidal.worker.ops import moe_torch
 
-        return moe_torch.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+        return moe_torch.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
     # --- multi-head latent attention (DeepSeek-V2) over the paged latent cache -----------------
 
@@ -191,8 +209,8 @@ class Kernels:
         """Whether ``linear`` / ``rms_norm_linear`` on ``x`` run the one-row GEMV kernel."""
         if not (self._gemv and x.is_cuda and x.dim() >= 1 and x.numel() == x.shape[-1]):
             return False
-        if any(w.dtype == torch.float8_e4m3fn for w in weights):
-            return False  # the GEMV reads 16/32-bit weights; FP8 layers use fp8_linear
+        # FP8 weights too (``gemv_supported`` knows where Triton converts e4m3): the caller
+        # then hands the GEMV their ``weight_scale``.
         td = self._td
         return all(td.gemv_supported(x, w)
                    and w.numel() * w.element_size() <= self._gemv_max_bytes for w in weights)
@@ -214,16 +232,81 @@ class Kernels:
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                    segments: object | None = None) -> torch.Tensor:
+        """LoRA's first product over a batch mixing adapters (``ops/lora_torch.py`` for the
+        layout): x [T, in] -> [T, S*R]. ``segments`` (the step's runs of tokens sharing an
+        adapter; eager steps only) picks the segmented Triton kernel, else per-token."""
+        if self._lora is not None and x.is_cuda:
+            return self._lora.lora_shrink(x, a, slots, segments)
+        return lora_torch.lora_shrink(x, a, slots)
+
+    def lora_expand(self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
+                    slots: torch.Tensor, offsets: tuple[int, ...], rank: int,
+                    segments: object | None = None) -> None:
+        """LoRA's second product, added into ``y`` [T, out] in place, slice by slice."""
+        if self._lora is not None and y.is_cuda:
+            self._lora.lora_expand(y, xa, b, slots, offsets, rank, segments)
+            return
+        lora_torch.lora_expand(y, xa, b, slots, offsets, rank)
+
     def fp8_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` times an FP8 e4m3 weight ``w_q`` [N, K] with float32 scales ``w_scale``
         [N, 1], activations quantized per token (or by the static ``input_scale``): cuBLASLt
         where the policy has it (compute capability >= 8.9), else the torch reference
-        (``fp8_torch``)."""
+        (``fp8_torch``). One row on the GPU where the GEMV applies: the FP8 GEMV, weight-only
+        (``fp8_torch.fp8_weight_only_linear``; ``input_scale`` unused: nothing quantizes x)."""
+        if self.gemv_applies(x, w_q) and (bias is None or bias.dtype == x.dtype):
+            y, _ = self._td.gemv(x, w_q, bias, weight_scale=w_scale)
+            return y.view(*x.shape[:-1], w_q.shape[0])
         if self._fp8 is not None and x.is_cuda:
             return self._fp8.fp8_linear(x, w_q, w_scale, bias, input_scale)
         return fp8_torch.fp8_linear(x, w_q, w_scale, bias, input_scale)
+
+    def w4a16_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` times an INT4 weight in tidal's layout (``int4_torch``: ``qweight`` int32
+        [N, K / 8], per-group ``scales`` and uint8 ``qzeros`` [N, G], act-order ``g_idx``):
+        the Triton kernels on the GPU where the policy has them (a GEMM, a split-K GEMV for
+        decode rows), dequantizing in registers; else the torch reference."""
+        if self._w4 is not None and x.is_cuda:
+            return self._w4.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
+        return int4_torch.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
+
+    def rms_norm_fp8_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        w_q: torch.Tensor,
+        w_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+        silu: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8_linear(rms_norm(x + residual)), x + residual)`` for rows where the one-row
+        GEMV does not apply. On the GPU, where the policy has it, one Triton pass adds, norms
+        and quantizes each row (``triton_fp8_quant``) and cuBLASLt multiplies; elsewhere the
+        plain norm, then ``fp8_linear`` (which quantizes again: the same numbers)."""
+        q = self._fp8q
+        if (q is not None and x.is_cuda and x.dim() == 2 and q.supported(x)
+                and norm_weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype)
+                and fp8_scaled_mm.supported(x, w_q)):
+            x_q, x_scale, residual = q.add_rms_norm_quant(x, residual, norm_weight, eps,
+                                                          input_scale)
+            y = fp8_scaled_mm.mm_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+        else:
+            if residual is None:
+                h, residual = self.rms_norm(x, norm_weight, eps), x
+            else:
+                h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+            y = self.fp8_linear(h, w_q, w_scale, bias, input_scale)
+        return (self.silu_and_mul(y) if silu else y), residual
 
     def rms_norm_linear(
         self,
@@ -234,8 +317,12 @@ class Kernels:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         silu: bool = False,
+        weight_scale: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
+        An FP8 ``weight`` comes with its ``weight_scale`` (and static ``input_scale``, if any):
+        the GEMV reads it as it is (weight-only); the unfused ops run ``fp8_linear``.
         One row on the GPU: the GEMV kernel with the norm as its prologue (or, before a large
         weight, a one-row norm kernel first) and SiLU-and-mul as its epilogue. ``x`` may be a
         tensor-parallel ``PendingSum``: its all-reduce then completes inside the GEMV (pushed
@@ -267,24 +354,27 @@ class Kernels:
         if stats is not None:
             h, ss = stats
             y, _ = td.gemv(h, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                           norm_ss=ss)
+                           norm_ss=ss, weight_scale=weight_scale)
             return y.view(*h.shape[:-1], n), h
         if (fused and parts is None and self._norm_apart
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() >= NORM_APART_MIN_BYTES
                 and x.shape[-1] <= td.ADD_NORM_MAX):
             h, residual = td.add_rms_norm_row(x, residual, norm_weight, eps)
-            y, _ = td.gemv(h, weight, bias, silu=silu)
+            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale)
             return y.view(*h.shape[:-1], n), residual
         if fused:
             y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
-                             eps=eps, silu=silu, parts=parts)
+                             eps=eps, silu=silu, parts=parts, weight_scale=weight_scale)
             return y.view(*x.shape[:-1], n), res
         if residual is None:
             h, residual = self.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
-        y = F.linear(h, weight, bias)
+        if weight_scale is None:
+            y = F.linear(h, weight, bias)
+        else:
+            y = self.fp8_linear(h, weight, weight_scale, bias, input_scale)
         return (self.silu_and_mul(y) if silu else y), residual
 
     # --- other decode fusions -------------------------------------------------------------------
@@ -311,14 +401,17 @@ class Kernels:
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q/k RMSNorm (Qwen3), neox rotary and the K/V cache write in one pass; returns q
-        ``[T, H, D]``. Semantics: ``torch_ops.qk_norm_rope_write_kv``."""
+        ``[T, H, D]``. Semantics: ``torch_ops.qk_norm_rope_write_kv`` (an FP8 cache stores
+        K/V quantized with the layer's scales)."""
         args = (qkv, positions, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
                 eps, cos_sin_cache, kv_cache, slot_mapping)
         if self.qk_norm_rope_applies(qkv, head_dim, cos_sin_cache, True, kv_cache):
-            return self._td.qk_norm_rope_write_kv(*args)
-        return torch_ops.qk_norm_rope_write_kv(*args)
+            return self._td.qk_norm_rope_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
+        return torch_ops.qk_norm_rope_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
 
     def vocab_shard_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
                               start: int) -> torch.Tensor:

@@ -9,6 +9,11 @@ float32, then the result is cast to the input's dtype.
 Reading the per-expert counts syncs with the device, which a CUDA graph cannot capture: while
 a graph is being captured (a GPU without Triton) ``fused_moe_dense`` runs instead, every expert
 over every token with the unrouted ones weighted zero. GPUs with Triton take ``triton_moe``.
+
+FP8 experts (``--quantization fp8``): ``w13`` / ``w2`` in e4m3 with float32 scales per expert
+and output row (``w13_scale [E, 2I]``, ``w2_scale [E, H]``). Weight-only: each projection is
+the activation (as it is) times the dequantized weight, accumulated in float32 and rounded to
+the activation's dtype where the 16-bit path rounds (``expert_linear``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_groups > 1:
         t = choice.shape[0]
-        group_scores = choice.view(t, cfg.num_groups, -1).amax(dim=-1)
+        grouped = choice.view(t, cfg.num_groups, -1)
+        if getattr(cfg, "group_score", "max") == "top2_sum":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
         best = group_scores.topk(cfg.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         # expand, not repeat_interleave (which copies its count to the device: no CUDA graph).
@@ -55,6 +64,28 @@ def select_experts(router_logits: torch.Tensor, cfg: RoutingConfig,
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids.to(torch.int32)
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T`` for one expert's weight ``w``; an FP8 ``w`` with its row ``scale``
+    (weight-only: ``x`` is not quantized), in float32, rounded to ``x.dtype``."""
+    if scale is None:
+        return F.linear(x, w)
+    return (F.linear(x.float(), w.float()) * scale.float().reshape(1, -1)).to(x.dtype)
+
+
+def check_moe_scales(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                     w2_scale: torch.Tensor | None) -> None:
+    """FP8 weights come with both scales, of one float32 value per expert and output row."""
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if (w2.dtype == torch.float8_e4m3fn) != fp8 or (w13_scale is not None) != fp8 or \
+            (w2_scale is not None) != fp8:
+        raise ValueError("FP8 expert weights (both w13 and w2) take w13_scale and w2_scale, "
+                         "and only they do")
+    if fp8 and (tuple(w13_scale.shape) != tuple(w13.shape[:2])
+                or tuple(w2_scale.shape) != tuple(w2.shape[:2])):
+        raise ValueError(f"scales {tuple(w13_scale.shape)}, {tuple(w2_scale.shape)} must be "
+                         f"{tuple(w13.shape[:2])}, {tuple(w2.shape[:2])}")
 
 
 def check_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -76,13 +107,16 @@ def check_moe_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
     ``e = topk_ids[t, j]``; ``hidden [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` ->
-    ``[T, H]`` in ``hidden``'s dtype."""
+    ``[T, H]`` in ``hidden``'s dtype. FP8 weights take their scales (module docstring)."""
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
+    check_moe_scales(w13, w2, w13_scale, w2_scale)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        return fused_moe_dense(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_moe_dense(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     t, h = hidden.shape
     k = topk_ids.shape[1]
     i = w13.shape[1] // 2
@@ -98,15 +132,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + n]
         start += n
         x = hidden.index_select(0, pairs // k)
-        gate_up = F.linear(x, w13[expert])
+        gate_up = expert_linear(x, w13[expert], None if w13_scale is None else w13_scale[expert])
         act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
-        y = F.linear(act, w2[expert])
+        y = expert_linear(act, w2[expert], None if w2_scale is None else w2_scale[expert])
         out.index_copy_(0, pairs, y.float() * flat_w.index_select(0, pairs).unsqueeze(1))
     return out.view(t, k, h).sum(dim=1).to(hidden.dtype)
 
 
 def fused_moe_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``fused_moe`` with no data-dependent shapes (CUDA-graph safe): each expert runs on every
     token, weighted by the router weight it got (zero where unrouted). E / k times the work."""
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
@@ -116,7 +152,9 @@ def fused_moe_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     per_expert.scatter_add_(1, topk_ids.long(), topk_weights.float())
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(e):
-        gate_up = F.linear(hidden, w13[expert])
-        y = F.linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w2[expert])
+        gate_up = expert_linear(hidden, w13[expert],
+                                None if w13_scale is None else w13_scale[expert])
+        y = expert_linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], w2[expert],
+                          None if w2_scale is None else w2_scale[expert])
         out.add_(y.float() * per_expert[:, expert:expert + 1])
     return out.to(hidden.dtype)

@@ -133,10 +133,13 @@ def qk_norm_rope_write_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split ``qkv [T, (H + 2 Hkv) D]``; per-head RMSNorm of q and k (when weights are given);
     neox rotary; K and V written to ``kv_cache [2, blocks, page, Hkv, D]`` at ``slot_mapping``
-    (< 0: skipped). Returns q ``[T, H, D]``."""
+    (< 0: skipped; an FP8 cache quantized with ``k_scale`` / ``v_scale``). Returns q
+    ``[T, H, D]``."""
     from tidal.worker.attention.torch_backend import write_kv_reference
 
     t = qkv.shape[0]
@@ -150,7 +153,7 @@ def qk_norm_rope_write_kv(
         k = rms_norm(k, k_norm_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_sin_cache, True)
     n = min(t, slot_mapping.shape[0])
-    write_kv_reference(k[:n], v[:n], kv_cache, slot_mapping[:n])
+    write_kv_reference(k[:n], v[:n], kv_cache, slot_mapping[:n], k_scale, v_scale)
     return q
 
 

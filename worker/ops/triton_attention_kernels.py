@@ -25,6 +25,13 @@ import triton.language as tl
 from tidal.worker.ops.attention_plan import MAX_SPLITS, TritonAttentionPlan, next_pow2
 from tidal.worker.ops.triton_probe import stamp
 
+@triton.jit
+def fp8_quantize(x, scale):
+    """``clamp(x / scale, +-448)`` in float32, ready for the e4m3 cast of the store (the KV
+    cache's semantics: ``attention.fp8_kv.quantize_kv``)."""
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -448.0), 448.0)  # e4m3fn's largest finite value
+
 _LOG2E = 1.4426950408889634
 
 
@@ -92,6 +99,7 @@ def _attend_tile(
     EARLY_V: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over context tile ``t``; returns the new (max, sum, acc).
 
@@ -121,7 +129,7 @@ def _attend_tile(
         v = k  # not used: _attend_kv loads V itself
     return _attend_kv(
         q, acc, m_i, l_i, k, v, pos, pos_ok, row_pos, v_cache_ptr, tok_off, scale_log2, offs_d,
-        d_ok, window, softcap_log2, MASKED, EVEN_D, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
+        d_ok, window, softcap_log2, MASKED, EVEN_D, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP, KV_FP8,
     )  # fmt: skip
 
 
@@ -149,9 +157,14 @@ def _attend_kv(
     HAVE_V: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """The online-softmax step of ``_attend_tile`` on a loaded K tile (``k [D, TILE_N]``) and,
-    with ``HAVE_V``, V tile (else V is loaded here, after the QK^T product)."""
+    with ``HAVE_V``, V tile (else V is loaded here, after the QK^T product). ``KV_FP8``: the
+    tiles are e4m3, widened here; their scales are folded into ``scale_log2`` (K) and the
+    final normalisation (V) by the caller."""
+    if KV_FP8:
+        k = k.to(q.dtype)
     if IEEE_DOT:
         s = tl.dot(q, k, input_precision="ieee")
     else:
@@ -179,6 +192,8 @@ def _attend_kv(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if not HAVE_V:
         v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
+    if KV_FP8:
+        v = v.to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -200,6 +215,8 @@ def _paged_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     qsl_ptr,
+    k_scale_ptr,  # FP8 cache (KV_FP8): the layer's float32 K and V scales
+    v_scale_ptr,
     num_reqs,
     num_splits,
     scale_log2,
@@ -242,6 +259,9 @@ def _paged_attention_kernel(
     TIMES: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    # FP8 e4m3 cache: entries times k_scale / v_scale. K's scale multiplies the scores (folded
+    # into scale_log2), V's the normalised output; both read through pointers at run time.
+    KV_FP8: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -262,6 +282,8 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_off = kv_head.to(tl.int64) * stride_kv_head
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     if PRELOAD:
         # Decode only (one query per request): the context is seq_len positions, the split's
         # tiles as computed below. A padding request (seq_len 0) or an empty split loads nothing.
@@ -344,7 +366,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_kv(
             q, acc, m_i, l_i, k0, v0, pos0, ok0, row_pos, v_cache_ptr, off0, scale_log2, offs_d,
             d_ok, window, softcap_log2, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, True, WINDOW,
-            SOFT_CAP,
+            SOFT_CAP, KV_FP8,
         )  # fmt: skip
         tile_lo += 1
     # Tiles that end at or before the first row's position are visible to every row and lie
@@ -361,7 +383,7 @@ def _paged_attention_kernel(
                 q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row,
                 head_off, stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window,
                 softcap_log2, PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V,
-                WINDOW, SOFT_CAP,
+                WINDOW, SOFT_CAP, KV_FP8,
             )  # fmt: skip
         tile_lo = tl.maximum(n_lo, tile_lo)
         n_full = tl.maximum(n_full, n_lo)
@@ -370,16 +392,20 @@ def _paged_attention_kernel(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
             stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window, softcap_log2,
             PAGE_SIZE, TILE_N, False, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
+            KV_FP8,
         )  # fmt: skip
     for t in range(tl.maximum(n_full, tile_lo), tile_hi):
         m_i, l_i, acc = _attend_tile(
             q, acc, m_i, l_i, t, kv_end, row_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
             stride_kv_blk, stride_kv_tok, scale_log2, offs_d, d_ok, window, softcap_log2,
             PAGE_SIZE, TILE_N, True, HEAD_DIM == HEAD_DIM_P, IEEE_DOT, EARLY_V, WINDOW, SOFT_CAP,
+            KV_FP8,
         )  # fmt: skip
 
     # seq_len 0 (padding) or an empty split: acc and l are 0 and the output row is 0.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if TIMES:
         stamp(times_ptr, prog, 3, tl.sum(tl.sum(o, axis=1), axis=0))
     if SPLIT_KV:
@@ -605,6 +631,8 @@ def paged_attention(
     times: tuple[torch.Tensor, torch.Tensor] | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``query [T, H, D]`` over the paged caches ``[blocks, page, Hkv, D]``.
 
@@ -613,9 +641,14 @@ def paged_attention(
     split program of each request and KV head (not when no counter buffer can be had: first
     use inside a graph capture). ``times``: int64 buffers of ``triton_probe.STAMPS`` per
     program for the attention and the merge kernel, filled with their time stamps.
-    ``sliding_window`` / ``logits_soft_cap``: see ``AttentionImpl.forward``."""
+    ``sliding_window`` / ``logits_soft_cap``: see ``AttentionImpl.forward``. FP8 caches
+    (``float8_e4m3fn``) are read as entry * ``k_scale`` / ``v_scale`` (float32 one-element
+    tensors; None: 1.0)."""
     if num_reqs == 0 or query.shape[0] == 0:
         return
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8:
+        k_scale, v_scale = _scales(k_scale, v_scale, query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     qpk = num_heads // num_kv_heads
@@ -652,6 +685,8 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        k_scale if kv_fp8 else seq_lens,
+        v_scale if kv_fp8 else seq_lens,
         num_reqs,
         plan.num_splits,
         scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap,
@@ -687,6 +722,7 @@ def paged_attention(
         TIMES=times is not None,
         WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        KV_FP8=kv_fp8,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
@@ -717,6 +753,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,  # FP8 cache (KV_FP8): stored = clamp(x / scale, +-448) as e4m3
+    v_scale_ptr,
     stride_k_tok: tl.int64,
     stride_k_head: tl.int64,
     stride_v_tok: tl.int64,
@@ -729,6 +767,7 @@ def _write_kv_kernel(
     HEADS_P: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -741,8 +780,12 @@ def _write_kv_kernel(
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     dst = blk * stride_c_blk + off * stride_c_tok + h[:, None] * stride_c_head + d[None, :]
     k = tl.load(key_ptr + t * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
+    if KV_FP8:
+        k = fp8_quantize(k, tl.load(k_scale_ptr))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + t * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
+    if KV_FP8:
+        v = fp8_quantize(v, tl.load(v_scale_ptr))
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -752,11 +795,17 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatter ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping`` (< 0: skip)."""
+    """Scatter ``key/value [T, Hkv, D]`` into the paged caches at ``slot_mapping`` (< 0: skip);
+    FP8 caches store them quantized with ``k_scale`` / ``v_scale`` (None: 1.0)."""
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8:
+        k_scale, v_scale = _scales(k_scale, v_scale, key.device)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     heads_p = next_pow2(num_kv_heads)
     head_dim_p = next_pow2(head_dim)
@@ -768,6 +817,8 @@ def write_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale if kv_fp8 else slot_mapping,
+        v_scale if kv_fp8 else slot_mapping,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -780,6 +831,17 @@ def write_kv(
         HEADS_P=heads_p,
         HEAD_DIM_P=head_dim_p,
         PAGE_SIZE=key_cache.shape[1],
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
     )
+
+
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's scales as float32 device tensors (None: 1.0, made here: not inside a graph
+    capture, where every caller passes its layer's own)."""
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+    return (one if k_scale is None else k_scale), (one if v_scale is None else v_scale)
 

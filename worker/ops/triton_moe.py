@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from tidal.worker.ops.moe_configs import GemmConfig, MoeConfig, get_config
-from tidal.worker.ops.moe_torch import check_moe_args
+from tidal.worker.ops.moe_torch import check_moe_args, check_moe_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,7 +72,7 @@ def align_torch(topk_ids: torch.Tensor, num_experts: int,
 # --- routing ----------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # token counts: one compile serves all
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts,
                   stride_l, scale, TOP_K: tl.constexpr, TOPK_P2: tl.constexpr,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
@@ -166,7 +166,7 @@ _ALIGN_BLOCK = 256
 _ALIGN_BLOCKS_M = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
@@ -174,7 +174,7 @@ def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_offsets_kernel(counts_ptr, cursor_ptr, ends_ptr, sorted_ids_ptr, post_padded_ptr,
                            num_experts, num_pairs, BLOCK_M: tl.constexpr,
                            EXPERTS: tl.constexpr):
@@ -193,7 +193,7 @@ def _expert_offsets_kernel(counts_ptr, cursor_ptr, ends_ptr, sorted_ids_ptr, pos
     tl.store(sorted_ids_ptr + pad, num_pairs, mask=em[:, None] & (pad < ends[:, None]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _scatter_pairs_kernel(ids_ptr, cursor_ptr, ends_ptr, sorted_ids_ptr, expert_ids_ptr,
                           num_pairs, num_experts, num_blocks, BLOCK: tl.constexpr,
                           BLOCKS_M: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -253,7 +253,7 @@ def align(topk_ids: torch.Tensor, num_experts: int,
     return sorted_ids, expert_ids, post_padded
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: the tokens (w13: row = pair // TOP_K) or the pairs (w2)
     b_ptr,  # [E, N (x2 with SILU), K]
@@ -279,6 +279,12 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    # FP8 (e4m3) weights: converted to the activations' dtype in registers (exact: e4m3 fits
+    # in 16 bits), and each output column's float32 scale (scale_ptr [E, N (x2)]) applied once
+    # to the accumulated sum. Weight-only: the activations are not quantized.
+    scale_ptr,
+    stride_se,
+    W_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(padded_rows, BLOCK_M)
@@ -313,6 +319,8 @@ def _moe_gemm_kernel(
         k_mask = offs_k < K - kk * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if W_SCALE:
+            b = b.to(a_ptr.dtype.element_ty)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -322,6 +330,8 @@ def _moe_gemm_kernel(
             acc += tl.dot(a, b)
         if SILU:
             u = tl.load(up_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if W_SCALE:
+                u = u.to(a_ptr.dtype.element_ty)
             if UPCAST:
                 u = u.to(tl.float32)
             if IEEE:
@@ -333,6 +343,11 @@ def _moe_gemm_kernel(
         b_ptrs += BLOCK_K
 
     out_ty = c_ptr.dtype.element_ty
+    if W_SCALE:
+        s_row = scale_ptr + expert * stride_se
+        acc = acc * tl.load(s_row + offs_n, mask=n_mask, other=0.0)[None, :]
+        if SILU:
+            acc_up = acc_up * tl.load(s_row + N + offs_n, mask=n_mask, other=0.0)[None, :]
     if SILU:
         # Rounded where torch rounds (the projections, then silu, then the product), so the
         # kernel tracks the torch path in half precision.
@@ -349,7 +364,8 @@ def _moe_gemm_kernel(
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tensor | None,
           sorted_ids: torch.Tensor, expert_ids: torch.Tensor, post_padded: torch.Tensor,
-          n: int, a_div: int, silu: bool, block_m: int, cfg: GemmConfig) -> None:
+          n: int, a_div: int, silu: bool, block_m: int, cfg: GemmConfig,
+          scale: torch.Tensor | None = None) -> None:
     k = a.shape[1]
     rows = sorted_ids.numel()
     # CPU tensors come here only under the Triton interpreter, whose bfloat16 dot is wrong
@@ -362,8 +378,16 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Tens
         K=k, A_DIV=a_div, SILU=silu, MUL_WEIGHT=weights is not None,
         IEEE=a.dtype == torch.float32 or upcast, UPCAST=upcast, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, scale_ptr=scale if scale is not None else c,
+        stride_se=scale.stride(0) if scale is not None else 0, W_SCALE=scale is not None,
     )
+
+
+def _contiguous(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A scale table ``[E, N]`` with unit stride along N (the kernel indexes it so)."""
+    if scale is None or scale.stride(-1) == 1:
+        return scale
+    return scale.contiguous()
 
 
 def _fp32_config(cfg: MoeConfig) -> MoeConfig:
@@ -377,13 +401,17 @@ def _fp32_config(cfg: MoeConfig) -> MoeConfig:
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_torch.fused_moe`` on the GPU (``config``: a launch config instead of the
-    table's, for tuning and tests)."""
+    table's, for tuning and tests). FP8 weights come with their scales (``moe_torch``)."""
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
-    if hidden.dtype not in _DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
-        raise ValueError(f"fused_moe takes one of {_DTYPES} for hidden and weights alike, got "
-                         f"{hidden.dtype}, {w13.dtype}, {w2.dtype}")
+    check_moe_scales(w13, w2, w13_scale, w2_scale)
+    fp8 = w13_scale is not None
+    if hidden.dtype not in _DTYPES or (not fp8 and (w13.dtype != hidden.dtype
+                                                     or w2.dtype != hidden.dtype)):
+        raise ValueError(f"fused_moe takes one of {_DTYPES} for hidden and weights alike "
+                         f"(or FP8 weights), got {hidden.dtype}, {w13.dtype}, {w2.dtype}")
     t, h = hidden.shape
     top_k = topk_ids.shape[1]
     e, i = w13.shape[0], w13.shape[1] // 2
@@ -399,9 +427,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     pairs = t * top_k
     act = torch.empty((pairs, i), dtype=hidden.dtype, device=hidden.device)
     _gemm(x, w13, act, None, sorted_ids, expert_ids, post_padded, i, top_k, True,
-          cfg.block_m, cfg.w13)
+          cfg.block_m, cfg.w13, _contiguous(w13_scale))
     out = torch.empty((pairs, h), dtype=torch.float32, device=hidden.device)
     weights = topk_weights.reshape(-1).float()
     _gemm(act, w2, out, weights, sorted_ids, expert_ids, post_padded, h, 1, False,
-          cfg.block_m, cfg.w2)
+          cfg.block_m, cfg.w2, _contiguous(w2_scale))
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)

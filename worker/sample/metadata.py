@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from tidal.worker.sample.logits_processors import BatchState, LogitsProcessors
 from tidal.worker.sample.seeded_random import position_keys, position_seed  # noqa: F401
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class SamplingMetadata:
     # rows ``grammar_rows`` (int64 [G]; None: rows 0 .. G - 1). None when no row has a grammar.
     grammar_bitmask: torch.Tensor | None = None
     grammar_rows: torch.Tensor | None = None
+    # Logits processors (logits_processors.py) with the rows each acts on; None: none this step.
+    logits_procs: list[tuple[Any, BatchState]] | None = None
 
 
 def needs_token_history(b: InputBatch, rows: np.ndarray) -> bool:
@@ -71,9 +74,11 @@ class SamplingMetadataBuilder:
     but a temperature (the common case) cost three numpy operations and one staged array."""
 
     def __init__(self, vocab_size: int, device: torch.device,
-                 seeded_generators: bool = False) -> None:
+                 seeded_generators: bool = False,
+                 processors: LogitsProcessors | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.processors = processors
         # Seeded rows: their position keys always; with ``seeded_generators`` (what the
         # speculative verify path draws from) also one generator per batch row, reseeded for
         # every position (about 1 us of host time a row).
@@ -98,6 +103,8 @@ class SamplingMetadataBuilder:
             all_greedy=all_greedy,
             all_random=all_random,
         )
+        if self.processors is not None and self.processors.global_names:
+            self._global_processors(b, rows, meta)
         if not special:
             return meta
         vocab = self.vocab_size
@@ -136,6 +143,24 @@ class SamplingMetadataBuilder:
                 gen = self._generators[row] = torch.Generator(device=self.device)
             gen.manual_seed(key)
             meta.generators[i] = gen
+
+    def _processor_state(self, b: InputBatch, rows: np.ndarray,
+                         idx: list[int]) -> BatchState:
+        req_ids, outs = [], []
+        for i in idx:
+            row = int(rows[i])
+            extra = b.extras[row]
+            req_ids.append(extra.req_id if extra is not None else "")
+            outs.append(b.token_ids[row, b.num_prompt_tokens[row]:b.num_tokens[row]].tolist())
+        return BatchState(torch.tensor(idx, dtype=torch.int64, device=self.device), req_ids,
+                          outs)
+
+    def _global_processors(self, b: InputBatch, rows: np.ndarray,
+                           meta: SamplingMetadata) -> None:
+        assert self.processors is not None
+        state = self._processor_state(b, rows, list(range(len(rows))))
+        meta.logits_procs = [(self.processors.get(name), state)
+                             for name in self.processors.global_names]
 
     def _penalties(self, b: InputBatch, rows: np.ndarray, meta: SamplingMetadata,
                    stage: Stage) -> None:
@@ -176,10 +201,13 @@ class SamplingMetadataBuilder:
         allow_r: list[np.ndarray] = []
         allow_c: list[np.ndarray] = []
         n_out = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        named: dict[str, list[int]] = {}  # per-request logits processor -> its batch rows
         for i in np.nonzero(b.special[rows])[0]:
             row = int(rows[i])
             extra = b.extras[row]
             assert extra is not None
+            for name in extra.params.logits_processors or ():
+                named.setdefault(name, []).append(int(i))
             if extra.logit_bias is not None:
                 ids, vals = extra.logit_bias
                 bias_r.append(np.full(len(ids), i, dtype=np.int64))
@@ -204,3 +232,10 @@ class SamplingMetadataBuilder:
         if ban_r and sum(len(r) for r in ban_r):
             meta.ban_rows = stage(np.concatenate(ban_r), torch.int64)
             meta.ban_cols = stage(np.concatenate(ban_c), torch.int64)
+        if named:
+            if self.processors is None:
+                raise ValueError("this worker runs no logits processors")
+            work = meta.logits_procs or []
+            for name, idx in named.items():
+                work.append((self.processors.get(name), self._processor_state(b, rows, idx)))
+            meta.logits_procs = work

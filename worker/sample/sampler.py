@@ -1,6 +1,7 @@
 """The sampler: logits of a batch → one token per row (and log-probabilities when asked).
 
-Order of processing: the grammar masks (in place), the allowed-token mask, logit bias,
+Order of processing: the grammar masks (in place), logits processors
+(``logits_processors.py``), the allowed-token mask, logit bias,
 min_tokens bans, penalties, temperature; log-probabilities are taken here (the "processed"
 distribution); then top-k, top-p and min-p truncate, and tokens are drawn with the
 exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs one random number per
@@ -16,6 +17,7 @@ import torch
 
 from tidal.worker.ops.kernels import Kernels
 from tidal.worker.sample import seeded_random
+from tidal.worker.sample.logits_processors import apply_processors
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -121,7 +123,7 @@ def _plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row greedy, and nothing that changes or reports the distribution."""
     return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
             and meta.ban_rows is None and meta.output_counts is None
-            and meta.allowed_rows is None)
+            and meta.allowed_rows is None and meta.logits_procs is None)
 
 
 class Sampler:
@@ -143,6 +145,8 @@ class Sampler:
             # kernel (torch reduces each row in a single block: 37 us for a 128k vocabulary).
             return SamplerOutput(self._argmax(logits), None)
         logits = logits.float()
+        if meta.logits_procs is not None:
+            logits = apply_processors(logits, meta.logits_procs)
         if meta.allowed_rows is not None:
             assert meta.allowed_cols is not None
             logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_cols)

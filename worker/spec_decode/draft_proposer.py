@@ -19,7 +19,8 @@ What the rows hold differs by method:
   ``last_rows``) with the newest token, the target's sample;
 - EAGLE-3: the target step's rows, each with the *next* token (``shift_in_next_tokens``: row t
   holds token t + 1, the target's sample at each request's last row) and, in ``hidden``, the
-  target's auxiliary hidden states of row t (``AuxHiddenSpec`` on the target).
+  target's auxiliary hidden states of row t (``AuxHiddenSpec`` on the target);
+- MTP (``mtp_proposer``): as EAGLE-3's, with the target's final hidden state of row t.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ target's tables do not give it:
   request; the accepted drafts are fed again, so rejected positions are overwritten), in
   passes of at most the step's token budget. A request starts from token 0, even on a prefix
   cache hit: the draft's K/V in a cached block may never have been computed.
-  An EAGLE-3 head needs the target's hidden states of each position, so it runs over every
+  An EAGLE-3 head (or an MTP layer: the target's final hidden states instead of the aux
+  ones) needs the target's hidden states of each position, so it runs over every
   target step's rows right after the step (``observe``, then ``propose``), prompt chunks
   included; row ``t`` holds token ``t + 1`` (known once the step's tokens are appended).
 
@@ -61,7 +62,9 @@ class ModelDrafter:
                  aux_buffer: torch.Tensor | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.eagle = config.method == "eagle3"
+        # EAGLE-3 and MTP draft from the target's hidden states of each step's rows (the aux
+        # states / the final state): the same rows, chain and uniform steps.
+        self.eagle = config.method in ("eagle3", "mtp")
         self.proposer = proposer
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -354,7 +357,7 @@ class ModelDrafter:
         target's decode graph sizes); call with the draft's KV cache bound."""
         from tidal.worker.cuda_graphs import capture_sizes
 
-        if self._uniform is None:
+        if self._uniform is None or not getattr(self.proposer, "capturable", True):
             return
         sizes = capture_sizes(min(max_reqs, self._uniform.max_reqs))
         if not sizes:

@@ -14,7 +14,7 @@
    outputs) and min_tokens not yet reached (stop tokens banned at some positions only).
 
 For the model methods the runner also calls ``aux_hidden_spec`` (the target records what an
-EAGLE-3 head reads), ``load_drafter`` after the target is loaded, ``bind_kv_cache`` with the
+EAGLE-3 head or an MTP layer reads), ``load_drafter`` after the target is loaded, ``bind_kv_cache`` with the
 pool, and ``observe`` after each forward pass (``propose`` with no rows after a step that
 samples nothing: an EAGLE-3 head still reads a prompt chunk's hidden states).
 """
@@ -75,6 +75,14 @@ class SpeculativeStep:
     def _draft_model_config(self, engine: EngineConfig) -> ModelConfig:
         from tidal.worker.spec_decode.draft_proposer import draft_model_config
 
+        if self._draft_config is None and self.config.method == "mtp":
+            # The target's own checkpoint (or dummy weights), read by the MTP layer's model.
+            import msgspec
+
+            from tidal.engine_core.model_registry import mtp_arch
+
+            target = engine.model
+            self._draft_config = msgspec.structs.replace(target, arch=mtp_arch(target.arch))
         if self._draft_config is None:
             assert self.config.model is not None
             target = engine.model
@@ -84,7 +92,10 @@ class SpeculativeStep:
         return self._draft_config
 
     def aux_hidden_spec(self, engine: EngineConfig, max_tokens: int) -> AuxHiddenSpec | None:
-        """What the target must record for an EAGLE-3 head (None for other methods)."""
+        """What the target must record for an EAGLE-3 head (its aux layers) or an MTP layer
+        (the final hidden state: layer ``num_layers``); None for other methods."""
+        if self.config.method == "mtp":
+            return AuxHiddenSpec((engine.model.arch.num_layers,), max_tokens)
         if self.config.method != "eagle3":
             return None
         from tidal.worker.models.eagle3 import aux_layer_ids
@@ -112,6 +123,10 @@ class SpeculativeStep:
         max_len = engine.model.max_model_len
         if self.config.method == "eagle3":
             proposer = Eagle3Proposer(model, k, target, max_len)  # type: ignore[arg-type]
+        elif self.config.method == "mtp":
+            from tidal.worker.spec_decode.mtp_proposer import MTPProposer
+
+            proposer = MTPProposer(model, k, target, max_len)  # type: ignore[arg-type]
         else:
             proposer = DraftModelProposer(model, k, engine.model.arch, max_len)
         self.drafter = ModelDrafter(self.config, proposer, max_num_reqs=max_num_reqs,
@@ -121,6 +136,21 @@ class SpeculativeStep:
                                     aux_buffer=getattr(target, "aux_hidden_states", None))
         logger.info("speculative %s: draft %s loaded (%s)", self.config.method, dcfg.path,
                     self.config.draft_summary or dcfg.arch.architecture)
+
+    def draft_weight_bytes(self, engine: EngineConfig, impl: AttentionImpl,
+                           kernels: Kernels | None = None) -> int:
+        """The draft's weights (model methods; built on the meta device), for the runner's
+        check that the weights fit before loading."""
+        if not self.config.uses_model:
+            return 0
+        from tidal.worker.loader.model_loader import torch_dtype
+        from tidal.worker.models.registry import build_model
+
+        dcfg = self._draft_model_config(engine)
+        with torch.device("meta"):
+            shell = build_model(dcfg.arch, torch_dtype(dcfg.dtype), impl, kernels=kernels)
+        seen = {id(p): p for p in shell.parameters()}
+        return sum(p.numel() * p.element_size() for p in seen.values())
 
     def kv_bytes_per_block(self) -> int:
         """What one pool block costs in the draft's cache (0 without one)."""

@@ -1,0 +1,218 @@
+"""INT4 weight-only (W4A16) linear: AWQ / GPTQ tensors converted to tidal's layout against a
+float64 dequantization written here, the torch reference against a float64 matmul, the kernel
+policy's choice, and the Triton GEMM / split-K GEMV against the torch reference: on a GPU
+(``-m gpu``) over Llama-8B and odd shapes, or on the CPU under the Triton interpreter with tiny
+shapes::
+
+    PYTHONPATH=/work/tritoncpu TRITON_INTERPRET=1 python -m pytest -q \
+        tests/worker/test_int4_linear.py -k triton
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.worker.int4_writer import pack_awq, pack_sequential
+from tidal.worker.ops import int4_torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _gpu_skip() -> str | None:
+    if not HAS_TRITON:
+        return "triton is not installed (the W4A16 kernels are Triton kernels)"
+    if not torch.cuda.is_available():
+        return "no CUDA device (the W4A16 kernels run on a GPU)"
+    return None
+
+
+GPU_SKIP = _gpu_skip()
+ON_GPU = GPU_SKIP is None
+triton_kernel = pytest.mark.skipif(
+    not (ON_GPU or (INTERPRET and HAS_TRITON)),
+    reason=f"{GPU_SKIP}; or run on the CPU with TRITON_INTERPRET=1 and a CPU build of triton")
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def _random_int4(n: int, k: int, group: int, seed: int, act_order: bool = False):
+    """Random INT4 values, zeros, scales and group map (float64 / int64, [N, K] / [N, G])."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    zeros = torch.randint(1, 16, (n, groups), generator=g)
+    scales = (torch.rand(n, groups, generator=g, dtype=torch.float64) * 0.02 + 1e-3)
+    scales = scales.half().double()
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=g)]
+    return q, zeros, scales, g_idx
+
+
+def _deq64(q, zeros, scales, g_idx) -> torch.Tensor:
+    return (q - zeros[:, g_idx]).double() * scales[:, g_idx]
+
+
+def _tidal_layout(q, zeros, scales, g_idx, dtype, dev=DEV):
+    """tidal's tensors for the values, converted from a GPTQ-format (v2) checkpoint."""
+    qweight = int4_torch.gptq_qweight(torch.from_numpy(pack_sequential(q.t().numpy(), 0)))
+    qzeros = int4_torch.zeros_of(torch.from_numpy(pack_sequential(zeros.t().numpy(), 1)),
+                                 awq=False, minus_one=False)
+    return (qweight.to(dev), scales.to(dtype).to(dev), qzeros.to(dev),
+            g_idx.to(torch.int32).to(dev))
+
+
+def test_awq_tensors_convert_to_the_stated_weights():
+    q, zeros, scales, g_idx = _random_int4(24, 96, 32, seed=0)
+    qweight = int4_torch.awq_qweight(torch.from_numpy(pack_awq(q.t().numpy())))
+    qzeros = int4_torch.zeros_of(torch.from_numpy(pack_awq(zeros.t().numpy())), awq=True,
+                                 minus_one=False)
+    assert qweight.shape == (24, 12) and qweight.dtype == torch.int32
+    assert torch.equal(qzeros.long(), zeros)
+    w = int4_torch.dequantize(qweight, scales.t().contiguous().t(), qzeros, 32,
+                              dtype=torch.float64)
+    assert torch.equal(w, _deq64(q, zeros, scales, g_idx))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_tensors_convert_to_the_stated_weights(act_order):
+    q, zeros, scales, g_idx = _random_int4(16, 136, 32, seed=1, act_order=act_order)  # 5 groups
+    qweight = int4_torch.gptq_qweight(torch.from_numpy(pack_sequential(q.t().numpy(), 0)))
+    # The classic format stores each zero minus one (4 bits: a zero of 0 wraps to 15 and is
+    # read back as 16, which is what GPTQ's own kernels compute).
+    stored = (zeros.t().numpy() - 1) & 0xF
+    qzeros = int4_torch.zeros_of(torch.from_numpy(pack_sequential(stored, 1)), awq=False,
+                                 minus_one=True)
+    assert torch.equal(qzeros.long(), zeros)
+    w = int4_torch.dequantize(qweight, scales, qzeros, 32, g_idx if act_order else None,
+                              torch.float64)
+    assert torch.equal(w, _deq64(q, zeros, scales, g_idx))
+    wrapped = int4_torch.zeros_of(torch.from_numpy(pack_sequential(np.full((1, 8), 15), 1)),
+                                  awq=False, minus_one=True)
+    assert wrapped.flatten().tolist() == [16] * 8
+
+
+def test_unpack_pack_round_trip_and_sign_bit():
+    values = torch.tensor([[15, 0, 7, 8, 1, 2, 3, 15, 9, 9, 9, 9, 9, 9, 9, 9]])
+    words = int4_torch.pack_rows(values)
+    assert words.dtype == torch.int32 and int(words[0, 0]) < 0  # top nibble 15: negative
+    assert torch.equal(int4_torch.unpack(words, 1), values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_torch_linear_matches_float64_matmul(dtype, act_order):
+    q, zeros, scales, g_idx = _random_int4(40, 72, 16, seed=2, act_order=act_order)
+    qweight, s, qzeros, gi = _tidal_layout(q, zeros, scales, g_idx, dtype, "cpu")
+    x = torch.randn(5, 3, 72, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(40).to(dtype)
+    y = int4_torch.w4a16_linear(x, qweight, s, qzeros, 16, gi if act_order else None, bias)
+    assert y.shape == (5, 3, 40) and y.dtype == dtype
+    ref = x.double() @ _deq64(q, zeros, scales, g_idx).t() + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+
+
+def test_round_to_nearest_dummy_weights_are_close():
+    w = torch.randn(8, 200, generator=torch.Generator().manual_seed(4))
+    qweight, scales, zeros = int4_torch.quantize_rtn(w, 64)  # 4 groups, the last of 8
+    assert scales.shape == (8, 4) and zeros.dtype == torch.uint8
+    back = int4_torch.dequantize(qweight, scales, zeros, 64, dtype=torch.float32)
+    # Round to nearest: within half a step (plus the zero point's rounding) of each value.
+    step = scales.repeat_interleave(64, 1)[:, :200]
+    assert ((back - w).abs() <= step * 1.0 + 1e-6).all()
+
+
+def test_kernel_policy_picks_triton_on_a_gpu_only():
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import DeviceInfo, describe, resolve
+
+    cpu = resolve(KernelConfig(), DeviceInfo("cpu"))
+    gpu = resolve(KernelConfig(), DeviceInfo("cuda", triton=True, cuda_ext=False))
+    bare = resolve(KernelConfig(), DeviceInfo("cuda", triton=False, cuda_ext=False))
+    assert (cpu.triton_w4a16, gpu.triton_w4a16, bare.triton_w4a16) == (False, True, False)
+    assert any(line.startswith("w4a16_linear: triton") for line in describe(gpu))
+    assert "w4a16_linear: torch reference" in describe(cpu)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel_weights(n: int, k: int, group: int, act_order: bool):
+    """tidal's tensors of a random INT4 weight (float32 scales), kept for the next test of the
+    same shape: packing an 8B-sized weight takes seconds."""
+    q, zeros, scales, g_idx = _random_int4(n, k, group, n + k, act_order)
+    return _tidal_layout(q, zeros, scales, g_idx, torch.float32)
+
+
+def _check_kernel(m: int, n: int, k: int, group: int, dtype: torch.dtype, act_order: bool,
+                  bias: bool, seed: int) -> None:
+    from tidal.worker.ops import triton_w4a16
+
+    qweight, s32, qzeros, gi = _kernel_weights(n, k, group, act_order)
+    s = s32.to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEV) if bias else None
+    g_arg = gi if act_order else None
+    y = triton_w4a16.w4a16_linear(x, qweight, s, qzeros, group, g_arg, b)
+    # The reference in float32 from the same dequantized (rounded to ``dtype``) weights.
+    ref_w = int4_torch.dequantize(qweight, s, qzeros, group, g_arg, dtype).float()
+    ref = x.float() @ ref_w.t() + (0 if b is None else b.float())
+    assert y.shape == (m, n) and y.dtype == dtype
+    scale = ref.abs().amax().clamp_min(1.0)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    err = float(((y.float() - ref).abs() / scale).max())
+    assert err < tol, (m, n, k, group, dtype, act_order, err)
+
+
+@triton_kernel
+@pytest.mark.parametrize("m", [1, 3, 7, 21])  # GEMV, split-K dot, GEMM
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_w4a16_matches_torch_reference(m, act_order, dtype):
+    _check_kernel(m, 72, 200, 32, dtype, act_order, bias=m % 2 == 1, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 17, 100, 512])
+@pytest.mark.parametrize("n,k,group", [
+    (6144, 4096, 128),  # Llama-3.1-8B q/k/v
+    (4096, 4096, 128),  # o_proj
+    (28672, 4096, 128),  # gate/up
+    (4096, 14336, 128),  # down
+    (200, 136, 32),  # odd: partial tiles, 5 groups (the last of 8)
+    (1000, 1048, 128),  # odd: 9 groups (the last of 24)
+])
+def test_gpu_w4a16_matches_torch_reference(dtype, m, n, k, group):
+    _check_kernel(m, n, k, group, dtype, act_order=False, bias=m == 5, seed=n + m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("m", [1, 9, 300])
+def test_gpu_w4a16_act_order(m):
+    _check_kernel(m, 4096, 4096, 128, torch.bfloat16, act_order=True, bias=False, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+def test_gpu_kernels_dispatch_to_triton():
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import DeviceInfo, resolve
+    from tidal.worker.ops.kernels import Kernels
+
+    kernels = Kernels(resolve(KernelConfig(ops="triton"), DeviceInfo("cuda", triton=True)))
+    assert kernels._w4 is not None
+    q, zeros, scales, g_idx = _random_int4(256, 512, 128, seed=9)
+    qweight, s, qzeros, _ = _tidal_layout(q, zeros, scales, g_idx, torch.bfloat16)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    y = kernels.w4a16_linear(x, qweight, s, qzeros, 128)
+    ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128)
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,168 @@
+"""The Triton LoRA kernels (``triton_lora``) against the torch reference (``lora_torch``):
+shrink and expand, per-token and segmented, with one, two and three output slices (o / down,
+gate / up, q / k / v), ranks below the slot rank (zero-padded), base-model tokens (-1) left
+untouched; on a GPU also at Llama-3.1-8B shapes in bfloat16, through the kernel policy, and
+under CUDA-graph capture.
+
+Runs on a CUDA GPU, or on CPU under the Triton interpreter with tiny shapes::
+
+    PYTHONPATH=<cpu triton> TRITON_INTERPRET=1 python -m pytest -q tests/worker/test_triton_lora.py
+
+and skips, saying why, where Triton cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="needs triton: the LoRA kernels are written in it")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not torch.cuda.is_available() and not INTERPRET:
+    pytest.skip("needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels on CPU",
+                allow_module_level=True)
+
+from tidal.worker.lora.layers import LoRASegments  # noqa: E402
+from tidal.worker.ops import lora_torch, triton_lora  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and not INTERPRET
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def segments_of(slots: torch.Tensor) -> LoRASegments:
+    """Runs of equal non-negative slots (what the LoRA manager builds per eager step)."""
+    s = slots.cpu().numpy()
+    runs, start = [], 0
+    for i in range(1, len(s) + 1):
+        if i == len(s) or s[i] != s[start]:
+            if s[start] >= 0:
+                runs.append((start, i - start, s[start]))
+            start = i
+    arr = np.array(runs, dtype=np.int32).T.reshape(3, -1)
+    # (Separate tensors: the Triton interpreter misreads views at a storage offset.)
+    start, length, slot = (torch.tensor(row, device=slots.device) for row in arr)
+    return LoRASegments(start, length, slot, len(runs), max((r[1] for r in runs), default=0))
+
+
+def _case(num_slots, rank, in_f, sizes, slots, dtype, seed=0, low_rank=None):
+    gen = torch.Generator().manual_seed(seed)
+    s = len(sizes)
+    a = torch.randn(num_slots, s * rank, in_f, generator=gen)
+    b = torch.randn(num_slots, sum(sizes), rank, generator=gen) * 0.1
+    if low_rank is not None:  # an adapter of a smaller rank, zero-padded in its slot
+        for k in range(s):
+            a[0, k * rank + low_rank:(k + 1) * rank] = 0
+        b[0, :, low_rank:] = 0
+    x = torch.randn(len(slots), in_f, generator=gen)
+    y = torch.randn(len(slots), sum(sizes), generator=gen)
+    offsets = tuple(int(v) for v in np.cumsum([0] + list(sizes[:-1])))
+    to = dict(device=DEVICE, dtype=dtype)
+    return (x.to(**to), a.to(**to), b.to(**to), y.to(**to),
+            torch.tensor(slots, dtype=torch.int32, device=DEVICE), offsets)
+
+
+TINY = [
+    # (slots, rank, in, output slices, per-token slot ids)
+    (2, 8, 48, (40,), [0, -1, 1, 1, 0]),
+    (3, 16, 32, (24, 24), [2, 2, 2, -1, 0, 1]),
+    (4, 8, 64, (32, 16, 16), [0] * 17 + [-1] * 3 + [3] * 18 + [1]),
+]
+
+
+@pytest.mark.parametrize("segmented", [False, True], ids=["per_token", "segmented"])
+@pytest.mark.parametrize("case", range(len(TINY)))
+def test_triton_matches_torch(case, segmented):
+    num_slots, rank, in_f, sizes, slots = TINY[case]
+    x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
+                                        seed=case, low_rank=rank // 2)
+    segs = segments_of(slot_t) if segmented else None
+    ref_xa = lora_torch.lora_shrink(x, a, slot_t)
+    xa = triton_lora.lora_shrink(x, a, slot_t, segs)
+    torch.testing.assert_close(xa, ref_xa, rtol=1e-4, atol=1e-4)
+    assert not xa[slot_t < 0].any()  # base tokens: nothing
+    ref_y, got_y = y.clone(), y.clone()
+    lora_torch.lora_expand(ref_y, ref_xa, b, slot_t, offsets, rank)
+    triton_lora.lora_expand(got_y, ref_xa, b, slot_t, offsets, rank, segs)
+    torch.testing.assert_close(got_y, ref_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_y[slot_t < 0], y[slot_t < 0], rtol=0, atol=0)
+
+
+def test_torch_reference_matches_per_token_math():
+    """The reference itself against the definition, token by token."""
+    num_slots, rank, in_f, sizes, slots = TINY[2]
+    x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32)
+    xa = lora_torch.lora_shrink(x, a, slot_t)
+    out = y.clone()
+    lora_torch.lora_expand(out, xa, b, slot_t, offsets, rank)
+    ends = offsets[1:] + (sum(sizes),)
+    for t, s in enumerate(slots):
+        if s < 0:
+            assert torch.equal(out[t], y[t])
+            continue
+        for k, (lo, hi) in enumerate(zip(offsets, ends)):
+            part = x[t] @ a[s, k * rank:(k + 1) * rank].t() @ b[s, lo:hi].t()
+            torch.testing.assert_close(out[t, lo:hi], y[t, lo:hi] + part, rtol=1e-4, atol=1e-4)
+
+
+# --- GPU: Llama-3.1-8B shapes -----------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (8B shapes are too slow to "
+                                            "interpret)")
+LLAMA8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+           "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layer", list(LLAMA8B))
+@pytest.mark.parametrize("tokens,segmented", [(64, False), (1, False), (600, True)])
+def test_gpu_llama8b_shapes(layer, tokens, segmented):
+    in_f, sizes = LLAMA8B[layer]
+    rng = np.random.default_rng(0)
+    if segmented:  # prompts of a few adapters and the base model, in runs
+        slots = np.repeat(rng.integers(-1, 8, 6), rng.multinomial(tokens, [1 / 6] * 6))
+    else:
+        slots = rng.integers(-1, 8, tokens)
+    x, a, b, y, slot_t, offsets = _case(8, 16, in_f, sizes, slots.tolist(), torch.bfloat16)
+    segs = segments_of(slot_t) if segmented else None
+    ref_xa = lora_torch.lora_shrink(x.float(), a.float(), slot_t)
+    xa = triton_lora.lora_shrink(x, a, slot_t, segs)
+    torch.testing.assert_close(xa.float(), ref_xa, rtol=2e-2, atol=2e-1)
+    ref_y = y.float().clone()
+    lora_torch.lora_expand(ref_y, xa.float(), b.float(), slot_t, offsets, 16)
+    got = y.clone()
+    triton_lora.lora_expand(got, xa, b, slot_t, offsets, 16, segs)
+    torch.testing.assert_close(got.float(), ref_y, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_policy_dispatch_and_graph_capture():
+    """The GPU policy picks the Triton kernels; a captured per-token shrink + expand replays
+    with the slot ids written into its buffer after capture."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import kernels_for
+
+    kernels = kernels_for(torch.device("cuda"), KernelConfig(), None, None)
+    assert kernels.policy.triton_lora
+    x, a, b, y, slot_t, offsets = _case(4, 16, 256, (128, 64, 64), [0] * 32, torch.bfloat16)
+    slots = torch.full((32,), -1, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(y)
+
+    def run():
+        out.copy_(y)
+        kernels.lora_expand(out, kernels.lora_shrink(x, a, slots), b, slots, offsets, 16)
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    slots.copy_(torch.tensor([0, 1, 2, 3, -1, 1, 2, 3] * 4, dtype=torch.int32))
+    graph.replay()
+    ref = y.float().clone()
+    lora_torch.lora_expand(ref, lora_torch.lora_shrink(x.float(), a.float(), slots),
+                           b.float(), slots, offsets, 16)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=5e-2)

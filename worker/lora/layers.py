@@ -1,0 +1,92 @@
+"""LoRA on the base model's linears, by composition: a ``LoRALayer`` hangs on a linear
+(``LinearBase.lora``) and adds its product inside ``LinearBase.matmul``, after the base GEMM
+and before a row-parallel layer's all-reduce (each rank adds its partial product; the reduce
+sums them with the base's). Linears of an engine without ``--enable-lora`` carry None and run
+exactly as before.
+
+Each layer owns its slot buffers, allocated once at start-up: ``a`` [max_loras, S*R, in] and
+``b`` [max_loras, out, R] (S output slices: q/k/v, gate/up, or one), zero-padded to the
+largest rank R. A slot is filled by copying (``load_slot``), never by allocating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.worker.ops.kernels import Kernels
+
+
+@dataclass(slots=True)
+class LoRASegments:
+    """The runs of consecutive tokens sharing one adapter in an eager step (device tensors,
+    int32), for the segmented kernels; base-model tokens are in no run."""
+
+    start: torch.Tensor
+    length: torch.Tensor
+    slot: torch.Tensor
+    num: int
+    max_len: int
+
+
+class LoRAContext:
+    """Per-step metadata every LoRA layer reads: each token's slot (-1: the base model) in a
+    persistent device buffer (CUDA graphs capture its address, and replay what the step wrote
+    into it), and, in eager steps, the runs for the segmented kernels."""
+
+    __slots__ = ("token_slots", "segments")
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.segments: LoRASegments | None = None
+
+
+class LoRALayer:
+    __slots__ = ("a", "b", "offsets", "sizes", "projs", "rank", "ctx", "kernels")
+
+    def __init__(self, projs: tuple[str, ...], sizes: tuple[int, ...], in_features: int,
+                 num_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
+                 ctx: LoRAContext, kernels: Kernels) -> None:
+        self.projs, self.sizes, self.rank = projs, sizes, rank
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += n
+        self.offsets = tuple(offsets)
+        self.a = torch.zeros(num_slots, len(projs) * rank, in_features, dtype=dtype,
+                             device=device)
+        self.b = torch.zeros(num_slots, at, rank, dtype=dtype, device=device)
+        self.ctx, self.kernels = ctx, kernels
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def load_slot(self, slot: int, proj: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy one projection's A [r, in] / B [out, r] into ``slot`` (ranks below the
+        maximum stay zero-padded: clear the slot first)."""
+        s = self.projs.index(proj)
+        r = a.shape[0]
+        start, size = self.offsets[s], self.sizes[s]
+        if a.shape[1] != self.a.shape[2] or b.shape[0] != size or r > self.rank:
+            raise ValueError(f"LoRA {proj}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                             f"[<= {self.rank}, {self.a.shape[2]}] / [{size}, <= {self.rank}]")
+        self.a[slot, s * self.rank:s * self.rank + r].copy_(a, non_blocking=True)
+        self.b[slot, start:start + size, :r].copy_(b, non_blocking=True)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus every token's adapter product (in place when shapes allow)."""
+        ctx = self.ctx
+        if not y.is_contiguous():
+            y = y.contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = y.reshape(-1, y.shape[-1])
+        slots = ctx.token_slots[:x2.shape[0]]
+        xa = self.kernels.lora_shrink(x2, self.a, slots, ctx.segments)
+        self.kernels.lora_expand(y2, xa, self.b, slots, self.offsets, self.rank, ctx.segments)
+        return y

@@ -1,0 +1,197 @@
+"""Triton W4A16 kernels: 16-bit activations times INT4 weights in tidal's layout
+(``int4_torch``: ``qweight`` int32 [N, K / 8], ``scales`` / ``qzeros`` [N, G], optional
+act-order ``g_idx`` [K]), the 4-bit values dequantized in registers (``(q - z) * s`` rounded to
+the activation dtype, as the torch reference does), accumulated in float32.
+
+- ``_w4a16_mm``: a tiled GEMM on ``tl.dot`` for prefill (and, with split-K, for 5-16 rows).
+- ``_w4a16_gemv``: one program per (row, column block, K split) without ``tl.dot``, for the
+  few rows of a decode step, where reading the weight once is all that matters; its K splits
+  give the GPU enough programs for a narrow weight.
+
+Split-K partial sums land in a float32 buffer [splits, M, N] that one torch sum folds (no
+atomics: the result does not depend on the order programs finish). The launch shapes are
+first choices, not yet tuned on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_ROWS = 4  # more rows: the tl.dot kernel (reading each weight tile once for 16 rows)
+SPLITK_MAX_ROWS = 16  # up to here the dot kernel splits K for more programs
+_SM_COUNT: dict[int, int] = {}
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, mask_k, mask_n, K8, NG,
+                  GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, DTYPE: tl.constexpr):
+    """The weight tile [BLOCK_K, BLOCK_N] (input channels ``offs_k`` of output rows
+    ``offs_n``) in ``DTYPE``."""
+    mask = mask_k[:, None] & mask_n[None, :]
+    rows = offs_n[None, :].to(tl.int64)
+    words = tl.load(qw_ptr + rows * K8 + (offs_k[:, None] // 8), mask=mask, other=0)
+    q = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+    else:
+        g = offs_k // GROUP
+    sz = rows * NG + g[:, None]
+    s = tl.load(s_ptr + sz, mask=mask, other=0.0)
+    z = tl.load(z_ptr + sz, mask=mask, other=0).to(tl.int32)
+    return ((q - z).to(tl.float32) * s.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _w4a16_mm(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, NG, stride_xm,
+              stride_om, stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = _dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, mask_k, mask_n, K // 8,
+                          NG, GROUP, HAS_GIDX, dtype)
+        if IEEE:  # float32 activations: no TF32 rounding of the inputs
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _w4a16_gemv(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, NG, stride_xm, stride_om,
+                stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
+                TILE_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Rows of the output ``[BLOCK_N]`` for one activation row, over this program's share
+    of K. The packed words are read as ``[BLOCK_N, BLOCK_K / 8]`` tiles along each weight row
+    (coalesced: a row's words are contiguous) and unpacked in registers. ``TILE_GROUP``: a
+    tile lies in one quantization group, so its scale and zero are one value per output row
+    and ``sum((q - z) * s * x) = s * (sum(q * x) - z * sum(x))``; else (act-order, or a tile
+    that straddles groups) they are gathered per element."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    k8 = K // 8
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        wi = k0 // 8 + offs_w
+        words = tl.load(qw_ptr + rows[:, None] * k8 + wi[None, :],
+                        mask=mask_n[:, None] & (wi < k8)[None, :], other=0)
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
+                       (BLOCK_N, BLOCK_K)).to(tl.float32)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if TILE_GROUP:
+            sz = rows * NG + k0 // GROUP
+            s = tl.load(s_ptr + sz, mask=mask_n, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask_n, other=0).to(tl.float32)
+            acc += s * (tl.sum(q * x[None, :], axis=1) - z * tl.sum(x, axis=0))
+        else:
+            if HAS_GIDX:
+                g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
+            else:
+                g = offs_k // GROUP
+            sz = rows[:, None] * NG + g[None, :]
+            mask = mask_n[:, None] & mask_k[None, :]
+            s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask, other=0).to(tl.float32)
+            acc += tl.sum((q - z) * s * x[None, :], axis=1)
+    tl.store(out_ptr + pid_k * stride_os + m * stride_om + offs_n, acc, mask=mask_n)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter (tests): a few programs
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNT.get(index)
+    if count is None:
+        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def _splits(programs: int, k_blocks: int, device: torch.device) -> int:
+    """K splits that give about two programs per SM, never more than there are K blocks."""
+    want = -(-2 * _sm_count(device) // max(programs, 1))
+    return max(1, min(want, k_blocks, 16))
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] (16/32-bit) times the INT4 weight [N, K]; see the module docstring."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n, ng = qweight.shape[0], scales.shape[1]
+    if qweight.shape[1] * 8 != k:
+        raise ValueError(f"x has {k} input features, the INT4 weight {qweight.shape[1] * 8}")
+    has_gidx = g_idx is not None
+    g_arg = g_idx if has_gidx else qweight  # (unread without act-order)
+    group = 1 if has_gidx else group_size  # (a launch constant: one compile per group size)
+    if m == 0:
+        return x.new_empty(*lead, n)
+    if m <= GEMV_MAX_ROWS:
+        block_n = 64
+        # The widest K tile (up to 128) inside one group: one scale and zero per row a tile.
+        block_k = next((b for b in (128, 64, 32, 16, 8) if group % b == 0), 8)
+        tile_group = not has_gidx and group % block_k == 0
+        if not tile_group:
+            block_k = 128
+        n_blocks = triton.cdiv(n, block_n)
+        split = _splits(n_blocks * m, triton.cdiv(k, block_k), x.device)
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        _w4a16_gemv[(n_blocks, split, m)](
+            x2, qweight, scales, qzeros, g_arg, part, n, k, ng, x2.stride(0), part.stride(1),
+            part.stride(0), GROUP=group, HAS_GIDX=has_gidx, TILE_GROUP=tile_group,
+            SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        y = part[0] if split == 1 else part.sum(0)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = (64, 64) if m <= SPLITK_MAX_ROWS else (128, 64)
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = _splits(grid_mn, triton.cdiv(k, block_k), x.device) if m <= SPLITK_MAX_ROWS else 1
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        stride_os = 0
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_os = out.stride(0)
+    fuse_bias = bias is not None and split == 1
+    _w4a16_mm[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x2, qweight, scales, qzeros, g_arg, bias if fuse_bias else x2, out, m, n, k, ng,
+        x2.stride(0), out.stride(-2), stride_os, GROUP=group, HAS_GIDX=has_gidx,
+        HAS_BIAS=fuse_bias, SPLIT_K=split, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    if split > 1:
+        y = out.sum(0)
+        if bias is not None:
+            y = y + bias.float()
+        out = y.to(x.dtype)
+    return out.reshape(*lead, n)
