@@ -110,6 +110,17 @@ def smollm2_llm(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_perplexity(smollm2_llm) -> float:
+    """The unquantized SmolLM2's perplexity of ``perplexity.TEXT`` (float32 on a CPU), the
+    baseline of every quantization accuracy test, computed once."""
+    from perplexity import perplexity
+
+    base, n = perplexity(smollm2_llm)
+    assert n > 300 and 1.0 < base < 100.0  # the model reads English: comparisons mean something
+    return base
+
+
+@pytest.fixture(scope="session")
 def tiny_smol_path(smollm2_tokenizer, tmp_path_factory):
     """A tiny random-weight Llama with SmolLM2's real tokenizer (49,152 tokens): constrained
     decoding tests need a real byte-level vocabulary, and the weights must not matter."""

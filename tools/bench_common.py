@@ -395,3 +395,18 @@ def dump(result: dict[str, Any], out: str | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text)
+
+
+def judge(targets: dict[str, tuple[str, float, str]],
+          values: dict[str, float | None]) -> dict[str, dict[str, Any]]:
+    """Each target ``name -> (op "<=" or ">=", bound, what)`` with its measured value and a
+    PASS / MISS verdict (n/a where nothing was measured)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (op, bound, what) in targets.items():
+        v = values[name]
+        if v is None:
+            verdict = "n/a"
+        else:
+            verdict = "PASS" if (v <= bound if op == "<=" else v >= bound) else "MISS"
+        out[name] = {"what": what, "value": v, "target": f"{op} {bound}", "verdict": verdict}
+    return out

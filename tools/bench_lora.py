@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import SHAPES, device_name, dump, now, write_model_dir  # noqa: E402
+from bench_common import SHAPES, device_name, dump, judge, now, write_model_dir  # noqa: E402
 from tidal.engine_core.config import EngineArgs  # noqa: E402
 from tidal.engine_core.core import EngineCore  # noqa: E402
 from tidal.engine_core.lora_request import LoRARequest  # noqa: E402
@@ -233,16 +233,7 @@ def verdicts(result: dict[str, Any]) -> dict[str, Any]:
         "hot_load_ms": get(lora, "hot_load", "total_ms"),
         "cold_first_token_extra_ms": get(lora, "cold_adapter", "extra_ms"),
     }
-    out = {}
-    for name, (op, bound, what) in TARGETS.items():
-        v = values[name]
-        if v is None:
-            verdict = "n/a"
-        elif op == "<=":
-            verdict = "PASS" if v <= bound else "MISS"
-        else:
-            verdict = "PASS" if v >= bound else "MISS"
-        out[name] = {"what": what, "value": v, "target": f"{op} {bound}", "verdict": verdict}
+    out = judge(TARGETS, values)
     return out
 
 

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     device_name,
     dump,
+    judge,
     measure_ceilings,
     now,
     shape_facts,
@@ -190,16 +191,7 @@ def verdicts(result: dict[str, Any]) -> dict[str, Any]:
         "prefill_fp8_mfu": _get(result, "fp8", "prefill", "MFU", "median"),
         "kv_fp8_speedup": _ratio(tput("fp8_kv", "decode_kv"), tput("fp8", "decode_kv")),
     }
-    out = {}
-    for name, (op, bound, what) in TARGETS.items():
-        v = values[name]
-        if v is None:
-            verdict = "n/a"
-        elif op == "<=":
-            verdict = "PASS" if v <= bound else "MISS"
-        else:
-            verdict = "PASS" if v >= bound else "MISS"
-        out[name] = {"what": what, "value": v, "target": f"{op} {bound}", "verdict": verdict}
+    out = judge(TARGETS, values)
     if result.get("int4_unavailable"):
         out["decode_b1_int4_ratio"]["note"] = "int4: not available"
     if result.get("kv_fp8_unavailable"):

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker.test_fp8_accuracy import _perplexity
+from perplexity import perplexity
 from tidal.frontend import LLM
 
 
 @pytest.mark.slow
-def test_fp8_kv_perplexity_close_to_unquantized(smollm2_llm, smollm2_path):
-    base, n = _perplexity(smollm2_llm)  # the shared SmolLM2 with a float32 cache
-    assert n > 300
+def test_fp8_kv_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_path):
+    base = smollm2_perplexity  # the shared SmolLM2 with a float32 cache
     fp8 = LLM(str(smollm2_path), kv_cache_dtype="fp8", dtype="float32", device="cpu",
               max_model_len=1024, max_num_seqs=4)
     try:
-        quant, _ = _perplexity(fp8)
+        quant, _ = perplexity(fp8)
     finally:
         fp8.shutdown()
-    assert 1.0 < base < 100.0  # the model reads English: the comparison means something
     assert quant != base  # the cache really was quantized
     assert abs(quant - base) / base < 0.01, (quant, base)

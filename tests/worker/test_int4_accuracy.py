@@ -20,7 +20,7 @@ import json
 import pytest
 
 from tests.worker.int4_writer import write_int4_checkpoint
-from tests.worker.test_fp8_accuracy import _perplexity
+from perplexity import perplexity
 from tidal.frontend import LLM
 
 
@@ -40,23 +40,21 @@ def smollm2_hf_folder(smollm2_path, smollm2_tokenizer, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_perplexity_close_to_unquantized(smollm2_llm, smollm2_hf_folder, tmp_path,
+def test_int4_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_hf_folder, tmp_path,
                                               method):
     folder, weights = smollm2_hf_folder
     dst = tmp_path / method
     # 576 hidden features: four groups of 128 and one of 64.
     write_int4_checkpoint(folder, dst, weights, method, group_size=128)
-    base, n = _perplexity(smollm2_llm)  # the shared unquantized SmolLM2 (float32 on a CPU)
-    assert n > 300
+    base = smollm2_perplexity  # the unquantized SmolLM2 (float32 on a CPU)
     # (A small KV cache and batch: one prompt of ~460 tokens, and a cheaper warm-up.)
     llm = LLM(str(dst), dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=1,
               num_kv_blocks=72, max_num_batched_tokens=1024)
     try:
-        quant, _ = _perplexity(llm)
+        quant, _ = perplexity(llm)
     finally:
         llm.shutdown()
     print(f"SmolLM2 perplexity: unquantized {base:.3f}, {method} INT4 g128 RTN {quant:.3f} "
           f"({(quant - base) / base:+.2%})")
-    assert 1.0 < base < 100.0
     assert quant != base  # the weights really were quantized
     assert abs(quant - base) / base < 0.30, (quant, base)
