@@ -14,7 +14,7 @@ counts the blocks each group holds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,9 @@ class BlockPool:
         # Blocks taken out for good (the null block of sliding-window groups): neither free
         # nor counted as used.
         self.num_reserved = 0
+        # (block id, hash) of a cached block about to be reused for other tokens: a KV
+        # connector that keeps evicted blocks (the host tier) sets it; None costs nothing.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     def reserve(self) -> KVCacheBlock:
         """Take the next free block out of circulation for good."""
@@ -207,11 +210,18 @@ class BlockPool:
             cached.clear()
         return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def drop_cached(self, block_id: int) -> None:
+        """Take block ``block_id`` out of the prefix cache without telling ``on_evict``: its
+        content is garbage (a failed KV load), so nothing may keep a copy of it."""
+        self._evict(self.blocks[block_id], notify=False)
+
+    def _evict(self, block: KVCacheBlock, notify: bool = True) -> None:
         if block.block_hash is not None:
             cached = self.group_cached[block.group]
             if cached.get(block.block_hash) is block:
                 del cached[block.block_hash]
+                if notify and self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -93,9 +93,20 @@ _HELP = {
                         "content)",
     "tensor_parallel_size": "worker processes (GPUs) every layer is sharded across",
     "pipeline_parallel_size": "pipeline stages (worker processes) the layers are split into",
+    "data_parallel_size": "whole engines (EngineCore processes, each with its own scheduler, "
+                          "KV cache and TP x PP workers) that `tidal serve` runs side by side; "
+                          "each request goes to the least loaded (README: Several GPUs or "
+                          "processes)",
+    "data_parallel_lockstep": "data-parallel ranks step together: each step they agree (one "
+                              "small gloo all-reduce) whether any has work, a rank without "
+                              "any runs an empty step meanwhile, and all go idle together "
+                              "(the stepping expert parallelism needs)",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
                                     "processes), ray, or noop (no model: overhead benchmarks); "
                                     "default: uni for one worker, mp for several",
+    "cpu_collectives": "how CPU workers' tensor/pipeline groups communicate: shm (one shared-"
+                       "memory segment per group; CPU workers of the mp executor) or gloo "
+                       "(TCP loopback); auto picks shm where it applies, else gloo",
     "device": "auto, cpu or cuda; auto picks cuda when torch sees a GPU",
     "attention_backend": "torch, triton or cuda; default: the best available on the device",
     "ops_backend": "fused ops (norms, rotary, SiLU) on a GPU: auto, torch, triton or cuda; "
@@ -127,6 +138,17 @@ _HELP = {
     "max_loras": "LoRA adapters on the device at once (one batch mixes at most this many)",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory (LRU); default: --max-loras",
     "max_lora_rank": "largest LoRA rank served (8..256); device slots are sized for it",
+    "kv_transfer_config": "a KV connector as a JSON object in vLLM's field names, e.g. "
+                          "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": "
+                          "\"kv_both\", \"kv_buffer_size\": 4e9}' (README: KV transfer); "
+                          "default: none (off)",
+    "kv_offload_gb": "host-memory KV tier of this many GB: prefix blocks evicted from the KV "
+                     "cache are kept there and reloaded on a hit (shorthand for the "
+                     "OffloadingConnector); default: none (off)",
+    "compilation_config": "torch.compile as a JSON object in vLLM's field names, e.g. "
+                          "'{\"mode\": 3, \"cache_dir\": \"/tmp/cc\"}', or a level: -O3 "
+                          "(piecewise: Dynamo + Inductor, split at attention) or -O0 "
+                          "(README: torch.compile); default: none (off, mode 0)",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -179,8 +201,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=default, help=helptext)
         else:
-            group.add_argument(flag, dest=f.name, type=_parser_type(annotation), default=default,
-                               help=helptext)
+            # (-O3: vLLM's shorthand for --compilation-config 3)
+            flags = (flag, "-O") if f.name == "compilation_config" else (flag,)
+            group.add_argument(*flags, dest=f.name, type=_parser_type(annotation),
+                               default=default, help=helptext)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -214,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         args = engine_args_from(ns)
+        if args.data_parallel_size > 1:
+            raise ConfigError("--data-parallel-size with a standalone engine-core is not yet "
+                              "supported: run `tidal serve --data-parallel-size N`, which "
+                              "starts the N EngineCores itself")
         config = args.create_config()
         listen = normalize_address(ns.listen) if ns.listen else None
     except (ConfigError, ValueError, FileNotFoundError, PluginError) as exc:

@@ -16,6 +16,11 @@ from typing import Any
 
 import msgspec
 
+from tidal.engine_core.compilation_config import (
+    CompilationConfig,
+    build_compilation_config,
+)
+from tidal.engine_core.compilation_config import check_combination as check_compilation
 from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
 from tidal.engine_core.kv_cache_dtype import (
     KVCacheDtypeError,
@@ -23,6 +28,11 @@ from tidal.engine_core.kv_cache_dtype import (
     resolve_kv_cache_dtype,
 )
 from tidal.engine_core.kv_groups import KVLayout, layout_for
+from tidal.engine_core.kv_transfer_config import (
+    KVTransferConfig,
+    KVTransferConfigError,
+    build_kv_transfer_config,
+)
 from tidal.engine_core.lora_config import LoRAConfig, LoRAConfigError, build_lora_config
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
@@ -102,6 +112,18 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" | "mp" | "ray" | "noop" (no model)
+    # How CPU workers' groups communicate: "shm" (worker/distributed/shm_collectives.py; CPU
+    # ranks of one host, the mp executor) or "gloo"; resolved from --cpu-collectives.
+    cpu_collectives: str = "gloo"
+    # Data parallelism: this many EngineCores, each a whole engine (scheduler, KV cache,
+    # workers); ``data_parallel_rank`` is this one's (frontend/dp_engines.py).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # The ranks step together (engine_core/dp_lockstep.py), agreeing over a gloo group whose
+    # rendezvous store listens on loopback at ``data_parallel_port`` (set by whoever starts
+    # the ranks).
+    data_parallel_lockstep: bool = False
+    data_parallel_port: int = 0
 
     @property
     def world_size(self) -> int:
@@ -127,6 +149,8 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     logits_processors: tuple[str, ...] = ()
     # Every kernel choice (kernel_config.py); each worker resolves it against its device.
     kernels: KernelConfig = msgspec.field(default_factory=KernelConfig)
+    # torch.compile of the model (compilation_config.py); mode 0 (off) by default.
+    compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +163,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (lora_config.py); None: --enable-lora is off.
     lora: LoRAConfig | None = None
+    # KV transfer (kv_transfer_config.py): a KV connector; None: off.
+    kv_transfer: KVTransferConfig | None = None
 
     def kv_layout(self) -> KVLayout:
         """How the layers share the KV cache (groups by attention type: ``kv_groups``)."""
@@ -212,7 +238,10 @@ class EngineArgs:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | gpt_oss (reasoning_formats.py)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_lockstep: bool = False
     distributed_executor_backend: str | None = None
+    cpu_collectives: str = "auto"  # auto | shm | gloo
     device: str = "auto"
     attention_backend: str | None = None
     ops_backend: str | None = None
@@ -233,6 +262,12 @@ class EngineArgs:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    # KV transfer as vLLM's JSON object (kv_transfer_config.py), or --kv-offload-gb's shorthand
+    # for the host-memory KV tier; None: off.
+    kv_transfer_config: dict[str, Any] | None = None
+    kv_offload_gb: float | None = None
+    # torch.compile as vLLM's JSON object, or a level (-O3) (compilation_config.py); None: off.
+    compilation_config: dict[str, Any] | int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -305,14 +340,18 @@ class EngineArgs:
             cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
+        parallel = msgspec.structs.replace(parallel, cpu_collectives=_resolve_cpu_collectives(
+            self.cpu_collectives, parallel, device))
         kernels = build_kernel_config(self.kernel_config,
                                       attention_backend=self.attention_backend
                                       or _platform_attention_backend(device),
                                       ops=self.ops_backend)
+        compilation = build_compilation_config(self.compilation_config)
         runner = RunnerConfig(
             device=device,
             attention_backend=kernels.attention_backend,
-            enforce_eager=self.enforce_eager or device == "cpu",
+            enforce_eager=(self.enforce_eager or device == "cpu"
+                           or compilation.cudagraph_mode == "NONE"),
             max_cudagraph_batch=min(512, scheduler.max_num_seqs),
             max_mixed_graph_tokens=self._mixed_graph_tokens(scheduler),
             max_logprobs=self.max_logprobs,
@@ -320,6 +359,7 @@ class EngineArgs:
             logits_processors=_global_logits_processors(
                 self.logits_processors, task, self.speculative_config is not None),
             kernels=kernels,
+            compilation=compilation,
         )
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
@@ -338,10 +378,30 @@ class EngineArgs:
                 pipeline_parallel_size=parallel.pipeline_parallel_size)
         except LoRAConfigError as exc:
             raise ConfigError(str(exc)) from None
+        try:
+            kv_transfer = build_kv_transfer_config(self.kv_transfer_config, self.kv_offload_gb)
+        except KVTransferConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        if kv_transfer is not None and parallel.data_parallel_size > 1:
+            # Every rank would get the same connector config: the same kv_port bound by each,
+            # and (lockstep) a busy loop that does not poll transfers.
+            raise ConfigError("--data-parallel-size > 1 with a KV connector is not yet "
+                              "supported (each rank would need its own kv_port)")
+        check_compilation(compilation, task=task, speculative=speculative is not None,
+                          lora=lora is not None,
+                          tensor_parallel_size=parallel.tensor_parallel_size,
+                          pipeline_parallel_size=parallel.pipeline_parallel_size)
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
-            speculative=speculative, lora=lora,
+            speculative=speculative, lora=lora, kv_transfer=kv_transfer,
         )
+        if kv_transfer is not None:
+            from tidal.engine_core.kv_transfer.connector_registry import check_connector
+
+            try:
+                check_connector(config)  # the name resolves; the connector takes this engine
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if cache.cache_dtype != "auto":
             try:
                 check_fp8_kv_supported(
@@ -496,10 +556,24 @@ class EngineArgs:
             )
         if backend in ("uni", "noop") and tp * pp > 1:
             raise ConfigError("the in-process executor runs one worker; use 'mp' or 'ray'")
+        dp = self.data_parallel_size
+        if not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
+            raise ConfigError(f"data_parallel_size must be between 1 and "
+                              f"{MAX_DATA_PARALLEL_SIZE}, got {dp}")
+        if self.data_parallel_lockstep and dp == 1:
+            raise ConfigError("--data-parallel-lockstep needs --data-parallel-size > 1")
+        if dp > 1 and backend == "ray":
+            raise ConfigError("--data-parallel-size > 1 with the ray executor is not yet "
+                              "supported (the ranks are local processes; use 'mp')")
         return ParallelConfig(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend
+            tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            distributed_executor_backend=backend, data_parallel_size=dp,
+            data_parallel_lockstep=self.data_parallel_lockstep,
         )
 
+
+# Each rank is a process with its own sockets to every API server: bounded like any input.
+MAX_DATA_PARALLEL_SIZE = 64
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "xgrammar")
 
@@ -586,3 +660,24 @@ def _check_reasoning_parser(name: str | None) -> str | None:
     except ValueError as exc:
         raise ConfigError(f"--reasoning-parser: {exc}") from None
     return name
+
+
+CPU_COLLECTIVES = ("auto", "shm", "gloo")
+
+
+def _resolve_cpu_collectives(choice: str, parallel: ParallelConfig, device: str) -> str:
+    """``--cpu-collectives``: auto is shared memory where every rank is a CPU process of this
+    host (device cpu, the mp executor), else gloo."""
+    if choice not in CPU_COLLECTIVES:
+        raise ConfigError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got "
+                          f"{choice!r}")
+    possible = device == "cpu" and parallel.distributed_executor_backend == "mp"
+    if choice == "shm" and not possible:
+        where = (f"the {parallel.distributed_executor_backend} executor" if device == "cpu"
+                 else f"{device} workers")
+        raise ConfigError(f"--cpu-collectives shm: not yet supported with {where} "
+                          "(shared-memory collectives join CPU workers of one host, started by "
+                          "the mp executor)")
+    if choice == "gloo":
+        return "gloo"
+    return "shm" if possible else "gloo"

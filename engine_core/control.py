@@ -135,7 +135,10 @@ def execute(core: EngineCore, call: ControlCall) -> ControlResult:
                 num_waiting=len(sched.waiting),
             )
         case ResetPrefixCache():
-            return sched.kv.pool.reset_prefix_cache()
+            done = sched.kv.pool.reset_prefix_cache()
+            if done and sched.connector is not None:
+                done = sched.connector.reset_cache()  # the host tier's prefixes too
+            return done
         case Ping():
             return Pong(engine_pid=os.getpid(), num_unfinished=sched.num_unfinished)
         case GetCompileStats():

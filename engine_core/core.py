@@ -34,6 +34,9 @@ from tidal.engine_core.validation import RequestValidationError, validate_reques
 
 logger = logging.getLogger(__name__)
 
+# How often a busy engine with nothing to run asks its workers whether held KV was sent.
+KV_POLL_INTERVAL_S = 0.01
+
 
 class NoopExecutor:
     """Runs no model: every request that completes its tokens in a step samples one fixed token.
@@ -116,6 +119,7 @@ class EngineCore:
             config.model, config.scheduler.structured_outputs_backend,
             reasoning=reasoning_format(config.scheduler.reasoning_parser))
         self.stats_logger = StatsLogger()
+        self._kv_polled = 0.0  # when poll_kv_transfers last ran an empty step
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
@@ -203,6 +207,8 @@ class EngineCore:
         mask_later: list[str] = []  # constrained requests that sample in the step launched
         if len(self.batch_queue) < self._inflight_limit() and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
+            if self.scheduler.connector is not None:
+                outputs += self.scheduler.take_kv_rejected()  # failed alone, at admission
             if sched.total_num_scheduled_tokens:
                 if structured.states:
                     if self.defer_masks:
@@ -237,12 +243,29 @@ class EngineCore:
         if not launched and not self.batch_queue and structured.pending and not outputs:
             # Only compiles are left: wait for one rather than spin (nothing else can run).
             structured.wait_for_compiles(0.005)
+        if not launched and not self.batch_queue and self.scheduler.has_held_kv:
+            self.poll_kv_transfers()  # nothing runs: maybe blocks held for a transfer block it
         stats = self.scheduler.make_stats()  # counts the tokens update_from_output appended
         if structured.has_report:
             structured.take_report(stats)
         self.stats_logger.record(stats, time.perf_counter() - start)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
+
+    def poll_kv_transfers(self, force: bool = False) -> None:
+        """Run an empty step so the workers report finished KV sends (a producer's blocks held
+        for a consumer go back to the pool) when no step would run otherwise; at most every
+        ``KV_POLL_INTERVAL_S`` unless ``force`` (the idle loop's own, slower, cadence)."""
+        now = time.monotonic()
+        if not force and now - self._kv_polled < KV_POLL_INTERVAL_S:
+            time.sleep(0.001)  # the queue waits on these blocks: do not spin flat out
+            return
+        self._kv_polled = now
+        if self.batch_queue:
+            return  # a step in flight reports them anyway
+        sched = self.scheduler.kv_poll_output()  # (it takes the finished ids it carries)
+        if sched is not None:
+            self.scheduler.update_from_output(sched, self.executor.execute_model(sched))
 
     # --- structured outputs ------------------------------------------------------------------
 

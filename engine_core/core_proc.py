@@ -91,6 +91,8 @@ from tidal.engine_core.sockets import NOBLOCK, bind, recv_frames, send_frames, t
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+# A data-parallel rank tells every frontend its load at most this often while busy.
+LOAD_REPORT_INTERVAL_S = 0.05
 HEALTH_CHECK_INTERVAL_S = 1.0
 # A spawned engine that failed to start waits this long for its frontend's HELLO, to answer it
 # with the error instead of leaving the frontend to read only an exit code.
@@ -124,7 +126,9 @@ class _ClientGone:
 
 
 @dataclass(slots=True)
-class _Stop:
+class Stop:
+    """Ends the busy loop (public: the lockstep loop in dp_lockstep.py queues and returns it)."""
+
     reason: str
     failed: bool = False
 
@@ -141,7 +145,9 @@ class _RemoveClient:
 
 
 @dataclass(slots=True)
-class _Broadcast:
+class Broadcast:
+    """A message for every frontend (public: the lockstep loop sends its idle stats so)."""
+
     message: EngineMessage
     # What one frontend (the lowest index) gets instead, e.g. stats with counters.
     counted: EngineMessage | None = None
@@ -193,11 +199,18 @@ class EngineCoreProc:
         # Steps finished, read by the output thread for its heartbeats (an int: written by the
         # busy loop alone, read atomically).
         self._steps = 0
+        # Data parallelism: outputs carry this rank (metrics label them), and every frontend
+        # hears the rank's load now and then, not only those it sends outputs to: each API
+        # server's DP coordinator routes on it (frontend/dp_coordinator.py).
+        parallel = core.config.parallel
+        self._engine_index = parallel.data_parallel_rank
+        self._share_load = parallel.data_parallel_size > 1
+        self._load_sent = 0.0
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the busy loop to stop after the current step. Safe in a signal handler
         (``SimpleQueue.put`` is reentrant)."""
-        self._inputs.put(_Stop(reason))
+        self._inputs.put(Stop(reason))
 
     def run(self) -> int:
         """Serve until shut down (returns 0) or failed (returns 1)."""
@@ -227,7 +240,7 @@ class EngineCoreProc:
             logger.exception("EngineCore failed")
             farewell = f"{type(exc).__name__}: {exc}"
         finally:
-            self._outputs.put(_Broadcast(EngineDead(farewell)))
+            self._outputs.put(Broadcast(EngineDead(farewell)))
             self._outputs.put(_STOP_OUTPUT)
             wake.send(b"")
             for t in threads:
@@ -246,12 +259,12 @@ class EngineCoreProc:
             loop()
         except Exception as exc:  # noqa: BLE001
             logger.exception("%s thread failed", threading.current_thread().name)
-            self._inputs.put(_Stop(f"the {threading.current_thread().name} thread failed: {exc}",
+            self._inputs.put(Stop(f"the {threading.current_thread().name} thread failed: {exc}",
                                    failed=True))
 
     # --- main thread: the busy loop ------------------------------------------------------------
 
-    def _busy_loop(self) -> _Stop:
+    def _busy_loop(self) -> Stop:
         core = self.core
         inputs = self._inputs
         busy = False
@@ -263,14 +276,18 @@ class EngineCoreProc:
                     busy = False
                     stats = self._with_unsent(core.scheduler.make_stats(0))
                     now = time.monotonic()
-                    self._outputs.put(_Broadcast(
-                        CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats.gauges())),
-                        counted=CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats))))
+                    self._outputs.put(Broadcast(
+                        CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats.gauges(),
+                                                engine_index=self._engine_index)),
+                        counted=CoreOutputs(OutputBatch(timestamp=now, scheduler_stats=stats,
+                                                        engine_index=self._engine_index))))
                 try:
                     item = inputs.get(timeout=HEALTH_CHECK_INTERVAL_S)
                 except queue.Empty:
                     # Idle: the only way to notice a worker that died meanwhile.
                     core.executor.check_health()
+                    if core.scheduler.has_held_kv:  # KV held for a consumer: sent yet?
+                        core.poll_kv_transfers(force=True)
                     continue
                 if (stop := self._handle(item)) is not None:
                     return stop
@@ -286,7 +303,7 @@ class EngineCoreProc:
                 self._publish(core.step())
                 self._steps += 1
 
-    def _handle(self, item: Any) -> _Stop | None:
+    def _handle(self, item: Any) -> Stop | None:
         match item:
             case (int() as client, AddRequests(requests=reqs)):
                 for req in reqs:
@@ -312,7 +329,7 @@ class EngineCoreProc:
                 logger.info("frontend %d left (%s); aborted its %d unfinished request(s)",
                             index, reason, len(keys))
                 self._outputs.put(_RemoveClient(index))
-            case _Stop():
+            case Stop():
                 return item
             case _:
                 logger.error("ignoring an unexpected input %r", item)
@@ -350,6 +367,11 @@ class EngineCoreProc:
         stats = outs.scheduler_stats
         if stats is not None:
             stats = self._with_unsent(stats)
+            if self._share_load and outs.timestamp - self._load_sent >= LOAD_REPORT_INTERVAL_S:
+                self._load_sent = outs.timestamp
+                self._outputs.put(Broadcast(CoreOutputs(OutputBatch(
+                    timestamp=outs.timestamp, scheduler_stats=stats.gauges(),
+                    engine_index=self._engine_index))))
         if not outs.outputs:
             self._unsent_stats = stats
             return
@@ -371,7 +393,7 @@ class EngineCoreProc:
             self._unsent_stats = stats
             return
         for client, group in groups.items():
-            batch = OutputBatch.pack(group, outs.timestamp, stats, outs.engine_index)
+            batch = OutputBatch.pack(group, outs.timestamp, stats, self._engine_index)
             self._outputs.put((client, CoreOutputs(batch)))
             if stats is not None:
                 stats = stats.gauges()
@@ -562,7 +584,7 @@ class EngineCoreProc:
                         push = pushes.pop(index, None)
                         if push is not None:
                             push.sock.close(linger=0)
-                    case _Broadcast(message=msg, counted=counted):
+                    case Broadcast(message=msg, counted=counted):
                         frames = encoder.encode(msg)
                         for i, index in enumerate(sorted(pushes)):
                             send(index, encoder.encode(counted) if i == 0 and counted
@@ -644,19 +666,32 @@ def serve(config: EngineConfig, listen: str, *, executor: Executor | None = None
         for sig in signals:
             signal.signal(sig, abort_startup)
         phase = time.perf_counter()
+        core: EngineCore | None = None
         try:
             core = EngineCore(config, executor)
+            logger.info("start-up: EngineCore initialised in %.2f s (%d KV blocks of %d tokens, "
+                        "max_model_len %d)", time.perf_counter() - phase,
+                        core.config.cache.num_blocks, core.config.cache.block_size,
+                        core.config.model.max_model_len)
+            # Here too: a lockstep rank that cannot meet its peers failed to start (reported
+            # to the frontend, its workers stopped), never a silent wait.
+            if core.config.parallel.data_parallel_lockstep:
+                from tidal.engine_core.dp_lockstep import LockstepEngineCoreProc
+
+                proc: EngineCoreProc = LockstepEngineCoreProc(core, ctx, handshake)
+            else:
+                proc = EngineCoreProc(core, ctx, handshake)
         except Exception as exc:  # noqa: BLE001 - reported to the frontend, then exit 1
             logger.exception("start-up: the EngineCore failed to start")
             if spawned:
                 _refuse_pending_hellos(handshake, "".join(
                     traceback.format_exception_only(type(exc), exc)).strip())
+            _shut_down_quietly(core)
             handshake.close()
             return EXIT_FAILED
-        logger.info("start-up: EngineCore initialised in %.2f s (%d KV blocks of %d tokens, "
-                    "max_model_len %d)", time.perf_counter() - phase, core.config.cache.num_blocks,
-                    core.config.cache.block_size, core.config.model.max_model_len)
-        proc = EngineCoreProc(core, ctx, handshake)
+        except BaseException:  # a stop signal during start-up: still stop the workers
+            _shut_down_quietly(core)
+            raise
         # A long-running process: requests' short-lived objects only for the collector, and
         # its pauses in the stats line.
         freeze_startup_objects()
@@ -683,6 +718,17 @@ def serve(config: EngineConfig, listen: str, *, executor: Executor | None = None
         if not handshake.closed:
             handshake.close(linger=0)
         ctx.term()
+
+
+def _shut_down_quietly(core: EngineCore | None) -> None:
+    """Stop a half-started engine's executor (its workers); a failure there is logged only:
+    the start-up failure is the one to report."""
+    if core is None:
+        return
+    try:
+        core.shutdown()
+    except Exception:  # noqa: BLE001
+        logger.exception("start-up: stopping the executor after the failure failed too")
 
 
 def _refuse_pending_hellos(handshake: zmq.Socket, error: str) -> None:
@@ -725,14 +771,15 @@ def watch_parent(stop_signal: signal.Signals = signal.SIGTERM) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_engine_core(config_bytes: bytes, listen: str) -> None:
+def run_engine_core(config_bytes: bytes, listen: str, log_name: str = "EngineCore") -> None:
     """Entry point of an EngineCore process spawned by a frontend (``multiprocessing`` target).
 
     ``config_bytes`` is the msgpack encoding of the resolved ``EngineConfig``. The process
     leaves its parent's process group and ignores SIGINT: the frontend drains and shuts it down
-    (SIGTERM), and it shuts down by itself if the frontend dies.
+    (SIGTERM), and it shuts down by itself if the frontend dies. ``log_name`` starts its log
+    lines (a data-parallel rank's names the rank).
     """
-    setup_logging("EngineCore")
+    setup_logging(log_name)
     # A process group of its own: a signal sent to the frontend's whole group (Ctrl-C,
     # ``timeout``, ``kill -- -PGID``) is the frontend's to handle (it drains its requests, then
     # stops this process). Taking it here too would end every in-flight request at once.

@@ -70,6 +70,11 @@ def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
+def cuda_visible_devices() -> str | None:
+    """``$CUDA_VISIBLE_DEVICES`` as set (data-parallel ranks split these), else None."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def gloo_socket_ifname() -> str | None:
     """``$GLOO_SOCKET_IFNAME``: the interface the user chose for gloo, or None."""
     return os.environ.get("GLOO_SOCKET_IFNAME")

@@ -9,6 +9,8 @@ Arrays are numpy arrays; the serializer sends large ones as separate zero-copy f
 from __future__ import annotations
 
 import enum
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -40,6 +42,10 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     client_index: int = 0
     # The LoRA adapter it runs with; None: the base model.
     lora_request: LoRARequest | None = None
+    # Disaggregated prefill/decode (vLLM's request extension, read by the KV connector):
+    # {"do_remote_decode": true} on the prefill side, the producer's answer on the decode side.
+    # (Any, not object: the socket decoder's hook would take object for a custom type.)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class LogprobsArrays(msgspec.Struct, **_WIRE):
@@ -82,6 +88,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # the frontend's queue / prefill / decode metrics.
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    # On the finishing output only: what the KV connector hands the client (a producer's
+    # answer: where the decode side pulls this request's KV from).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -120,6 +129,12 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # Steps that had drafts at hand but verified none (the off-switch), by reason.
     spec_off_steps_batch_size: int = 0
     spec_off_steps_acceptance: int = 0
+    # KV connector (engine_core/kv_transfer) since the previous report, in tokens: looked up
+    # beyond the local prefix cache, found there (loaded, not recomputed: vLLM's
+    # ``connector_prefix_cache_*``), and saved out of the KV pool (the host tier's stores).
+    kv_connector_queries: int = 0
+    kv_connector_hits: int = 0
+    kv_connector_stores: int = 0
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -129,6 +144,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
         self.spec_num_accepted_tokens += earlier.spec_num_accepted_tokens
         self.spec_off_steps_batch_size += earlier.spec_off_steps_batch_size
         self.spec_off_steps_acceptance += earlier.spec_off_steps_acceptance
+        self.kv_connector_queries += earlier.kv_connector_queries
+        self.kv_connector_hits += earlier.kv_connector_hits
+        self.kv_connector_stores += earlier.kv_connector_stores
         if earlier.spec_accepted_per_pos:
             self.spec_accepted_per_pos = add_per_pos(earlier.spec_accepted_per_pos,
                                                      self.spec_accepted_per_pos)
@@ -316,6 +334,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Whether the workers propose drafts after this step: not while the off-switch would not
     # schedule them next step (e.g. above its batch size), when proposing is pure cost.
     propose_drafts: bool = True
+    # KV connector only: its scheduler side's ``KVConnectorMetadata`` for this step, msgpack
+    # bytes the worker side decodes as its ``metadata_type`` (engine_core/kv_transfer).
+    kv_connector_metadata: bytes = b""
 
     @property
     def req_ids(self) -> list[str]:
@@ -338,6 +359,13 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # Speculative decoding: the drafts proposed for each request's next step, parallel to
     # ``req_ids`` (empty when speculation is off).
     spec_token_ids: list[list[int]] = []
+    # KV connector only: requests whose asynchronous KV sends / loads finished since the last
+    # step (the worker side's ``get_finished``).
+    kv_finished_sending: list[str] = []
+    kv_finished_recving: list[str] = []
+    # KV connector only: pool blocks a synchronous load failed to fill this step; the scheduler
+    # drops the outputs of the requests holding them and recomputes those requests.
+    kv_invalid_block_ids: list[int] = []
 
 
 
@@ -348,13 +376,15 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 9  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+PROTOCOL_VERSION = 10  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
 # (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
 # and structured_requests; 6: SamplingParams.thinking_token_budget and reasoning_first,
 # StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen);
 # 7: SchedulerStats.grammar_compile_backends and structured_request_backends; 8:
 # SchedulerStats.spec_* (speculative decoding counters) and EngineConfig.speculative; 9:
-# EngineCoreRequest.lora_request, EngineConfig.lora and the LoRA control calls
+# EngineCoreRequest.lora_request, EngineConfig.lora and the LoRA control calls; 10:
+# SchedulerStats.kv_connector_* and EngineConfig.kv_transfer, EngineCoreRequest and
+# EngineCoreOutput.kv_transfer_params
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

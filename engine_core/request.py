@@ -28,6 +28,8 @@ class Request:
     cache_salt: str | None = None
     client_index: int = 0
     lora_request: LoRARequest | None = None
+    # For the KV connector (disaggregated prefill/decode): the request's kv_transfer_params.
+    kv_transfer_params: dict[str, object] | None = None
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
@@ -81,6 +83,7 @@ class Request:
             cache_salt=req.cache_salt,
             client_index=req.client_index,
             lora_request=req.lora_request,
+            kv_transfer_params=req.kv_transfer_params,
             all_token_ids=list(req.prompt_token_ids),
         )
 

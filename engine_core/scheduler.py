@@ -15,9 +15,14 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+import msgspec
+
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.hybrid_kv_cache_manager import HybridKVCacheManager
 from tidal.engine_core.kv_cache_manager import KVCacheManager
+from tidal.engine_core.kv_transfer.connector_base import KVConnectorRole
+from tidal.engine_core.kv_transfer.connector_registry import create_connector
+from tidal.engine_core.kv_transfer.load_recovery import drop_outputs
 from tidal.engine_core.protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -60,6 +65,24 @@ class Scheduler:
                 config.cache.enable_prefix_caching, config.cache.prefix_hash_seed,
             )
         logger.info("KV cache layout: %s", layout.describe())
+        # KV connector (engine_core/kv_transfer), None when off: every hook below is one
+        # ``is None`` test then. Its evicted-block hook goes on the pool only if it asks.
+        self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
+        if self.connector is not None and self.connector.wants_evictions:
+            self.kv.pool.on_evict = self.connector.on_block_evicted
+        # Finished requests whose blocks stay held until the workers report their KV sent.
+        self._kv_held: dict[str, Request] = {}
+        # Live requests whose send the workers reported finished before the request finished
+        # here (a send timeout shorter than a step, async scheduling): not held when they end.
+        self._kv_sent_early: set[str] = set()
+        # Requests the connector's admission answer failed -> why (``take_kv_rejected``).
+        self._kv_rejected: dict[str, str] = {}
+        # An empty step message of the connector: such a step sends b"" (workers skip it).
+        self._kv_empty_meta = b"" if self.connector is None else msgspec.msgpack.encode(
+            self.connector.metadata_type())
+        # Requests restarted after a failed KV load -> the last step whose outputs of them are
+        # garbage (launched before the failure was known): dropped (``_recover_failed_loads``).
+        self._kv_discard: dict[str, int] = {}
         for i, group in enumerate(layout.groups):
             logger.debug("KV group %d: %s, layers %s", i, group.kind, list(group.layers))
         # Steps may be scheduled before earlier ones return (async scheduling, pipeline
@@ -277,11 +300,16 @@ class Scheduler:
                     active_loras.add(lora_id)
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
-            remaining = req.num_tokens - num_hit
+            # Tokens past the local hit that the KV connector loads instead (computed, too).
+            num_ext = 0 if self.connector is None else self._external_tokens(req, num_hit)
+            if num_ext < 0:  # the connector's answer is unusable: that request fails alone
+                self._fail_admission(self.waiting.popleft())
+                continue
+            remaining = req.num_tokens - num_hit - num_ext
             if not self.chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + num_ext
             ok = self.kv.allocate_slots(req, num_new, hits) is not None
             while not ok and self.hybrid_kv and not self.running and num_new > 1:
                 # Alone, it would wait forever: a shorter chunk needs fewer sliding-window
@@ -292,6 +320,10 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.kv.record_lookup(req, num_hit)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    req, self.kv.block_ids(req.request_id), num_ext)
+                num_hit += num_ext  # a hit as far as the request's cached tokens go
             self.waiting.popleft()
             if not req.scheduled_ts:
                 if not now:
@@ -339,6 +371,8 @@ class Scheduler:
         )
         if not total:
             return out  # nothing runs; the workers learn of finished requests next time
+        if self.connector is not None:
+            self._attach_connector_meta(out)
         self._proposed_last = out.propose_drafts
         self._finished_ids = []
         self._step_id += 1
@@ -403,6 +437,11 @@ class Scheduler:
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if result.kv_invalid_block_ids or self._kv_discard:
+            result = self._recover_failed_loads(sched, result)
+        if self.connector is not None and (result.kv_finished_sending
+                                           or result.kv_finished_recving):
+            self._connector_output(result)
         if sched.scheduled_spec_decode_tokens:
             self._verified(sched.scheduled_spec_decode_tokens, result)
         if result.logprobs is None and not result.prompt_logprobs:
@@ -580,6 +619,12 @@ class Scheduler:
         if self.spec_off is not None:
             stats.spec_off_steps_batch_size, stats.spec_off_steps_acceptance = \
                 self.spec_off.take_counts()
+        if self.connector is not None:
+            kv_stats = self.connector.take_stats()
+            if kv_stats is not None:
+                stats.kv_connector_queries = kv_stats.queries
+                stats.kv_connector_hits = kv_stats.hits
+                stats.kv_connector_stores = kv_stats.stores
         self._num_preemptions = 0
         self._prompt_tokens_step = 0
         self._generation_tokens_step = 0
@@ -613,16 +658,140 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self._release(req, out)
 
-    def _release(self, req: Request) -> None:
-        self.kv.free(req)
+    def _release(self, req: Request, out: EngineCoreOutput | None = None) -> None:
+        if self.connector is None or not self._connector_holds(req, out):
+            self.kv.free(req)
         if self._drafts:
             self._drafts.pop(req.request_id, None)
         if self._awaiting_first:
             self._awaiting_first.pop(req.request_id, None)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+
+    # --- KV connector -----------------------------------------------------------------------
+
+    def _external_tokens(self, req: Request, num_hit: int) -> int:
+        """Tokens of ``req`` past its local prefix hit that the connector loads."""
+        assert self.connector is not None
+        name = type(self.connector).__name__
+        num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+        bs = self.kv.block_size
+        if load_async:
+            # (Not detectable at start-up: a connector decides per request.)
+            why = (f"KV connector {name} asked for an asynchronous KV load: not yet supported "
+                   "by the scheduler (load in start_load_kv)")
+        elif num_ext % bs or num_hit + num_ext >= req.num_tokens or num_ext < 0:
+            why = (f"KV connector {name} matched {num_ext} tokens past {num_hit}: not whole "
+                   f"blocks of {bs} leaving one of the request's {req.num_tokens} tokens")
+        else:
+            return num_ext
+        self._kv_rejected[req.request_id] = why
+        return -1
+
+    def _fail_admission(self, req: Request) -> None:
+        """Finish ``req`` with an error before it ever runs (``take_kv_rejected`` reports it)."""
+        why = self._kv_rejected[req.request_id]
+        logger.error("request %s failed: %s", req.request_id, why)
+        req.finish(FinishReason.ERROR)
+        self._release(req)
+
+    def take_kv_rejected(self) -> list[EngineCoreOutput]:
+        """Outputs of requests the KV connector failed at admission (``_external_tokens``)."""
+        rejected, self._kv_rejected = self._kv_rejected, {}
+        return [EngineCoreOutput(rid, finish_reason=FinishReason.ERROR, error=why)
+                for rid, why in rejected.items()]
+
+    @property
+    def has_held_kv(self) -> bool:
+        """Whether finished requests' blocks are held for a KV transfer (the workers must be
+        polled for its end even when nothing else runs)."""
+        return bool(self._kv_held)
+
+    def _connector_holds(self, req: Request, out: EngineCoreOutput | None) -> bool:
+        """Tell the connector ``req`` finished; True when it keeps the blocks until the
+        workers report the request's KV sent (``_connector_output``)."""
+        assert self.connector is not None
+        delay, params = self.connector.request_finished(
+            req, self.kv.block_ids(req.request_id))
+        if params is not None and out is not None:
+            out.kv_transfer_params = params
+        rid = req.request_id
+        if self._kv_sent_early and rid in self._kv_sent_early:
+            self._kv_sent_early.discard(rid)
+            if delay:  # its send ended (timed out) before it finished here: nothing to wait for
+                self.connector.update_connector_output([rid], [])
+                return False
+        if delay:
+            self._kv_held[rid] = req
+        return delay
+
+    def _connector_output(self, result: ModelRunnerOutput) -> None:
+        """The workers' finished transfers: sent requests' held blocks go back to the pool."""
+        assert self.connector is not None
+        for rid in result.kv_finished_sending:
+            req = self._kv_held.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+            elif rid in self.requests:
+                # Reported before the request finished here (its output is behind this one):
+                # remembered, so its blocks are not held for a send that is over.
+                self._kv_sent_early.add(rid)
+        self.connector.update_connector_output(result.kv_finished_sending,
+                                               result.kv_finished_recving)
+
+    def kv_poll_output(self) -> SchedulerOutput | None:
+        """An empty step for the connector's sake, or None when none is needed: while finished
+        requests' blocks are held for a transfer, the workers must be asked now and then (their
+        ``get_finished``) even when nothing is scheduled, or an idle engine (or one whose queue
+        waits for those very blocks) would hold them for good."""
+        if not self._kv_held:
+            return None
+        assert self.connector is not None
+        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        self._attach_connector_meta(out)
+        return out
+
+    def _attach_connector_meta(self, out: SchedulerOutput) -> None:
+        """This step's connector metadata; left b"" when it is empty and nothing is held, so
+        the workers make no connector call at all that step (the host tier with nothing to
+        copy). While blocks are held the workers must be asked for finished sends: sent even
+        when empty then."""
+        assert self.connector is not None
+        raw = msgspec.msgpack.encode(self.connector.build_connector_meta(out))
+        if self._kv_held or raw != self._kv_empty_meta:
+            out.kv_connector_metadata = raw
+
+    def _recover_failed_loads(self, sched: SchedulerOutput,
+                              result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """A synchronous KV load left blocks unfilled: every running request holding one ran
+        on garbage. They start over (their blocks leave the prefix cache, they go back to the
+        queue's head and recompute; the connector does not load them again), and their outputs
+        of every step launched so far are dropped: late, never wrong."""
+        invalid = set(result.kv_invalid_block_ids)
+        if invalid:
+            for block_id in invalid:
+                # Not ``on_evict``: a host tier must not keep the garbage these blocks hold.
+                self.kv.pool.drop_cached(block_id)
+            last_launched = self._step_id - 1
+            for req in [r for r in self.running
+                        if any(b.block_id in invalid
+                               for b in self.kv.req_blocks.get(r.request_id, ()))]:
+                logger.warning("request %s: its KV load failed; recomputing it",
+                               req.request_id)
+                self.running.remove(req)
+                self._preempt(req)
+                self._num_preemptions -= 1  # a restart, not a preemption for lack of blocks
+                req.num_placeholders = 0  # the tokens in flight are dropped, not awaited
+                req.num_cached_tokens = -1  # counted again when it is admitted anew
+                self._kv_discard[req.request_id] = last_launched
+        drop = {rid for rid, last in self._kv_discard.items() if sched.step_id <= last}
+        for rid, last in list(self._kv_discard.items()):
+            if sched.step_id >= last:
+                del self._kv_discard[rid]
+        return drop_outputs(result, drop) if drop else result
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)

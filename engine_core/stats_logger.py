@@ -34,6 +34,13 @@ def spec_decode_line(drafts: int, draft_tokens: int, accepted: int,
     return line
 
 
+def kv_connector_line(queries: int, hits: int, stores: int) -> str:
+    """The KV connector's counters (the host tier's hits and stores), in tokens."""
+    rate = 100.0 * hits / queries if queries else 0.0
+    return (f"KV connector: external prefix cache hit rate {rate:.1f}% ({hits} of {queries} "
+            f"queried tokens loaded), {stores} tokens stored")
+
+
 class StatsLogger:
     def __init__(self, interval_s: float = 5.0, window: int = 1000) -> None:
         self.interval_s = interval_s
@@ -51,6 +58,7 @@ class StatsLogger:
         self._spec = [0, 0, 0]
         self._spec_per_pos: list[int] = []
         self._spec_off = [0, 0]  # steps off by (batch size, acceptance)
+        self._kv_connector = [0, 0, 0]  # queried, hit, stored tokens since the last line
 
     def record(self, stats: SchedulerStats, step_s: float = 0.0) -> None:
         if stats.spec_num_drafts:
@@ -61,6 +69,11 @@ class StatsLogger:
         if stats.spec_off_steps_batch_size or stats.spec_off_steps_acceptance:
             self._spec_off[0] += stats.spec_off_steps_batch_size
             self._spec_off[1] += stats.spec_off_steps_acceptance
+        if stats.kv_connector_queries or stats.kv_connector_stores:
+            kv = self._kv_connector
+            kv[0] += stats.kv_connector_queries
+            kv[1] += stats.kv_connector_hits
+            kv[2] += stats.kv_connector_stores
         self._prompt += stats.num_prompt_tokens
         self._generated += stats.num_generation_tokens
         self._preempted += stats.num_preemptions
@@ -94,7 +107,10 @@ class StatsLogger:
             if self._spec[0] or self._spec_off[0] or self._spec_off[1]:
                 logger.info("%s", spec_decode_line(*self._spec, self._spec_per_pos,
                                                    *self._spec_off))
+            if self._kv_connector[0] or self._kv_connector[2]:
+                logger.info("%s", kv_connector_line(*self._kv_connector))
         self._last_log = now
+        self._kv_connector = [0, 0, 0]
         self._spec = [0, 0, 0]
         self._spec_per_pos = []
         self._spec_off = [0, 0]

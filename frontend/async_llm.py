@@ -131,6 +131,20 @@ class AsyncLLM:
         from tidal.frontend.engine_client import make_async_client
 
         config = args.create_config()
+        if config.parallel.data_parallel_size > 1:
+            if mode != "process" or client_kwargs:
+                raise ValueError("data_parallel_size > 1 runs each rank in a process of its "
+                                 "own: not yet supported with mode='thread' or client options "
+                                 f"({sorted(client_kwargs)})")
+            from tidal.frontend.dp_client import spawn_dp_client
+
+            client = spawn_dp_client(config)
+            try:
+                tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
+            except BaseException:
+                client.shutdown()
+                raise
+            return cls(client, tokenizer, stream_interval)
         if mode != "process":
             tokenizer = None if skip_tokenizer_init else load_tokenizer(config.model)
             return cls(make_async_client(config, mode, **client_kwargs), tokenizer,
@@ -284,6 +298,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> OutputCollector:
         """Start a request; its outputs (the kind set by ``params.output_kind``) are read from
         the returned collector (``collector`` if given: one consumer may read several
@@ -310,6 +325,9 @@ class AsyncLLM:
         if lora_request is not None:
             for req in engine_reqs:
                 req.lora_request = lora_request
+        if kv_transfer_params is not None:  # (the server checked them: one engine request)
+            for req in engine_reqs:
+                req.kv_transfer_params = kv_transfer_params
         self.client.add_requests(engine_reqs)
         return collector
 

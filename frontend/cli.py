@@ -159,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="sampling temperature; 0 is greedy")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+
+    proxy = sub.add_parser(
+        "disagg-proxy", formatter_class=HelpFormatter,
+        help="one OpenAI endpoint over a prefill and a decode instance (disaggregated serving)",
+        description="Send each completion to the prefill instance for one token, then to the "
+                    "decode instance with the prefill's kv_transfer_params (its KV is pulled, "
+                    "not recomputed); relay the decode instance's answer.")
+    from tidal.engine_core.cli import add_log_level_arg
+    from tidal.frontend.disagg_proxy import add_proxy_args
+
+    add_proxy_args(proxy)
+    add_log_level_arg(proxy)
     return parser
 
 
@@ -308,7 +320,8 @@ def _api_server_count(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         logger.info("API server processes: %d (--api-server-count)", ns.api_server_count)
         return ns.api_server_count
     world = 1 if ns.engine_address else (engine_args.tensor_parallel_size
-                                         * engine_args.pipeline_parallel_size)
+                                         * engine_args.pipeline_parallel_size
+                                         * engine_args.data_parallel_size)
     count = default_api_server_count(world)
     logger.info("API server processes: %d (the default for %d CPU cores; --api-server-count "
                 "sets it)", count, len(os.sched_getaffinity(0)))
@@ -361,6 +374,10 @@ async def _generate(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     _setup_logging(ns.log_level)
+    if ns.command == "disagg-proxy":  # no engine of its own
+        from tidal.frontend.disagg_proxy import run_proxy
+
+        sys.exit(run_proxy(ns))
     from tidal.engine_core.plugins import PluginError, load_general_plugins
 
     try:
@@ -373,7 +390,14 @@ def main(argv: list[str] | None = None) -> None:
 
     engine_args = _engine_args(ns)
     try:
-        if ns.command == "serve" and (count := _api_server_count(ns, engine_args)) > 1:
+        if engine_args.data_parallel_size > 1 and getattr(ns, "engine_address", None):
+            raise SystemExit("tidal: --data-parallel-size with --engine-address is not yet "
+                             "supported: `tidal serve --data-parallel-size N` starts the N "
+                             "EngineCores itself")
+        # Data-parallel ranks are started and watched by the multi-process supervisor, also
+        # with one API server.
+        if ns.command == "serve" and ((count := _api_server_count(ns, engine_args)) > 1
+                                      or engine_args.data_parallel_size > 1):
             code = _serve_many(ns, engine_args, count)
         else:
             runner = _serve if ns.command == "serve" else _generate

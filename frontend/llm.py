@@ -62,6 +62,10 @@ class LLM:
         tests inspect) exists only in the default mode.
         """
         args = EngineArgs.from_kwargs(model=model, **kwargs)
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not yet supported by the offline LLM: "
+                             "use AsyncLLM.from_engine_args or `tidal serve "
+                             "--data-parallel-size N`")
         config = args.create_config()
         self.engine: InprocClient | MPSyncClient
         if not multiprocess:

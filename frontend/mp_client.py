@@ -197,6 +197,12 @@ class EngineConnection:
             client_host = "127.0.0.1" if is_loopback(host) else _route_to(host)
         return lambda name: f"tcp://{client_host}:*"
 
+    @property
+    def handshake_socket(self) -> zmq.Socket:
+        """What to poll for the engine's answer to HELLO, to wait on several engines at once
+        (``wait_ready`` reads it; closed once the handshake is done)."""
+        return self._handshake
+
     def wait_ready(self, timeout_s: float | None = None) -> EngineConfig:
         """Finish the handshake; returns the engine's resolved config.
 

@@ -127,6 +127,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     is_embedding: bool = False
     embedding: EmbeddingOutput | None = None
+    kv_transfer_params: dict[str, object] | None = None  # the KV connector's, once finished
 
     @property
     def finished(self) -> bool:
@@ -161,6 +162,7 @@ class RequestState:
             prompt_logprobs=prompt_lp,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -449,6 +451,8 @@ class OutputProcessor:
             result.abort_engine_ids.append(seq.engine_id)
         if finished_now:
             state.num_cached_tokens = max(state.num_cached_tokens, detail.num_cached_tokens)
+            if detail.kv_transfer_params is not None:
+                state.kv_transfer_params = detail.kv_transfer_params
         if seq.finished:
             seq.finished_time = now
             self._by_engine_id.pop(seq.engine_id, None)

@@ -42,6 +42,9 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Set once finished, with a KV connector that answers the client (a disaggregated prefill
+    # instance: where the decode instance pulls this request's KV from).
+    kv_transfer_params: dict[str, object] | None = None
 
 
 @dataclass(slots=True)

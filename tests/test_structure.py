@@ -38,6 +38,9 @@ ENV_WRITERS: dict[str, str] = {
                                   "which Triton reads at each compile",
     "frontend/server/api_servers.py": "sets PROMETHEUS_MULTIPROC_DIR for the API server "
                                       "processes it starts, and restores it after",
+    "frontend/dp_engines.py": "gives each data-parallel rank its slice of the GPUs "
+                              "(CUDA_VISIBLE_DEVICES) in the rank's own process, before CUDA "
+                              "starts there",
 }
 
 # Module-level imports of worker code by engine_core, and why. Everything else of engine_core
@@ -54,6 +57,8 @@ ENGINE_CORE_WORKER_IMPORTS: dict[tuple[str, str], str] = {
 # start workers; the uniproc executor runs one in-process).
 ENGINE_CORE_LAZY_WORKER_IMPORTERS = frozenset({
     "engine_core/executor.py",
+    # The host KV tier's worker half builds its host tensors (worker/kv_transfer) in the worker.
+    "engine_core/kv_transfer/offloading_connector.py",
     "engine_core/multiproc_executor.py",
     "engine_core/ray_executor.py",
 })

@@ -172,16 +172,22 @@ def _attention(kc: KernelConfig, dev: DeviceInfo, triton_ok: bool, arch: ArchSpe
 
 
 def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
-            parallel: ParallelConfig | None = None) -> KernelPolicy:
+            parallel: ParallelConfig | None = None, compiled: bool = False) -> KernelPolicy:
     """The kernels a worker on ``device`` runs for the model ``arch`` (None: no attention
     layers to fit) under ``parallel`` (None: one rank). Pure: the same inputs, the same
-    policy. Raises ``ConfigError`` when an explicitly requested backend cannot run the model."""
+    policy. Raises ``ConfigError`` when an explicitly requested backend cannot run the model.
+    ``compiled`` (--compilation-config mode 3): the fused ops are torch's, which Dynamo traces
+    and Inductor fuses (the hand-written ones are not registered as custom ops yet); attention
+    keeps its backend, an opaque op between the compiled pieces."""
     why: list[tuple[str, str]] = []
     gpu = device.type == "cuda"
     triton_ok = gpu and device.triton
     if not gpu:
         ops = "torch"
         why.append(("ops", "CPU"))
+    elif compiled:
+        ops = "torch"
+        why.append(("ops", "compiled: Inductor generates the fused elementwise kernels"))
     elif kc.ops == "torch":
         ops = "torch"
     elif kc.ops in ("auto", "cuda") and device.cuda_ext:
@@ -361,10 +367,10 @@ def current_kernels() -> Kernels:
 
 def kernels_for(device: torch.device, kc: KernelConfig | None = None,
                 arch: ArchSpec | None = None,
-                parallel: ParallelConfig | None = None) -> Kernels:
+                parallel: ParallelConfig | None = None, compiled: bool = False) -> Kernels:
     """Probe ``device``, resolve ``kc`` (default: the defaults) and apply the variants: the
     kernels a worker (or a test, a tool) on that device runs."""
     kc = kc or KernelConfig()
-    policy = resolve(kc, probe_device(device, kc), arch, parallel)
+    policy = resolve(kc, probe_device(device, kc), arch, parallel, compiled)
     apply_tuning(policy)
     return Kernels(policy)

@@ -24,11 +24,13 @@ from tidal.engine_core.protocol import LogprobsArrays, ModelRunnerOutput, Schedu
 from tidal.worker.attention.backend import AttentionMetadata
 from tidal.worker.attention.fp8_kv import check_device as check_fp8_kv_device
 from tidal.worker.attention.fp8_kv import kv_cache_torch_dtype
+from tidal.worker.compilation.compiled_model import CompiledForward
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.attention.selector import attention_impl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.kernel_policy import kernels_for
+from tidal.worker.kv_transfer.connector_hooks import ConnectorHooks
 from tidal.worker.loader.model_loader import load_model, torch_dtype
 from tidal.worker.lora.manager import LoRAManager
 from tidal.worker.models.decoder import DecoderForCausalLM
@@ -157,7 +159,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         # Every kernel choice, resolved once against this device (kernel_policy.py): the model
         # is built with these kernels, the attention backend is the policy's.
-        self.kernels = kernels_for(device, config.runner.kernels, self.arch, config.parallel)
+        self.kernels = kernels_for(device, config.runner.kernels, self.arch, config.parallel,
+                                   compiled=config.runner.compilation.enabled)
         self.kernel_policy = self.kernels.policy
         self.attn_impl = attention_impl(self.kernel_policy.attention)
         check_fp8_kv_device(self.kv_dtype, self.kernel_policy.attention, device)
@@ -185,7 +188,12 @@ class ModelRunner:
         # LoRA adapters (--enable-lora): slots, host cache, per-token slot ids (worker/lora).
         self.lora: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The KV connector's worker side (engine_core/kv_transfer); None: off.
+        self.kv_hooks = ConnectorHooks.create(config, self.tp.ranks[self.tp.rank])
         self.graphs: CudaGraphRunner | None = None
+        # The torch.compile'd forward (--compilation-config mode 3, ``compile_model``): runs
+        # the steps no CUDA graph replays.
+        self.compiled: CompiledForward | None = None
         # Off only while the warm-up compiles the eager launches of mixed steps.
         self.mixed_graphs_on = True
         # Hand outputs back before their tokens reach the host only when the EngineCore will
@@ -439,8 +447,11 @@ class ModelRunner:
             self._release_kv()
         self._inflight.clear()
         self.graphs = None
+        self.compiled = None
         self.spec = None
         self.model = None
+        if self.kv_hooks is not None:
+            self.kv_hooks.shutdown()  # (the host tier's pinned buffers)
         if self.on_gpu:
             torch.cuda.empty_cache()
 
@@ -453,6 +464,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> int:
         """Allocate the KV cache; returns its size in bytes."""
         self._allocate_kv(num_blocks)
+        if self.kv_hooks is not None:
+            self.kv_hooks.register(self.kv_caches)
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     def capture_graphs_if_enabled(self) -> bool:
@@ -460,6 +473,32 @@ class ModelRunner:
             return False
         self.capture_graphs()
         return True
+
+    @torch.inference_mode()
+    def compile_model(self) -> str | None:
+        """torch.compile the model (--compilation-config mode 3; ``worker.compilation``) with
+        a dummy step over the allocated KV cache (it writes nothing there); returns what it did
+        for the start-up log, None when compilation is off. A model that cannot be compiled
+        as one graph keeps running eagerly (the log line says why)."""
+        cc = self.config.runner.compilation
+        if not cc.enabled or self.model is None:
+            return None
+        compiled = CompiledForward(
+            self.model, cc, rank=self.pp.rank * self.tp.world_size + self.tp.rank,
+            key_inputs=dict(arch=self.arch, dtype=str(self.dtype), parallel=self.config.parallel,
+                            policy=self.kernel_policy, device=self.device.type))
+        n = min(8, self.max_num_tokens)
+        meta = self._dummy_meta(n, -(-n // self.block_size))
+        meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        # The steps' own input buffers: a tensor made here would be an inference tensor, which
+        # Dynamo guards apart from the steps' (a recompile at the first step).
+        ids, pos = self.bufs.input_ids[:n], self.bufs.positions[:n]
+        ids.zero_()
+        pos.copy_(torch.arange(n, device=self.device))
+        if not compiled.compile(ids, pos, meta):
+            return f"off: {compiled.failure}"
+        self.compiled = compiled
+        return compiled.describe()
 
     def finish_inflight(self) -> None:
         """Apply every in-flight step's tokens (ranks that never reply leave the newest step
@@ -525,6 +564,9 @@ class ModelRunner:
                                  self._mixed_graph_sizes())
         bufs = self.bufs
         r = self.max_num_reqs
+        # With --compilation-config mode 3 the graphs capture the compiled forward (its pieces
+        # and the attention op between them): cudagraph_mode FULL of a compiled model.
+        run = self.model if self.compiled is None else self.compiled
 
         def prepare(size: int) -> None:
             # A dummy decode batch: one context token per request, nothing written to the cache.
@@ -537,7 +579,7 @@ class ModelRunner:
         def forward(size: int) -> torch.Tensor:
             assert self.model is not None
             meta = self._graph_meta(size)
-            hidden, _ = self.model(bufs.input_ids[:size], bufs.positions[:size], meta)
+            hidden, _ = run(bufs.input_ids[:size], bufs.positions[:size], meta)
             return hidden
 
         def prepare_mixed(tokens: int) -> None:
@@ -559,7 +601,7 @@ class ModelRunner:
             # The longest query is taken as the whole step, so the attention plan is the one
             # for long prompts whatever the split (see ops.attention_plan).
             meta = self._graph_meta(tokens, self._mixed_graph_reqs(tokens), max_query_len=tokens)
-            hidden, _ = self.model(bufs.input_ids[:tokens], bufs.positions[:tokens], meta)
+            hidden, _ = run(bufs.input_ids[:tokens], bufs.positions[:tokens], meta)
             return hidden
 
         graphs.capture(prepare, forward, prepare_mixed, forward_mixed)
@@ -686,8 +728,14 @@ class ModelRunner:
             req_ids = [r for r, k in zip(req_ids, keep) if k]
             rows, n_sched = rows[keep], n_sched[keep]
             total = None
+        # (Before any early return: the host tier's stores of this step must happen.)
+        kv_meta = self.kv_hooks.before_forward(so) if self.kv_hooks is not None else None
         if not req_ids:
-            return ModelRunnerOutput(failed=failed)
+            result = ModelRunnerOutput(failed=failed)
+            if kv_meta is not None:  # an empty step of the connector's: finished transfers
+                assert self.kv_hooks is not None
+                ConnectorHooks.report(result, self.kv_hooks.after_forward(so, kv_meta))
+            return result
         if self._inflight and needs_token_history(b, rows):
             self._resolve_through(self._inflight[-1])  # penalties count every output token
         n_draft = None
@@ -708,12 +756,17 @@ class ModelRunner:
             assert self.graphs is not None
             hidden = self.graphs.replay_mixed(inputs.mixed_graph_tokens)[:num_tokens]
             residual = None
+        elif self.compiled is not None and intermediate is None:
+            hidden, residual = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden, residual = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta,
                 None if intermediate is None else intermediate.hidden,
                 None if intermediate is None else intermediate.residual)
         b.num_computed[rows] = inputs.seq_lens
+        if kv_meta is not None:
+            assert self.kv_hooks is not None
+            kv_done = self.kv_hooks.after_forward(so, kv_meta)
         if not self.pp.is_last:
             return IntermediateTensors(hidden, residual)
         if self.spec is not None:  # (an EAGLE-3 head reads the step's hidden states)
@@ -721,6 +774,8 @@ class ModelRunner:
         prompt_lp = (self._prompt_logprobs(req_ids, inputs, hidden)
                      if b.num_prompt_logprobs_rows else {})
         result = ModelRunnerOutput(failed=failed, prompt_logprobs=prompt_lp)
+        if kv_meta is not None:
+            ConnectorHooks.report(result, kv_done)
         if inputs.sampling is None:
             if self.spec is not None and self.spec.drafter is not None:
                 self.spec.propose(b, rows[:0], [])  # prompt chunks into the draft's cache

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tidal.engine_core import envs
+from tidal.engine_core.compilation_config import describe as describe_compilation
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import CompileStats
 from tidal.engine_core.protocol import SchedulerOutput
@@ -132,6 +133,8 @@ class Worker:
             self.runner = ModelRunner(config, self.device, tp, pp)
             # The resolved kernel policy, one line per choice (with why where one is off).
             log_policy(self.runner.kernel_policy, rank)
+            logger.info("rank %d compilation: %s", rank,
+                        describe_compilation(config.runner.compilation, config.runner.device))
         multi_stage = pp is not None and pp.world_size > 1
         self._sender = PipeSender(pp) if multi_stage and not pp.is_last else None
         self._receiver: PipeReceiver | None = None
@@ -193,6 +196,10 @@ class Worker:
                 else:
                     runner.init_kv_cache(num_blocks)
                     note.detail = f"{num_blocks} blocks (bookkeeping only)"
+            if isinstance(runner, ModelRunner) and runner.config.runner.compilation.enabled:
+                # (Cold: Dynamo's trace and Inductor; warm: the trace and the cache's loads.)
+                with self.startup.phase("compile") as note:
+                    note.detail = runner.compile_model() or ""
             if isinstance(runner, ModelRunner):
                 seen = JIT_WATCH.count
                 with self.startup.phase("graph capture") as note:

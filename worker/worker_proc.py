@@ -214,7 +214,8 @@ class WorkerProc:
         tp, pp = init_distributed(rank=args.rank, tp_size=par.tensor_parallel_size,
                                   pp_size=par.pipeline_parallel_size, host=args.store_host,
                                   port=port, device=device, store=store,
-                                  kernels=config.runner.kernels)
+                                  kernels=config.runner.kernels,
+                                  cpu_collectives=par.cpu_collectives)
         logger.info("rank %d: process groups ready in %.2f s", self.rank,
                     time.perf_counter() - start)
         self.worker = Worker(config, args.rank, args.local_rank, tp, pp)
@@ -298,7 +299,7 @@ class WorkerProc:
         from tidal.worker.distributed.parallel_state import destroy_distributed
 
         self.worker.shutdown()
-        destroy_distributed()
+        destroy_distributed(self.worker.tp, self.worker.pp)
 
 
 # --- the worker process --------------------------------------------------------------------

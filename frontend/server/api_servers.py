@@ -36,6 +36,11 @@ Acting as one server:
 
 Every API server warms its own path with one tiny request before it listens, so the first
 request a client sends runs no first-time code.
+
+``--data-parallel-size N`` (also with one API server): N EngineCores instead of one
+(``frontend.dp_engines``), started and stopped together; every API server connects to each
+rank and routes its requests over them (``frontend.dp_client``); a rank that exits ends the
+server as the one engine's exit does, the log naming the rank.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import msgspec
 
 from tidal.engine_core import envs
 from tidal.engine_core.config import EngineArgs, EngineConfig
+from tidal.frontend.dp_engines import DPEngine
 from tidal.frontend.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -134,6 +140,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     """Serve with ``count`` API server processes until a stop signal (returns 0 once everything
     drained) or a child's death (returns 1). Raises ``ServerStartError`` if the port is busy,
     ``ConfigError``/``ValueError`` for a bad configuration."""
+    from tidal.frontend.dp_engines import start_dp_engines, stop_dp_engines
     from tidal.frontend.mp_client import start_engine_process, stop_process
     from tidal.frontend.server.admission import AdmissionBoard
     from tidal.frontend.server.connections import raise_fd_limit
@@ -151,6 +158,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     stopping: list[int] = []
     engine: BaseProcess | None = None
     engine_tmp: str | None = None
+    dp_engines: list[DPEngine] = []  # --data-parallel-size > 1: the ranks, instead of engine
     servers: list[_Child] = []
     original = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -161,22 +169,26 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
         signal.signal(sig, on_signal)
     try:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        if config is not None:
+        if config is not None and config.parallel.data_parallel_size > 1:
+            dp_engines = start_dp_engines(config)
+        elif config is not None:
             engine, engine_address, engine_tmp = start_engine_process(config)
-        assert engine_address is not None
+        addresses = [e.address for e in dp_engines] if dp_engines else [engine_address]
+        assert all(a is not None for a in addresses)
         config_bytes = None if config is None else msgspec.msgpack.encode(config)
         for i in range(count):
             ready = ctx.Event()
             proc = ctx.Process(target=run_api_server, name=f"APIServer-{i}", daemon=False,
-                               args=(i, count, settings, engine_address, config_bytes,
+                               args=(i, count, settings, addresses, config_bytes,
                                      engine_args.tokenizer, board, ready))
             proc.start()
             servers.append(_Child(proc.name, proc, ready))
-        code = _supervise(servers, engine, stopping, settings)
+        code = _supervise(servers, engine, stopping, settings, dp_engines)
     finally:
         _shut_down(servers, stopping, settings)
         if engine is not None:
             stop_process(engine, _ENGINE_STOP_S)
+        stop_dp_engines(dp_engines, _ENGINE_STOP_S)
         held.close()
         for sig, handler in original.items():
             signal.signal(sig, handler)
@@ -217,9 +229,11 @@ def _shut_down(servers: list[_Child], stopping: list[int], settings: ServerSetti
 
 
 def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list[int],
-               settings: ServerSettings) -> int:
+               settings: ServerSettings, dp_engines: list[DPEngine] | None = None) -> int:
     """Wait for the API servers to listen, then for a signal or a death; returns the exit code
-    (after passing a signal on, once every API server has drained and exited)."""
+    (after passing a signal on, once every API server has drained and exited). A data-parallel
+    rank's death ends the server as the one engine's does."""
+    dp_engines = dp_engines or []
     start = time.monotonic()
     pending = {c.name for c in servers}
     forwarded = 0
@@ -241,6 +255,11 @@ def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list
                 logger.error("the EngineCore (pid %s) exited with code %s; stopping the server",
                              engine.pid, engine.exitcode)
                 return 1
+            if (rank := next((e for e in dp_engines if not e.proc.is_alive()), None)) is not None:
+                logger.error("the EngineCore of data-parallel rank %d (pid %s) exited with code "
+                             "%s; stopping the server (every rank)", rank.rank, rank.proc.pid,
+                             rank.proc.exitcode)
+                return 1
             dead = next((c for c in servers if not c.proc.is_alive()), None)
             if dead is not None:
                 logger.error("%s (pid %s) exited with code %s; stopping the whole server "
@@ -254,23 +273,26 @@ def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list
                         logger.info("serving on http://%s:%d with %d API server processes "
                                     "(pids %s)", settings.host, settings.port, len(servers),
                                     ", ".join(str(c.proc.pid) for c in servers))
-            if pending and engine is None and time.monotonic() - start > _API_SERVER_START_S:
+            if (pending and engine is None and not dp_engines
+                    and time.monotonic() - start > _API_SERVER_START_S):
                 logger.error("API server(s) %s did not start in %.0f s", sorted(pending),
                              _API_SERVER_START_S)
                 return 1
         sentinels = [c.proc.sentinel for c in servers if c.proc.is_alive()]
         if engine is not None and engine.is_alive():
             sentinels.append(engine.sentinel)
+        sentinels += [e.proc.sentinel for e in dp_engines if e.proc.is_alive()]
         multiprocessing.connection.wait(sentinels, timeout=_POLL_S)
 
 
 # --- one API server process -----------------------------------------------------------------------
 
 
-def run_api_server(index: int, count: int, settings: ServerSettings, engine_address: str,
+def run_api_server(index: int, count: int, settings: ServerSettings, engine_addresses: list[str],
                    config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
                    ready: Any) -> None:
-    """Entry point of API server ``index`` (a ``multiprocessing`` target)."""
+    """Entry point of API server ``index`` (a ``multiprocessing`` target). Several
+    ``engine_addresses``: the data-parallel ranks, each reached by every API server."""
     from tidal.engine_core.core_proc import setup_logging, watch_parent
 
     setup_logging(f"APIServer-{index}")
@@ -282,14 +304,15 @@ def run_api_server(index: int, count: int, settings: ServerSettings, engine_addr
     watch_parent(_DRAIN)
     import uvloop
 
-    sys.exit(uvloop.run(_serve_one(index, count, settings, engine_address, config_bytes,
+    sys.exit(uvloop.run(_serve_one(index, count, settings, engine_addresses, config_bytes,
                                    tokenizer, board_memory, ready)))
 
 
-async def _serve_one(index: int, count: int, settings: ServerSettings, engine_address: str,
+async def _serve_one(index: int, count: int, settings: ServerSettings, engine_addresses: list[str],
                      config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
                      ready: Any) -> int:
     from tidal.frontend.async_llm import AsyncLLM
+    from tidal.frontend.dp_client import DPAsyncClient
     from tidal.frontend.mp_client import EngineConnection, EngineStartupError, MPAsyncClient
     from tidal.frontend.server.admission import AdmissionBoard
     from tidal.frontend.server.app import serve
@@ -297,21 +320,27 @@ async def _serve_one(index: int, count: int, settings: ServerSettings, engine_ad
 
     try:
         if config_bytes is None:  # a standalone engine-core: its config comes with READY
-            engine = AsyncLLM.from_address(engine_address, tokenizer=tokenizer,
+            engine = AsyncLLM.from_address(engine_addresses[0], tokenizer=tokenizer,
                                            timeout_s=settings.engine_connect_timeout,
                                            stream_interval=settings.stream_interval)
         else:
             # HELLO goes out now; the tokenizer loads while the engine starts (the supervisor
             # ends this process if the engine dies, so no deadline of its own here).
-            conn = EngineConnection.connect(engine_address)
+            conns: list[EngineConnection] = []
             try:
+                for address in engine_addresses:
+                    conns.append(EngineConnection.connect(address))
                 tok = load_tokenizer(msgspec.msgpack.decode(config_bytes,
                                                             type=EngineConfig).model)
-                conn.wait_ready(timeout_s=math.inf)
+                for conn in conns:
+                    conn.wait_ready(timeout_s=math.inf)
             except BaseException:
-                conn.close()
+                for conn in conns:
+                    conn.close()
                 raise
-            engine = AsyncLLM(MPAsyncClient(conn), tok, settings.stream_interval)
+            clients = [MPAsyncClient(conn) for conn in conns]
+            engine = AsyncLLM(clients[0] if len(clients) == 1 else DPAsyncClient(clients), tok,
+                              settings.stream_interval)
     except (EngineStartupError, ValueError, OSError) as exc:
         logger.error("API server %d could not connect to the engine: %s", index, exc)
         return 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidal.engine_core.lora_request import LoRARequest
 from tidal.engine_core.sampling_params import SamplingParams
@@ -36,7 +36,8 @@ class Generation:
     def __init__(self, engine: AsyncLLM, admission: Admission, ticket: Ticket, request_id: str,
                  prompts: list[list[int]], params: SamplingParams,
                  cache_salt: str | None = None, *,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.admission = admission
         self.ticket = ticket
@@ -45,6 +46,9 @@ class Generation:
         self.params = params
         self.cache_salt = cache_salt
         self.lora_request = lora_request
+        # Sent with the (one) engine request; the answer comes back on its finishing output.
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_answer: dict[str, Any] | None = None
         self.aborted = False
         self.failed = False  # a prompt's engine request failed (the error goes to the client)
         self._collector = OutputCollector()
@@ -79,7 +83,8 @@ class Generation:
                 rid = self.engine_id(i)
                 await self.engine.add_request(rid, ids, self.params, collector=self._collector,
                                               cache_salt=self.cache_salt,
-                                              lora_request=self.lora_request)
+                                              lora_request=self.lora_request,
+                                              kv_transfer_params=self.kv_transfer_params)
                 self._open.add(rid)
             while self._open:
                 try:
@@ -111,6 +116,8 @@ class Generation:
             self._cached[index] = max(self._cached.get(index, 0), out.num_cached_tokens)
         if out.finished:
             self._open.discard(out.request_id)
+            if out.kv_transfer_params is not None:
+                self.kv_transfer_answer = dict(out.kv_transfer_params)
         return index
 
     def close(self) -> None:

@@ -19,8 +19,10 @@ measures requests):
   observed once per request. Unlike vLLM, TTFT and inter-token latency are observed once per
   request and step (the ``n`` sequences share them).
 
-Families that stay at zero until tidal has the feature behind them: the external (KV
-connector) prefix cache and multi-modal cache counters, ``prompt_tokens_by_source`` for
+The external prefix cache counters are the KV connector's (the host KV tier's hits, from
+``SchedulerStats.kv_connector_*``), with tidal's ``kv_connector_stored_tokens`` beside them.
+Families that stay at zero until tidal has the feature behind them: the multi-modal cache
+counters, ``prompt_tokens_by_source`` for
 ``external_kv_transfer`` and ``prompt_tokens_recomputed`` (the prefix cache never supplies a
 prompt's last token). ``engine_sleep_state`` always shows an awake engine (no sleep mode).
 ``time_per_output_token_seconds`` (deprecated by vLLM 0.11 for ``inter_token_latency_seconds``,
@@ -156,6 +158,7 @@ class _Families:
     prefix_hits: Counter
     external_prefix_queries: Counter
     external_prefix_hits: Counter
+    kv_connector_stored: Counter  # tidal's: tokens the KV connector saved (the host tier's)
     mm_queries: Counter
     mm_hits: Counter
     preemptions: Counter
@@ -191,6 +194,9 @@ class _EngineSeries:
     kv_usage: Gauge
     prefix_queries: Counter
     prefix_hits: Counter
+    external_prefix_queries: Counter
+    external_prefix_hits: Counter
+    kv_connector_stored: Counter
     preemptions: Counter
     prompt_tokens: Counter
     prompt_by_source: dict[str, Counter]
@@ -218,8 +224,7 @@ class _EngineSeries:
         for state in SLEEP_STATES:  # no sleep mode: always awake
             f.sleep_state.labels(model, engine, state).set(1 if state == "awake" else 0)
         # Families nothing feeds yet still show a zero series, as vLLM's do.
-        for family in (f.external_prefix_queries, f.external_prefix_hits, f.mm_queries,
-                       f.mm_hits, f.prompt_recomputed):
+        for family in (f.mm_queries, f.mm_hits, f.prompt_recomputed):
             family.labels(model, engine)
         # Every other series is its family's child of the same name, labelled (model, engine).
         keyed = {"prompt_by_source", "success"}
@@ -281,6 +286,9 @@ class ServerMetrics:
             external_prefix_hits=counter(
                 "external_prefix_cache_hits", "External prefix cache hits from KV connector "
                 "cross-instance cache sharing, in terms of number of cached tokens."),
+            kv_connector_stored=counter(
+                "kv_connector_stored_tokens", "Tokens of KV cache blocks the KV connector saved "
+                "out of the KV cache (the host-memory KV tier's stores of evicted blocks)."),
             mm_queries=counter("mm_cache_queries", "Multi-modal cache queries, in terms of "
                                "number of queried items."),
             mm_hits=counter("mm_cache_hits", "Multi-modal cache hits, in terms of number of "
@@ -426,6 +434,10 @@ class ServerMetrics:
                 e.prefix_queries.inc(stats.prefix_cache_queries)
             if stats.prefix_cache_hits:
                 e.prefix_hits.inc(stats.prefix_cache_hits)
+            if stats.kv_connector_queries or stats.kv_connector_stores:
+                e.external_prefix_queries.inc(stats.kv_connector_queries)
+                e.external_prefix_hits.inc(stats.kv_connector_hits)
+                e.kv_connector_stored.inc(stats.kv_connector_stores)
             for n in stats.iteration_tokens:
                 e.iteration_tokens.observe(n)
             for backend, seconds in zip(stats.grammar_compile_backends,

@@ -109,6 +109,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     echo: bool = False
     user: str | None = None
     cache_salt: str | None = None
+    # Disaggregated prefill/decode (vLLM's extension; frontend/server/kv_transfer_params.py):
+    # only on a server with a P2P KV connector (--kv-transfer-config).
+    kv_transfer_params: dict[str, Any] | None = None
     # Beam search (vLLM's extension; frontend/server/serving_beam.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -27,6 +27,7 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
+from tidal.frontend.server.kv_transfer_params import check_request_params, with_answer
 from tidal.frontend.server.logprobs import chat_logprob_entries, prompt_logprobs, tokens_as_ids
 from tidal.frontend.server.openai_protocol import (
     ChatChoice,
@@ -175,6 +176,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     kwargs = template_kwargs(req)
     thinking = chat_thinking_budget(req, cfg.reasoning_parser)
     if req.use_beam_search:
+        if req.kv_transfer_params is not None:
+            raise bad_request("kv_transfer_params with use_beam_search is not supported",
+                              "kv_transfer_params")
         if tools.tools or kwargs or parsers.reasoning is not None:
             raise bad_request("use_beam_search does not take tools or chat_template_kwargs, "
                               "nor run on a server with --reasoning-parser, yet",
@@ -188,6 +192,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                          reads_special_tokens(parsers, tools))
     params = with_thinking_budget(params, *thinking, cfg.reasoning_parser)
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
+    kv_params = check_request_params(state, req.kv_transfer_params, params.n, 1)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
     ids = await render_chat(state, messages, req.add_generation_prompt,
@@ -204,7 +209,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     request_id = new_id("chatcmpl")
     ticket = state.admission.admit(params.n)
     gen = Generation(state.engine, state.admission, ticket, request_id, [ids], params,
-                     req.cache_salt, lora_request=lora)
+                     req.cache_salt, lora_request=lora, kv_transfer_params=kv_params)
     choices = [_Choice(i, parse=new_output_parse(parsers, tools.parse, req.include_reasoning,
                                                  req.parallel_tool_calls, tools.enforced))
                for i in range(params.n)]
@@ -291,7 +296,7 @@ async def _whole(gen: Generation, choices: list[_Choice], view: _View, model: st
             for c, message in [(c, _message(c, echo)) for c in choices]],
         prompt_logprobs=shown,
     )
-    return json_response(body)
+    return json_response(with_answer(gen, body))
 
 
 def _message(c: _Choice, echo: str) -> ChatResponseMessage:

@@ -20,6 +20,7 @@ from tidal.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOu
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
+from tidal.frontend.server.kv_transfer_params import check_request_params, with_answer
 from tidal.frontend.server.logprobs import (
     extend_completion_logprobs,
     extend_prompt_logprobs,
@@ -160,6 +161,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/completions")
     if req.use_beam_search:
+        if req.kv_transfer_params is not None:
+            raise bad_request("kv_transfer_params with use_beam_search is not supported",
+                              "kv_transfer_params")
         if lora is not None:
             raise bad_request("use_beam_search with a LoRA adapter is not supported yet",
                               "use_beam_search")
@@ -167,6 +171,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     params = completion_params(req, state.limits)
     raw = split_prompts(req.prompt, "prompt", state.limits.max_prompts)
     state.admission.check_available()
+    kv_params = check_request_params(state, req.kv_transfer_params, params.n, len(raw))
     prompts = await tokenize_prompts(state, raw, "prompt", req.add_special_tokens)
     for p in prompts:
         check_context(len(p.token_ids), params.max_tokens, state.max_model_len)
@@ -176,7 +181,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     ticket = state.admission.admit(params.n * len(prompts))
     gen = Generation(state.engine, state.admission, ticket, request_id,
                      [p.token_ids for p in prompts], params, req.cache_salt,
-                     lora_request=lora)
+                     lora_request=lora, kv_transfer_params=kv_params)
     folded = _Completion(state, req, prompts, params)
     try:
         if req.stream:
@@ -206,9 +211,9 @@ async def _whole(state: ServerState, gen: Generation, folded: _Completion, model
                                  prompt_logprobs=folded.prompt_logprobs(c.index))
         for c in folded.choices
     ]
-    return json_response(CompletionResponse(id=request_id, created=int(time.time()), model=model,
-                                            choices=choices,
-                                            usage=folded.usage(gen.num_cached_tokens)))
+    body = CompletionResponse(id=request_id, created=int(time.time()), model=model,
+                              choices=choices, usage=folded.usage(gen.num_cached_tokens))
+    return json_response(with_answer(gen, body))
 
 
 async def _stream(request: web.Request, state: ServerState, req: CompletionRequest,

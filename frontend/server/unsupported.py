@@ -110,7 +110,10 @@ GENERATION: Mapping[str, Unsupported] = {
     "max_thinking_tokens": Unsupported(_THINKING, _no_thinking_budget),
     "priority": Unsupported("priority scheduling is not supported; requests run first come, "
                             "first served", _zero),
-    "kv_transfer_params": Unsupported("disaggregated serving is not supported", _empty),
+    # (Declared by completions and chat completions: frontend/server/kv_transfer_params.py.)
+    "kv_transfer_params": Unsupported(
+        "disaggregated prefill/decode takes /v1/completions and /v1/chat/completions only",
+        _empty),
     "ec_transfer_params": Unsupported("disaggregated serving is not supported", _empty),
     "vllm_xargs": Unsupported("request extensions are not supported", _empty),
     "return_token_ids": Unsupported("use logprobs with return_tokens_as_token_ids", _false),

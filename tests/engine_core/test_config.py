@@ -41,6 +41,13 @@ def test_config_is_resolved_and_frozen(folder):
     (dict(max_mixed_cudagraph_tokens=-1), "max_mixed_cudagraph_tokens"),
     (dict(async_scheduling=True, pipeline_parallel_size=2, distributed_executor_backend="mp"),
      "pipeline parallelism"),
+    # Data parallelism: each rank would bind the same kv_port; the ranks are local processes.
+    (dict(data_parallel_size=2, kv_offload_gb=1.0), "KV connector is not yet supported"),
+    (dict(data_parallel_size=2, kv_transfer_config={
+        "kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_port": 14579}),
+     "KV connector is not yet supported"),
+    (dict(data_parallel_size=2, distributed_executor_backend="ray"),
+     "ray executor is not yet supported"),
 ])
 def test_impossible_values_are_refused(folder, kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -270,10 +270,15 @@ def test_step_counters_reach_one_frontend_and_none_is_lost():
     """Frontends that add up their counters (the API servers of one server) must count each
     step once: the counters go to one frontend, the others get the gauges; a step without
     outputs keeps its counters for the next one."""
+    from types import SimpleNamespace
+
+    from tidal.engine_core.config import ParallelConfig
     from tidal.engine_core.core_proc import EngineCoreProc
     from tidal.engine_core.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
-    proc = EngineCoreProc(core=None, ctx=None, handshake=None)  # only publishing is used here
+    # Only publishing is used here (the core's parallel config: which DP rank this is).
+    core = SimpleNamespace(config=SimpleNamespace(parallel=ParallelConfig()))
+    proc = EngineCoreProc(core=core, ctx=None, handshake=None)
     proc._owners = {"c0:a": (0, "a"), "c1:b": (1, "b")}
     prefill = SchedulerStats(2, 0, 0.1, num_prompt_tokens=64)
     proc._publish(EngineCoreOutputs([], 1.0, prefill))  # a prefill chunk: nothing to send

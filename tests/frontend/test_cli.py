@@ -57,10 +57,12 @@ def test_default_api_server_count_follows_the_cores():
 def _commands() -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {"tidal serve": sub.choices["serve"], "tidal generate": sub.choices["generate"],
+            "tidal disagg-proxy": sub.choices["disagg-proxy"],
             "engine-core": engine_cli.build_parser()}
 
 
-@pytest.mark.parametrize("command", ["tidal serve", "tidal generate", "engine-core"])
+@pytest.mark.parametrize("command", ["tidal serve", "tidal generate", "tidal disagg-proxy",
+                                     "engine-core"])
 def test_every_flag_has_a_help_line_with_its_default(command):
     parser = _commands()[command]
     assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)

@@ -64,7 +64,8 @@ DEPRECATED = {"time_per_output_token_seconds": "histogram"}
 TIDAL_EXTRAS = {"http_request_errors": "counter", "kv_cache_group_usage_perc": "gauge",
                 "tool_call_parse_failures": "counter",
                 "structured_output_compile_seconds": "histogram",
-                "structured_output_requests": "counter"}
+                "structured_output_requests": "counter",
+                "kv_connector_stored_tokens": "counter"}
 # Pending, feature absent in tidal (vLLM registers them only with the feature on): they must
 # not be exposed until the feature is there.
 PENDING = {

@@ -27,6 +27,13 @@ def _engine(folder, **kw) -> LLM:
                max_num_seqs=4, max_num_batched_tokens=96, device="cpu", **kw)
 
 
+def _collective_segments(pid: int) -> int:
+    """How many shared-memory collective segments (``shm_collectives``) process ``pid`` maps."""
+    import psutil
+
+    return sum("tidal-coll-" in m.path for m in psutil.Process(pid).memory_maps())
+
+
 def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -57,9 +64,13 @@ def test_pipeline_matches_single_worker(tiny_models, family, tp, pp):
     core.executor.execute_model = spy
     try:
         got = _tokens(llm, prompts)
+        # CPU workers of the mp executor talk over shared memory by default (--cpu-collectives
+        # auto): every rank maps one segment per group it is in (tensor and/or pipeline).
+        segments = [_collective_segments(pid) for pid in core.executor.worker_pids]
     finally:
         llm.shutdown()
     assert got == reference
+    assert segments == [(tp > 1) + (pp > 1)] * (tp * pp), segments
     assert max(depth) == pp, depth  # the pipeline was kept full at some point
 
 

@@ -4,7 +4,10 @@ them. A single-process group does nothing; multi-process groups wrap torch.distr
 Every worker joins one torch.distributed world (NCCL on GPUs, gloo on CPU) and, per parallel
 dimension, a *device group* (the world's backend: collectives on model tensors) and a *CPU group*
 (always gloo: small control tensors such as the pipeline's shape headers, and barriers, without
-a device round trip). Ranks are laid out tensor-parallel first::
+a device round trip). CPU workers of one host (the multiprocess executor) instead run every
+collective and send/recv of their groups over one shared-memory segment per group
+(``shm_collectives``; ``--cpu-collectives``, default shm there), gloo only setting it up.
+Ranks are laid out tensor-parallel first::
 
     global rank = pp_rank * tp_size + tp_rank
 
@@ -53,6 +56,9 @@ class ParallelGroup:
     fast_all_reduce: Any = None
     # All-reduce fused into batch-1 decode GEMVs (``push_allreduce``), set after the model loads.
     push_all_reduce: Any = None
+    # Every collective and send/recv over shared memory (``shm_collectives.ShmCollectives``)
+    # when the group's ranks are CPU processes of this host; None: torch.distributed.
+    shm: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -77,6 +83,8 @@ class ParallelGroup:
         one-shot path on, a new tensor. Use the return value."""
         if self.world_size == 1:
             return x
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         fast = self.fast_all_reduce
         if fast is not None and fast.applies(x):
             return fast(x)
@@ -113,7 +121,10 @@ class ParallelGroup:
         else:
             out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
                               device=x.device)
-            _all_gather_flat(out, x, group=self.device_group)
+            if self.shm is not None:
+                self.shm.all_gather_into(out, x)
+            else:
+                _all_gather_flat(out, x, group=self.device_group)
         if dim == 0:
             return out
         return (out.view(self.world_size, *x.shape).movedim(0, dim)
@@ -123,23 +134,37 @@ class ParallelGroup:
         """``x`` of group rank ``src`` copied into ``x`` on every rank (returns ``x``)."""
         if self.world_size == 1:
             return x
+        if self.shm is not None:
+            return self.shm.broadcast(x, src)
         torch.distributed.broadcast(x, src=self.ranks[src], group=self._group(cpu))
         return x
 
     def send(self, x: torch.Tensor, dst: int, cpu: bool = False) -> Any:
         """Start sending ``x`` to group rank ``dst``; returns the work handle. Keep ``x`` alive
         and unchanged until ``wait()`` on it returns."""
+        if self.shm is not None:
+            return self.shm.send(x, dst)  # what the mailbox cannot take yet goes at wait()
         return torch.distributed.isend(x, dst=self.ranks[dst], group=self._group(cpu))
 
     def recv(self, x: torch.Tensor, src: int, cpu: bool = False) -> torch.Tensor:
         """Receive into ``x`` from group rank ``src`` (blocks until it arrived; on NCCL, until
         the receive is ordered on the current stream). Returns ``x``."""
+        if self.shm is not None:
+            return self.shm.recv(x, src)
         torch.distributed.recv(x, src=self.ranks[src], group=self._group(cpu))
         return x
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            torch.distributed.barrier(group=self.cpu_group)
+            if self.shm is not None:
+                self.shm.barrier()
+            else:
+                torch.distributed.barrier(group=self.cpu_group)
+
+    def close(self) -> None:
+        """Leave the shared-memory group, if any (peers waiting on this rank then fail)."""
+        if self.shm is not None:
+            self.shm.close()
 
     def _group(self, cpu: bool) -> Any:
         group = self.cpu_group if cpu else self.device_group
@@ -221,11 +246,18 @@ def _listen(host: str) -> socket.socket:
 
 def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: int,
                      device: torch.device, store: Any = None,
-                     kernels: KernelConfig | None = None) -> tuple[ParallelGroup, ParallelGroup]:
+                     kernels: KernelConfig | None = None,
+                     cpu_collectives: str = "gloo") -> tuple[ParallelGroup, ParallelGroup]:
     """Join the world (rank 0 passes the store it serves; others connect to ``host:port``) and
     build the tensor- and pipeline-parallel groups of ``rank``. Collective: every rank calls it
     with the same sizes (and the same ``kernels``, whose all-reduce choices apply; None: the
-    defaults)."""
+    defaults). ``cpu_collectives`` "shm": the groups of these CPU ranks (all on this host)
+    communicate over shared memory (``shm_collectives``); "gloo": over torch.distributed."""
+    if cpu_collectives not in ("shm", "gloo"):
+        raise ValueError(f"cpu_collectives must be shm or gloo, got {cpu_collectives!r}")
+    if cpu_collectives == "shm" and device.type != "cpu":
+        raise ValueError("shared-memory collectives are for CPU workers; "
+                         f"this one runs on {device.type}")
     world = tp_size * pp_size
     dist = torch.distributed
     if store is None:
@@ -255,6 +287,17 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
             lamport=kc.lamport_allreduce, max_bytes=kc.symm_allreduce_max_bytes)
     logger.info("rank %d joined the %s world of %d (tp rank %d/%d, pp rank %d/%d)", rank,
                 backend, world, tp_rank, tp_size, pp_rank, pp_size)
+    if device.type == "cpu" and world > 1:
+        if cpu_collectives == "shm":
+            from tidal.worker.distributed.shm_collectives import ShmCollectives
+
+            # Every rank sets up its tensor group, then its pipeline group: the same order
+            # within each group, so the set-ups' gloo rendezvous never cross.
+            for group in (tp, pp):
+                if group.world_size > 1:
+                    group.shm = ShmCollectives.create(group.cpu_group, group.rank, group.ranks)
+        logger.info("rank %d: CPU collectives over %s", rank,
+                    "shared memory" if cpu_collectives == "shm" else "gloo")
     return tp, pp
 
 
@@ -281,6 +324,10 @@ def _make_groups(all_ranks: list[list[int]], rank: int, backend: str,
     return mine
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(*groups: ParallelGroup | None) -> None:
+    """Leave ``groups``' shared-memory segments, then the torch.distributed world."""
+    for group in groups:
+        if group is not None:
+            group.close()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -12,6 +12,7 @@ from tidal.worker.attention.backend import (
     kv_cache_shape,
 )
 from tidal.worker.attention.fp8_kv import FP8_KV_DTYPE, new_scale
+from tidal.worker.compilation.attention_op import attention as attention_op
 
 
 class Attention(nn.Module):
@@ -35,6 +36,10 @@ class Attention(nn.Module):
         # table and slot mapping address it (``engine_core.kv_groups``).
         self.kv_cache = torch.empty(0)
         self.kv_group = 0
+        # Set when the model is compiled (``worker.compilation``): the layer's index for the
+        # opaque ``tidal::attention`` op, which the traced graph (run with no metadata) calls,
+        # and splits at, instead of tracing into the backend.
+        self.op_index: int | None = None
         # FP8 KV cache scales (attention/fp8_kv.py): read only when the cache is FP8; loaded
         # from the checkpoint or left at 1.0. Buffers so they live on the model's device.
         self.register_buffer("k_scale", new_scale(), persistent=False)
@@ -56,11 +61,19 @@ class Attention(nn.Module):
         return meta if meta.groups is None else meta.groups[self.kv_group]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        if meta is None:  # inside the compiled model: the op finds the step's metadata
+            assert self.op_index is not None, "a compiled model numbers its attention layers"
+            return attention_op(q, k, v, self.op_index)
+        return self.eager_forward(q, k, v, meta)
+
+    def eager_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
         n = q.shape[0]
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        # (reshape: inside a compiled graph the op may receive a strided slice of q/k/v)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         meta = self.group_meta(meta)
         self.impl.write_kv(k, v, self.kv_cache, meta, **self._fp8_scales())
         return self.attend(q, meta)

@@ -1,0 +1,181 @@
+"""The engine config's compilation section: ``--compilation-config`` (vLLM's field names) and
+the ``-O<n>`` shorthand, validated once into a frozen ``CompilationConfig``.
+
+``mode`` (``level`` is accepted for it, as vLLM's older name):
+
+- 0: no compilation, the model runs eagerly (the default on every device: no GPU
+  measurement has chosen otherwise yet, README: torch.compile);
+- 3: the model's forward traced once by Dynamo with a dynamic token count, split at the
+  attention op, and every piece between two attention calls compiled by Inductor
+  (``tidal.worker.compilation``), cached on disk under ``cache_dir``.
+
+Modes 1 and 2 (vLLM's plain ``torch.compile`` and trace-once without Inductor) are refused as
+not supported. ``cudagraph_mode``: NONE (no CUDA graphs) or FULL (today's whole-model graphs
+of decode and small mixed steps; with mode 3 they capture the compiled forward, pieces and
+attention op together); PIECEWISE and FULL_AND_PIECEWISE are refused on this build,
+as are ``cudagraph_capture_sizes`` and ``compile_sizes``. ``backend``: "inductor", or "eager"
+(the split graph runs uncompiled: for debugging a trace). ``pass_config.enable_fusion``: the
+fusion of the residual add with the RMSNorm after it and of SiLU with its multiply, which
+Inductor does as it lowers the pieces (tests/worker/test_compile.py reads the kernels of the
+saved pieces); no custom FX pass is needed for them, and they cannot be turned off, so false
+is refused.
+
+A bad key or value is a ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from tidal.engine_core import envs
+
+MODES = {0: "none", 3: "piecewise"}
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
+BACKENDS = ("inductor", "eager")
+_UNSUPPORTED_MODES = {
+    1: "mode 1 (plain torch.compile of the whole model)",
+    2: "mode 2 (Dynamo trace once, without Inductor)",
+}
+
+
+class PassConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Inductor fuses the elementwise neighbours of every matmul (the residual add with the
+    # RMSNorm after it, SiLU with the multiply) as it lowers a piece; always on.
+    enable_fusion: bool = True
+
+
+class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: int = 0
+    cudagraph_mode: str | None = None  # None: FULL on a GPU (unless enforce_eager), NONE on CPU
+    backend: str = "inductor"
+    cache_dir: str | None = None  # resolved: envs.cache_dir() / "compile" unless given
+    pass_config: PassConfig = msgspec.field(default_factory=PassConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == 3
+
+
+def _error(message: str) -> Exception:
+    from tidal.engine_core.config import ConfigError  # config.py imports this module
+
+    return ConfigError(message)
+
+
+def default_cache_dir() -> str:
+    return str(envs.cache_dir() / "compile")
+
+
+def _int_field(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(f"compilation_config.{name} must be an integer, got {value!r}")
+    return value
+
+
+def build_compilation_config(raw: Mapping[str, Any] | int | str | None) -> CompilationConfig:
+    """The section from ``--compilation-config`` (a JSON object, its text, or a bare level as
+    ``-O3`` gives) or None (the defaults)."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.isdigit():
+            raw = int(text)
+        else:
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise _error(f"compilation_config is not valid JSON: {exc}") from None
+    if raw is None:
+        raw = {}
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = {"mode": raw}
+    if not isinstance(raw, Mapping):
+        raise _error(f"compilation_config must be a JSON object or a level 0-3, got {raw!r}")
+    values = dict(raw)
+    if "level" in values:
+        if "mode" in values and values["mode"] != values["level"]:
+            raise _error("compilation_config: give mode or level (its older name), not both")
+        values["mode"] = values.pop("level")
+    mode = _int_field("mode", values.get("mode", 0))
+    if mode in _UNSUPPORTED_MODES:
+        raise _error(f"compilation_config.mode: not yet supported: {_UNSUPPORTED_MODES[mode]}; "
+                     "use 3 (piecewise: Dynamo + Inductor, split at attention) or 0 (eager)")
+    if mode not in MODES:
+        raise _error(f"compilation_config.mode must be 0 or 3 (or 1, 2: not yet supported), "
+                     f"got {mode}")
+    values["mode"] = mode
+    cg = values.get("cudagraph_mode")
+    if cg is not None:
+        if not isinstance(cg, str) or cg.upper() not in CUDAGRAPH_MODES:
+            raise _error(f"compilation_config.cudagraph_mode must be one of "
+                         f"{', '.join(CUDAGRAPH_MODES)}, got {cg!r}")
+        cg = cg.upper()
+        if "PIECEWISE" in cg:
+            raise _error(f"compilation_config.cudagraph_mode: not yet supported: {cg} (CUDA "
+                         "graphs around the compiled pieces); use FULL (the whole-model graphs "
+                         "of decode and small mixed steps) or NONE")
+        values["cudagraph_mode"] = cg
+    for name in ("cudagraph_capture_sizes", "compile_sizes"):
+        if values.get(name):
+            raise _error(f"compilation_config.{name}: not yet supported (the whole-model CUDA "
+                         "graphs take their sizes from max_num_seqs; pieces compile once for "
+                         "every size)")
+        values.pop(name, None)
+    backend = values.get("backend", "inductor")
+    if backend not in BACKENDS:
+        raise _error(f"compilation_config.backend must be one of {', '.join(BACKENDS)}, "
+                     f"got {backend!r}")
+    cache_dir = values.get("cache_dir")
+    if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+        raise _error(f"compilation_config.cache_dir must be a folder path, got {cache_dir!r}")
+    values["cache_dir"] = cache_dir or default_cache_dir()
+    passes = values.get("pass_config")
+    if passes is not None and not isinstance(passes, Mapping):
+        raise _error(f"compilation_config.pass_config must be a JSON object, got {passes!r}")
+    try:
+        values["pass_config"] = msgspec.convert(dict(passes or {}), PassConfig)
+        cc = msgspec.convert(values, CompilationConfig)
+    except msgspec.ValidationError as exc:
+        raise _error(f"compilation_config: {exc}") from None
+    if not cc.pass_config.enable_fusion:
+        raise _error("compilation_config.pass_config.enable_fusion: not yet supported: false "
+                     "(Inductor fuses the residual add + RMSNorm and SiLU-and-mul as it lowers "
+                     "each piece; there is no switch to keep them apart)")
+    return cc
+
+
+def describe(cc: CompilationConfig, device: str) -> str:
+    """The start-up log's line for the section as resolved."""
+    graphs = cc.cudagraph_mode or ("FULL" if device == "cuda" else "NONE")
+    if not cc.enabled:
+        return (f"off (mode 0: eager, the default on every device until GPU measurements "
+                f"choose otherwise); cudagraph_mode {graphs}")
+    fusion = "; add + RMSNorm and SiLU-and-mul fused" if cc.backend == "inductor" else ""
+    return (f"mode 3 (Dynamo trace once, dynamic token count, split at attention, pieces "
+            f"compiled by {cc.backend}{fusion}); cudagraph_mode {graphs} "
+            f"(on a GPU the whole-model graphs capture the compiled forward); cache "
+            f"{cc.cache_dir}")
+
+
+def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lora: bool,
+                      tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse what the compiled model does not do yet (mode 3 only), naming it."""
+    if not cc.enabled:
+        return
+    refused = []
+    if task != "generate":
+        refused.append(f"task {task!r} (the compiled forward is the decoder's)")
+    if speculative:
+        refused.append("speculative decoding (drafters and EAGLE-3 hidden states run the "
+                       "model outside the compiled forward)")
+    if lora:
+        refused.append("LoRA adapters (their per-step slots are not traced)")
+    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+        refused.append("tensor or pipeline parallelism (collectives inside the trace are "
+                       "unverified)")
+    if refused:
+        raise _error("compilation_config.mode 3: not yet supported with " + "; ".join(refused)
+                     + "; use mode 0")

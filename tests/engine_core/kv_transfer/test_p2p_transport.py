@@ -1,0 +1,159 @@
+"""The P2P KV transport between two caches (producer server, consumer client) in one process:
+blocks land where asked, chunked within the send buffer, and every refusal is an error the
+consumer sees (never a silent partial copy)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from tidal.engine_core.kv_transfer.p2p_transport import (
+    KVPullClient,
+    KVSendServer,
+    KVTransferError,
+    layer_block_bytes,
+)
+
+NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 12, 4, 2, 8, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _caches(seed: int | None, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(LAYERS)]
+
+
+def _finished(server: KVSendServer) -> set[str]:
+    """The first non-empty ``take_finished`` (the consumer's last message is asynchronous)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        done = server.take_finished()
+        if done:
+            return done
+        time.sleep(0.005)
+    return set()
+
+
+@pytest.fixture
+def pair():
+    src, dst = _caches(0), _caches(None)
+    # A buffer of one layer of two blocks: a 3-block pull goes one layer per chunk.
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}",
+                          buffer_bytes=2 * layer_block_bytes(src[0]), send_timeout_s=0.5)
+    client = KVPullClient(dst, timeout_s=2.0)
+    yield src, dst, server, client
+    client.close()
+    server.close()
+
+
+def test_pull_copies_the_asked_blocks_in_chunks(pair) -> None:
+    src, dst, server, client = pair
+    server.register("r1", [7, 2, 9, 4], "d1", ready=True)
+    # The producer's blocks 1..3 of the request (pool blocks 2, 9, 4) into local 5, 0, 11.
+    got = client.pull(server.address, "r1", 1, [5, 0, 11], "d1")
+    assert got == 3 * LAYERS * layer_block_bytes(src[0])
+    for s, d in zip(src, dst):
+        for remote, local in zip([2, 9, 4], [5, 0, 11]):
+            assert torch.equal(d[:, local], s[:, remote])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 0, 11)]
+        assert not d[:, untouched].any()
+    # Back-pressure: one layer per chunk, never more than the buffer staged at once.
+    assert server.chunks_sent == LAYERS
+    assert server.peak_staged_bytes <= 3 * layer_block_bytes(src[0])
+    assert _finished(server) == {"r1"}  # the consumer's done releases it
+    assert server.pending() == 0
+
+
+def test_release_needs_the_prompt_digest(pair) -> None:
+    _, _, server, client = pair
+    server.register("r1", [1], "d1", ready=True)
+    client.release(server.address, "r1", "another prompt")
+    client.release(server.address, "r1", "d1")
+    assert _finished(server) == {"r1"} and server.pending() == 0
+
+
+@pytest.mark.parametrize("case", ["unknown", "not_ready", "digest", "range"])
+def test_refusals_fail_the_pull(pair, case: str) -> None:
+    src, dst, server, client = pair
+    server.register("r1", [1, 2], "d1", ready=case != "not_ready")
+    rid, digest, start, local = "r1", "d1", 0, [3, 4]
+    if case == "unknown":
+        rid = "other"
+    elif case == "digest":
+        digest = "another prompt"
+    elif case == "range":
+        local = [3, 4, 5]
+    with pytest.raises(KVTransferError):
+        client.pull(server.address, rid, start, local, digest)
+    assert not any(d.any() for d in dst)
+    # The request stays servable: a correct pull afterwards still works.
+    server.mark_ready(["r1"])
+    client.pull(server.address, "r1", 0, [3, 4], "d1")
+    assert torch.equal(dst[0][:, 3], src[0][:, 1])
+
+
+def test_layout_mismatch_and_dead_producer() -> None:
+    src = _caches(0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=0.2)
+    server.register("r1", [1], "d", ready=True)
+    other = KVPullClient(_caches(None, torch.float32), timeout_s=2.0)  # another dtype
+    with pytest.raises(KVTransferError, match="bfloat16"):
+        other.pull(server.address, "r1", 0, [0], "d")
+    other.close()
+    address = server.address
+    server.close()
+    client = KVPullClient(_caches(None), timeout_s=0.3)
+    with pytest.raises(KVTransferError, match="no answer"):
+        client.pull(address, "r1", 0, [0], "d")
+    client.close()
+
+
+def test_unpulled_requests_expire() -> None:
+    server = KVSendServer(_caches(0), f"tcp://127.0.0.1:{_free_port()}", 1e9,
+                          send_timeout_s=0.05)
+    try:
+        server.register("r1", [1], "d", ready=True)
+        server.register("r2", [2], "d", ready=True)
+        server.register("r3", [3], "d", ready=False)  # its step still runs: no clock yet
+        server.forget("r2")  # aborted: not reported as sent
+        time.sleep(0.1)
+        server.mark_ready(["r3"])  # the clock starts when its blocks are servable
+        assert server.take_finished() == {"r1"}
+        time.sleep(0.1)
+        assert server.take_finished() == {"r3"}
+        assert server.take_finished() == set()
+    finally:
+        server.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (the transport's device-cache path)")
+def test_pull_between_gpu_caches() -> None:
+    """The producer's cache on the first GPU, the consumer's on the last (the same GPU with
+    one): staged through host memory both ways."""
+    src_dev, dst_dev = "cuda:0", f"cuda:{torch.cuda.device_count() - 1}"
+    src = [c.to(src_dev) for c in _caches(0)]
+    dst = [c.to(dst_dev) for c in _caches(None)]
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=5)
+    client = KVPullClient(dst, timeout_s=5.0)
+    try:
+        server.register("r1", [3, 1], "d", ready=True)
+        client.pull(server.address, "r1", 0, [0, 7], "d")
+        torch.cuda.synchronize()
+        for s, d in zip(src, dst):
+            assert torch.equal(d[:, [0, 7]].cpu(), s[:, [3, 1]].cpu())
+    finally:
+        client.close()
+        server.close()

@@ -1,0 +1,307 @@
+"""The KV connector API without a model: the kv-transfer config, the registry (in-tree names and
+entry-point plugins), the host tier's LRU index, the step metadata on the wire, and the
+scheduler's hooks driven by a recording connector."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from tidal.engine_core import plugins
+from tidal.engine_core.kv_transfer import connector_registry
+from tidal.engine_core.kv_transfer.connector_base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from tidal.engine_core.kv_transfer.host_tier_index import HostTierIndex
+from tidal.engine_core.kv_transfer.offloading_connector import OffloadingConnector, OffloadMeta
+from tidal.engine_core.kv_transfer_config import (
+    KVTransferConfig,
+    KVTransferConfigError,
+    build_kv_transfer_config,
+)
+from tidal.engine_core.protocol import ModelRunnerOutput, SchedulerOutput
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def test_json_config_reads_vllm_field_names():
+    c = build_kv_transfer_config(
+        '{"kv_connector": "P2pConnector", "kv_role": "kv_producer", "kv_buffer_size": 1e8, '
+        '"kv_port": 21001, "kv_connector_extra_config": {"send_type": "PUT"}}', None)
+    assert c == KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_producer",
+                                 kv_buffer_size=1e8, kv_port=21001,
+                                 kv_connector_extra_config={"send_type": "PUT"})
+    assert c.is_producer and not c.is_consumer and c.extra("send_type") == "PUT"
+    assert build_kv_transfer_config(None, None) is None
+
+
+def test_offload_gb_is_offloading_connector_shorthand():
+    c = build_kv_transfer_config(None, 2.5)
+    assert c.kv_connector == "OffloadingConnector" and c.kv_buffer_size == 2.5e9
+
+
+@pytest.mark.parametrize("raw, match", [
+    ("{not json", "not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    ({"kv_role": "kv_both"}, "kv_connector is required"),
+    ({"kv_connector": "X", "kv_rol": "kv_both"}, "unknown field.*kv_rol"),
+    ({"kv_connector": "X", "kv_role": "kv_sender"}, "kv_role must be one of"),
+    ({"kv_connector": "X", "kv_port": 70000}, "kv_port"),
+    ({"kv_connector": "X", "kv_buffer_size": -1}, "kv_buffer_size"),
+    ({"kv_connector": "X", "kv_buffer_size": "big"}, "kv_buffer_size"),
+    ({"kv_connector": "X", "kv_ip": "example.com"}, "kv_ip"),
+    ({"kv_connector": "X", "kv_buffer_device": "tpu"}, "kv_buffer_device"),
+    ({"kv_connector": " "}, "must name a connector"),
+])
+def test_bad_json_config_names_the_field(raw, match):
+    with pytest.raises(KVTransferConfigError, match=match):
+        build_kv_transfer_config(raw, None)
+
+
+def test_cli_flags_parse():
+    from tidal.engine_core.cli import build_parser, engine_args_from
+
+    ns = build_parser().parse_args(["--kv-offload-gb", "1.5", "--kv-transfer-config",
+                                    '{"kv_connector": "OffloadingConnector"}'])
+    args = engine_args_from(ns)
+    assert args.kv_offload_gb == 1.5
+    assert args.kv_transfer_config == {"kv_connector": "OffloadingConnector"}
+
+
+# --- registry ------------------------------------------------------------------------------------
+
+
+class RecordingConnector(KVConnectorBase):
+    """Matches one block of every request past the local hit and records every hook."""
+
+    calls: list = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("match", request.request_id, num_computed_tokens))
+        return (self.block_size if request.num_tokens - num_computed_tokens > self.block_size
+                else 0), False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.calls.append(("alloc", request.request_id, list(block_ids), num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output):
+        self.calls.append(("meta", scheduler_output.step_id))
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        self.calls.append(("finished", request.request_id))
+        return True, {"remote_block_ids": list(block_ids)}
+
+
+def test_registry_knows_the_in_tree_connectors():
+    assert connector_registry.connector_class("OffloadingConnector") is OffloadingConnector
+    assert "P2pConnector" in connector_registry.builtin_names()
+    with pytest.raises(connector_registry.KVConnectorError, match="not a known KV connector"):
+        connector_registry.connector_class("Nope")
+
+
+def test_plugins_register_connectors_by_entry_point(monkeypatch):
+    loaded = {"Recording": RecordingConnector, "Bad": dict}
+    monkeypatch.setattr(plugins, "plugin_names",
+                        lambda group: sorted(loaded) if group == "tidal.kv_connectors" else [])
+    monkeypatch.setattr(plugins, "load_plugin", lambda group, name: loaded[name])
+    assert connector_registry.connector_class("Recording") is RecordingConnector
+    assert "Recording" in connector_registry.connector_names()
+    with pytest.raises(connector_registry.KVConnectorError, match="not a KVConnectorBase"):
+        connector_registry.connector_class("Bad")
+
+
+# --- the host tier's index ---------------------------------------------------------------------
+
+
+def test_host_index_is_an_lru_that_skips_pinned_slots():
+    index = HostTierIndex(3)
+    assert [index.store(h) for h in (b"a", b"b", b"c")] == [0, 1, 2]  # consecutive slots
+    assert index.store(b"a") is None  # present: only refreshed (now most recent)
+    assert index.store(b"d") == 1  # "b" was least recently used
+    assert b"b" not in index and index.lookup(b"d") == 1
+    assert index.take(b"c") == 2  # a load this step: pinned
+    assert index.store(b"e") == 0  # LRU order is c, a, d -> c pinned, so "a" goes
+    assert index.store(b"f") == 1  # then "d"
+    index.check_invariants()
+    # Every slot pinned: nothing is stored rather than a slot being overwritten under a load.
+    for h in (b"c", b"e", b"f"):
+        index.take(h)
+    assert index.store(b"g") is None
+    index.end_step()
+    assert index.store(b"g") == 2  # "c" is least recent again, unpinned now
+    index.clear()
+    assert len(index) == 0 and index.store(b"x") == 0
+    index.check_invariants()
+
+
+def test_a_block_dropped_after_a_failed_load_never_reaches_the_host_tier():
+    """Reuse evicts through ``on_evict`` (the host tier keeps a copy); a block whose load
+    failed holds garbage and leaves the prefix cache without it."""
+    from tidal.engine_core.block_pool import BlockPool
+
+    pool = BlockPool(4, enable_caching=True)
+    evicted: list = []
+    pool.on_evict = lambda block_id, block_hash: evicted.append((block_id, block_hash))
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"good")
+    pool.cache_block(b, b"garbage")
+    pool.drop_cached(b.block_id)
+    assert pool.lookup(b"garbage") is None and evicted == []
+    pool.free([a, b])
+    pool.allocate(4)  # reuses every block: "good" is evicted the ordinary way
+    assert evicted == [(a.block_id, b"good")]
+    pool.check_invariants()
+
+
+# --- wire ----------------------------------------------------------------------------------------
+
+
+def test_metadata_and_finished_ids_cross_the_wire_without_pickle():
+    meta = OffloadMeta(store_block_ids=[4, 5], store_slots=[0, 1], load_block_ids=[7],
+                       load_slots=[3])
+    so = SchedulerOutput(step_id=3, kv_connector_metadata=msgspec.msgpack.encode(meta))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)
+    assert msgspec.msgpack.decode(back.kv_connector_metadata, type=OffloadMeta) == meta
+    out = ModelRunnerOutput(kv_finished_sending=["a"], kv_finished_recving=["b"])
+    back_out = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=ModelRunnerOutput)
+    assert (back_out.kv_finished_sending, back_out.kv_finished_recving) == (["a"], ["b"])
+    # Without a connector nothing extra travels.
+    assert msgspec.msgpack.encode(SchedulerOutput(step_id=3)) == \
+        msgspec.msgpack.encode(SchedulerOutput(step_id=3, kv_connector_metadata=b""))
+
+
+# --- scheduler hooks, with a recording connector -------------------------------------------------
+
+
+@pytest.fixture
+def recording_scheduler(tiny_models, monkeypatch):
+    from tidal.engine_core.config import EngineArgs
+    from tidal.engine_core.scheduler import Scheduler
+
+    real = connector_registry.connector_class
+    monkeypatch.setattr(connector_registry, "connector_class",
+                        lambda name: RecordingConnector if name == "Recording" else real(name))
+    RecordingConnector.calls = []
+    folder, _ = tiny_models["llama"]
+    config = EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=16,
+                        kv_transfer_config={"kv_connector": "Recording"}).create_config()
+    return Scheduler(config)
+
+
+def test_scheduler_calls_the_hooks_at_their_points(recording_scheduler):
+    from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
+    from tidal.engine_core.request import Request
+    from tidal.engine_core.sampling_params import SamplingParams
+
+    sched = recording_scheduler
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    sched.add_request(Request.from_engine_request(
+        EngineCoreRequest("r", list(range(3, 43)), params), 128, frozenset()))
+    out = sched.schedule()
+    calls = RecordingConnector.calls
+    assert calls[0] == ("match", "r", 0)
+    assert calls[1][0] == "alloc" and calls[1][3] == 16 and len(calls[1][2]) == 3
+    assert calls[2] == ("meta", out.step_id)
+    # The external block counts as computed: only the other 24 prompt tokens are scheduled.
+    assert out.num_scheduled_tokens == [24]
+    assert out.new_reqs[0].num_computed_tokens == 16
+    # An empty step message with nothing held stays b"": the workers make no connector call.
+    assert out.kv_connector_metadata == b""
+    # Finished with delay_free: the blocks stay held until a worker reports the send done.
+    free_before = sched.kv.num_free_blocks
+    sched.finish_requests(["r"], FinishReason.ABORT)
+    assert ("finished", "r") in calls
+    assert sched.kv.num_free_blocks == free_before and sched.has_held_kv
+    # While blocks are held, even an empty message goes out (the workers report sends then).
+    poll = sched.kv_poll_output()
+    assert poll is not None and poll.kv_connector_metadata == msgspec.msgpack.encode(
+        KVConnectorMetadata())
+    sched.update_from_output(SchedulerOutput(step_id=99),
+                             ModelRunnerOutput(kv_finished_sending=["r"]))
+    assert sched.kv.num_free_blocks == 16 and not sched.has_held_kv
+
+
+def test_a_send_reported_before_its_request_finished_holds_nothing(recording_scheduler):
+    """Async scheduling with a send timeout under one step: the workers' ``finished_sending``
+    for a request can arrive before the output that finishes it; its blocks must not be held
+    for a send that is over."""
+    from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
+    from tidal.engine_core.request import Request
+    from tidal.engine_core.sampling_params import SamplingParams
+
+    sched = recording_scheduler
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    sched.add_request(Request.from_engine_request(
+        EngineCoreRequest("r", list(range(3, 43)), params), 128, frozenset()))
+    sched.schedule()
+    sched.update_from_output(SchedulerOutput(step_id=98),
+                             ModelRunnerOutput(kv_finished_sending=["r", "unknown"]))
+    sched.finish_requests(["r"], FinishReason.ABORT)
+    assert ("finished", "r") in RecordingConnector.calls
+    assert not sched.has_held_kv and sched.kv.num_free_blocks == 16
+    assert not sched._kv_sent_early  # nothing left behind, "unknown" never recorded
+
+
+def test_async_loads_are_refused_clearly(recording_scheduler, monkeypatch):
+    from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
+    from tidal.engine_core.request import Request
+    from tidal.engine_core.sampling_params import SamplingParams
+
+    sched = recording_scheduler
+    monkeypatch.setattr(RecordingConnector, "get_num_new_matched_tokens",
+                        lambda self, request, n: (16, request.request_id == "bad"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for rid in ("bad", "good"):
+        sched.add_request(Request.from_engine_request(
+            EngineCoreRequest(rid, list(range(3, 43)), params), 128, frozenset()))
+    # The request whose load would be asynchronous fails alone; the engine goes on.
+    out = sched.schedule()
+    assert [r.req_id for r in out.new_reqs] == ["good"]
+    (failed,) = sched.take_kv_rejected()
+    assert failed.request_id == "bad" and failed.finish_reason == FinishReason.ERROR
+    assert "asynchronous KV load" in failed.error and "not yet supported" in failed.error
+    assert "bad" not in sched.requests and sched.take_kv_rejected() == []
+    sched.kv.pool.check_invariants()
+
+
+def test_connector_roles_share_one_class():
+    assert KVConnectorRole.SCHEDULER != KVConnectorRole.WORKER
+    cfg = SimpleNamespace(kv_transfer=KVTransferConfig(kv_connector="X"),
+                          cache=SimpleNamespace(block_size=16))
+    base = KVConnectorBase(cfg, KVConnectorRole.WORKER, rank=2)
+    assert (base.rank, base.block_size) == (2, 16)
+    assert base.get_finished([]) == (set(), set())
+    assert base.request_finished(None, []) == (False, None)
+    with pytest.raises(NotImplementedError):
+        base.get_num_new_matched_tokens(None, 0)
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def test_metrics_and_stats_line_show_connector_hits_and_stores():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tidal.engine_core.protocol import SchedulerStats
+    from tidal.engine_core.stats_logger import kv_connector_line
+    from tidal.frontend.output_processor import StepRecord
+    from tidal.frontend.server.metrics import ServerMetrics
+
+    later = SchedulerStats(kv_connector_queries=64, kv_connector_hits=48, kv_connector_stores=32)
+    # A report that was never delivered folds in.
+    later.add_counters(SchedulerStats(kv_connector_queries=16, kv_connector_stores=16))
+    metrics = ServerMetrics("m", 128, "tidal", {})
+    metrics.observe_step(later, StepRecord(engine_index=0))
+    samples = {s.name: s.value for fam in text_string_to_metric_families(
+        metrics.render().decode()) for s in fam.samples if s.name.endswith("_total")}
+    assert samples["tidal:external_prefix_cache_queries_total"] == 80
+    assert samples["tidal:external_prefix_cache_hits_total"] == 48
+    assert samples["tidal:kv_connector_stored_tokens_total"] == 48
+    assert kv_connector_line(80, 48, 48) == (
+        "KV connector: external prefix cache hit rate 60.0% (48 of 80 queried tokens loaded), "
+        "48 tokens stored")

@@ -1,0 +1,172 @@
+"""``tidal serve --data-parallel-size 2 --api-server-count 2`` on a tiny random-weight model: two
+EngineCores behind two API servers act as one server. Greedy outputs match the offline engine
+(DP=1), requests spread over both ranks (per-rank series in ``/metrics``), an abort stops the
+request on the rank that runs it, and killing one rank ends the whole server: in-flight streams
+fail, exit code 1, the log names the rank, no process left behind.
+
+One server for the module; the last test kills it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = [f"Say something about the number {i}." for i in range(8)]
+MAX_TOKENS = 8
+LONG = 400  # tokens of a request that is aborted or killed (the model's context is 512)
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_smol_path):
+    server = ServerProcess([str(tiny_smol_path), "--data-parallel-size", "2",
+                            "--api-server-count", "2", "--max-model-len", "512",
+                            "--kv-cache-memory-bytes", str(32 << 20), "--cpu-threads", "1"],
+                           api_key=None)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _metrics(server: ServerProcess) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def _per_engine(text: str, name: str, **labels: str) -> dict[str, float]:
+    """engine label -> the sum of ``name``'s samples with ``labels``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        if all(got.get(k) == v for k, v in labels.items()):
+            out[got["engine"]] = out.get(got["engine"], 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _wait_idle(server: ServerProcess, timeout: float = 30.0) -> str:
+    """``/metrics`` once no rank reports a running or waiting request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _metrics(server)
+        busy = {**_per_engine(text, "tidal:num_requests_running"),
+                **_per_engine(text, "tidal:num_requests_waiting")}
+        if not any(busy.values()) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+def test_greedy_outputs_match_one_engine_and_spread_over_both_ranks(dp_server, tiny_smol_path):
+    from tidal.engine_core.sampling_params import SamplingParams
+    from tidal.frontend import LLM
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused")
+        try:
+            # Each on its own connection: both API servers route some.
+            rs = await asyncio.gather(*(client.completions.create(
+                model="", prompt=p, max_tokens=MAX_TOKENS, temperature=0.0) for p in PROMPTS))
+        finally:
+            await client.close()
+        return [r.choices[0].text for r in rs]
+
+    before = _metrics(dp_server)
+    served = asyncio.run(main())
+    llm = LLM(str(tiny_smol_path), max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    try:
+        offline = [o.outputs[0].text for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    finally:
+        llm.shutdown()
+    assert served == offline
+    assert any(served)
+    after = _wait_idle(dp_server)
+    done = {e: n - _per_engine(before, "tidal:request_success_total").get(e, 0.0)
+            for e, n in _per_engine(after, "tidal:request_success_total").items()}
+    assert set(done) == {"0", "1"}, done
+    assert done["0"] > 0 and done["1"] > 0 and sum(done.values()) == len(PROMPTS), done
+    # Per-rank engine state, each rank's KV pool of its own.
+    assert set(_per_engine(after, "tidal:kv_cache_usage_perc")) == {"0", "1"}
+    assert set(_per_engine(after, "tidal:cache_config_info")) == {"0", "1"}
+
+
+def test_an_abort_stops_the_request_on_its_rank(dp_server):
+    before = _metrics(dp_server)
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused")
+        try:
+            stream = await client.completions.create(
+                model="", prompt="Count for a long time:", max_tokens=LONG, temperature=0.0,
+                stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.close()  # the client goes away: the server aborts the request
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    after = _wait_idle(dp_server)
+    generated = {e: n - _per_engine(before, "tidal:generation_tokens_total").get(e, 0.0)
+                 for e, n in _per_engine(after, "tidal:generation_tokens_total").items()}
+    # Had the abort gone to the other rank, the request would have run to its end.
+    assert 3 <= sum(generated.values()) < LONG, generated
+
+
+def test_killing_one_rank_ends_the_server(dp_server):
+    """Last in the module: it ends the shared server."""
+    log = dp_server.log_path.read_text(errors="replace")
+    pids = {int(p) for p in re.findall(r"EngineCore_DP1\[(\d+)\]", log)}
+    assert len(pids) == 1, pids
+    (rank1,) = pids
+    children = psutil.Process(dp_server.pid).children(recursive=True)
+    assert rank1 in {c.pid for c in children}
+
+    async def main() -> list[BaseException | None]:
+        client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused",
+                                    max_retries=0)
+        errors: list[BaseException | None] = []
+        try:
+            # Both streams are under way when the rank dies: whichever rank runs each, both
+            # fail (the engine is one to the client; a half engine is not served).
+            streams = [await client.completions.create(
+                model="", prompt=f"Count for a long time {i}:", max_tokens=LONG,
+                temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+                for i in range(2)]
+            for stream in streams:
+                async for _ in stream:
+                    break
+            psutil.Process(rank1).kill()
+            for stream in streams:
+                error = None
+                try:
+                    async for _ in stream:
+                        pass
+                except Exception as exc:  # noqa: BLE001 - the error is what the test wants
+                    error = exc
+                errors.append(error)
+        finally:
+            await client.close()
+        return errors
+
+    errors = asyncio.run(main())
+    assert all(e is not None and "engine" in str(e) for e in errors), errors
+    assert dp_server.proc.wait(60) == 1
+    log = dp_server.log_path.read_text(errors="replace")
+    assert "data-parallel rank 1" in log
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left behind: {alive}"

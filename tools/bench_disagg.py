@@ -1,0 +1,338 @@
+"""Disaggregated prefill/decode benchmark (issue 27's 2-GPU case; a CPU smoke run).
+
+    python tools/bench_disagg.py --tokenizer tests/data/qwen3 [--shape llama-3.1-8b]
+
+1. Transfer bandwidth: the P2pConnector's transport (``engine_core/kv_transfer/p2p_transport``)
+   pulls one long request's KV (``--prompt-len`` tokens, every layer of the shape's cache
+   layout, bf16) from a cache on the first device into one on the second, as a decode instance
+   pulls from a prefill instance; against the plain device-to-device copy of the same bytes
+   measured in the same run (GPU 0 -> GPU 1; a host memcpy on a CPU).
+2. Decode under long prompts: ``--streams`` requests decode (``--stream-prompt-len`` prompt,
+   ``--stream-tokens`` output each) while long prompts (``--prompt-len`` tokens, a few output
+   tokens) arrive every ``--long-interval`` s. Colocated: one ``tidal serve`` (GPU 0) does it
+   all. Disaggregated: a prefill ``tidal serve`` (kv_producer, GPU 0), a decode ``tidal serve``
+   (kv_consumer, GPU 1) and ``tidal disagg-proxy``. Inter-token latency p99 of the streams
+   (client-side chunk gaps) and end-to-end output throughput, both setups.
+
+Targets (2 GPUs of one host, Llama-3.1-8B shape, dummy bf16 weights): transfer bandwidth >= 80 %
+of the device-to-device copy; decode ITL p99 disaggregated <= 0.5x colocated. Prints one JSON
+object with verdicts. ``--smoke`` runs a tiny shape on a CPU (its figures mean nothing): the
+transfer on host memory and both serving setups with a few streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_common import SHAPES, device_name, dump, judge, write_model_dir
+
+from tidal.engine_core.kv_transfer.p2p_transport import (
+    KVPullClient,
+    KVSendServer,
+    layer_block_bytes,
+)
+
+BLOCK = 16
+TARGETS = {
+    "transfer_vs_copy": (">=", 0.8, "KV transfer bandwidth / device-to-device copy bandwidth"),
+    "itl_p99_ratio": ("<=", 0.5, "decode ITL p99 disaggregated / colocated"),
+}
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- 1. transfer bandwidth ---------------------------------------------------------------------
+
+
+def _devices() -> tuple[torch.device, torch.device]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return torch.device("cuda:0"), torch.device("cuda:1")
+    if torch.cuda.is_available():
+        return torch.device("cuda:0"), torch.device("cuda:0")
+    return torch.device("cpu"), torch.device("cpu")
+
+
+def _sync(*devices: torch.device) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    shape = SHAPES[args.shape]
+    layers = shape["num_hidden_layers"]
+    heads = shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    blocks = -(-args.prompt_len // BLOCK)
+    src_dev, dst_dev = _devices()
+    cache = (2, blocks + 4, BLOCK, heads, head_dim)
+    src = [torch.randn(cache, device=src_dev).to(torch.bfloat16) for _ in range(layers)]
+    dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
+    nbytes = blocks * layers * layer_block_bytes(src[0])
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", args.send_buffer, 600.0)
+    client = KVPullClient(dst, 600.0)
+    ids = list(range(blocks))
+    local = list(range(4, blocks + 4))  # other pool blocks than the source's
+    times = []
+    try:
+        for rep in range(args.reps + 1):
+            server.register(f"r{rep}", ids, "d", ready=True)
+            _sync(src_dev, dst_dev)
+            start = time.perf_counter()
+            client.pull(server.address, f"r{rep}", 0, local, "d")
+            _sync(dst_dev)
+            if rep:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+        assert torch.equal(dst[-1][:, 4:blocks + 4].cpu(), src[-1][:, :blocks].cpu())
+    finally:
+        client.close()
+        server.close()
+    # The ceiling: the same bytes as one plain copy between the two devices (a host memcpy).
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    copies = []
+    for rep in range(args.reps + 1):
+        _sync(src_dev, dst_dev)
+        start = time.perf_counter()
+        b.copy_(a)
+        _sync(src_dev, dst_dev)
+        if rep:
+            copies.append(time.perf_counter() - start)
+    pull_gbps = nbytes / statistics.median(times) / 1e9
+    copy_gbps = nbytes / statistics.median(copies) / 1e9
+    return {"devices": [str(src_dev), str(dst_dev)], "bytes": nbytes, "blocks": blocks,
+            "layers": layers, "send_buffer_bytes": int(args.send_buffer),
+            "pull_s": [round(t, 5) for t in times], "pull_GBps": round(pull_gbps, 3),
+            "copy_s": [round(t, 5) for t in copies], "copy_GBps": round(copy_gbps, 3),
+            "ratio": round(pull_gbps / copy_gbps, 4)}
+
+
+# --- 2. decode ITL under long prompts ----------------------------------------------------------
+
+
+class Proc:
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.url} did not become healthy in {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _serve(args: argparse.Namespace, model: str, log: Path, gpu: int | None,
+           kv: dict[str, Any] | None = None) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tidal.frontend.cli", "serve", model, "--port", str(port),
+           "--load-format", "dummy", "--max-model-len", str(args.prompt_len + 256),
+           *args.engine_flags.split()]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return Proc(cmd, port, log, env)
+
+
+async def _stream(session: Any, url: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times of the chunks with text of one streamed completion."""
+    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {(await resp.read())[:300]!r}")
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    return times
+
+
+async def _workload(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    import aiohttp
+
+    rng = random.Random(0)
+    top = min(SHAPES[args.shape]["vocab_size"] - 1, 10000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(10, top) for _ in range(n)]
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _stream(session, url, prompt(args.stream_prompt_len), 4)  # warm-up
+        start = time.perf_counter()
+        streams = [asyncio.create_task(_stream(session, url, prompt(args.stream_prompt_len),
+                                               args.stream_tokens))
+                   for _ in range(args.streams)]
+        longs = []
+        while not all(s.done() for s in streams) and len(longs) < args.long_count:
+            await asyncio.sleep(args.long_interval)
+            longs.append(asyncio.create_task(_stream(session, url, prompt(args.prompt_len),
+                                                     args.long_tokens)))
+        stream_times = await asyncio.gather(*streams)
+        long_times = await asyncio.gather(*longs)
+        wall = time.perf_counter() - start
+    gaps = [b - a for t in stream_times for a, b in zip(t, t[1:])]
+    gaps.sort()
+    tokens = sum(len(t) for t in stream_times) + sum(len(t) for t in long_times)
+    return {"itl_p99_ms": round(gaps[int(0.99 * (len(gaps) - 1))] * 1e3, 3) if gaps else None,
+            "itl_median_ms": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
+            "long_prompts": len(longs), "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tok_s": round(tokens / wall, 2)}
+
+
+def serving(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
+    log = tmp / "servers.log"
+    two = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    gpu0, gpu1 = (0, 1) if two else (None, None)
+    out: dict[str, Any] = {}
+    try:
+        progress("colocated: one server")
+        one = _serve(args, model, log, gpu0)
+        try:
+            one.wait_healthy(args.start_timeout)
+            out["colocated"] = asyncio.run(_workload(args, one.url))
+        finally:
+            one.stop()
+        progress("disaggregated: prefill + decode + proxy")
+        kv_port = free_port()
+        prefill = _serve(args, model, log, gpu0, {"kv_connector": "P2pConnector",
+                                                  "kv_role": "kv_producer", "kv_port": kv_port,
+                                                  "kv_buffer_size": args.send_buffer})
+        decode = _serve(args, model, log, gpu1, {"kv_connector": "P2pConnector",
+                                                 "kv_role": "kv_consumer",
+                                                 "kv_port": free_port()})
+        proxy = None
+        try:
+            prefill.wait_healthy(args.start_timeout)
+            decode.wait_healthy(args.start_timeout)
+            port = free_port()
+            proxy = Proc([sys.executable, "-m", "tidal.frontend.cli", "disagg-proxy",
+                          "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
+                         port, log, dict(os.environ))
+            proxy.wait_healthy(60)
+            out["disaggregated"] = asyncio.run(_workload(args, proxy.url))
+        finally:
+            for p in (proxy, decode, prefill):
+                if p is not None:
+                    p.stop()
+    except BaseException:
+        progress(log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)")
+        raise
+    return out
+
+
+def verdicts(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    tr = result.get("transfer") or {}
+    sv = result.get("serving") or {}
+    colo = (sv.get("colocated") or {}).get("itl_p99_ms")
+    dis = (sv.get("disaggregated") or {}).get("itl_p99_ms")
+    return judge(TARGETS, {
+        "transfer_vs_copy": tr.get("ratio"),
+        "itl_p99_ratio": round(dis / colo, 4) if colo and dis is not None else None,
+    })
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for the dummy shape "
+                   "(the servers detokenize), e.g. tests/data/qwen3")
+    p.add_argument("--prompt-len", type=int, default=8192, help="tokens of a long prompt")
+    p.add_argument("--send-buffer", type=float, default=256e6,
+                   help="the producer's send buffer (kv_buffer_size), bytes")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--stream-prompt-len", type=int, default=128)
+    p.add_argument("--stream-tokens", type=int, default=512)
+    p.add_argument("--long-interval", type=float, default=1.0,
+                   help="seconds between long prompts")
+    p.add_argument("--long-count", type=int, default=16)
+    p.add_argument("--long-tokens", type=int, default=4)
+    p.add_argument("--engine-flags", default="", help="more flags for every tidal serve")
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--skip-serving", action="store_true", help="only the transfer bandwidth")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on a CPU")
+    p.add_argument("--output", default=None)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.smoke:
+        args.shape, args.prompt_len, args.reps = "tiny", 256, 2
+        args.streams, args.stream_prompt_len, args.stream_tokens = 2, 16, 8
+        args.long_interval, args.long_count, args.long_tokens = 0.2, 2, 2
+        args.send_buffer = min(args.send_buffer, 1 << 16)  # several chunks per pull
+        args.engine_flags += (" --device cpu --kv-cache-memory-bytes 33554432 "
+                              "--cpu-threads 1 --api-server-count 1")
+        args.start_timeout = min(args.start_timeout, 180.0)
+    result: dict[str, Any] = {"device": device_name(), "shape": args.shape,
+                              "prompt_len": args.prompt_len, "smoke": args.smoke}
+    progress("transfer bandwidth")
+    result["transfer"] = transfer(args)
+    if not args.skip_serving:
+        if not args.tokenizer:
+            raise SystemExit("bench_disagg: --tokenizer DIR is needed for the serving part "
+                             "(dummy weights, the servers detokenize), e.g. tests/data/qwen3")
+        with tempfile.TemporaryDirectory(prefix="tidal-bench-disagg-") as tmp:
+            model = write_model_dir(args.shape, Path(tmp) / args.shape, args.tokenizer)
+            result["serving"] = serving(args, model, Path(tmp))
+    result["verdicts"] = verdicts(result)
+    return result
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    dump(run(args), args.output)
+
+
+if __name__ == "__main__":
+    main()
