@@ -69,6 +69,18 @@ class HostTierIndex:
                 return slot
         return None
 
+    def reorder(self, hashes: list[bytes]) -> list[int] | None:
+        """Give ``hashes`` (each stored this step, in the order wanted) their own slots in
+        ascending order, keeping their LRU places; returns the slots, or None when it cannot
+        (a hash is gone or two share a slot: a store of this step evicted another's)."""
+        slots = [self._slots.get(h) for h in hashes]
+        if None in slots or len(set(slots)) != len(slots):
+            return None
+        ordered = sorted(slots)  # type: ignore[type-var]
+        for h, slot in zip(hashes, ordered):
+            self._slots[h] = slot  # an existing key: its LRU place stays
+        return ordered
+
     def end_step(self) -> None:
         """The step's loads are on their way: their slots may be reused from the next step."""
         self._pinned.clear()

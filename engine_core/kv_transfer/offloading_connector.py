@@ -175,6 +175,7 @@ class OffloadingConnector(KVConnectorBase):
         self.index = HostTierIndex(self.num_slots) if role == KVConnectorRole.SCHEDULER else None
         self._store_blocks: list[int] = []
         self._store_slots: list[int] = []
+        self._store_hashes: list[bytes] = []
         self._load_blocks: list[int] = []
         self._load_slots: list[int] = []
         # request id -> (its first block past the local hit, the host slots matched from there)
@@ -226,17 +227,35 @@ class OffloadingConnector(KVConnectorBase):
         if slot is not None:
             self._store_blocks.append(block_id)
             self._store_slots.append(slot)
+            self._store_hashes.append(block_hash)
             self._stats.stores += self.block_size
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta:
+        if len(self._store_blocks) > 1:
+            self._align_store_slots()
         meta = OffloadMeta(store_block_ids=self._store_blocks, store_slots=self._store_slots,
                            load_block_ids=self._load_blocks, load_slots=self._load_slots)
-        self._store_blocks, self._store_slots = [], []
+        self._store_blocks, self._store_slots, self._store_hashes = [], [], []
         self._load_blocks, self._load_slots = [], []
         self._matched.clear()
         assert self.index is not None
         self.index.end_step()
         return meta
+
+    def _align_store_slots(self) -> None:
+        """Blocks are evicted last-position-first, so slots handed out in eviction order run
+        against the block ids and every block became its own copy (an 8k-token prefix: 32k
+        small copies, slower than recomputing it on an H100). Sorted by block id, with the
+        step's slots in ascending order, consecutive blocks land in consecutive slots: one
+        copy per run of blocks, both when stored and when loaded again."""
+        assert self.index is not None
+        order = sorted(range(len(self._store_blocks)), key=self._store_blocks.__getitem__)
+        hashes = [self._store_hashes[i] for i in order]
+        slots = self.index.reorder(hashes)
+        if slots is not None:
+            self._store_blocks = [self._store_blocks[i] for i in order]
+            self._store_slots = slots
+            self._store_hashes = hashes
 
     def take_stats(self) -> KVConnectorStats | None:
         stats = self._stats
