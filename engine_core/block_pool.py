@@ -101,6 +101,9 @@ class BlockPool:
         # (block id, hash) of a cached block about to be reused for other tokens: a KV
         # connector that keeps evicted blocks (the host tier) sets it; None costs nothing.
         self.on_evict: Callable[[int, bytes], None] | None = None
+        # (block id, hash) of a block just registered in the prefix cache (its K/V are written
+        # by this step's forward): the host tier copies it out then (write-through).
+        self.on_cache: Callable[[int, bytes], None] | None = None
 
     def reserve(self) -> KVCacheBlock:
         """Take the next free block out of circulation for good."""
@@ -199,6 +202,8 @@ class BlockPool:
             return  # another block already holds these tokens; keep the first
         block.block_hash = block_hash
         cached[block_hash] = block
+        if self.on_cache is not None:
+            self.on_cache(block.block_id, block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

@@ -101,6 +101,16 @@ _HELP = {
                               "small gloo all-reduce) whether any has work, a rank without "
                               "any runs an empty step meanwhile, and all go idle together "
                               "(the stepping expert parallelism needs)",
+    "enable_expert_parallel": "split each MoE layer's experts over the DP x TP workers (each "
+                              "holds E / (DP x TP) whole experts; attention stays TP inside "
+                              "each DP engine); across DP engines it steps them in lockstep "
+                              "and needs --enforce-eager on a GPU",
+    "enable_dbo": "dual batch overlap (with --enable-expert-parallel across DP engines): a "
+                  "step's MoE exchange runs as two micro-batches, one's gather or reduce-"
+                  "scatter in flight while the other's experts compute (attention is not "
+                  "split)",
+    "dbo_token_threshold": "--enable-dbo applies to steps of at least this many tokens over "
+                           "all engines",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
                                     "processes), ray, or noop (no model: overhead benchmarks); "
                                     "default: uni for one worker, mp for several",
@@ -145,6 +155,13 @@ _HELP = {
     "kv_offload_gb": "host-memory KV tier of this many GB: prefix blocks evicted from the KV "
                      "cache are kept there and reloaded on a hit (shorthand for the "
                      "OffloadingConnector); default: none (off)",
+    "cpu_offload_gb": "GiB of each GPU worker's weights kept in pinned host memory and "
+                      "streamed to the GPU layer by layer just before use (whole decoder "
+                      "layers, from the last backwards); a no-op on a CPU (README: CPU "
+                      "offload)",
+    "pp_devices": "one device per pipeline stage, comma-separated, e.g. cuda,cpu: the last "
+                  "layers run on the CPU (README: Several GPUs or processes); default: every "
+                  "stage on --device",
     "compilation_config": "torch.compile as a JSON object in vLLM's field names, e.g. "
                           "'{\"mode\": 3, \"cache_dir\": \"/tmp/cc\"}', or a level: -O3 "
                           "(piecewise: Dynamo + Inductor, split at attention) or -O0 "

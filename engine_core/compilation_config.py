@@ -10,10 +10,16 @@ the ``-O<n>`` shorthand, validated once into a frozen ``CompilationConfig``.
   (``tidal.worker.compilation``), cached on disk under ``cache_dir``.
 
 Modes 1 and 2 (vLLM's plain ``torch.compile`` and trace-once without Inductor) are refused as
-not supported. ``cudagraph_mode``: NONE (no CUDA graphs) or FULL (today's whole-model graphs
-of decode and small mixed steps; with mode 3 they capture the compiled forward, pieces and
-attention op together); PIECEWISE and FULL_AND_PIECEWISE are refused on this build,
-as are ``cudagraph_capture_sizes`` and ``compile_sizes``. ``backend``: "inductor", or "eager"
+not supported. ``cudagraph_mode``: NONE (no CUDA graphs); FULL (the whole-model graphs of
+decode and small mixed steps; with mode 3 they capture the compiled forward, pieces and
+attention op together); PIECEWISE (mode 3 on a GPU: every compiled piece captured as a CUDA
+graph per capture size, the attention run eagerly between them, so prefill, decode and mixed
+steps all replay graphs: ``tidal.worker.compilation.piecewise_graphs``); FULL_AND_PIECEWISE
+(pure decode steps replay the whole-model graphs, every other step the piecewise ones).
+``cudagraph_capture_sizes`` (token counts; by default vLLM's grid: 1, 2, 4, 8, then every 8 to
+256 and every 16 beyond, up to 512 or the step's token budget) sizes the piecewise graphs only;
+a CPU, ``enforce_eager`` or mode 0 with a piecewise mode is refused (``check_combination``), as
+is ``compile_sizes`` (one compile serves every size). ``backend``: "inductor", or "eager"
 (the split graph runs uncompiled: for debugging a trace). ``pass_config.enable_fusion``: the
 fusion of the residual add with the RMSNorm after it and of SiLU with its multiply, which
 Inductor does as it lowers the pieces (tests/worker/test_compile.py reads the kernels of the
@@ -36,6 +42,8 @@ from tidal.engine_core import envs
 MODES = {0: "none", 3: "piecewise"}
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 BACKENDS = ("inductor", "eager")
+PIECEWISE_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
+MAX_CAPTURE_SIZE = 8192  # tokens of one piecewise graph (a bound on what the JSON may ask)
 _UNSUPPORTED_MODES = {
     1: "mode 1 (plain torch.compile of the whole model)",
     2: "mode 2 (Dynamo trace once, without Inductor)",
@@ -51,6 +59,8 @@ class PassConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: int = 0
     cudagraph_mode: str | None = None  # None: FULL on a GPU (unless enforce_eager), NONE on CPU
+    # Token counts of the piecewise graphs, ascending (None: the default for max_num_seqs).
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
     backend: str = "inductor"
     cache_dir: str | None = None  # resolved: envs.cache_dir() / "compile" unless given
     pass_config: PassConfig = msgspec.field(default_factory=PassConfig)
@@ -58,6 +68,11 @@ class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     @property
     def enabled(self) -> bool:
         return self.mode == 3
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether the compiled pieces replay CUDA graphs (PIECEWISE, FULL_AND_PIECEWISE)."""
+        return self.enabled and self.cudagraph_mode in PIECEWISE_MODES
 
 
 def _error(message: str) -> Exception:
@@ -74,6 +89,29 @@ def _int_field(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _error(f"compilation_config.{name} must be an integer, got {value!r}")
     return value
+
+
+def _capture_sizes(raw: Any, cudagraph_mode: str | None) -> tuple[int, ...] | None:
+    """``cudagraph_capture_sizes`` checked: positive token counts up to ``MAX_CAPTURE_SIZE``,
+    for a piecewise mode only (the whole-model graphs take theirs from max_num_seqs)."""
+    if not isinstance(raw, (list, tuple)):
+        raise _error(f"compilation_config.cudagraph_capture_sizes must be a list of token "
+                     f"counts, got {raw!r}")
+    if not raw:  # vLLM's spelling of "the default"
+        return None
+    if cudagraph_mode not in PIECEWISE_MODES:
+        raise _error("compilation_config.cudagraph_capture_sizes: not yet supported with "
+                     f"cudagraph_mode {cudagraph_mode or 'FULL (the default)'} (the whole-model "
+                     "graphs take their sizes from max_num_seqs); it sizes the PIECEWISE graphs")
+    if len(raw) > 512:
+        raise _error(f"compilation_config.cudagraph_capture_sizes: at most 512 sizes, got "
+                     f"{len(raw)}")
+    for value in raw:
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= MAX_CAPTURE_SIZE:
+            raise _error(f"compilation_config.cudagraph_capture_sizes: each must be an integer "
+                         f"in 1..{MAX_CAPTURE_SIZE}, got {value!r}")
+    return tuple(sorted(set(raw)))
 
 
 def build_compilation_config(raw: Mapping[str, Any] | int | str | None) -> CompilationConfig:
@@ -113,17 +151,17 @@ def build_compilation_config(raw: Mapping[str, Any] | int | str | None) -> Compi
             raise _error(f"compilation_config.cudagraph_mode must be one of "
                          f"{', '.join(CUDAGRAPH_MODES)}, got {cg!r}")
         cg = cg.upper()
-        if "PIECEWISE" in cg:
-            raise _error(f"compilation_config.cudagraph_mode: not yet supported: {cg} (CUDA "
-                         "graphs around the compiled pieces); use FULL (the whole-model graphs "
-                         "of decode and small mixed steps) or NONE")
+        if cg in PIECEWISE_MODES and mode != 3:
+            raise _error(f"compilation_config.cudagraph_mode {cg} needs mode 3 (the graphs are "
+                         "captured around the compiled pieces)")
         values["cudagraph_mode"] = cg
-    for name in ("cudagraph_capture_sizes", "compile_sizes"):
-        if values.get(name):
-            raise _error(f"compilation_config.{name}: not yet supported (the whole-model CUDA "
-                         "graphs take their sizes from max_num_seqs; pieces compile once for "
-                         "every size)")
-        values.pop(name, None)
+    sizes = values.pop("cudagraph_capture_sizes", None)
+    if sizes is not None:
+        values["cudagraph_capture_sizes"] = _capture_sizes(sizes, cg)
+    if values.get("compile_sizes"):
+        raise _error("compilation_config.compile_sizes: not yet supported (the pieces compile "
+                     "once, with a symbolic token count, for every size)")
+    values.pop("compile_sizes", None)
     backend = values.get("backend", "inductor")
     if backend not in BACKENDS:
         raise _error(f"compilation_config.backend must be one of {', '.join(BACKENDS)}, "
@@ -154,17 +192,39 @@ def describe(cc: CompilationConfig, device: str) -> str:
         return (f"off (mode 0: eager, the default on every device until GPU measurements "
                 f"choose otherwise); cudagraph_mode {graphs}")
     fusion = "; add + RMSNorm and SiLU-and-mul fused" if cc.backend == "inductor" else ""
+    how = {"PIECEWISE": "every piece a graph per capture size, attention eager between them",
+           "FULL_AND_PIECEWISE": "decode steps replay whole-model graphs, other steps the "
+                                 "piecewise ones",
+           "NONE": "no graphs"}.get(graphs, "on a GPU the whole-model graphs capture the "
+                                            "compiled forward")
+    sizes = (f", capture sizes {list(cc.cudagraph_capture_sizes)}"
+             if cc.cudagraph_capture_sizes else "")
     return (f"mode 3 (Dynamo trace once, dynamic token count, split at attention, pieces "
-            f"compiled by {cc.backend}{fusion}); cudagraph_mode {graphs} "
-            f"(on a GPU the whole-model graphs capture the compiled forward); cache "
-            f"{cc.cache_dir}")
+            f"compiled by {cc.backend}{fusion}); cudagraph_mode {graphs} ({how}{sizes}); "
+            f"cache {cc.cache_dir}")
 
 
 def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lora: bool,
-                      tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Refuse what the compiled model does not do yet (mode 3 only), naming it."""
+                      tensor_parallel_size: int, pipeline_parallel_size: int,
+                      device: str = "cuda", enforce_eager: bool = False,
+                      max_num_tokens: int | None = None) -> None:
+    """Refuse what the compiled model does not do yet (mode 3 only), naming it.
+    ``max_num_tokens``: the most tokens a step holds (no capture size may exceed it)."""
     if not cc.enabled:
         return
+    if cc.piecewise:
+        # Refused, not dropped: a CPU has no CUDA graphs, and enforce_eager asks for none.
+        if device != "cuda":
+            raise _error(f"compilation_config.cudagraph_mode {cc.cudagraph_mode} needs a CUDA "
+                         f"device (device {device!r}); use NONE")
+        if enforce_eager:
+            raise _error(f"compilation_config.cudagraph_mode {cc.cudagraph_mode} with "
+                         "enforce_eager: pick one (enforce_eager means no CUDA graphs)")
+        sizes = cc.cudagraph_capture_sizes
+        if sizes and max_num_tokens is not None and sizes[-1] > max_num_tokens:
+            raise _error(f"compilation_config.cudagraph_capture_sizes: {sizes[-1]} is above "
+                         f"the {max_num_tokens} tokens a step can hold (max_num_batched_tokens "
+                         "/ max_num_seqs)")
     refused = []
     if task != "generate":
         refused.append(f"task {task!r} (the compiled forward is the decoder's)")

@@ -21,6 +21,12 @@ from tidal.engine_core.compilation_config import (
     build_compilation_config,
 )
 from tidal.engine_core.compilation_config import check_combination as check_compilation
+from tidal.engine_core.cpu_offload_config import CPUOffloadConfigError, cpu_offload_bytes
+from tidal.engine_core.expert_parallel_config import (
+    ExpertParallelConfigError,
+    check_dbo_threshold,
+    check_expert_parallel,
+)
 from tidal.engine_core.kernel_config import KernelConfig, build_kernel_config
 from tidal.engine_core.kv_cache_dtype import (
     KVCacheDtypeError,
@@ -36,6 +42,7 @@ from tidal.engine_core.kv_transfer_config import (
 from tidal.engine_core.lora_config import LoRAConfig, LoRAConfigError, build_lora_config
 from tidal.engine_core.model_arch import ArchSpec, arch_from_hf_dict
 from tidal.engine_core.model_source import eos_token_ids, load_hf_config, resolve_model
+from tidal.engine_core.pp_devices import PPDevicesError, check_mixed, resolve_pp_devices
 from tidal.engine_core.quantization_config import (
     QuantConfig,
     QuantConfigError,
@@ -124,6 +131,16 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the ranks).
     data_parallel_lockstep: bool = False
     data_parallel_port: int = 0
+    # MoE experts split over the DP x TP workers (worker/layers/moe_ep.py; checked by
+    # expert_parallel_config.py); across DP engines it implies the lockstep.
+    enable_expert_parallel: bool = False
+    # Dual batch overlap (expert parallelism across engines): steps of at least
+    # ``dbo_token_threshold`` tokens over all engines exchange in two micro-batches.
+    enable_dbo: bool = False
+    dbo_token_threshold: int = 128
+    # The device of each pipeline stage (--pp-devices, pp_devices.py); empty: every stage on
+    # the engine's device.
+    pp_devices: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -151,6 +168,8 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
     kernels: KernelConfig = msgspec.field(default_factory=KernelConfig)
     # torch.compile of the model (compilation_config.py); mode 0 (off) by default.
     compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
+    # Bytes of each GPU worker's weights kept in pinned host memory (worker/cpu_offload.py).
+    cpu_offload_bytes: int = 0
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +259,11 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_lockstep: bool = False
+    enable_expert_parallel: bool = False
+    # Dual batch overlap of the experts' exchange between engines (worker/layers/moe_ep.py),
+    # in steps of at least this many tokens over all engines.
+    enable_dbo: bool = False
+    dbo_token_threshold: int = 128
     distributed_executor_backend: str | None = None
     cpu_collectives: str = "auto"  # auto | shm | gloo
     device: str = "auto"
@@ -268,6 +292,10 @@ class EngineArgs:
     kv_offload_gb: float | None = None
     # torch.compile as vLLM's JSON object, or a level (-O3) (compilation_config.py); None: off.
     compilation_config: dict[str, Any] | int | None = None
+    # GiB of each GPU worker's weights kept in pinned host memory (worker/cpu_offload.py).
+    cpu_offload_gb: float = 0.0
+    # One device per pipeline stage, comma-separated (pp_devices.py); None: all on --device.
+    pp_devices: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -286,6 +314,11 @@ class EngineArgs:
         hf.update(self.hf_overrides)
         arch = arch_from_hf_dict(hf, src.path)
         device = _resolve_device(self.device)
+        try:  # (--device auto follows the stages' devices)
+            device, pp_devices = resolve_pp_devices(self.pp_devices, self.device, device,
+                                                    self.pipeline_parallel_size)
+        except PPDevicesError as exc:
+            raise ConfigError(str(exc)) from None
 
         load_format = self.load_format
         if load_format not in _LOAD_FORMATS:
@@ -340,6 +373,7 @@ class EngineArgs:
             cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
+        parallel = msgspec.structs.replace(parallel, pp_devices=pp_devices)
         parallel = msgspec.structs.replace(parallel, cpu_collectives=_resolve_cpu_collectives(
             self.cpu_collectives, parallel, device))
         kernels = build_kernel_config(self.kernel_config,
@@ -390,7 +424,36 @@ class EngineArgs:
         check_compilation(compilation, task=task, speculative=speculative is not None,
                           lora=lora is not None,
                           tensor_parallel_size=parallel.tensor_parallel_size,
-                          pipeline_parallel_size=parallel.pipeline_parallel_size)
+                          pipeline_parallel_size=parallel.pipeline_parallel_size,
+                          device=device, enforce_eager=self.enforce_eager,
+                          max_num_tokens=max(scheduler.max_num_batched_tokens,
+                                             scheduler.max_num_seqs))
+        try:
+            expert_parallel = check_expert_parallel(
+                enabled=self.enable_expert_parallel, enable_dbo=self.enable_dbo, arch=arch,
+                tensor_parallel_size=parallel.tensor_parallel_size,
+                pipeline_parallel_size=parallel.pipeline_parallel_size,
+                data_parallel_size=parallel.data_parallel_size, device=device,
+                enforce_eager=runner.enforce_eager, compiled=compilation.enabled,
+                speculative=speculative is not None, lora=lora is not None)
+            dbo_threshold = check_dbo_threshold(self.dbo_token_threshold)
+        except ExpertParallelConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        parallel = msgspec.structs.replace(parallel, enable_expert_parallel=expert_parallel,
+                                           enable_dbo=self.enable_dbo,
+                                           dbo_token_threshold=dbo_threshold)
+        try:
+            check_mixed(pp_devices, tensor_parallel_size=parallel.tensor_parallel_size,
+                        backend=parallel.distributed_executor_backend,
+                        data_parallel_size=parallel.data_parallel_size,
+                        compiled=compilation.enabled, kv_transfer=kv_transfer is not None)
+            offload = cpu_offload_bytes(
+                self.cpu_offload_gb, gpu_stages=device == "cuda",
+                quantized=quantization is not None, compiled=compilation.enabled,
+                lora=lora is not None, embedding=task == "embed")
+        except (PPDevicesError, CPUOffloadConfigError) as exc:
+            raise ConfigError(str(exc)) from None
+        runner = msgspec.structs.replace(runner, cpu_offload_bytes=offload)
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
@@ -568,7 +631,10 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=tp, pipeline_parallel_size=pp,
             distributed_executor_backend=backend, data_parallel_size=dp,
-            data_parallel_lockstep=self.data_parallel_lockstep,
+            # (Experts across engines: every rank must join every step's exchange.)
+            data_parallel_lockstep=self.data_parallel_lockstep or (
+                self.enable_expert_parallel and dp > 1 and arch.num_experts > 0),
+            enable_expert_parallel=self.enable_expert_parallel,
         )
 
 
@@ -671,7 +737,9 @@ def _resolve_cpu_collectives(choice: str, parallel: ParallelConfig, device: str)
     if choice not in CPU_COLLECTIVES:
         raise ConfigError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got "
                           f"{choice!r}")
-    possible = device == "cpu" and parallel.distributed_executor_backend == "mp"
+    # (Stages on mixed devices, --pp-devices: the pipeline group carries host tensors only.)
+    possible = ((device == "cpu" or bool(parallel.pp_devices))
+                and parallel.distributed_executor_backend == "mp")
     if choice == "shm" and not possible:
         where = (f"the {parallel.distributed_executor_backend} executor" if device == "cpu"
                  else f"{device} workers")

@@ -123,6 +123,7 @@ class EngineCore:
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        self.forwards = 0  # steps launched on the workers (dp_lockstep counts them)
         self.speculative = config.speculative is not None
         # With steps in flight and a worker in this process, a constrained request runs every
         # step: its step is launched first, and its mask is filled from its previous token
@@ -223,6 +224,7 @@ class EngineCore:
                                if self.max_inflight > 1 else self.executor.execute_model(sched))
                 self.batch_queue.append((sched, pending))
                 launched = True
+                self.forwards += 1
         # A step that verifies or proposes drafts is collected in the call that launched it
         # (nothing may be scheduled behind it), not in an empty extra turn of the loop.
         limit = self.max_inflight if mask_later else self._inflight_limit()
@@ -251,6 +253,11 @@ class EngineCore:
         self.stats_logger.record(stats, time.perf_counter() - start)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
+
+    def empty_forward(self) -> None:
+        """A step of no tokens through the workers, for expert parallelism across DP ranks:
+        their MoE layers join the other ranks' exchange with no tokens (worker/layers/moe_ep)."""
+        self.executor.execute_model(SchedulerOutput(step_id=-1))
 
     def poll_kv_transfers(self, force: bool = False) -> None:
         """Run an empty step so the workers report finished KV sends (a producer's blocks held

@@ -22,9 +22,13 @@ move in *waves*:
   health at the idle loop's cadence; the wave watcher failing (the store gone) fails the
   engine too: a rank that can no longer hear of waves must not sit idle while its peers wait.
 
-Not yet: agreeing on a padded batch size for CUDA graphs (the ranks' forwards have no
-collective between them until expert parallelism exists), and the KV-connector polls of the
-plain busy loop.
+With experts split across the ranks (``--enable-expert-parallel``, worker/layers/moe_ep.py) every
+step reaches every rank's workers: a rank whose step launched no forward (no work, or nothing
+it could schedule) runs an empty one (``EngineCore.empty_forward``), whose MoE layers join the
+exchange with zero tokens; the token counts are agreed inside the forward.
+
+Not yet: agreeing on a padded batch size for CUDA graphs (expert parallelism across the ranks
+runs eagerly), and the KV-connector polls of the plain busy loop.
 """
 
 from __future__ import annotations
@@ -166,6 +170,8 @@ class LockstepEngineCoreProc(EngineCoreProc):
                     "%.2f s", parallel.data_parallel_size, parallel.data_parallel_rank,
                     time.perf_counter() - start)
         self.empty_steps = 0  # steps this rank took with no work of its own
+        # Experts split across the ranks (worker/layers/moe_ep): every step reaches the workers.
+        self._expert_parallel = parallel.enable_expert_parallel
 
     def run(self) -> int:
         self.group.watch_waves(self._inputs)
@@ -220,11 +226,17 @@ class LockstepEngineCoreProc(EngineCoreProc):
                 self._report_idle()
                 continue
             if has_work:
+                launched = core.forwards
                 self._publish(core.step())
+                if self._expert_parallel and core.forwards == launched:
+                    core.empty_forward()  # (nothing was scheduled: waiting on a grammar, say)
             else:
                 self.empty_steps += 1
+                if self._expert_parallel:
+                    # Experts across ranks: the workers join this step's MoE exchange.
+                    core.empty_forward()
                 # An empty step never reaches the workers: look at them as the idle loop does.
-                if (now := time.monotonic()) - checked >= HEALTH_CHECK_INTERVAL_S:
+                elif (now := time.monotonic()) - checked >= HEALTH_CHECK_INTERVAL_S:
                     checked = now
                     core.executor.check_health()
             self._steps += 1

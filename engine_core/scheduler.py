@@ -70,11 +70,18 @@ class Scheduler:
         self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
         if self.connector is not None and self.connector.wants_evictions:
             self.kv.pool.on_evict = self.connector.on_block_evicted
+        if self.connector is not None and self.connector.wants_cached_blocks:
+            self.kv.pool.on_cache = self.connector.on_block_cached
         # Finished requests whose blocks stay held until the workers report their KV sent.
         self._kv_held: dict[str, Request] = {}
         # Live requests whose send the workers reported finished before the request finished
         # here (a send timeout shorter than a step, async scheduling): not held when they end.
         self._kv_sent_early: set[str] = set()
+        # Asynchronous KV loads: requests waiting for theirs (blocks allocated, not
+        # scheduled; also aborted ones, whose blocks the pull still writes), and requests whose
+        # load is over -> their computed tokens (they are admitted from the queue again).
+        self._kv_recving: dict[str, Request] = {}
+        self._kv_loaded: dict[str, int] = {}
         # Requests the connector's admission answer failed -> why (``take_kv_rejected``).
         self._kv_rejected: dict[str, str] = {}
         # An empty step message of the connector: such a step sends b"" (workers skip it).
@@ -146,7 +153,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif rid not in self._kv_recving:
                 self.waiting.remove(req)
             req.finish(reason)
             self._release(req)
@@ -298,13 +305,23 @@ class Scheduler:
                         skipped.append(self.waiting.popleft())
                         continue
                     active_loras.add(lora_id)
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
-            # Tokens past the local hit that the KV connector loads instead (computed, too).
-            num_ext = 0 if self.connector is None else self._external_tokens(req, num_hit)
-            if num_ext < 0:  # the connector's answer is unusable: that request fails alone
-                self._fail_admission(self.waiting.popleft())
-                continue
+            loaded = self._kv_loaded.get(req.request_id) if self._kv_loaded else None
+            if loaded is not None:
+                # Its asynchronous KV load is over: blocks allocated, loaded tokens computed.
+                hits, num_hit, num_ext = [], loaded, 0
+            else:
+                hits = self.kv.get_computed_blocks(req)
+                num_hit = len(hits) * self.kv.block_size
+                # Tokens past the local hit that the KV connector loads instead (computed too).
+                num_ext, load_async = (0, False) if self.connector is None \
+                    else self._external_tokens(req, num_hit)
+                if num_ext < 0:  # the connector's answer is unusable: that request fails alone
+                    self._fail_admission(self.waiting.popleft())
+                    continue
+                if load_async:
+                    if not self._start_async_load(req, hits, num_hit, num_ext):
+                        break  # no room for its blocks yet
+                    continue
             remaining = req.num_tokens - num_hit - num_ext
             if not self.chunked_prefill and remaining > budget:
                 break
@@ -319,8 +336,11 @@ class Scheduler:
             if not ok:
                 req.num_computed_tokens = 0
                 break
-            self.kv.record_lookup(req, num_hit)
-            if self.connector is not None:
+            if loaded is not None:
+                del self._kv_loaded[req.request_id]
+            else:
+                self.kv.record_lookup(req, num_hit)
+            if self.connector is not None and loaded is None:
                 self.connector.update_state_after_alloc(
                     req, self.kv.block_ids(req.request_id), num_ext)
                 num_hit += num_ext  # a hit as far as the request's cached tokens go
@@ -601,7 +621,8 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + sum(not r.is_finished
+                                                for r in self._kv_recving.values()),
             kv_cache_usage=self.kv.usage,
             num_preemptions=self._num_preemptions,
             num_prompt_tokens=self._prompt_tokens_step,
@@ -667,28 +688,73 @@ class Scheduler:
             self._drafts.pop(req.request_id, None)
         if self._awaiting_first:
             self._awaiting_first.pop(req.request_id, None)
+        if self._kv_loaded:
+            self._kv_loaded.pop(req.request_id, None)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
     # --- KV connector -----------------------------------------------------------------------
 
-    def _external_tokens(self, req: Request, num_hit: int) -> int:
-        """Tokens of ``req`` past its local prefix hit that the connector loads."""
+    def _external_tokens(self, req: Request, num_hit: int) -> tuple[int, bool]:
+        """Tokens of ``req`` past its local prefix hit that the connector loads, and whether
+        the load is asynchronous; (-1, False) when the answer is unusable."""
         assert self.connector is not None
         name = type(self.connector).__name__
         num_ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
         bs = self.kv.block_size
-        if load_async:
+        if load_async and self.hybrid_kv:
             # (Not detectable at start-up: a connector decides per request.)
             why = (f"KV connector {name} asked for an asynchronous KV load: not yet supported "
-                   "by the scheduler (load in start_load_kv)")
+                   "with several KV groups (sliding-window layers)")
         elif num_ext % bs or num_hit + num_ext >= req.num_tokens or num_ext < 0:
             why = (f"KV connector {name} matched {num_ext} tokens past {num_hit}: not whole "
                    f"blocks of {bs} leaving one of the request's {req.num_tokens} tokens")
         else:
-            return num_ext
+            return num_ext, load_async and num_ext > 0
         self._kv_rejected[req.request_id] = why
-        return -1
+        return -1, False
+
+    def _start_async_load(self, req: Request, hits: list, num_hit: int, num_ext: int) -> bool:
+        """Admit ``req`` (the queue's head) for an asynchronous KV load: blocks for its local
+        hit and the loaded tokens, kept out of the prefix cache until filled (no other request
+        may hit them mid-pull). It waits in ``_kv_recving``, scheduled nowhere, until the
+        workers report the load over (``_kv_load_done``). False: no room yet."""
+        assert self.connector is not None
+        kv = self.kv
+        req.num_computed_tokens = num_hit
+        caching, kv.enable_caching = kv.enable_caching, False
+        try:
+            ok = kv.allocate_slots(req, num_ext, hits) is not None
+        finally:
+            kv.enable_caching = caching
+        if not ok:
+            req.num_computed_tokens = 0
+            return False
+        kv.record_lookup(req, num_hit)
+        self.connector.update_state_after_alloc(req, kv.block_ids(req.request_id), num_ext)
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit + num_ext
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit + num_ext
+        self._kv_recving[req.request_id] = req
+        return True
+
+    def _kv_load_done(self, req: Request, invalid: list[int]) -> None:
+        """``req``'s asynchronous load is over: back to the queue's head, its loaded tokens
+        computed, or (a block left unfilled) to recompute its prompt from scratch."""
+        if req.is_finished:  # aborted while its pull ran: its blocks were held for the pull
+            self.kv.free(req)
+            return
+        bad = set(invalid)
+        if bad and any(b.block_id in bad for b in self.kv.req_blocks.get(req.request_id, ())):
+            logger.warning("request %s: its KV load failed; computing its prompt here",
+                           req.request_id)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = -1  # counted when it is admitted anew
+        else:
+            self._kv_loaded[req.request_id] = req.num_computed_tokens
+        self.waiting.appendleft(req)
 
     def _fail_admission(self, req: Request) -> None:
         """Finish ``req`` with an error before it ever runs (``take_kv_rejected`` reports it)."""
@@ -705,9 +771,10 @@ class Scheduler:
 
     @property
     def has_held_kv(self) -> bool:
-        """Whether finished requests' blocks are held for a KV transfer (the workers must be
-        polled for its end even when nothing else runs)."""
-        return bool(self._kv_held)
+        """Whether finished requests' blocks are held for a KV transfer, or requests wait for
+        an asynchronous load (the workers must be polled for its end even when nothing else
+        runs)."""
+        return bool(self._kv_held or self._kv_recving)
 
     def _connector_holds(self, req: Request, out: EngineCoreOutput | None) -> bool:
         """Tell the connector ``req`` finished; True when it keeps the blocks until the
@@ -718,6 +785,8 @@ class Scheduler:
         if params is not None and out is not None:
             out.kv_transfer_params = params
         rid = req.request_id
+        if self._kv_recving and rid in self._kv_recving:
+            return True  # its pull still writes the blocks: freed when it is reported over
         if self._kv_sent_early and rid in self._kv_sent_early:
             self._kv_sent_early.discard(rid)
             if delay:  # its send ended (timed out) before it finished here: nothing to wait for
@@ -738,6 +807,10 @@ class Scheduler:
                 # Reported before the request finished here (its output is behind this one):
                 # remembered, so its blocks are not held for a send that is over.
                 self._kv_sent_early.add(rid)
+        for rid in result.kv_finished_recving:
+            req = self._kv_recving.pop(rid, None)
+            if req is not None:
+                self._kv_load_done(req, result.kv_invalid_block_ids)
         self.connector.update_connector_output(result.kv_finished_sending,
                                                result.kv_finished_recving)
 
@@ -746,7 +819,7 @@ class Scheduler:
         requests' blocks are held for a transfer, the workers must be asked now and then (their
         ``get_finished``) even when nothing is scheduled, or an idle engine (or one whose queue
         waits for those very blocks) would hold them for good."""
-        if not self._kv_held:
+        if not (self._kv_held or self._kv_recving):
             return None
         assert self.connector is not None
         out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_ids)
@@ -761,7 +834,7 @@ class Scheduler:
         when empty then."""
         assert self.connector is not None
         raw = msgspec.msgpack.encode(self.connector.build_connector_meta(out))
-        if self._kv_held or raw != self._kv_empty_meta:
+        if self._kv_held or self._kv_recving or raw != self._kv_empty_meta:
             out.kv_connector_metadata = raw
 
     def _recover_failed_loads(self, sched: SchedulerOutput,

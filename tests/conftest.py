@@ -101,10 +101,19 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' float32 SmolLM2 from the same GGUF (its own loader: the reference), loaded
+    once for the tests of the loader and of the model's outputs (~8 s each time)."""
+    return reference.load_hf_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
     from tidal.frontend import LLM
 
-    llm = LLM(str(smollm2_path), max_num_seqs=32)
+    # 512 MiB of KV (11k tokens) holds every user's prompts; the 2 GiB CPU default only costs
+    # start-up time (allocation and a 4x longer free list).
+    llm = LLM(str(smollm2_path), max_num_seqs=32, kv_cache_memory_bytes=512 << 20)
     yield llm
     llm.shutdown()
 

@@ -3,6 +3,7 @@ throughput and start-up, cold and warm.
 
     python tools/bench_compile.py --shape gemma-2-9b --out compile.json   # the issue's H100 case
     python tools/bench_compile.py --smoke        # tiny model, CPU (minutes: cold Inductor compile)
+    python tools/bench_compile.py --engines eager,compiled_piecewise --no-startup   # a subset
 
 Engines (dummy weights, one in-process worker), each built, measured and shut down in turn:
 
@@ -11,11 +12,16 @@ Engines (dummy weights, one in-process worker), each built, measured and shut do
 - ``eager_nographs``: mode 0, ``cudagraph_mode`` NONE;
 - ``compiled``: mode 3 (Dynamo trace once, split at attention, Inductor pieces) with
   ``cudagraph_mode`` NONE, so every step runs the compiled pieces;
-- ``compiled_full`` (GPU): mode 3 with the whole-model graphs capturing the compiled forward.
+- ``compiled_full`` (GPU): mode 3 with the whole-model graphs capturing the compiled forward;
+- ``compiled_piecewise`` (GPU): mode 3, ``cudagraph_mode`` PIECEWISE: every piece a CUDA graph
+  per capture size (default sizes: up to 512 tokens or the token budget), attention eager
+  between them, for decode and mixed steps alike;
+- ``compiled_full_and_piecewise`` (GPU): FULL_AND_PIECEWISE: pure decode steps replay the
+  whole-model graphs of the compiled forward, every other step the piecewise ones.
 
-Piecewise CUDA graphs around the pieces (the issue's "compiled + piecewise") are not built yet:
-that engine is reported as unavailable, and the targets judge the faster compiled engine
-against ``eager``.
+The engines share one compile cache (its key leaves the graph mode out), so only the first
+compiled engine runs Inductor. The targets judge the fastest compiled engine of each leg
+against ``eager``; ``speedups`` lists every engine's ratio.
 
 Legs: ``decode``: ``--batch`` requests of ``--prompt-len`` tokens generating ``--decode-len``
 each (after a warm-up request), tokens per second over the batch's wall time; ``mixed``: twice
@@ -23,9 +29,11 @@ as many requests of ``--mixed-prompt-len`` tokens under a ``--max-num-batched-to
 prompt chunks ride along with decodes; tokens (prompt + generated) per second.
 
 Start-up: three fresh processes time ``LLM(...)`` from import to ready: compilation off, then
-mode 3 with an empty compile cache and an empty Inductor cache (*cold*), then the same folders
-again (*warm*); each reports the worker's ``compile`` phase and the compile counters (Dynamo
-traces, pieces compiled by Inductor, pieces loaded from the cache).
+mode 3 (``--startup-cudagraph-mode``, by default FULL_AND_PIECEWISE on a GPU: graph capture
+included) with an empty compile cache and an empty Inductor cache (*cold*), then the same
+folders again (*warm*); each reports the worker's phases and the compile counters (Dynamo
+traces, pieces compiled by Inductor, pieces loaded from the cache). A warm start rebuilds the
+forward from the cache's plan: ``dynamo_traces`` 0, ``warm_start`` true.
 
 Prints one JSON object (also written to ``--out``) with the runs and the issue's targets:
 decode speedup >= 1.25, mixed >= 1.1, warm start-up <= 1.2 x compilation off.
@@ -56,14 +64,21 @@ TARGETS = {
 }
 
 
+COMPILED = ("compiled", "compiled_full", "compiled_piecewise", "compiled_full_and_piecewise")
+
+
 def engines(device: str) -> dict[str, dict[str, Any] | None]:
-    """Engine label -> compilation_config (None: the engine cannot be built here)."""
+    """Engine label -> compilation_config (None: the engine cannot be built here: CUDA graphs
+    need a GPU)."""
+    gpu = device == "cuda"
     return {
         "eager": {"mode": 0},
-        "eager_nographs": {"mode": 0, "cudagraph_mode": "NONE"} if device == "cuda" else None,
+        "eager_nographs": {"mode": 0, "cudagraph_mode": "NONE"} if gpu else None,
         "compiled": {"mode": 3, "cudagraph_mode": "NONE"},
-        "compiled_full": {"mode": 3, "cudagraph_mode": "FULL"} if device == "cuda" else None,
-        "compiled_piecewise": None,  # cudagraph_mode PIECEWISE: not built yet
+        "compiled_full": {"mode": 3, "cudagraph_mode": "FULL"} if gpu else None,
+        "compiled_piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"} if gpu else None,
+        "compiled_full_and_piecewise": ({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}
+                                        if gpu else None),
     }
 
 
@@ -116,6 +131,14 @@ def run_engine(model: str, ns: argparse.Namespace, cc: dict[str, Any], cache_dir
             out["compile"] = {"dynamo_traces": s.dynamo_traces, "pieces": s.pieces,
                               "inductor_compiles": s.inductor_compiles,
                               "cache_hits": s.cache_hits}
+            g = compiled.graphs
+            if g is not None:  # (counted over the warm-up request and both legs)
+                out["piecewise"] = {"sizes": f"{g.captured[0]}..{g.captured[-1]}"
+                                    if g.captured else "none",
+                                    "graphs": len(g), "capture_s": round(g.capture_s, 3),
+                                    "pool_mib": round(g.pool_bytes / 2**20, 1),
+                                    "graph_steps": g.graph_steps, "replays": g.replays,
+                                    "ungraphed_steps": g.ungraphed_steps}
     finally:
         llm.shutdown()
     return out
@@ -142,7 +165,10 @@ def _startup_child(ns: argparse.Namespace) -> int:
         s = compiled.stats
         res.update(dynamo_traces=s.dynamo_traces, inductor_compiles=s.inductor_compiles,
                    cache_hits=s.cache_hits, trace_s=round(s.trace_s, 3),
-                   compile_s=round(s.compile_s, 3), load_s=round(s.load_s, 3))
+                   compile_s=round(s.compile_s, 3), load_s=round(s.load_s, 3),
+                   warm_start=s.warm_start)
+        if compiled.graphs is not None:
+            res["piecewise_capture_s"] = round(compiled.graphs.capture_s, 3)
     llm.shutdown()
     print(_MARK + json.dumps(res), flush=True)
     return 0
@@ -152,10 +178,10 @@ def startup(model: str, ns: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     cache = tmp / "compile-cache"
     inductor = tmp / "inductor-cache"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    out: dict[str, Any] = {}
-    for label, cc in (("off", {"mode": 0}),
-                      ("cold", {"mode": 3, "cache_dir": str(cache)}),
-                      ("warm", {"mode": 3, "cache_dir": str(cache)})):
+    on = {"mode": 3, "cache_dir": str(cache), "cudagraph_mode": ns.startup_cudagraph_mode
+          or ("FULL_AND_PIECEWISE" if ns.device == "cuda" else "NONE")}
+    out: dict[str, Any] = {"cudagraph_mode": on["cudagraph_mode"]}
+    for label, cc in (("off", {"mode": 0}), ("cold", on), ("warm", on)):
         cmd = [sys.executable, __file__, "--child-startup", "--child-model", model,
                "--child-cc", json.dumps(cc), "--device", ns.device, "--dtype", ns.dtype,
                "--max-model-len", str(ns.max_model_len),
@@ -175,11 +201,24 @@ def startup(model: str, ns: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def speedups(result: dict[str, Any]) -> dict[str, float]:
+    """Every compiled engine's tokens/s over eager's, per leg (``engine/leg``)."""
+    runs = result.get("runs", {})
+    out = {}
+    for leg in ("decode", "mixed"):
+        base = runs.get("eager", {}).get(leg)
+        for k in COMPILED:
+            if base and leg in runs.get(k, {}):
+                out[f"{k}/{leg}"] = round(runs[k][leg]["tokens_per_s"] / base["tokens_per_s"],
+                                          3)
+    return out
+
+
 def verdicts(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     runs = result.get("runs", {})
 
     def ratio(leg: str) -> float | None:
-        best = max((runs[k][leg]["tokens_per_s"] for k in ("compiled", "compiled_full")
+        best = max((runs[k][leg]["tokens_per_s"] for k in COMPILED
                     if leg in runs.get(k, {})), default=None)
         base = runs.get("eager", {}).get(leg)
         if best is None or not base:
@@ -210,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--no-startup", action="store_true", help="skip the three start-ups")
+    ap.add_argument("--engines", default="all",
+                    help="comma-separated engine labels to run (all: every one this device "
+                         "can build; none: start-ups only)")
+    ap.add_argument("--startup-cudagraph-mode", default=None,
+                    help="cudagraph_mode of the compiled start-ups (default: "
+                         "FULL_AND_PIECEWISE on a GPU, NONE on a CPU)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child-startup", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-model", default=None, help=argparse.SUPPRESS)
@@ -236,15 +281,27 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         model = write_model_dir(ns.shape, tmp / ns.shape)
         vocab = SHAPES[ns.shape]["vocab_size"]
-        for label, cc in engines(ns.device).items():
-            if cc is None:
-                result["unavailable"][label] = ("not built yet (cudagraph_mode PIECEWISE)"
-                                                if "piecewise" in label else
-                                                f"no CUDA graphs on {ns.device}")
+        table = engines(ns.device)
+        wanted = (set(table) if ns.engines == "all" else set() if ns.engines == "none"
+                  else {x.strip() for x in ns.engines.split(",") if x.strip()})
+        unknown = wanted - set(table)
+        if unknown:
+            ap.error(f"--engines: unknown {sorted(unknown)}; known: {', '.join(table)}")
+        for label, cc in table.items():
+            if label not in wanted:
                 continue
-            result["runs"][label] = run_engine(model, ns, cc, str(tmp / "bench-cache"), vocab)
+            if cc is None:
+                result["unavailable"][label] = f"no CUDA graphs on {ns.device}"
+                continue
+            try:
+                result["runs"][label] = run_engine(model, ns, cc, str(tmp / "bench-cache"),
+                                                   vocab)
+            except Exception as exc:  # noqa: BLE001 - one engine's failure: the others still run
+                result["runs"][label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"{label} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         if not ns.no_startup:
             result["startup"] = startup(model, ns, tmp)
+    result["speedups"] = speedups(result)
     result["targets"] = verdicts(result)
     dump(result, ns.out)
     for name, t in result["targets"].items():

@@ -6,12 +6,16 @@
    pulls one long request's KV (``--prompt-len`` tokens, every layer of the shape's cache
    layout, bf16) from a cache on the first device into one on the second, as a decode instance
    pulls from a prefill instance; against the plain device-to-device copy of the same bytes
-   measured in the same run (GPU 0 -> GPU 1; a host memcpy on a CPU).
+   measured in the same run (GPU 0 -> GPU 1; a host memcpy on a CPU). ``--transport``: nccl
+   (default with 2 GPUs: the producer runs in its own process on GPU 0, one NCCL rank each),
+   gloo (default otherwise) or zmq; the zmq transport (staged through host memory) is measured
+   too, for reference.
 2. Decode under long prompts: ``--streams`` requests decode (``--stream-prompt-len`` prompt,
    ``--stream-tokens`` output each) while long prompts (``--prompt-len`` tokens, a few output
    tokens) arrive every ``--long-interval`` s. Colocated: one ``tidal serve`` (GPU 0) does it
    all. Disaggregated: a prefill ``tidal serve`` (kv_producer, GPU 0), a decode ``tidal serve``
-   (kv_consumer, GPU 1) and ``tidal disagg-proxy``. Inter-token latency p99 of the streams
+   (kv_consumer, GPU 1, pulling over ``--transport`` in the background) and
+   ``tidal disagg-proxy``. Inter-token latency p99 of the streams
    (client-side chunk gaps) and end-to-end output throughput, both setups.
 
 Targets (2 GPUs of one host, Llama-3.1-8B shape, dummy bf16 weights): transfer bandwidth >= 80 %
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -41,11 +46,7 @@ from typing import Any
 import torch
 from bench_common import SHAPES, device_name, dump, judge, write_model_dir
 
-from tidal.engine_core.kv_transfer.p2p_transport import (
-    KVPullClient,
-    KVSendServer,
-    layer_block_bytes,
-)
+from tidal.engine_core.kv_transfer.p2p_transport import KVPullClient, KVSendServer
 
 BLOCK = 16
 TARGETS = {
@@ -81,35 +82,113 @@ def _sync(*devices: torch.device) -> None:
             torch.cuda.synchronize(d)
 
 
-def transfer(args: argparse.Namespace) -> dict[str, Any]:
+def _layout(args: argparse.Namespace) -> tuple[int, tuple[int, ...], int]:
+    """(layers, one layer's cache shape, blocks of one long prompt)."""
     shape = SHAPES[args.shape]
-    layers = shape["num_hidden_layers"]
     heads = shape["num_key_value_heads"]
     head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
     blocks = -(-args.prompt_len // BLOCK)
-    src_dev, dst_dev = _devices()
-    cache = (2, blocks + 4, BLOCK, heads, head_dim)
+    return shape["num_hidden_layers"], (2, blocks + 4, BLOCK, heads, head_dim), blocks
+
+
+def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, blocks: int,
+                 dst_dev: torch.device) -> list[float]:
+    """Each rep pulls request ``r{rep}`` (the producer's blocks 0.., into local 4..): the
+    seconds of each after the first (a warm-up, which also builds a pair)."""
+    times = []
+    local = list(range(4, blocks + 4))  # other pool blocks than the source's
+    for rep in range(args.reps + 1):
+        _sync(dst_dev)
+        start = time.perf_counter()
+        client.pull(address, f"r{rep}", 0, local, "d")
+        _sync(dst_dev)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.device,
+                     dst_dev: torch.device) -> tuple[list[float], bool]:
+    layers, cache, blocks = _layout(args)
     src = [torch.randn(cache, device=src_dev).to(torch.bfloat16) for _ in range(layers)]
     dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
-    nbytes = blocks * layers * layer_block_bytes(src[0])
     server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", args.send_buffer, 600.0)
-    client = KVPullClient(dst, 600.0)
-    ids = list(range(blocks))
-    local = list(range(4, blocks + 4))  # other pool blocks than the source's
-    times = []
+    client = KVPullClient(dst, 600.0, backend)
     try:
         for rep in range(args.reps + 1):
-            server.register(f"r{rep}", ids, "d", ready=True)
-            _sync(src_dev, dst_dev)
-            start = time.perf_counter()
-            client.pull(server.address, f"r{rep}", 0, local, "d")
-            _sync(dst_dev)
-            if rep:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-        assert torch.equal(dst[-1][:, 4:blocks + 4].cpu(), src[-1][:, :blocks].cpu())
+            server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
+        _sync(src_dev)
+        times = _timed_pulls(client, server.address, args, blocks, dst_dev)
+        ok = all(torch.equal(d[:, 4:blocks + 4].cpu(), s_[:, :blocks].cpu())
+                 for s_, d in zip(src, dst))
     finally:
         client.close()
         server.close()
+    return times, ok
+
+
+# The producer of an NCCL pull: its own process (one NCCL rank per process and GPU). Its cache
+# is filled from a seeded CUDA generator; it prints each layer's checksum of the pulled blocks.
+_PRODUCER = """
+import json, sys, torch
+from tidal.engine_core.kv_transfer.p2p_transport import KVSendServer
+torch.cuda.set_device(0)
+layers, cache, blocks, reps, port, buffer = json.loads(sys.argv[1])
+g = torch.Generator(device="cuda:0").manual_seed(0)
+src = [torch.randn(cache, generator=g, device="cuda:0").to(torch.bfloat16) for _ in range(layers)]
+server = KVSendServer(src, f"tcp://127.0.0.1:{port}", buffer, 600.0)
+for rep in range(reps + 1):
+    server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
+torch.cuda.synchronize()
+sums = [float(c[:, :blocks].double().sum()) for c in src]
+print(json.dumps(sums), flush=True)
+sys.stdin.readline()
+server.close()
+"""
+
+
+def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool]:
+    """Producer on GPU 0 (a subprocess), consumer here on GPU 1."""
+    layers, cache, blocks = _layout(args)
+    port = free_port()
+    spec = json.dumps([layers, list(cache), blocks, args.reps, port, args.send_buffer])
+    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, spec], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the NCCL producer exited ({proc.wait()})")
+        sums = json.loads(line)
+        dst_dev = torch.device("cuda:1")
+        dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
+        client = KVPullClient(dst, 600.0, "nccl")
+        try:
+            times = _timed_pulls(client, f"tcp://127.0.0.1:{port}", args, blocks, dst_dev)
+        finally:
+            client.close()
+        got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
+        ok = all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(got, sums))
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(60)
+    return times, ok
+
+
+def transfer(args: argparse.Namespace) -> dict[str, Any]:
+    layers, cache, blocks = _layout(args)
+    src_dev, dst_dev = _devices()
+    nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2  # K and V, bf16
+    backend = args.transport
+    out: dict[str, Any] = {"devices": [str(src_dev), str(dst_dev)], "transport": backend,
+                           "bytes": nbytes, "blocks": blocks, "layers": layers,
+                           "send_buffer_bytes": int(args.send_buffer)}
+    if backend == "nccl":
+        times, ok = _pull_nccl(args)
+    else:
+        times, ok = _pull_in_process(args, backend, src_dev, dst_dev)
+    if not ok:
+        raise RuntimeError(f"the {backend} pull delivered other bytes than the producer holds")
     # The ceiling: the same bytes as one plain copy between the two devices (a host memcpy).
     a = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
@@ -121,13 +200,16 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
         _sync(src_dev, dst_dev)
         if rep:
             copies.append(time.perf_counter() - start)
+    del a, b
     pull_gbps = nbytes / statistics.median(times) / 1e9
     copy_gbps = nbytes / statistics.median(copies) / 1e9
-    return {"devices": [str(src_dev), str(dst_dev)], "bytes": nbytes, "blocks": blocks,
-            "layers": layers, "send_buffer_bytes": int(args.send_buffer),
-            "pull_s": [round(t, 5) for t in times], "pull_GBps": round(pull_gbps, 3),
-            "copy_s": [round(t, 5) for t in copies], "copy_GBps": round(copy_gbps, 3),
-            "ratio": round(pull_gbps / copy_gbps, 4)}
+    out.update({"pull_s": [round(t, 5) for t in times], "pull_GBps": round(pull_gbps, 3),
+                "copy_s": [round(t, 5) for t in copies], "copy_GBps": round(copy_gbps, 3),
+                "ratio": round(pull_gbps / copy_gbps, 4)})
+    if backend != "zmq":
+        zmq_times, ok = _pull_in_process(args, "zmq", src_dev, dst_dev)
+        out["zmq_pull_GBps"] = round(nbytes / statistics.median(zmq_times) / 1e9, 3)
+    return out
 
 
 # --- 2. decode ITL under long prompts ----------------------------------------------------------
@@ -247,9 +329,9 @@ def serving(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
         prefill = _serve(args, model, log, gpu0, {"kv_connector": "P2pConnector",
                                                   "kv_role": "kv_producer", "kv_port": kv_port,
                                                   "kv_buffer_size": args.send_buffer})
-        decode = _serve(args, model, log, gpu1, {"kv_connector": "P2pConnector",
-                                                 "kv_role": "kv_consumer",
-                                                 "kv_port": free_port()})
+        decode = _serve(args, model, log, gpu1, {
+            "kv_connector": "P2pConnector", "kv_role": "kv_consumer", "kv_port": free_port(),
+            "kv_connector_extra_config": {"transport": args.transport}})
         proxy = None
         try:
             prefill.wait_healthy(args.start_timeout)
@@ -290,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--send-buffer", type=float, default=256e6,
                    help="the producer's send buffer (kv_buffer_size), bytes")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--transport", default=None, choices=["nccl", "gloo", "zmq"],
+                   help="the P2P transport (default: nccl with 2 GPUs, else gloo)")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stream-prompt-len", type=int, default=128)
     p.add_argument("--stream-tokens", type=int, default=512)
@@ -314,6 +398,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engine_flags += (" --device cpu --kv-cache-memory-bytes 33554432 "
                               "--cpu-threads 1 --api-server-count 1")
         args.start_timeout = min(args.start_timeout, 180.0)
+    if args.transport is None:
+        two = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+        args.transport = "nccl" if two else "gloo"
     result: dict[str, Any] = {"device": device_name(), "shape": args.shape,
                               "prompt_len": args.prompt_len, "smoke": args.smoke}
     progress("transfer bandwidth")

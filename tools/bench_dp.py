@@ -11,6 +11,18 @@ their ratio (target: DP=2 >= 1.85x DP=1), and the CPU each idle EngineCore burns
 ``--idle-s`` seconds after the load (target: < 2 % of a core each). On a GPU host each rank
 takes its own ``world_size`` GPUs; ``--engine-flags`` go to both sides.
 
+``--case ep`` (issue 26's expert-parallel case): TP=2 (one engine, its experts' intermediate
+dimension sharded) against EP=2 over DP=2 (two engines, each holding half the experts whole,
+``--enable-expert-parallel``), by default the Qwen3-30B-A3B shape at a 256-request decode
+batch (target: EP >= 1.2x TP output tok/s). EP across engines runs eagerly (``--enforce-eager``:
+its per-step token exchange is host code); ``--tp-eager`` runs the TP side eagerly too, for
+the same footing::
+
+    python tools/bench_dp.py --case ep --tokenizer tests/data/qwen3 --output ep.json
+
+``--dbo-threshold N`` adds a third side, EP with ``--enable-dbo --dbo-token-threshold N`` (target:
+>= 1.1x EP without it at the batch where it turns on); ``--skip-tp`` drops the TP side.
+
 ``--smoke``: a tiny CPU run (tiny shape, a few short requests): checks the tool end to end, its
 figures mean nothing.
 """
@@ -33,6 +45,11 @@ import bench_serve  # noqa: E402
 from bench_online_vs_offline import Server  # noqa: E402
 
 TARGET_SPEEDUP = 1.85
+TARGET_EP_SPEEDUP = 1.2
+TARGET_DBO_SPEEDUP = 1.1
+# --case ep: the shape and load of issue 26's EP target (a 256-request decode batch).
+EP_DEFAULTS = {"shape": "qwen3-30b-a3b", "num_prompts": 256, "input_len": 128,
+               "output_len": 256}
 TARGET_IDLE_CORE = 0.02
 
 
@@ -69,11 +86,12 @@ def _cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
     return out
 
 
-def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path) -> dict[str, Any]:
-    flags = ["--data-parallel-size", str(dp), *shlex.split(ns.engine_flags)]
+def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path,
+             extra: tuple[str, ...] = (), name: str = "") -> dict[str, Any]:
+    flags = ["--data-parallel-size", str(dp), *extra, *shlex.split(ns.engine_flags)]
     if ns.model is None:
         flags += ["--load-format", "dummy"]
-    server = Server(f"dp{dp}", model_dir, flags, log)
+    server = Server(name or f"dp{dp}", model_dir, flags, log)
     try:
         server.start(ns.start_timeout)
         argv = ["--base-url", server.base_url, "--dataset", "random-ids",
@@ -87,7 +105,7 @@ def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path) -> dict
         time.sleep(ns.idle_s)
         after = _cpu_seconds(engines)
         idle = {engines[p]: (after[p] - before[p]) / ns.idle_s for p in before if p in after}
-        return {"dp": dp, "output_throughput": rep["result"]["output_throughput"],
+        return {"dp": dp, "flags": flags, "output_throughput": rep["result"]["output_throughput"],
                 "startup_s": server.info.get("startup_s"), "idle_core_fraction": idle,
                 "server": server.info, "bench": rep}
     finally:
@@ -96,13 +114,22 @@ def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--case", choices=("dp", "ep"), default="dp",
+                   help="dp: DP=N against DP=1; ep: EP=2 over DP=2 against TP=2")
+    p.add_argument("--tp-eager", action="store_true",
+                   help="--case ep: the TP side without CUDA graphs too")
+    p.add_argument("--dbo-threshold", type=int, default=None,
+                   help="--case ep: a third side, EP with --enable-dbo from this many tokens "
+                        "per step (target: >= 1.1x EP without it)")
+    p.add_argument("--skip-tp", action="store_true",
+                   help="--case ep: no TP side (with --dbo-threshold: DBO on vs off only)")
+    p.add_argument("--shape", default=None, help="default: qwen3-0.6b (dp), qwen3-30b-a3b (ep)")
     p.add_argument("--model", default=None, help="a model folder instead of the dummy shape")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for the dummy shape")
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=None, help="default: 1000 (dp), 256 (ep)")
+    p.add_argument("--input-len", type=int, default=None, help="default: 512 (dp), 128 (ep)")
+    p.add_argument("--output-len", type=int, default=None, help="default: 512 (dp), 256 (ep)")
     p.add_argument("--engine-flags", default="", help="more flags for both servers")
     p.add_argument("--idle-s", type=float, default=5.0)
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -111,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     from bench_common import SHAPES, write_model_dir  # imports torch: not at the top
 
+    defaults = EP_DEFAULTS if ns.case == "ep" else {
+        "shape": "qwen3-0.6b", "num_prompts": 1000, "input_len": 512, "output_len": 512}
+    for key, value in defaults.items():
+        if getattr(ns, key) is None:
+            setattr(ns, key, value)
+    if ns.case == "ep":
+        return _ep_case(ns, SHAPES, write_model_dir)
     if ns.smoke:
         ns.shape, ns.num_prompts, ns.input_len, ns.output_len = "tiny", 8, 16, 8
         ns.idle_s = min(ns.idle_s, 2.0)
@@ -158,6 +192,68 @@ def main(argv: list[str] | None = None) -> int:
     print(f"DP=1 {base['output_throughput']:,.0f} output tok/s, DP={ns.dp} "
           f"{dp['output_throughput']:,.0f} output tok/s: {speedup:.2f}x; idle engines at most "
           f"{(worst_idle or 0.0) * 100:.2f} % of a core", file=sys.stderr)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if ns.output:
+        Path(ns.output).write_text(text + "\n")
+    return 0
+
+
+def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: Any) -> int:
+    """TP=2 against EP=2 over DP=2, one server after the other."""
+    if ns.smoke:
+        ns.shape, ns.num_prompts, ns.input_len, ns.output_len = "tiny-moe", 8, 16, 8
+        ns.idle_s = min(ns.idle_s, 2.0)
+        ns.engine_flags = (ns.engine_flags + " --device cpu --max-model-len 256 "
+                           "--kv-cache-memory-bytes 33554432 --cpu-threads 1 "
+                           "--api-server-count 1")
+    if ns.model is None and not ns.tokenizer:
+        raise SystemExit("bench_dp: --tokenizer DIR is needed with a dummy shape (the server "
+                         "detokenizes), e.g. tests/data/qwen3")
+    tp_flags = ("--tensor-parallel-size", "2", *(("--enforce-eager",) if ns.tp_eager else ()))
+    ep_flags = ("--enable-expert-parallel", "--enforce-eager")
+    with tempfile.TemporaryDirectory(prefix="tidal-bench-ep-") as tmp:
+        if ns.model is not None:
+            model_dir = ns.model
+            vocab = json.loads((Path(ns.model) / "config.json").read_text())["vocab_size"]
+        else:
+            model_dir = write_model_dir(ns.shape, Path(tmp) / ns.shape, ns.tokenizer)
+            vocab = shapes[ns.shape]["vocab_size"]
+        ns.max_token_id = min(vocab - 1, 10000)
+        log = Path(tmp) / "servers.log"
+        try:
+            tp = None if ns.skip_tp else one_side(ns, model_dir, 1, log, tp_flags, "tp2")
+            ep = one_side(ns, model_dir, 2, log, ep_flags, "ep2")
+            dbo = None if ns.dbo_threshold is None else one_side(
+                ns, model_dir, 2, log, (*ep_flags, "--enable-dbo", "--dbo-token-threshold",
+                                        str(ns.dbo_threshold)), "ep2dbo")
+        except BaseException:
+            print(log.read_text(errors="replace")[-4000:] if log.exists() else "", file=sys.stderr)
+            raise
+    sides = {"tp2": tp, "ep2_dp2": ep, "ep2_dp2_dbo": dbo}
+    tok_s = {k: v["output_throughput"] for k, v in sides.items() if v is not None}
+    verdicts = {}
+    if tp is not None:
+        speedup = ep["output_throughput"] / tp["output_throughput"]
+        verdicts["ep_speedup"] = {"target": f">= {TARGET_EP_SPEEDUP}", "value": speedup,
+                                  "verdict": "PASS" if speedup >= TARGET_EP_SPEEDUP else "MISS"}
+        print(f"TP=2{' (eager)' if ns.tp_eager else ''} {tp['output_throughput']:,.0f} output "
+              f"tok/s, EP=2 over DP=2 (eager) {ep['output_throughput']:,.0f} output tok/s: "
+              f"{speedup:.2f}x", file=sys.stderr)
+    if dbo is not None:
+        gain = dbo["output_throughput"] / ep["output_throughput"]
+        verdicts["dbo_speedup"] = {"target": f">= {TARGET_DBO_SPEEDUP}", "value": gain,
+                                   "threshold": ns.dbo_threshold,
+                                   "verdict": "PASS" if gain >= TARGET_DBO_SPEEDUP else "MISS"}
+        print(f"EP=2 with dual batch overlap from {ns.dbo_threshold} tokens: "
+              f"{dbo['output_throughput']:,.0f} output tok/s, {gain:.2f}x without",
+              file=sys.stderr)
+    result = {
+        "case": "ep", "shape": ns.model or ns.shape, "num_prompts": ns.num_prompts,
+        "input_len": ns.input_len, "output_len": ns.output_len, "smoke": ns.smoke,
+        "tp_eager": ns.tp_eager, "output_tok_s": tok_s, "verdicts": verdicts,
+        "sides": [v for v in sides.values() if v is not None],
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if ns.output:

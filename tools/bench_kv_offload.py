@@ -8,7 +8,12 @@
 2. Host -> device bandwidth: the host tier's own copy (``HostKVStore.load``) of the prefix's
    blocks over every layer of the model's cache layout, and device -> host (``save``).
 3. Decode while offloading: ``--streams`` requests decode while new prompts keep arriving and
-   evicting cached blocks; mean step time with the host tier vs without (same workload).
+   evicting cached blocks: the same workload (same requests, same arrival steps, the same
+   number of steps) on an engine without the host tier, with it, and without it again (the
+   spread of the two gives the noise). The figure is the mean step time over the run after
+   ``--warmup`` steps, with vs without; the mean of steps that compute no prompt token (pure
+   decode, where the previous arrival's stores overlap) is reported next to it, with the
+   tier's stores and the times a forward waited for one.
 
 Targets (one H100, Llama-3.1-8B shape, dummy bf16 weights): TTFT host hit >= 5x faster than
 recompute; host -> device >= 20 GB/s; decode slowdown while offloading <= 3 %. Prints one JSON
@@ -138,27 +143,53 @@ def bench_bandwidth(args: argparse.Namespace, core_config) -> dict[str, Any]:
             "pinned": bool(store.host[0].is_pinned()) if dev == "cuda" else False}
 
 
-def decode_run(core: EngineCore, args: argparse.Namespace, vocab: int) -> float:
-    """Mean step time of ``streams`` decodes while prompts keep arriving and evicting."""
+def _host_store(core: EngineCore):
+    """The in-process worker's host tier (uniproc executor), or None."""
+    runner = getattr(getattr(core.executor, "worker", None), "runner", None)
+    hooks = getattr(runner, "kv_hooks", None)
+    return None if hooks is None else getattr(hooks.connector, "store", None)
+
+
+def decode_run(core: EngineCore, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Step times of ``streams`` decodes while prompts keep arriving and evicting."""
     rng = random.Random(1)
     decode = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for i in range(args.streams):
         core.add_request(EngineCoreRequest(
             f"d{i}", [rng.randrange(3, vocab) for _ in range(32)], decode))
-    steps, start, n = 0, time.perf_counter(), 0
+    times: list[float] = []
+    decode_only: list[float] = []
+    steps, n, stores = 0, 0, 0
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    start = time.perf_counter()
     while core.has_unfinished_requests():
         if steps % args.arrival_every == 0:
             core.add_request(EngineCoreRequest(
                 f"x{n}", [rng.randrange(3, vocab) for _ in range(args.arrival_len)], one))
             n += 1
-        core.step()
+        if steps == args.warmup:
+            sync()
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        out = core.step()
+        dt = time.perf_counter() - t0
         steps += 1
+        if steps > args.warmup:
+            times.append(dt)
+            stores += out.scheduler_stats.kv_connector_stores
+            if not out.scheduler_stats.num_prompt_tokens:
+                decode_only.append(dt)
         if steps > 50 * args.decode_tokens:
             break
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / max(steps, 1)
+    sync()
+    measured = max(len(times), 1)
+    store = _host_store(core)
+    return {"step_ms": 1e3 * (time.perf_counter() - start) / measured,
+            "decode_only_step_ms": 1e3 * statistics.fmean(decode_only) if decode_only else None,
+            "steps": steps, "decode_only_steps": len(decode_only), "arrivals": n,
+            "tokens_stored": stores,
+            "forward_waits_for_stores": None if store is None else store.forward_waits}
 
 
 def bench_decode(args: argparse.Namespace, model: str, vocab: int) -> dict[str, Any]:
@@ -168,11 +199,23 @@ def bench_decode(args: argparse.Namespace, model: str, vocab: int) -> dict[str, 
     out: dict[str, Any] = {}
     for label, gb in (("off", None), ("on", args.offload_gb), ("off2", None)):
         core = make_core(args, model, gb, blocks)
-        out[f"step_ms_{label}"] = round(1e3 * decode_run(core, args, vocab), 3)
+        run = decode_run(core, args, vocab)
         core.shutdown()
-        progress(f"decode, host tier {label}: {out[f'step_ms_{label}']} ms/step")
+        out[f"step_ms_{label}"] = round(run.pop("step_ms"), 3)
+        only = run.pop("decode_only_step_ms")
+        out[f"decode_only_step_ms_{label}"] = None if only is None else round(only, 3)
+        out[f"run_{label}"] = run
+        progress(f"decode, host tier {label}: {out[f'step_ms_{label}']} ms/step "
+                 f"({out[f'decode_only_step_ms_{label}']} ms without prompt tokens), {run}")
+    if out["run_on"]["steps"] != out["run_off"]["steps"]:
+        progress("warning: the runs with and without the tier took different step counts")
     base = min(out["step_ms_off"], out["step_ms_off2"])
     out["slowdown_pct"] = round(100.0 * (out["step_ms_on"] / base - 1.0), 2)
+    out["noise_pct"] = round(100.0 * abs(out["step_ms_off"] / out["step_ms_off2"] - 1.0), 2)
+    offs = [out[f"decode_only_step_ms_{k}"] for k in ("off", "off2")]
+    if out["decode_only_step_ms_on"] is not None and None not in offs:
+        out["decode_only_slowdown_pct"] = round(
+            100.0 * (out["decode_only_step_ms_on"] / min(offs) - 1.0), 2)  # type: ignore
     return out
 
 
@@ -186,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--arrival-len", type=int, default=2048)
     p.add_argument("--arrival-every", type=int, default=8, help="steps between arrivals")
+    p.add_argument("--warmup", type=int, default=4, help="decode-leg steps left out of the "
+                   "figures (the streams' prompts, first kernel launches)")
     p.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-decode", action="store_true", help="leave out the decode leg")
@@ -198,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.shape, args.prefix_len, args.offload_gb = "tiny", 256, 0.05
         args.streams, args.decode_tokens, args.arrival_len, args.arrival_every = 4, 8, 64, 2
         args.budget = 512
+        args.warmup = min(args.warmup, 2)
         args.repeats = min(args.repeats, 2)
     args.max_model_len = max(args.prefix_len, args.arrival_len) + 16
     with tempfile.TemporaryDirectory(prefix="tidal-bench-kv-offload-") as tmp:

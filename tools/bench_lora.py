@@ -150,7 +150,9 @@ def _engine(model: str, ns: argparse.Namespace, max_model_len: int, **kw) -> Eng
                       max_model_len=max_model_len, max_num_seqs=max(ns.batch, 8),
                       gpu_memory_utilization=ns.gpu_memory_utilization,
                       enforce_eager=ns.enforce_eager,
-                      cpu_threads=1 if ns.smoke else None, **kw)
+                      cpu_threads=1 if ns.smoke else None,
+                      # --smoke: a 2 GiB CPU default cache would cost more than the legs
+                      kv_cache_memory_bytes=(64 << 20) if ns.smoke else None, **kw)
     return EngineCore(args.create_config())
 
 

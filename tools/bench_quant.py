@@ -100,6 +100,8 @@ def _engine_args(ns: argparse.Namespace, model: str, max_model_len: int, max_seq
                       max_model_len=max_model_len, max_num_seqs=max_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens,
                       gpu_memory_utilization=ns.gpu_memory_utilization,
+                      # --smoke: a 2 GiB CPU default cache would cost more than the legs
+                      kv_cache_memory_bytes=(64 << 20) if ns.smoke else None,
                       enable_prefix_caching=False, enforce_eager=ns.enforce_eager, **kw)
 
 

@@ -25,8 +25,11 @@ from tidal.worker.attention.backend import AttentionMetadata
 from tidal.worker.attention.fp8_kv import check_device as check_fp8_kv_device
 from tidal.worker.attention.fp8_kv import kv_cache_torch_dtype
 from tidal.worker.compilation.compiled_model import CompiledForward
+from tidal.worker.compilation.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from tidal.worker.cpu_offload import LayerOffloader, offloading
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
+from tidal.worker.layers import moe_ep
 from tidal.worker.attention.selector import attention_impl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.kernel_policy import kernels_for
@@ -185,11 +188,15 @@ class ModelRunner:
         self.spec = (SpeculativeStep(config.speculative, device)
                      if config.speculative is not None else None)
         self.model: torch.nn.Module | None = None
+        # --cpu-offload-gb: the layers whose weights stream in from host memory (cpu_offload).
+        self.cpu_offload: LayerOffloader | None = None
         # LoRA adapters (--enable-lora): slots, host cache, per-token slot ids (worker/lora).
         self.lora: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The KV connector's worker side (engine_core/kv_transfer); None: off.
         self.kv_hooks = ConnectorHooks.create(config, self.tp.ranks[self.tp.rank])
+        # Expert parallelism (worker/layers/moe_ep.py), set up with the model; None: off.
+        self.ep: moe_ep.ExpertParallel | None = None
         self.graphs: CudaGraphRunner | None = None
         # The torch.compile'd forward (--compilation-config mode 3, ``compile_model``): runs
         # the steps no CUDA graph replays.
@@ -214,12 +221,21 @@ class ModelRunner:
     # --- start-up -----------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        self.ep = moe_ep.create(self.config, self.tp, self.device, self.dtype)
         if self.on_gpu:
             self._check_weights_fit()
         aux = (self.spec.aux_hidden_spec(self.config, self.max_num_tokens)
                if self.spec is not None else None)
-        self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp, self.pp,
-                                self.kernels, aux_hidden=aux)
+        offload = self._cpu_offloader()
+        # (--cpu-offload-gb: offloaded layers are built and loaded in host memory)
+        with moe_ep.building(self.ep), offloading(offload):
+            self.model = load_model(self.config.model, self.device, self.attn_impl, self.tp,
+                                    self.pp, self.kernels, aux_hidden=aux)
+        if offload is not None:
+            offload.finalize()
+            self.cpu_offload = offload
+        if self.ep is not None:
+            self.ep.bind(self.model)
         if self.config.lora is not None:
             # (Before the KV cache is sized: the profile counts the slot buffers.)
             self.lora = LoRAManager(self.config, self.model, self.device, self.dtype, self.tp,
@@ -238,6 +254,16 @@ class ModelRunner:
                 2 * len(self.model.layers), enabled=self.kernel_policy.push_allreduce,
                 kernels=self.kernels)
 
+    def _cpu_offloader(self) -> LayerOffloader | None:
+        """--cpu-offload-gb's offloader for this stage's decoder layers (a GPU only)."""
+        budget = self.config.runner.cpu_offload_bytes
+        if not self.on_gpu or budget <= 0:
+            return None
+        from tidal.worker.models.decoder import layer_range
+
+        start, end = layer_range(self.arch.num_layers, self.pp)
+        return LayerOffloader(budget, self.device, tuple(range(start, end)))
+
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""
         from tidal.worker.layers.fp8 import quantizing
@@ -245,7 +271,8 @@ class ModelRunner:
 
         try:
             # (Built as it will be loaded: FP8 layers count one byte a weight.)
-            with torch.device("meta"), quantizing(self.config.model.quantization):
+            with torch.device("meta"), quantizing(self.config.model.quantization), \
+                    moe_ep.building(self.ep):
                 shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp,
                                     self.kernels)
         except Exception as exc:  # noqa: BLE001 - the estimate is a courtesy, loading decides
@@ -262,6 +289,7 @@ class ModelRunner:
                 need += self.spec.draft_weight_bytes(self.config, self.attn_impl, self.kernels)
             except Exception as exc:  # noqa: BLE001 - as above: a courtesy
                 logger.debug("could not size the draft before loading: %s", exc)
+        need -= min(need, self.config.runner.cpu_offload_bytes)  # kept in host memory
         free, total = torch.cuda.mem_get_info(self.device)
         util = self.config.cache.gpu_memory_utilization
         room = int(total * util) - (total - free)
@@ -355,10 +383,13 @@ class ModelRunner:
     def _graph_memory_estimate(self, activations: int) -> int:
         """Room to keep for the decode graphs' private pool: the activations of the largest
         captured batch (scaled from the profiled token budget), doubled, plus slack."""
-        if not self._graphs_enabled():
+        full = self._graphs_enabled()
+        if not full and not self._piecewise_sizes():
             return 0
-        largest = max(capture_sizes(self._max_graph_batch())[-1],
-                      max(self._mixed_graph_sizes(), default=0))
+        # (The piecewise graphs' pool holds about one forward at their largest size.)
+        largest = max(capture_sizes(self._max_graph_batch())[-1] if full else 0,
+                      max(self._mixed_graph_sizes(), default=0) if full else 0,
+                      max(self._piecewise_sizes(), default=0))
         share = activations * largest / max(1, self.config.scheduler.max_num_batched_tokens)
         return int(2 * share) + (64 << 20)
 
@@ -447,9 +478,14 @@ class ModelRunner:
             self._release_kv()
         self._inflight.clear()
         self.graphs = None
+        if self.compiled is not None:
+            self.compiled.release()
         self.compiled = None
         self.spec = None
         self.model = None
+        if self.cpu_offload is not None:
+            self.cpu_offload.close()  # (its pinned host memory and staging buffers)
+            self.cpu_offload = None
         if self.kv_hooks is not None:
             self.kv_hooks.shutdown()  # (the host tier's pinned buffers)
         if self.on_gpu:
@@ -486,7 +522,8 @@ class ModelRunner:
         compiled = CompiledForward(
             self.model, cc, rank=self.pp.rank * self.tp.world_size + self.tp.rank,
             key_inputs=dict(arch=self.arch, dtype=str(self.dtype), parallel=self.config.parallel,
-                            policy=self.kernel_policy, device=self.device.type))
+                            policy=self.kernel_policy, device=self.device.type),
+            graphs=PiecewiseGraphs(sizes) if (sizes := self._piecewise_sizes()) else None)
         n = min(8, self.max_num_tokens)
         meta = self._dummy_meta(n, -(-n // self.block_size))
         meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
@@ -499,6 +536,29 @@ class ModelRunner:
             return f"off: {compiled.failure}"
         self.compiled = compiled
         return compiled.describe()
+
+    def _piecewise_sizes(self) -> list[int]:
+        """Token counts of the piecewise graphs (cudagraph_mode PIECEWISE /
+        FULL_AND_PIECEWISE on a GPU; none otherwise)."""
+        cc = self.config.runner.compilation
+        if not (cc.piecewise and self.on_gpu and not self.config.runner.enforce_eager):
+            return []
+        return piecewise_sizes(cc.cudagraph_capture_sizes,
+                               max_num_tokens=self.bufs.input_ids.shape[0])
+
+    @torch.inference_mode()
+    def capture_piecewise_graphs(self) -> str | None:
+        """Capture the compiled pieces' CUDA graphs (``piecewise_graphs``); what it did for the
+        start-up log, None without them."""
+        if self.compiled is None or self.compiled.graphs is None:
+            return None
+
+        def meta_for(n: int) -> AttentionMetadata:
+            meta = self._dummy_meta(n, -(-n // self.block_size))
+            meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+            return meta
+
+        return self.compiled.capture_graphs(self.bufs.input_ids, self.bufs.positions, meta_for)
 
     def finish_inflight(self) -> None:
         """Apply every in-flight step's tokens (ranks that never reply leave the newest step
@@ -535,6 +595,8 @@ class ModelRunner:
             return "CPU"
         if self.config.runner.enforce_eager:
             return "enforce_eager"
+        if self.config.runner.compilation.cudagraph_mode == "PIECEWISE":
+            return "cudagraph_mode PIECEWISE (the compiled pieces replay graphs instead)"
         if self.attn_impl.name not in ("triton", "cuda"):
             return f"{self.attn_impl.name} attention"
         if self.pp.world_size > 1:
@@ -547,11 +609,19 @@ class ModelRunner:
         """Token counts of the mixed-step graphs: none unless the attention backend plans a
         mixed batch from its token and request counts alone (Triton; the CUDA backend splits
         the batch on the host)."""
-        if self.attn_impl.name != "triton" or self.arch.is_mla:
-            # MLA's prefill (expanded) path walks its requests on the host.
+        if self.attn_impl.name != "triton" or self.arch.is_mla \
+                or self.config.runner.compilation.piecewise:
+            # MLA's prefill (expanded) path walks its requests on the host; with piecewise
+            # graphs (FULL_AND_PIECEWISE) every step but a pure decode replays those.
             return []
-        return mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
-                                       self.bufs.input_ids.shape[0]))
+        sizes = mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
+                                        self.bufs.input_ids.shape[0]))
+        # The dummy batch's prompt chunk (``prepare_mixed``) has tokens - reqs + 1 tokens of
+        # context: past max_model_len it would read past its block-table row (a second engine
+        # in one process met stale memory there: an illegal address). No real step of that
+        # size fits a chunk longer than max_model_len either, so such sizes run eagerly.
+        limit = self.config.model.max_model_len
+        return [t for t in sizes if t - self._mixed_graph_reqs(t) + 1 <= limit]
 
     def _mixed_graph_reqs(self, tokens: int) -> int:
         """Request slots of the mixed graph of ``tokens`` (every request has a token)."""
@@ -731,6 +801,8 @@ class ModelRunner:
         # (Before any early return: the host tier's stores of this step must happen.)
         kv_meta = self.kv_hooks.before_forward(so) if self.kv_hooks is not None else None
         if not req_ids:
+            if self.ep is not None:  # the other data-parallel ranks' MoE layers wait for ours
+                self.ep.run_empty_step()
             result = ModelRunnerOutput(failed=failed)
             if kv_meta is not None:  # an empty step of the connector's: finished transfers
                 assert self.kv_hooks is not None
@@ -757,7 +829,12 @@ class ModelRunner:
             hidden = self.graphs.replay_mixed(inputs.mixed_graph_tokens)[:num_tokens]
             residual = None
         elif self.compiled is not None and intermediate is None:
-            hidden, residual = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
+            # (Piecewise graphs pad the step within the fixed buffers; the warm-up's mixed
+            # steps run the pieces without graphs, like the mixed whole-model graphs.)
+            pad = self.mixed_graphs_on or inputs.meta.max_query_len == 1
+            hidden, residual = self.compiled.run(
+                inputs.input_ids, inputs.positions, inputs.meta,
+                (self.bufs.input_ids, self.bufs.positions) if pad else None)
         else:
             hidden, residual = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta,

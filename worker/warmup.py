@@ -538,4 +538,8 @@ def warm_up(worker: Worker, num_blocks: int) -> WarmupReport:
     if not isinstance(worker.runner, ModelRunner):
         return WarmupReport(skipped="embedding model: its encoder runs torch kernels only, "
                                     "nothing to compile")
-    return Warmup(worker, num_blocks).run()
+    # Stages on different devices (--pp-devices) must run the same steps, or their pipeline
+    # sends would not pair up: each runs the CPU's short plan (a GPU stage's first requests
+    # then compile its kernels).
+    full = False if worker.config.parallel.pp_devices else None
+    return Warmup(worker, num_blocks, full=full).run()

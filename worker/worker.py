@@ -28,6 +28,7 @@ from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import CompileStats
 from tidal.engine_core.protocol import SchedulerOutput
 from tidal.engine_core.startup_log import StartupLog
+from tidal.worker.distributed.hetero_groups import recv_through_host, send_through_host
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.kernel_policy import log_policy
 from tidal.worker.model_runner import IntermediateTensors, ModelRunner
@@ -49,6 +50,15 @@ class PipeSender:
 
     def send(self, inter: IntermediateTensors | None) -> None:
         self.wait()
+        self._send(inter)
+        if self.pp.shm is not None:
+            # Shared-memory sends move only while this rank waits on the group: every piece
+            # goes into the next stage's mailbox now (that stage empties it without this one),
+            # or it could wait for a piece while this rank waits for a step that needs its
+            # output (a 300 s hang once the mailbox filled up with two steps in flight).
+            self.wait()
+
+    def _send(self, inter: IntermediateTensors | None) -> None:
         dst = self.pp.rank + 1
         rows = 0 if inter is None else int(inter.hidden.shape[0])
         has_residual = int(inter is not None and inter.residual is not None)
@@ -59,6 +69,9 @@ class PipeSender:
         tensors = [inter.hidden] + ([inter.residual] if inter.residual is not None else [])
         for t in tensors:
             t = t.contiguous()
+            if self.pp.device_group is None:  # stages on different devices: via host memory
+                self._inflight.append(send_through_host(self.pp, t, dst))
+                continue
             work = self.pp.send(t, dst)
             if t.is_cuda:
                 # NCCL: wait() only orders this stream after the send (the CPU goes on), so the
@@ -88,12 +101,14 @@ class PipeReceiver:
         if rows == 0:
             return None
         shape = (rows, self.hidden_size)
-        hidden = self.pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device), src)
-        residual = None
-        if has_residual:
-            residual = self.pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
-                                    src)
+        hidden = self._recv(shape, src)
+        residual = self._recv(shape, src) if has_residual else None
         return IntermediateTensors(hidden, residual)
+
+    def _recv(self, shape: tuple[int, int], src: int) -> torch.Tensor:
+        if self.pp.device_group is None:  # stages on different devices: via host memory
+            return recv_through_host(self.pp, shape, self.dtype, self.device, src)
+        return self.pp.recv(torch.empty(shape, dtype=self.dtype, device=self.device), src)
 
 
 class Worker:
@@ -212,6 +227,9 @@ class Worker:
                                        f"{graphs.pool_bytes / 2**20:.0f} MiB")
                     else:
                         note.detail = f"none, decode steps run eagerly: {reason}"
+                    piecewise = runner.capture_piecewise_graphs()
+                    if piecewise is not None:  # (cudagraph_mode PIECEWISE / FULL_AND_...)
+                        note.detail = (f"{note.detail}; " if reason is None else "") + piecewise
                     note.detail += self._compiles_since(seen)
             seen = JIT_WATCH.count
             with self.startup.phase("warm-up") as note:
@@ -221,6 +239,10 @@ class Worker:
                 else:
                     note.detail = "off (TIDAL_WARMUP=0): the first requests compile instead"
                 note.detail += self._compiles_since(seen)
+        if isinstance(runner, ModelRunner) and runner.ep is not None:
+            # Start-up's forwards ran on this engine alone; serving ones meet the other DP
+            # engines' (layers/moe_ep).
+            runner.ep.activate()
         self._mark_ready()
 
     def _mark_ready(self) -> None:

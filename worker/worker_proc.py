@@ -196,15 +196,19 @@ class WorkerProc:
     def __init__(self, args: WorkerArgs, port: int, store: Any = None) -> None:
         import torch
 
+        from tidal.worker.distributed.hetero_groups import gpu_index, is_mixed, stage_config
         from tidal.worker.distributed.parallel_state import init_distributed
         from tidal.worker.worker import Worker
 
         self.args = args
-        config = args.config
+        # (--pp-devices: this rank's stage device in place of the engine's)
+        config = stage_config(args.config, args.rank)
+        mixed = is_mixed(config)
+        local_rank = gpu_index(config, args.rank) if mixed else args.local_rank
         self.rank = args.rank
         if config.runner.device == "cpu" and config.runner.cpu_threads is not None:
             torch.set_num_threads(config.runner.cpu_threads)  # before gloo and the model start
-        device = (torch.device("cuda", args.local_rank) if config.runner.device == "cuda"
+        device = (torch.device("cuda", local_rank) if config.runner.device == "cuda"
                   else torch.device("cpu"))
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -215,10 +219,10 @@ class WorkerProc:
                                   pp_size=par.pipeline_parallel_size, host=args.store_host,
                                   port=port, device=device, store=store,
                                   kernels=config.runner.kernels,
-                                  cpu_collectives=par.cpu_collectives)
+                                  cpu_collectives=par.cpu_collectives, mixed=mixed)
         logger.info("rank %d: process groups ready in %.2f s", self.rank,
                     time.perf_counter() - start)
-        self.worker = Worker(config, args.rank, args.local_rank, tp, pp)
+        self.worker = Worker(config, args.rank, local_rank, tp, pp)
         self.worker.load_model()
         self._profiler: Any = None
         self._held: Any = None  # the last step's output, not yet sent (defer_step_replies)

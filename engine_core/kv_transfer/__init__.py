@@ -13,7 +13,9 @@ Layout (the arrows run engine_core -> worker):
   (which block hash lives in which host slot); its worker side copies through
   ``worker/kv_transfer/host_kv_store.py`` (torch tensors, pinned host memory);
 - ``engine_core/kv_transfer/p2p_connector.py``: disaggregated prefill/decode between two engines
-  of one host (``P2pConnector``); its tensors move over ``p2p_transport.py`` (ZeroMQ), and a load
+  of one host (``P2pConnector``); its tensors move over ``p2p_transport.py`` (ZeroMQ frames, or
+  a two-rank gloo / NCCL group per producer-consumer pair from ``p2p_pair_group.py``), pulled in
+  the background by ``p2p_async_pull.py`` (the request waits, others decode); a synchronous load
   that fails is recomputed through ``load_recovery.py`` (the scheduler drops that step's
   outputs of the requests on the unfilled blocks).
 """

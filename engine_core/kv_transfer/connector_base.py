@@ -17,7 +17,9 @@ scheduler side (``engine_core/scheduler.py``), per step:
      tokens + this step's new tokens -> ``update_state_after_alloc`` (block ids of the whole
      request, group 0). External tokens count as computed (a prefix hit).
   2. a cached block reused for another hash (``BlockPool`` eviction), for connectors whose
-     ``wants_evictions`` is True: ``on_block_evicted`` (the host tier saves it).
+     ``wants_evictions`` is True: ``on_block_evicted`` (the host tier saves it if it lacks
+     it); a block registered in the prefix cache, for those whose ``wants_cached_blocks`` is
+     True: ``on_block_cached`` (the host tier's write-through).
   3. end of ``schedule``: ``build_connector_meta``. A step whose metadata is empty (encodes
      like ``metadata_type()``) while no finished request's blocks are held travels as b"": the
      workers make no connector call at all that step (not even ``get_finished``), so a
@@ -36,17 +38,25 @@ worker side (``worker/model_runner.py``), per step with tokens to compute:
   ``register_kv_caches`` once, after the KV cache is allocated.
 
 Request ids in ``get_finished``: an id in ``finished_sending`` means its held blocks may be freed
-(step 4 above); ``finished_recving`` is reserved for asynchronous loads. With tensor or pipeline
-parallelism only the output rank's ids reach the scheduler.
+(step 4 above); an id in ``finished_recving`` ends that request's asynchronous load. With tensor
+or pipeline parallelism only the output rank's ids reach the scheduler.
 
-Not yet: asynchronous loads. A connector returning ``(n, True)`` from
-``get_num_new_matched_tokens`` (or a count that is not whole blocks leaving one token) fails
-that request alone with an error (the answer is per request, so it cannot be refused at
-start-up); the engine goes on. Loads are synchronous, done in
-``start_load_kv`` of the step that first schedules the request, and a load must not fail there
-(the step computes on top of it). A connector whose transfer can fail settles it on the
-scheduler side first (e.g. the remote KV is staged where the workers read it, or the handshake
-timed out) and matches 0 tokens when it did not, so the request recomputes them.
+Asynchronous loads (``get_num_new_matched_tokens`` returns ``(n, True)``): the scheduler
+allocates the request's blocks for its local hit and the ``n`` loaded tokens (kept out of the
+prefix cache until filled), hands them to ``update_state_after_alloc`` and parks the request
+outside the batch; steps keep carrying the connector's metadata (``get_finished`` is asked every
+step) until a worker reports the request in ``finished_recving``; it is then admitted from the
+queue's head with those tokens computed. A load that failed is reported in ``finished_recving``
+too, with its blocks in ``get_block_ids_with_load_errors`` of the same step: the request then
+recomputes its prompt (ask it nothing again: a connector tries a request once). A request
+aborted mid-load keeps its blocks until its load is reported. Not with several KV groups (such a
+request fails alone with an error). A count that is not whole blocks leaving one token fails
+that request alone too; the engine goes on.
+
+Synchronous loads (``(n, False)``) are done in ``start_load_kv`` of the step that first schedules
+the request; one that fails there reports its blocks through
+``get_block_ids_with_load_errors``: the scheduler drops that step's output of the requests on
+them and recomputes them.
 """
 
 from __future__ import annotations
@@ -92,6 +102,8 @@ class KVConnectorBase:
     # Whether the scheduler side wants ``on_block_evicted`` calls (installed on the block pool
     # only then, so other connectors cost nothing on eviction).
     wants_evictions: ClassVar[bool] = False
+    # Whether it wants ``on_block_cached`` calls (the block pool's ``on_cache`` hook).
+    wants_cached_blocks: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> None:
         """``config``: the whole engine config (``config.kv_transfer`` is this connector's
@@ -130,6 +142,11 @@ class KVConnectorBase:
         """(Only when ``wants_evictions``.) Pool block ``block_id``, cached under
         ``block_hash``, is being reused for other tokens this step: its content is still intact
         until this step's forward writes it (workers copy out in ``start_load_kv``)."""
+
+    def on_block_cached(self, block_id: int, block_hash: bytes) -> None:
+        """(Only when ``wants_cached_blocks``.) Pool block ``block_id`` was registered in the
+        prefix cache under ``block_hash`` this step: its K/V are complete once this step's
+        forward ran (the host tier copies it out after that forward: write-through)."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's instructions to the worker side (called at the end of every ``schedule``

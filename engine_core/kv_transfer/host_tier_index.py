@@ -3,8 +3,10 @@ slot, in LRU order.
 
 The tensors live in the workers (``worker/kv_transfer/host_kv_store.py``); every worker keeps
 its shard of a block in the same slot, so this one index serves them all. A slot read by a load
-this step is pinned until the step's metadata is built: the workers run a step's stores before
-its loads, so a slot reused by a store of the same step would hand the load other tokens' KV.
+this step is pinned until the step's metadata is built: the workers run a step's eviction
+stores before its loads, so a slot reused by a store of the same step would hand the load other
+tokens' KV. (A slot being written by a store still in flight may be loaded from: the workers
+order that load after the store.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class HostTierIndex:
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot holding ``block_hash`` (no LRU change), or None."""
         return self._slots.get(block_hash)
+
+    def touch(self, block_hash: bytes) -> None:
+        """Make ``block_hash`` most recently used, if present."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
 
     def take(self, block_hash: bytes) -> int:
         """Mark ``block_hash``'s slot as read this step: most recently used, and pinned until

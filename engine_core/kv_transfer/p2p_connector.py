@@ -12,16 +12,21 @@ on in the decode request.
 
 The consumer (``kv_consumer``, the decode instance) treats the producer's full prompt blocks like
 a prefix hit (``get_num_new_matched_tokens``); its worker pulls them straight into the blocks the
-scheduler allocated, in ``start_load_kv`` of the step that first schedules the request (a
-synchronous load, over ``p2p_transport``). A pull that fails or times out (the producer died,
-refused, answered garbage) reports its blocks as invalid: the scheduler drops that step's output
-of the request and recomputes it from scratch, so the answer is never wrong, only later. Each
-request is tried once.
+scheduler allocated, over ``p2p_transport``. By default the pull is asynchronous
+(``load_async``): the request waits, its blocks allocated, while a background thread of the
+worker (``p2p_async_pull``) pulls and the other requests keep decoding; the workers report it
+in ``finished_recving`` and it is scheduled from there like a prefix hit. A pull that fails or
+times out (the producer died, refused, answered garbage) is reported with its blocks invalid:
+the request recomputes its prompt, so the answer is never wrong, only later. With
+``async_pull: false`` the pull runs inside ``start_load_kv`` of the step that first schedules
+the request (a failure drops that step's output of it). Each request is tried once.
 
 ``kv_connector_extra_config``: ``transport`` ("zmq", the default: raw ZeroMQ frames staged
-through host memory; "nccl" is refused, not yet wired), ``pull_timeout_s`` (consumer, default
-5: the pull runs inside the decode instance's step, so a dead producer stalls that step this
-long once), ``send_timeout_s`` (producer: blocks nobody pulls are released after this,
+through host memory; "gloo": a two-rank gloo group per producer-consumer pair, host memory;
+"nccl": a two-rank NCCL group, GPU cache to GPU cache, needs a CUDA engine on each side and
+distinct GPUs; "auto": nccl when the KV cache is on a GPU, else zmq), ``async_pull`` (consumer,
+default true), ``pull_timeout_s`` (consumer, default 5: a dead producer costs a request this
+long once, and with ``async_pull: false`` stalls that step as long), ``send_timeout_s`` (producer: blocks nobody pulls are released after this,
 default 120), ``allowed_producers`` (consumer: ``"host:port"`` or ``"host"`` entries a decode
 request's ``remote_host``/``remote_port`` may name besides loopback addresses; the values come
 from clients, so any other address is refused, at the API with a 400 and again here, rather
@@ -56,9 +61,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_EXTRA_KEYS = ("transport", "pull_timeout_s", "send_timeout_s", "allowed_producers")
+_EXTRA_KEYS = ("transport", "pull_timeout_s", "send_timeout_s", "allowed_producers",
+               "async_pull")
 MAX_ALLOWED_PRODUCERS = 1024
-_TRANSPORTS = ("zmq", "nccl")
+_TRANSPORTS = ("zmq", "gloo", "nccl", "auto")
 # kv_transfer_params a client may send (vLLM's names); the values are checked where used.
 PARAM_KEYS = frozenset({
     "do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_host", "remote_port",
@@ -103,6 +109,13 @@ def prompt_digest(request: Request) -> str:
     if request.lora_request is not None:
         h.update(b"\x00lora:" + request.lora_request.lora_name.encode())
     return h.hexdigest()
+
+
+def resolve_transport(transport: str, kv_caches: list[torch.Tensor]) -> str:
+    """The consumer's transport: "auto" is nccl for a GPU cache, else zmq."""
+    if transport == "auto":
+        return "nccl" if kv_caches and kv_caches[0].is_cuda else "zmq"
+    return transport
 
 
 class KVTransferParamsError(ValueError):
@@ -183,6 +196,8 @@ class P2pConnector(KVConnectorBase):
         self.pull_timeout_s = float(tc.extra("pull_timeout_s", 5.0))
         self.allowed_producers: list[str] = list(tc.extra("allowed_producers", []))
         self.send_timeout_s = float(tc.extra("send_timeout_s", 120.0))
+        self.transport = str(tc.extra("transport", "zmq"))
+        self.async_pull = bool(tc.extra("async_pull", True))
         self.engine_id = tc.engine_id or uuid.uuid4().hex[:16]
         self.address = f"tcp://{tc.kv_ip}:{tc.kv_port}"
         # scheduler side
@@ -198,9 +213,10 @@ class P2pConnector(KVConnectorBase):
         # worker side
         self._server = None
         self._client = None
+        self._puller = None  # AsyncPuller: the consumer's background pulls
         self._step: P2pMetadata | None = None
         self._invalid: set[int] = set()
-        self.failed_loads = 0
+        self._failed_sync = 0
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> None:
@@ -215,10 +231,13 @@ class P2pConnector(KVConnectorBase):
         if transport not in _TRANSPORTS:
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.transport must "
                              f"be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
-        if transport == "nccl":
-            raise ValueError("--kv-transfer-config: not yet supported: P2pConnector "
-                             "transport 'nccl' (GPU-to-GPU over NCCL); use 'zmq' (tensors "
-                             "staged through host memory)")
+        if transport == "nccl" and config.runner.device != "cuda":
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.transport "
+                             f"'nccl' needs a CUDA engine (this one runs on "
+                             f"{config.runner.device}); use 'gloo' or 'zmq'")
+        if not isinstance(tc.extra("async_pull", True), bool):
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.async_pull must "
+                             f"be true or false, got {tc.extra('async_pull')!r}")
         allowed = tc.extra("allowed_producers", [])
         if not isinstance(allowed, list) or len(allowed) > MAX_ALLOWED_PRODUCERS \
                 or not all(isinstance(a, str) and 0 < len(a) <= MAX_REQUEST_ID_LEN
@@ -285,7 +304,7 @@ class P2pConnector(KVConnectorBase):
         address = f"tcp://{params['remote_host']}:{params['remote_port']}"
         self._planned[rid] = (address, str(params["remote_request_id"]),
                               num_computed_tokens // bs, external // bs, digest)
-        return external, False
+        return external, self.async_pull and external > 0
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -393,7 +412,12 @@ class P2pConnector(KVConnectorBase):
                                         self.transfer_config.kv_buffer_size,
                                         self.send_timeout_s)
         if self.is_consumer:
-            self._client = KVPullClient(kv_caches, self.pull_timeout_s)
+            self._client = KVPullClient(kv_caches, self.pull_timeout_s,
+                                        resolve_transport(self.transport, kv_caches))
+            if self.async_pull:
+                from tidal.engine_core.kv_transfer.p2p_async_pull import AsyncPuller
+
+                self._puller = AsyncPuller(self._client)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         from tidal.engine_core.kv_transfer.p2p_transport import KVTransferError
@@ -410,6 +434,14 @@ class P2pConnector(KVConnectorBase):
         client = self._client
         if client is None:
             return
+        if self._puller is not None:
+            from tidal.engine_core.kv_transfer.p2p_async_pull import PullJob
+
+            for load in metadata.loads:
+                self._puller.submit(PullJob(load.request_id, load.address,
+                                            load.remote_request_id, load.start_block,
+                                            list(load.block_ids), load.digest))
+            return
         for load in metadata.loads:
             if not load.block_ids:
                 client.release(load.address, load.remote_request_id, load.digest)
@@ -418,7 +450,7 @@ class P2pConnector(KVConnectorBase):
                 client.pull(load.address, load.remote_request_id, load.start_block,
                             load.block_ids, load.digest)
             except KVTransferError as exc:
-                self.failed_loads += 1
+                self._failed_sync += 1
                 logger.warning("pulling the KV of request %s from %s failed (%s); it is "
                                "recomputed here", load.request_id, load.address, exc)
                 self._invalid.update(load.block_ids)
@@ -429,15 +461,29 @@ class P2pConnector(KVConnectorBase):
             self._server.mark_ready([s.request_id for s in step.sends if s.ready])
 
     def get_finished(self, finished_req_ids: list[str]) -> tuple[set[str], set[str]]:
-        if self._server is None:
-            return set(), set()
-        return self._server.take_finished(), set()
+        sending = self._server.take_finished() if self._server is not None else set()
+        recving: set[str] = set()
+        if self._puller is not None:
+            self._puller.cancel(finished_req_ids)
+            recving, invalid = self._puller.take_finished()
+            if invalid:
+                # (Reported with their requests, this same step: the scheduler recomputes them.)
+                self._invalid.update(invalid)
+        return sending, recving
+
+    @property
+    def failed_loads(self) -> int:
+        """Pulls that failed (each recomputed), synchronous and background ones."""
+        return self._failed_sync + (self._puller.failed if self._puller is not None else 0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()
         return invalid
 
     def shutdown(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -3,9 +3,7 @@
 The producer (prefill) worker runs a ``KVSendServer``: a ZeroMQ ROUTER thread that serves the
 blocks of the requests its scheduler registered (and only those: a peer cannot read other
 requests' blocks by guessing ids). The consumer (decode) worker pulls with a ``KVPullClient``
-straight into its own KV cache. Control messages are msgspec structs (msgpack, never pickle);
-the tensors travel as raw ZeroMQ frames (sent without a copy on the producer, received without
-one and copied once into the consumer's cache).
+straight into its own KV cache. Control messages are msgspec structs (msgpack, never pickle).
 
 A pull goes chunk by chunk, each chunk some whole layers of the request's blocks and at most
 ``buffer_bytes`` (at least one layer): the producer stages the next chunk only when the consumer
@@ -13,14 +11,24 @@ asks for it, so its send buffer is bounded and a slow consumer holds the produce
 (back-pressure) instead of piling up copies. The consumer's last message (``KVDone``) releases
 the request on the producer; a request nobody pulls is released after ``send_timeout_s``.
 
-Tensors are staged through host memory (a GPU cache is copied to the host and back); NCCL
-between two GPUs is not wired yet (``P2pConnector.check_config`` refuses
-``transport="nccl"``).
+Two ways for the tensors (the consumer picks, the producer serves both): ``zmq`` stages them
+through host memory as raw ZeroMQ frames (sent without a copy, copied once into the consumer's
+cache); ``gloo`` / ``nccl`` send each chunk as one staging tensor (its layers' blocks gathered
+layer after layer) over a two-rank torch.distributed group per producer-consumer pair
+(``p2p_pair_group``), built on the first pull after a ZMQ handshake (``KVPairHello`` ->
+``KVPairInfo``: the producer's store address and the pair's key). Over NCCL a chunk goes from
+the producer's GPU cache to the consumer's without touching host memory, and two chunks may be
+in flight (the pair's window): the producer gathers chunk k+1 while chunk k is on the wire, the
+consumer asks for k+1 before scattering k; so at most two staged chunks per pair exist on
+either side. Control messages stay on ZMQ either way.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import math
 import threading
 import time
 import warnings
@@ -30,6 +38,16 @@ import msgspec
 import torch
 import zmq
 
+from tidal.engine_core.kv_transfer.p2p_pair_group import (
+    BACKENDS,
+    PairError,
+    PairGroup,
+    PairStoreHost,
+    build_pair,
+    connect_store,
+    new_pair_key,
+    staging_device,
+)
 from tidal.engine_core.sockets import recv_frames, send_frames
 
 logger = logging.getLogger(__name__)
@@ -38,10 +56,22 @@ _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 # Most blocks one pull may ask for (a request's blocks are bounded by max_model_len anyway; this
 # bounds what a malformed message can make the producer stage).
 MAX_PULL_BLOCKS = 1 << 20
+# Pairs one producer keeps (one per consumer process that pulled over gloo / nccl), and the
+# longest a pair's build or one chunk's send/receive may take.
+MAX_PAIRS = 64
+PAIR_TIMEOUT_S = 30.0
 
 
 class KVTransferError(RuntimeError):
     """A pull failed (the producer is gone, timed out, refused or sent something else)."""
+
+
+class KVRefused(KVTransferError):
+    """The producer answered, refusing (unknown request, other prompt): the exchange itself
+    went fine, so the connection (and its pair) stays usable."""
+
+
+UNKNOWN_PAIR = "unknown pair"
 
 
 class KVPull(msgspec.Struct, tag="pull", **_WIRE):
@@ -52,6 +82,23 @@ class KVPull(msgspec.Struct, tag="pull", **_WIRE):
     end_block: int
     digest: str  # the consumer's prompt digest: served only if it is the request's
     chunk: int = 0
+    pair: str = ""  # a pair's key: the chunk goes over that group, not as frames
+
+
+class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
+    """Consumer -> producer: build a two-rank ``backend`` group with me (gloo or nccl)."""
+
+    backend: str
+
+
+class KVPairInfo(msgspec.Struct, tag="pair", **_WIRE):
+    """Producer -> consumer: join pair ``key`` as rank 1 at the store ``host:port`` (the
+    producer joins as rank 0 right after sending this), or why not."""
+
+    key: str = ""
+    host: str = ""
+    port: int = 0
+    error: str | None = None
 
 
 class KVDone(msgspec.Struct, tag="done", **_WIRE):
@@ -74,11 +121,12 @@ class KVChunk(msgspec.Struct, tag="chunk", **_WIRE):
     dtype: str = ""
     shapes: list[list[int]] = []
     error: str | None = None
+    nbytes: int = 0  # over a pair: the staging tensor's bytes (it follows on the group)
 
 
-_ToProducer = KVPull | KVDone
+_ToProducer = KVPull | KVDone | KVPairHello
 _to_producer = msgspec.msgpack.Decoder(_ToProducer)
-_to_consumer = msgspec.msgpack.Decoder(KVChunk)
+_to_consumer = msgspec.msgpack.Decoder(KVChunk | KVPairInfo)
 _encode = msgspec.msgpack.encode
 
 
@@ -104,6 +152,9 @@ class _Outgoing:
     digest: str
     registered_at: float
     ready: bool = False  # the step that computed its last prompt chunk has run
+    # (A GPU cache) recorded after that step's forward on the step thread's stream: a copy
+    # out on another stream waits for it.
+    computed: torch.cuda.Event | None = None
 
 
 class KVSendServer:
@@ -132,6 +183,13 @@ class KVSendServer:
         # The largest chunk staged so far (bytes): what the bounded send buffer really held.
         self.peak_staged_bytes = 0
         self.chunks_sent = 0
+        # Pairs (gloo / nccl), built on a consumer's hello; the serving thread alone uses them.
+        self._host = self.address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+        self._store: PairStoreHost | None = None
+        self._pairs: dict[str, PairGroup] = {}
+        # Per pair, sends not known finished (work, staging tensor): at most its window.
+        self._sending: dict[str, collections.deque] = {}
+        self._stream = None  # the serving thread's CUDA stream (a GPU cache)
         self._thread = threading.Thread(target=self._serve, name="kv-send-server", daemon=True)
         self._thread.start()
         logger.info("P2P KV send server on %s (send buffer %d bytes)", self.address,
@@ -156,10 +214,15 @@ class KVSendServer:
 
     def mark_ready(self, request_ids: list[str]) -> None:
         now = time.monotonic()
+        event = None
+        if request_ids and self.kv_caches[0].is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.kv_caches[0].device))
         with self._lock:
             for rid in request_ids:
                 entry = self._outgoing.get(rid)
                 if entry is not None:
+                    entry.computed = event
                     # The timeout runs from here: its scheduler holds the blocks from the end
                     # of this step on, and must not hear of an expiry before it holds them.
                     entry.ready = True
@@ -210,6 +273,9 @@ class KVSendServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("dropping a malformed KV transfer message: %s", exc)
                 continue
+            if isinstance(msg, KVPairHello):
+                self._pair_with(peer, msg)
+                continue
             if isinstance(msg, KVDone):
                 with self._lock:
                     entry = self._outgoing.get(msg.request_id)
@@ -217,22 +283,112 @@ class KVSendServer:
                         del self._outgoing[msg.request_id]
                         self._finished.add(msg.request_id)
                 continue
+            if msg.pair:
+                self._serve_pair_chunk(peer, msg)
+                continue
             try:
                 reply, tensors = self._chunk(msg)
             except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
                 logger.exception("serving KV of %s failed", msg.request_id)
                 reply, tensors = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
-            frames_out = [peer, _encode(reply)] + [t.numpy() for t in tensors]
-            try:
-                send_frames(self._sock, frames_out, copy=False)
-            except zmq.ZMQError as exc:
-                logger.warning("could not answer a KV pull of %s: %s", msg.request_id, exc)
+            self._answer(peer, [_encode(reply)] + [t.numpy() for t in tensors],
+                         msg.request_id)
 
-    def _chunk(self, msg: KVPull) -> tuple[KVChunk, list[torch.Tensor]]:
+    def _answer(self, peer: bytes, frames: list, request_id: str) -> bool:
+        try:
+            send_frames(self._sock, [peer] + frames, copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            logger.warning("could not answer a KV message of %s: %s", request_id, exc)
+            return False
+
+    def _pair_with(self, peer: bytes, hello: KVPairHello) -> None:
+        """Answer a consumer's hello, then join the new pair as rank 0 (blocks this thread
+        until the consumer joins or the timeout passes: the consumer joins right away)."""
+        device = self.kv_caches[0].device
+        error = None
+        if hello.backend not in BACKENDS:
+            error = f"unknown pair backend {hello.backend!r}"
+        elif hello.backend == "nccl" and device.type != "cuda":
+            error = "this producer's KV cache is not on a CUDA device (no nccl)"
+        if error is not None:
+            self._answer(peer, [_encode(KVPairInfo(error=error))], "")
+            return
+        timeout = min(self.send_timeout_s, PAIR_TIMEOUT_S)
+        try:
+            if self._store is None:
+                self._store = PairStoreHost(self._host, timeout)
+        except (OSError, RuntimeError) as exc:
+            self._answer(peer, [_encode(KVPairInfo(error=f"no store: {exc}"))], "")
+            return
+        while len(self._pairs) >= MAX_PAIRS:
+            # The oldest goes (its consumer hears "unknown pair" and builds a new one).
+            self._drop_pair(next(iter(self._pairs)))
+        key = new_pair_key()
+        if not self._answer(peer, [_encode(KVPairInfo(key, self._store.host,
+                                                      self._store.port))], ""):
+            return
+        try:
+            self._pairs[key] = build_pair(hello.backend, self._store.store, key, 0, timeout,
+                                          device, self._host)
+            logger.info("P2P KV %s pair %s built", hello.backend, key)
+        except PairError as exc:
+            logger.warning("P2P KV pair with a consumer failed: %s", exc)
+
+    def _serve_pair_chunk(self, peer: bytes, msg: KVPull) -> None:
+        """One chunk over the pair: the header on ZMQ, then one staging tensor on the group."""
+        pair = self._pairs.get(msg.pair)
+        if pair is None:
+            self._answer(peer, [_encode(KVChunk(msg.request_id, msg.chunk,
+                                                error=UNKNOWN_PAIR))], msg.request_id)
+            return
+        sending = self._sending.setdefault(msg.pair, collections.deque())
+        try:
+            # Back-pressure: a new chunk is staged only while fewer than the pair's window of
+            # sends are unfinished (NCCL's run on while the next chunk is gathered).
+            while len(sending) >= pair.window:
+                pair.finish(sending.popleft()[0], "send")
+        except PairError as exc:
+            self._pair_failed(msg, exc)
+            return
+        try:
+            reply, staged = self._chunk(msg, pair.backend)
+        except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
+            logger.exception("serving KV of %s failed", msg.request_id)
+            reply, staged = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
+        if not self._answer(peer, [_encode(reply)], msg.request_id) or not staged:
+            return
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    sending.append((pair.start_send(staged[0]), staged[0]))
+            else:
+                sending.append((pair.start_send(staged[0]), staged[0]))
+            last = reply.first_layer + reply.num_layers >= reply.num_total_layers
+            while sending and (last or len(sending) >= pair.window):
+                # (After a pull's last chunk nothing stays staged between pulls.)
+                pair.finish(sending.popleft()[0], "send")
+        except PairError as exc:
+            self._pair_failed(msg, exc)
+
+    def _pair_failed(self, msg: KVPull, exc: PairError) -> None:
+        # (The consumer is gone or stuck: this pair is not used again.)
+        logger.warning("sending KV of %s failed: %s; dropping the pair", msg.request_id, exc)
+        self._drop_pair(msg.pair)
+
+    def _drop_pair(self, key: str) -> None:
+        pair = self._pairs.pop(key, None)
+        self._sending.pop(key, None)
+        if pair is not None:
+            pair.close()
+
+    def _chunk(self, msg: KVPull, backend: str = "zmq"
+               ) -> tuple[KVChunk, list[torch.Tensor]]:
         with self._lock:
             entry = self._outgoing.get(msg.request_id)
             blocks = None if entry is None or not entry.ready else entry.block_ids
             digest = None if entry is None else entry.digest
+            computed = None if entry is None else entry.computed
         if blocks is None:
             why = "unknown" if entry is None else "not computed yet"
             return KVChunk(msg.request_id, msg.chunk,
@@ -252,6 +408,15 @@ class KVSendServer:
         if not 0 <= first < len(caches):
             return KVChunk(msg.request_id, msg.chunk, error=f"no chunk {msg.chunk}"), []
         last = min(len(caches), first + layers)
+        dtype = str(caches[0].dtype).removeprefix("torch.")
+        if backend != "zmq":
+            flat, shapes = self._stage_flat(caches[first:last], ids, backend, computed)
+            self.peak_staged_bytes = max(self.peak_staged_bytes, flat.numel())
+            self.chunks_sent += 1
+            return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
+                           dtype, shapes, nbytes=flat.numel()), [flat]
+        if computed is not None:
+            computed.synchronize()  # the forward that wrote these blocks has run
         index = torch.tensor(ids, dtype=torch.long, device=caches[0].device)
         staged = []
         shapes = []
@@ -263,23 +428,68 @@ class KVSendServer:
                                      sum(t.numel() for t in staged))
         self.chunks_sent += 1
         return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
-                       str(caches[0].dtype).removeprefix("torch."), shapes), staged
+                       dtype, shapes), staged
+
+    def _stage_flat(self, caches: list[torch.Tensor], ids: list[int], backend: str,
+                    computed: torch.cuda.Event | None
+                    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """The asked blocks of ``caches`` gathered into one uint8 staging tensor (on the GPU for
+        nccl, in host memory for gloo), layer after layer."""
+        device = caches[0].device
+        if device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        shapes = []
+        for cache in caches:
+            shape = list(cache.shape)
+            shape[block_axis(cache)] = len(ids)
+            shapes.append(shape)
+        sizes = [math.prod(sh) * c.element_size() for sh, c in zip(shapes, caches)]
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None \
+            else contextlib.nullcontext()
+        with ctx:
+            # (Allocated on the stream that uses them: the caching allocator reuses memory in
+            # that stream's order, so the next chunk's never overwrites this one's mid-gather.)
+            index = torch.tensor(ids, dtype=torch.long, device=device)
+            out = torch.empty(sum(sizes), dtype=torch.uint8,
+                              device=staging_device(backend, device))
+            if computed is not None and self._stream is not None:
+                self._stream.wait_event(computed)
+            offset = 0
+            for cache, shape, size in zip(caches, shapes, sizes):
+                dst = out[offset:offset + size].view(cache.dtype).view(shape)
+                if dst.device == device:
+                    torch.index_select(cache, block_axis(cache), index, out=dst)
+                else:
+                    dst.copy_(cache.index_select(block_axis(cache), index))
+                offset += size
+        return out, shapes
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(linger=0)
         self._ctx.term()
+        self._pairs.clear()
+        self._sending.clear()
+        if self._store is not None:
+            self._store.close()
 
 
 class KVPullClient:
-    """The consumer's side: pulls a request's blocks from a producer into the local cache."""
+    """The consumer's side: pulls a request's blocks from a producer into the local cache.
 
-    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float) -> None:
+    ``backend``: "zmq" (frames through host memory) or a pair backend, "gloo" / "nccl" (one
+    two-rank group per producer, built on the first pull from it). Not thread-safe: one thread
+    pulls (the step thread, or the consumer's pull thread)."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
+                 backend: str = "zmq") -> None:
         self.kv_caches = kv_caches
         self.timeout_s = timeout_s
+        self.backend = backend
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
+        self._pairs: dict[str, tuple[str, PairGroup]] = {}  # address -> (key, group)
         self.bytes_received = 0
 
     def _socket(self, address: str) -> zmq.Socket:
@@ -292,10 +502,37 @@ class KVPullClient:
         return sock
 
     def _drop(self, address: str) -> None:
-        """A failed exchange may leave a late reply queued: start the next one afresh."""
+        """A failed exchange may leave a late reply queued: start the next one afresh (and a
+        pair that may be mid-transfer is not used again)."""
         sock = self._socks.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
+        known = self._pairs.pop(address, None)
+        if known is not None:
+            known[1].close()
+
+    def _pair(self, address: str, deadline: float) -> tuple[str, PairGroup]:
+        """The pair with the producer at ``address``, built now if there is none."""
+        known = self._pairs.get(address)
+        if known is not None:
+            return known
+        sock = self._socket(address)
+        sock.send(_encode(KVPairHello(self.backend)))
+        info = _to_consumer.decode(self._recv(sock, deadline)[0].buffer)
+        if not isinstance(info, KVPairInfo):
+            raise KVTransferError("the producer answered a pair hello with something else")
+        if info.error is not None:
+            raise KVTransferError(f"the producer refused a {self.backend} pair: {info.error}")
+        left = max(deadline - time.monotonic(), 0.1)
+        device = self.kv_caches[0].device
+        host = address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+        try:
+            store = connect_store(info.host, info.port, left)
+            group = build_pair(self.backend, store, info.key, 1, self.timeout_s, device, host)
+        except PairError as exc:
+            raise KVTransferError(str(exc)) from None
+        self._pairs[address] = (info.key, group)
+        return info.key, group
 
     def pull(self, address: str, request_id: str, start_block: int,
              local_block_ids: list[int], digest: str) -> int:
@@ -305,28 +542,36 @@ class KVPullClient:
         its timeout; the caller recomputes)."""
         end_block = start_block + len(local_block_ids)
         deadline = time.monotonic() + self.timeout_s
-        sock = self._socket(address)
         caches = self.kv_caches
         index = torch.tensor(local_block_ids, dtype=torch.long, device=caches[0].device)
         received = 0
         chunk = 0
+        inflight: collections.deque = collections.deque()  # receives not landed yet
         try:
+            key, group = ("", None) if self.backend == "zmq" else self._pair(address, deadline)
+            sock = self._socket(address)
             while True:
-                sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk)))
+                sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk,
+                                         key)))
                 frames = self._recv(sock, deadline)
                 reply = _to_consumer.decode(frames[0].buffer)
+                if not isinstance(reply, KVChunk):
+                    raise KVTransferError("the producer answered a pull with something else")
                 if reply.error is not None:
-                    raise KVTransferError(f"the producer refused: {reply.error}")
+                    if reply.error == UNKNOWN_PAIR:
+                        raise KVTransferError("the producer dropped our pair")
+                    raise KVRefused(f"the producer refused: {reply.error}")
+                n_parts = reply.num_layers if group is None else 0
                 if (reply.request_id != request_id or reply.chunk != chunk
                         or reply.num_total_layers != len(caches)
-                        or len(frames) - 1 != reply.num_layers
+                        or len(frames) - 1 != n_parts
                         or len(reply.shapes) != reply.num_layers
                         or reply.first_layer + reply.num_layers > len(caches)
                         or reply.num_layers < 1):
                     raise KVTransferError("the producer's reply does not match the pull (a "
                                           "different model or KV layout?)")
-                for k, frame in enumerate(frames[1:]):
-                    cache = caches[reply.first_layer + k]
+                layers = caches[reply.first_layer:reply.first_layer + reply.num_layers]
+                for k, cache in enumerate(layers):
                     want = list(cache.shape)
                     want[block_axis(cache)] = len(local_block_ids)
                     if reply.shapes[k] != want or \
@@ -334,28 +579,75 @@ class KVPullClient:
                         raise KVTransferError(
                             f"layer {reply.first_layer + k}: the producer sent {reply.dtype} "
                             f"{reply.shapes[k]}, this cache holds {cache.dtype} {want}")
-                    with warnings.catch_warnings():
-                        # Read-only frame memory: only read, by the copy into the cache.
-                        warnings.simplefilter("ignore", UserWarning)
-                        raw = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-                    part = raw.view(cache.dtype).view(want).to(cache.device)
-                    cache.index_copy_(block_axis(cache), index, part)
-                    received += raw.numel()
+                if group is None:
+                    received += self._copy_frames(frames[1:], layers, reply.shapes, index)
+                else:
+                    received += self._start_recv(group, layers, reply, inflight)
+                    # The next chunk is asked for while this one arrives (within the window).
+                    while len(inflight) >= group.window:
+                        self._land(group, inflight.popleft(), index)
                 if reply.first_layer + reply.num_layers >= len(caches):
                     break
                 chunk += 1
+            while inflight:
+                self._land(group, inflight.popleft(), index)
             sock.send(_encode(KVDone(request_id, digest)))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(address)
             raise KVTransferError(f"undecodable reply from the producer: {exc}") from None
+        except KVRefused:
+            raise
         except KVTransferError:
             self._drop(address)
             raise
+        except PairError as exc:
+            self._drop(address)
+            raise KVTransferError(str(exc)) from None
         except zmq.ZMQError as exc:
             self._drop(address)
             raise KVTransferError(f"transport error: {exc}") from None
         self.bytes_received += received
         return received
+
+    @staticmethod
+    def _copy_frames(frames: list[zmq.Frame], layers: list[torch.Tensor],
+                     shapes: list[list[int]], index: torch.Tensor) -> int:
+        received = 0
+        for frame, cache, want in zip(frames, layers, shapes):
+            with warnings.catch_warnings():
+                # Read-only frame memory: only read, by the copy into the cache.
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+            if raw.numel() != math.prod(want) * cache.element_size():
+                raise KVTransferError("a layer's frame has the wrong size")
+            part = raw.view(cache.dtype).view(want).to(cache.device)
+            cache.index_copy_(block_axis(cache), index, part)
+            received += raw.numel()
+        return received
+
+    @staticmethod
+    def _start_recv(group: PairGroup, layers: list[torch.Tensor], reply: KVChunk,
+                    inflight: collections.deque) -> int:
+        """Post the receive of the chunk's staging tensor off the pair."""
+        sizes = [math.prod(sh) * c.element_size() for sh, c in zip(reply.shapes, layers)]
+        if reply.nbytes != sum(sizes):
+            raise KVTransferError(f"the producer announced {reply.nbytes} bytes, the chunk "
+                                  f"holds {sum(sizes)}")
+        flat = torch.empty(reply.nbytes, dtype=torch.uint8,
+                           device=staging_device(group.backend, layers[0].device))
+        inflight.append((group.start_recv(flat), flat, layers, reply.shapes, sizes))
+        return reply.nbytes
+
+    @staticmethod
+    def _land(group: PairGroup, entry: tuple, index: torch.Tensor) -> None:
+        """Wait for one posted receive, then scatter it into its layers' blocks."""
+        work, flat, layers, shapes, sizes = entry
+        group.finish(work, "receive")
+        offset = 0
+        for cache, shape, size in zip(layers, shapes, sizes):
+            part = flat[offset:offset + size].view(cache.dtype).view(shape)
+            cache.index_copy_(block_axis(cache), index, part.to(cache.device, non_blocking=True))
+            offset += size
 
     def release(self, address: str, request_id: str, digest: str) -> None:
         """Tell the producer this consumer needs nothing of ``request_id`` (it had the blocks

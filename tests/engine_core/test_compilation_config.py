@@ -48,8 +48,9 @@ def test_fields_are_kept():
     ({"mode": 7}, ["mode must be 0 or 3"]),
     ({"mode": "3"}, ["mode must be an integer"]),
     ({"mode": 3, "level": 0}, ["mode or level"]),
-    ({"cudagraph_mode": "PIECEWISE"}, ["cudagraph_mode", "not yet supported", "PIECEWISE"]),
-    ({"cudagraph_mode": "full_and_piecewise"}, ["not yet supported", "FULL_AND_PIECEWISE"]),
+    # (The piecewise graphs themselves: tests/worker/test_compile_piecewise.py.)
+    ({"cudagraph_mode": "PIECEWISE"}, ["cudagraph_mode", "needs mode 3", "PIECEWISE"]),
+    ({"cudagraph_mode": "full_and_piecewise"}, ["needs mode 3", "FULL_AND_PIECEWISE"]),
     ({"cudagraph_mode": "SOME"}, ["cudagraph_mode must be one of"]),
     ({"cudagraph_capture_sizes": [1, 2]}, ["cudagraph_capture_sizes", "not yet supported"]),
     ({"compile_sizes": [8]}, ["compile_sizes", "not yet supported"]),

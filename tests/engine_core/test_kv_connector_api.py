@@ -247,25 +247,62 @@ def test_a_send_reported_before_its_request_finished_holds_nothing(recording_sch
     assert not sched._kv_sent_early  # nothing left behind, "unknown" never recorded
 
 
-def test_async_loads_are_refused_clearly(recording_scheduler, monkeypatch):
+def test_async_loads_wait_off_the_batch_then_run_or_recompute(recording_scheduler,
+                                                             monkeypatch):
+    """A connector answering ``load_async``: the request gets its blocks (kept out of the
+    prefix cache) and waits outside the batch while others run; reported in
+    ``finished_recving`` it runs from its loaded tokens; reported with its blocks invalid it
+    recomputes; aborted mid-load its blocks stay held until the load is reported over."""
     from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
     from tidal.engine_core.request import Request
     from tidal.engine_core.sampling_params import SamplingParams
 
     sched = recording_scheduler
-    monkeypatch.setattr(RecordingConnector, "get_num_new_matched_tokens",
-                        lambda self, request, n: (16, request.request_id == "bad"))
+    tried: set[str] = set()
+
+    def match(self, request, n):  # each request is loaded once (as P2pConnector does)
+        if request.request_id in tried:
+            return 0, False
+        tried.add(request.request_id)
+        return 16, request.request_id != "sync"
+
+    monkeypatch.setattr(RecordingConnector, "get_num_new_matched_tokens", match)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for rid in ("bad", "good"):
+    prompts = {"a": list(range(3, 43)), "sync": list(range(50, 90)),
+               "b": list(range(100, 140)), "c": list(range(200, 240))}
+    for rid in ("a", "sync"):
         sched.add_request(Request.from_engine_request(
-            EngineCoreRequest(rid, list(range(3, 43)), params), 128, frozenset()))
-    # The request whose load would be asynchronous fails alone; the engine goes on.
+            EngineCoreRequest(rid, prompts[rid], params), 128, frozenset()))
     out = sched.schedule()
-    assert [r.req_id for r in out.new_reqs] == ["good"]
-    (failed,) = sched.take_kv_rejected()
-    assert failed.request_id == "bad" and failed.finish_reason == FinishReason.ERROR
-    assert "asynchronous KV load" in failed.error and "not yet supported" in failed.error
-    assert "bad" not in sched.requests and sched.take_kv_rejected() == []
+    assert [r.req_id for r in out.new_reqs] == ["sync"]  # "a" waits for its load
+    assert "a" in sched._kv_recving and sched.has_held_kv and out.kv_connector_metadata
+    a_blocks = sched.kv.block_ids("a")
+    assert len(a_blocks) == 1 and sched.kv.pool.blocks[a_blocks[0]].block_hash is None
+    sched.update_from_output(out, ModelRunnerOutput(kv_finished_recving=["a"]))
+    out = sched.schedule()
+    (new,) = out.new_reqs
+    assert new.req_id == "a" and new.num_computed_tokens == 16 and new.block_ids[0] == a_blocks[0]
+    assert out.num_scheduled_tokens[-1] == 40 - 16
+    # A failed load: its blocks come back invalid; it restarts from no tokens at all.
+    sched.add_request(Request.from_engine_request(
+        EngineCoreRequest("b", prompts["b"], params), 128, frozenset()))
+    sched.schedule()
+    b_blocks = sched.kv.block_ids("b")
+    sched.update_from_output(SchedulerOutput(step_id=97), ModelRunnerOutput(
+        kv_finished_recving=["b"], kv_invalid_block_ids=b_blocks))
+    out = sched.schedule()
+    (new,) = out.new_reqs
+    assert new.req_id == "b" and new.num_computed_tokens == 0
+    # Aborted mid-load: finished at once, its blocks held until the load is reported.
+    sched.add_request(Request.from_engine_request(
+        EngineCoreRequest("c", prompts["c"], params), 128, frozenset()))
+    sched.schedule()
+    free = sched.kv.num_free_blocks
+    sched.finish_requests(["c"], FinishReason.ABORT)
+    assert "c" not in sched.requests and sched.kv.num_free_blocks == free
+    sched.update_from_output(SchedulerOutput(step_id=98),
+                             ModelRunnerOutput(kv_finished_recving=["c"]))
+    assert sched.kv.num_free_blocks == free + 1 and not sched._kv_recving
     sched.kv.pool.check_invariants()
 
 

@@ -228,8 +228,12 @@ def test_a_host_tier_larger_than_free_memory_is_refused(tiny, monkeypatch):
 
 
 def test_steps_with_nothing_to_copy_send_no_connector_message(tiny):
-    """The host tier on, nothing evicted or hit: the step message stays b"", so the workers
-    make no connector call (2 x layers per step otherwise)."""
+    """The host tier on: the prompt step carries its full blocks' write-through stores; a
+    decode step that fills no block, evicts and hits nothing sends b"", so the workers make no
+    connector call (2 x layers per step otherwise)."""
+    import msgspec
+
+    from tidal.engine_core.kv_transfer.offloading_connector import OffloadMeta
     from tidal.engine_core.protocol import ModelRunnerOutput
     from tidal.engine_core.request import Request
     from tidal.engine_core.scheduler import Scheduler
@@ -241,11 +245,18 @@ def test_steps_with_nothing_to_copy_send_no_connector_message(tiny):
     sched.add_request(Request.from_engine_request(
         EngineCoreRequest("r", list(range(3, 40)), GREEDY), 128, frozenset()))
     out = sched.schedule()
-    assert out.total_num_scheduled_tokens == 37 and out.kv_connector_metadata == b""
+    assert out.total_num_scheduled_tokens == 37
+    meta = msgspec.msgpack.decode(out.kv_connector_metadata, type=OffloadMeta)
+    assert meta.save_block_ids == sched.kv.block_ids("r")[:2] and len(meta.save_slots) == 2
+    assert not (meta.store_block_ids or meta.load_block_ids)
     sched.update_from_output(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[5]]))
-    # A step that stores does carry its message.
-    sched.connector.on_block_evicted(0, b"h")
-    assert sched.schedule().kv_connector_metadata != b""
+    out = sched.schedule()
+    assert out.total_num_scheduled_tokens == 1 and out.kv_connector_metadata == b""
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[6]]))
+    # A block the host does not have, evicted: stored before the forward, in the message.
+    sched.connector.on_block_evicted(7, b"h")
+    meta = msgspec.msgpack.decode(sched.schedule().kv_connector_metadata, type=OffloadMeta)
+    assert meta.store_block_ids == [7] and meta.reused_block_ids == [7]
 
 
 def test_blocks_evicted_last_first_are_stored_and_loaded_as_one_run(tiny):

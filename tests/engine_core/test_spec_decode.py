@@ -260,7 +260,8 @@ def test_greedy_identical_on_smollm2(smollm2_path, smollm2_llm):
     params = SamplingParams(max_tokens=32, temperature=0.0)
     prompts = [REPETITIVE, CODE]
     want, _, _ = _generate(smollm2_llm, prompts, params)
-    llm = LLM(str(smollm2_path), max_num_seqs=8, speculative_config=NGRAM)
+    llm = LLM(str(smollm2_path), max_num_seqs=8, speculative_config=NGRAM,
+              kv_cache_memory_bytes=512 << 20)
     try:
         got, _, accepted = _generate(llm, prompts, params)
         assert got == want

@@ -160,5 +160,15 @@ def embedding_server() -> ServerProcess:
 
 @atexit.register
 def _stop_shared() -> None:
-    for server in _SHARED.values():
-        server.stop()
+    # SIGTERM to every server first, then wait: each drains and shuts its engine down in
+    # a second or two, side by side rather than one after another at the end of the run.
+    running = [s for s in _SHARED.values() if s.proc is not None and s.proc.poll() is None]
+    for server in running:
+        server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30.0
+    for server in running:
+        try:
+            server.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()

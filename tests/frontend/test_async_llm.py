@@ -36,8 +36,10 @@ def tiny_llm(tiny_models):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path):
+    # 512 MiB of KV (11k tokens: the 8k context) for short prompts: the 2 GiB CPU default
+    # costs start-up time.
     llm = AsyncLLM.from_engine_args(EngineArgs(model=str(smollm2_path), max_num_seqs=8,
-                                               cpu_threads=1))
+                                               cpu_threads=1, kv_cache_memory_bytes=512 << 20))
     yield llm
     llm.shutdown()
 

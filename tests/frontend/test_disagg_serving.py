@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode end to end: a prefill ``tidal serve`` (kv_producer), a decode
 ``tidal serve`` (kv_consumer) and ``tidal disagg-proxy`` in front, on a tiny random-weight model.
 Through the proxy, greedy outputs (whole and streamed) equal the decode instance computing the
-prompt itself, and the decode instance really loaded the prompt's blocks (usage cached_tokens);
+prompt itself, and the decode instance really loaded the prompt's blocks (usage cached_tokens,
+pulled over the gloo transport);
 errors of either side reach the client as OpenAI envelopes; a killed producer means the decode
 instance recomputes (same answer) and the proxy's /health turns 503.
 
@@ -90,8 +91,11 @@ def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict]:
 def disagg(tiny_smol_path):
     model = str(tiny_smol_path)
     producer = ServerProcess([model, *ENGINE, *_kv("kv_producer", free_port())], api_key=None)
+    # The decode side pulls over a two-rank gloo pair, in the background (the zmq transport
+    # and synchronous pulls are covered in tests/engine_core/kv_transfer).
     consumer = ServerProcess([model, *ENGINE, *_kv("kv_consumer", free_port(),
-                                                    pull_timeout_s=1.5)], api_key=None)
+                                                    pull_timeout_s=1.5, transport="gloo")],
+                             api_key=None)
     proxy = None
     try:
         with ThreadPoolExecutor(2) as pool:  # both engines start side by side

@@ -29,6 +29,11 @@ def test_verdicts_against_the_targets():
     assert (v["mixed_speedup"]["value"], v["mixed_speedup"]["verdict"]) == (1.15, "PASS")
     assert (v["warm_over_off"]["value"], v["warm_over_off"]["verdict"]) == (1.25, "MISS")
     # Legs that did not run are not measured, never passed.
+    # A piecewise engine counts too, and every engine's ratio is listed.
+    result["runs"]["compiled_piecewise"] = {"decode": _leg(90.0), "mixed": _leg(260.0)}
+    assert bench_compile.verdicts(result)["mixed_speedup"]["value"] == 1.3
+    ratios = bench_compile.speedups(result)
+    assert ratios["compiled_piecewise/mixed"] == 1.3 and ratios["compiled/decode"] == 1.1
     missing = bench_compile.verdicts({"runs": {"eager": {"decode": _leg(1.0)}}})
     assert {t["verdict"] for t in missing.values()} == {"n/a"}
 
@@ -37,4 +42,6 @@ def test_engines_per_device():
     cpu, gpu = bench_compile.engines("cpu"), bench_compile.engines("cuda")
     assert cpu["compiled"]["mode"] == 3 and cpu["compiled_full"] is None
     assert gpu["compiled_full"] == {"mode": 3, "cudagraph_mode": "FULL"}
-    assert cpu["compiled_piecewise"] is None and gpu["compiled_piecewise"] is None
+    assert cpu["compiled_piecewise"] is None and cpu["compiled_full_and_piecewise"] is None
+    assert gpu["compiled_piecewise"] == {"mode": 3, "cudagraph_mode": "PIECEWISE"}
+    assert gpu["compiled_full_and_piecewise"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"

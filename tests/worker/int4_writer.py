@@ -77,12 +77,13 @@ def dequantized(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
 
 def write_int4_checkpoint(src: Path, dst: Path, hf, method: str, group_size: int = 128,
                           act_order: bool = False, sym: bool = False, v2: bool = False,
-                          seed: int = 0) -> dict[str, torch.Tensor]:
+                          seed: int = 0, dequantize: bool = True) -> dict[str, torch.Tensor]:
     """An AWQ or GPTQ copy of the HF safetensors model in ``src`` (``hf`` its loaded model, or
     its state dict, which is quantized) into ``dst``; returns the dequantized weight [N, K]
     (float64) of each quantized linear by checkpoint name, for a reference model.
     ``act_order``: GPTQ with a random ``g_idx`` shared by the linears that read the same
-    input (q/k/v, gate/up), as GPTQ's own act-order gives them."""
+    input (q/k/v, gate/up), as GPTQ's own act-order gives them. ``dequantize=False``: no
+    reference weights (an empty dict; float64 copies of a real model's weights cost seconds)."""
     from safetensors.torch import save_file
 
     shutil.copytree(src, dst)
@@ -114,7 +115,8 @@ def write_int4_checkpoint(src: Path, dst: Path, hf, method: str, group_size: int
             g_idx = g_idx[perms[key]]
         # (The classic GPTQ format cannot store a zero point of 0: it would read back as 16.)
         q, zeros, scales = rtn(w, g_idx, groups, sym, 1 if method == "gptq" and not v2 else 0)
-        deq[name] = dequantized(q, zeros, scales, g_idx)
+        if dequantize:
+            deq[name] = dequantized(q, zeros, scales, g_idx)
         qt, zt = q.t().numpy(), zeros.t().numpy()  # [K, N], [G, N]
         if method == "awq":
             tensors[module + ".qweight"] = torch.from_numpy(pack_awq(qt))

@@ -132,6 +132,46 @@ def test_second_start_loads_the_cache_and_rebuilds_a_corrupt_piece(compiled, qwe
     assert check.cache_rebuilt == 0
 
 
+def test_a_warm_start_runs_no_dynamo_trace(compiled, qwen3, cache_dir, eager_out):
+    """A start on an intact cache entry rebuilds the compiled forward from the entry's plan
+    (warm_start): no Dynamo trace, no Inductor, the same tokens and logprobs as eager."""
+    from torch._dynamo.utils import counters
+
+    assert (_runner(compiled).compiled.cache.dir / "warm.json").exists()
+    counters.clear()
+    llm = _llm(qwen3, compilation_config={"mode": 3, "cache_dir": str(cache_dir)})
+    try:
+        warm = _runner(llm).compiled
+        assert warm.stats.warm_start and warm.stats.dynamo_traces == 0
+        assert (warm.stats.cache_hits, warm.stats.inductor_compiles) == (2, 0)
+        assert (warm.stats.pieces, warm.stats.attention_calls) == (2, 1)
+        assert "without a Dynamo trace" in warm.describe()
+        _assert_same(_generate(llm), eager_out)
+        assert warm.stats.dynamo_traces == 0 and not counters["stats"]["unique_graphs"]
+        # A source file Dynamo traced that changed since (a checkout, no version bump)
+        # makes the plan stale: the start traces again instead.
+        import msgspec
+
+        from tidal.worker.compilation import warm_start
+
+        plan = warm_start.decode((warm.cache.dir / "warm.json").read_bytes())
+        assert any(path.endswith("models/decoder.py") for path, _ in plan.sources)
+        stale = msgspec.structs.replace(
+            plan, sources=((plan.sources[0][0], "0" * 64),) + plan.sources[1:])
+        assert warm_start.build(stale, warm.model, lambda key: pytest.fail(key),
+                                lambda *a: pytest.fail("built")) is None
+        # So does a weight or buffer of another shape than traced (a longer max_model_len
+        # grows the rotary cache, not the cache key).
+        assert plan.args[0].kind == "attr" and plan.args[0].layout
+        moved = msgspec.structs.replace(plan, args=(
+            msgspec.structs.replace(plan.args[0], layout="(1,)(1,)torch.float32"),
+            *plan.args[1:]))
+        assert warm_start.build(moved, warm.model, lambda key: pytest.fail(key),
+                                lambda *a: pytest.fail("built")) is None
+    finally:
+        llm.shutdown()
+
+
 def test_a_changed_key_misses(compiled, cache_dir):
     cache = _runner(compiled).compiled.cache
     parts = dict(cache.parts)

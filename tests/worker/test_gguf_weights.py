@@ -44,9 +44,10 @@ def _hf_model(path: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The real file and transformers' float32 state dict for it (loaded once per module)."""
-    return smollm2_path, _hf_model(smollm2_path).state_dict()
+def smollm2(smollm2_path: Path, smollm2_hf) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The real file and transformers' float32 state dict for it (loaded once per session:
+    test_model_golden compares outputs against the same model)."""
+    return smollm2_path, smollm2_hf.state_dict()
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def test_int4_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_hf_fol
     folder, weights = smollm2_hf_folder
     dst = tmp_path / method
     # 576 hidden features: four groups of 128 and one of 64.
-    write_int4_checkpoint(folder, dst, weights, method, group_size=128)
+    write_int4_checkpoint(folder, dst, weights, method, group_size=128, dequantize=False)
     base = smollm2_perplexity  # the unquantized SmolLM2 (float32 on a CPU)
     # (A small KV cache and batch: one prompt of ~460 tokens, and a cheaper warm-up.)
     llm = LLM(str(dst), dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=1,

@@ -84,9 +84,9 @@ SMOL_PROMPTS = [
 ]
 
 
-def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_llm):
+def test_smollm2_gguf_matches_hf(smollm2_hf, smollm2_llm):
     """Real weights: our GGUF loader vs HF's GGUF loader of the same file, 8 prompts batched."""
-    hf = reference.load_hf_gguf(smollm2_path)
+    hf = smollm2_hf
     tok = smollm2_llm.get_tokenizer()
     prompts = [tok.encode(p) for p in SMOL_PROMPTS]
     assert min(map(len, prompts)) <= 2 and max(map(len, prompts)) >= 150

@@ -32,8 +32,9 @@ def _generate(folder, prompts, **kw) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,async_scheduling", [("llama", False), ("qwen3", False),
-                                                     ("llama", True)])
+# Each family's sharding once, and each scheduling mode once: async scheduling's hold of
+# the step's reply on the output rank does not depend on the family.
+@pytest.mark.parametrize("family,async_scheduling", [("llama", False), ("qwen3", True)])
 def test_tp2_matches_single_worker(tiny_models, family, async_scheduling):
     folder, hf = tiny_models[family]
     # Prompts longer than the token budget: chunked prefill steps go through TP too.

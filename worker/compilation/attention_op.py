@@ -62,6 +62,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     if ctx is None or ctx.meta is None:
         raise RuntimeError("tidal::attention called outside a step (no step_context): a "
                            "compiled model runs only through the model runner")
+    n = ctx.meta.num_actual_tokens
+    if q.shape[0] > n:
+        # Padding rows of a piecewise CUDA graph (piecewise_graphs): no attention, no KV
+        # write; the graph after this one reads the n rows it gets (its input is staged).
+        q, k, v = q[:n], k[:n], v[:n]
     return ctx.layers[layer].eager_forward(q, k, v, ctx.meta)
 
 

@@ -10,10 +10,10 @@ torch cannot load is *corrupt*: it is dropped, compiled again and saved over (co
 ``CompileStats.cache_rebuilt``).
 
 The pieces are ``torch._inductor.standalone_compile`` artifacts (``CompiledArtifact.save`` /
-``load``, binary format). torch 2.13 can load those without Inductor, but not skip Dynamo's
-trace of the forward for a model split by a custom backend (its precompile path,
-``torch.compiler``'s ``aot_compile``, serialises only backends it knows); the trace takes a
-second or two for a decoder, the pieces' compile is the slow part. The kernels' binaries (C++
+``load``, binary format), loaded without Inductor. torch's own precompile path
+(``torch.compiler``'s ``aot_compile``) serialises only backends it knows, so the entry also
+holds ``warm.json``, the split graph's plan (``warm_start``): a start that finds it (and every
+piece) rebuilds the compiled forward without a Dynamo trace. The kernels' binaries (C++
 ``.so`` files, Triton cubins) stay in Inductor's own cache folder: on a machine without them a
 load builds the saved kernel sources again (gcc / Triton), still skipping Inductor's lowering.
 """
@@ -37,6 +37,7 @@ from tidal.worker.compilation.piecewise_backend import CompileStats
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+PLAN = "warm.json"  # the split graph's plan for a start without Dynamo (warm_start)
 FORMAT_VERSION = 1  # of this folder layout
 
 
@@ -72,8 +73,11 @@ def key_parts(*, arch: Any, dtype: str, parallel: Any, rank: int, policy: Any,
         "rank": str(rank),
         "device": device,
         "kernel_policy": text(policy),
-        # (cache_dir names where the entry lives, not what is in it)
-        "compilation": text(msgspec.structs.replace(compilation, cache_dir=None)),
+        # (cache_dir names where the entry lives, not what is in it; the CUDA graphs are
+        # captured at start-up around the same pieces whatever their mode and sizes)
+        "compilation": text(msgspec.structs.replace(compilation, cache_dir=None,
+                                                    cudagraph_mode=None,
+                                                    cudagraph_capture_sizes=None)),
         "tidal": _version("tidal"),
         "torch": torch.__version__,
         "triton": _triton_version(),
@@ -179,6 +183,23 @@ class CompileCache:
             tmp.unlink(missing_ok=True)
             logger.warning("compile cache %s: could not save piece %s (%s: %s)", self.dir, key,
                            type(exc).__name__, exc)
+
+    def load_plan(self) -> bytes | None:
+        """The warm-start plan's bytes (``warm_start``), if this entry has one."""
+        try:
+            return (self.dir / PLAN).read_bytes()
+        except OSError:
+            return None
+
+    def save_plan(self, data: bytes) -> None:
+        try:
+            _write_atomic(self.dir / PLAN, data)
+        except OSError as exc:  # costs the next start a trace, nothing else
+            logger.warning("compile cache %s: could not save the warm-start plan (%s)",
+                           self.dir, exc)
+
+    def drop_plan(self) -> None:
+        (self.dir / PLAN).unlink(missing_ok=True)
 
     def piece_files(self) -> list[Path]:
         """The saved pieces' files (what a test corrupts)."""

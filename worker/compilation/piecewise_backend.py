@@ -12,8 +12,8 @@ graphs go per capture size (not on this build: ``CompilationConfig``).
 Each piece is compiled with ``torch._inductor.standalone_compile``, whose artifacts save to
 and load from a file: ``compile_cache.CompileCache`` keeps them, keyed by everything that
 changes the code, so a second start with the same key loads every piece without running
-Inductor (Dynamo still traces the forward, which is the cheap part; a ``compiled_model``
-counter shows both).
+Inductor; with the plan the backend records (``warm_start``) it also skips Dynamo's trace
+(``compiled_model``'s counters show which).
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.split_module import split_module
 
 from tidal.worker.compilation.attention_op import is_attention_node
+from tidal.worker.compilation import warm_start
+from tidal.worker.compilation.piecewise_graphs import PiecewiseGraphs, attention_fed_args
+from tidal.worker.compilation.warm_start import WarmPlan
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class CompileStats:
     trace_s: float = 0.0  # Dynamo's trace (first call to the backend, measured around it)
     compile_s: float = 0.0  # Inductor, for the pieces it compiled
     load_s: float = 0.0  # loading cached pieces
+    warm_start: bool = False  # rebuilt from the cache's plan, without Dynamo (warm_start)
 
 
 class PieceStore(Protocol):
@@ -61,16 +65,26 @@ class PieceStore(Protocol):
 class _Piece(nn.Module):
     """A compiled piece, in the place of its submodule in the split graph. ``single``: the
     submodule returned one value, which an artifact loaded from disk hands back as a 1-list
-    (a freshly compiled one as it is)."""
+    (a freshly compiled one as it is). ``graphs``: the piecewise CUDA graphs it replays (or
+    records) while a forward runs at a capture size; ``index``: its place in them; ``fed``: its
+    arguments that attention outputs (``piecewise_graphs.attention_fed_args``)."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, single: bool) -> None:
+    def __init__(self, fn: Callable[..., Any], name: str, single: bool, *,
+                 graphs: PiecewiseGraphs | None = None, index: int = 0,
+                 fed: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.fn = fn
         self.name = name
         self.single = single
+        self.graphs = graphs
+        self.index = index
+        self.fed = fed
 
     def forward(self, *args: Any) -> Any:
-        out = self.fn(*args)
+        if self.graphs is None:
+            out = self.fn(*args)
+        else:
+            out = self.graphs.run_piece(self.index, self.fn, args, self.fed)
         return out[0] if self.single and isinstance(out, (list, tuple)) else out
 
 
@@ -146,16 +160,23 @@ class _CompileInterpreter(fx.Interpreter):
 class PiecewiseBackend:
     """A Dynamo backend (``torch.compile(backend=...)``). ``store``: the compile cache (None:
     none); ``key``: the engine's cache key; ``inductor_options``: Inductor config patches;
-    ``compile_pieces`` off: the pieces run as traced (no Inductor: for debugging a trace)."""
+    ``compile_pieces`` off: the pieces run as traced (no Inductor: for debugging a trace);
+    ``graphs``: the piecewise CUDA graphs the pieces replay (None: none)."""
 
     def __init__(self, stats: CompileStats, *, store: PieceStore | None = None, key: str = "",
                  inductor_options: dict[str, Any] | None = None,
-                 compile_pieces: bool = True) -> None:
+                 compile_pieces: bool = True, graphs: PiecewiseGraphs | None = None) -> None:
         self.stats = stats
         self.store = store
         self.key = key
-        self.inductor_options = dict(inductor_options or {})
+        # We capture the pieces ourselves (piecewise_graphs): Inductor's CUDA graph trees off.
+        self.inductor_options = {**dict(inductor_options or {}), "triton.cudagraphs": False}
         self.compile_pieces = compile_pieces
+        self.graphs = graphs
+        self.piece_keys: dict[str, str] = {}  # piece name -> its cache key
+        # The split graph's plan for a trace-free warm start (warm_start), once traced.
+        self.plan: WarmPlan | None = None
+        self.graph_outputs = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         stats = self.stats
@@ -170,9 +191,20 @@ class PiecewiseBackend:
         interp = _CompileInterpreter(split, pieces, self._compile_piece)
         with fake_mode:
             interp.run(*fake_args)
-        for name, fn in interp.compiled.items():
-            if fn is not getattr(split, name):  # (the eager backend keeps the piece as is)
-                split._modules[name] = _Piece(fn, name, _returns_one(getattr(split, name)))
+        fed = attention_fed_args(split, pieces)
+        singles = {name: _returns_one(getattr(split, name)) for name in pieces}
+        if self.store is not None and self.compile_pieces:
+            try:
+                self.plan = warm_start.record(gm, split, pieces, self.piece_keys, singles, fed)
+            except Exception as exc:  # noqa: BLE001 - no plan costs a trace next time only
+                logger.info("warm start: no plan recorded (%s: %s)", type(exc).__name__, exc)
+            self.graph_outputs = warm_start.graph_outputs(split)
+        for index, name in enumerate(pieces):
+            fn = interp.compiled[name]
+            # (The eager backend keeps the piece as is, unless graphs wrap it.)
+            if fn is not getattr(split, name) or self.graphs is not None:
+                split._modules[name] = _Piece(fn, name, singles[name], graphs=self.graphs,
+                                              index=index, fed=fed.get(name, frozenset()))
         stats.pieces = len(pieces)
         logger.info("compiled the model's graph as %d pieces around %d attention calls "
                     "(%d compiled by Inductor, %d from the cache)", len(pieces), n_attn,
@@ -185,6 +217,7 @@ class PiecewiseBackend:
             return sub
         stats = self.stats
         key = piece_key(self.key, index, sub, args)
+        self.piece_keys[name] = key
         if self.store is not None:
             t0 = time.perf_counter()
             loaded = self.store.load(key, stats)

@@ -247,15 +247,18 @@ def _listen(host: str) -> socket.socket:
 def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: int,
                      device: torch.device, store: Any = None,
                      kernels: KernelConfig | None = None,
-                     cpu_collectives: str = "gloo") -> tuple[ParallelGroup, ParallelGroup]:
+                     cpu_collectives: str = "gloo",
+                     mixed: bool = False) -> tuple[ParallelGroup, ParallelGroup]:
     """Join the world (rank 0 passes the store it serves; others connect to ``host:port``) and
     build the tensor- and pipeline-parallel groups of ``rank``. Collective: every rank calls it
     with the same sizes (and the same ``kernels``, whose all-reduce choices apply; None: the
     defaults). ``cpu_collectives`` "shm": the groups of these CPU ranks (all on this host)
-    communicate over shared memory (``shm_collectives``); "gloo": over torch.distributed."""
+    communicate over shared memory (``shm_collectives``); "gloo": over torch.distributed.
+    ``mixed``: the pipeline stages run on different devices (``hetero_groups``): a gloo world,
+    and a pipeline group with no device group (its tensors cross through host memory)."""
     if cpu_collectives not in ("shm", "gloo"):
         raise ValueError(f"cpu_collectives must be shm or gloo, got {cpu_collectives!r}")
-    if cpu_collectives == "shm" and device.type != "cpu":
+    if cpu_collectives == "shm" and device.type != "cpu" and not mixed:
         raise ValueError("shared-memory collectives are for CPU workers; "
                          f"this one runs on {device.type}")
     world = tp_size * pp_size
@@ -266,8 +269,10 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     from tidal.engine_core.plugins.platform import platform_for
 
     backend = platform_for(device.type).dist_backend  # nccl on CUDA, gloo on the CPU
+    if mixed:
+        backend = "gloo"  # CPU ranks in an NCCL group deadlock its start-up
     kwargs: dict[str, Any] = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and not mixed:
         kwargs["device_id"] = device  # binds the communicator to this GPU up front
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=RENDEZVOUS_TIMEOUT, **kwargs)
@@ -278,6 +283,8 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     # order, and keeps only its own.
     tp = _make_groups(tp_ranks, rank, backend, world)
     pp = _make_groups(pp_ranks, rank, backend, world)
+    if mixed:
+        pp.device_group = None  # only GPU ranks could share one (hetero_groups)
     if tp.world_size > 1:
         from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
 
@@ -287,7 +294,8 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
             lamport=kc.lamport_allreduce, max_bytes=kc.symm_allreduce_max_bytes)
     logger.info("rank %d joined the %s world of %d (tp rank %d/%d, pp rank %d/%d)", rank,
                 backend, world, tp_rank, tp_size, pp_rank, pp_size)
-    if device.type == "cpu" and world > 1:
+    if (device.type == "cpu" or mixed) and world > 1:
+        # (A mixed layout's groups carry host tensors only: the GPU ranks map the segment too.)
         if cpu_collectives == "shm":
             from tidal.worker.distributed.shm_collectives import ShmCollectives
 

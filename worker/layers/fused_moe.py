@@ -34,6 +34,7 @@ from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers import fp8
 from tidal.worker.layers.linear import WeightShapeError, _shard, as_tensor, set_weight_loader
+from tidal.worker.layers.moe_ep import current_expert_parallel
 from tidal.worker.ops.fp8_torch import FP8_DTYPE, quantize_rows
 from tidal.worker.ops.moe_torch import select_experts
 
@@ -89,14 +90,23 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp = tp or single_group()
         routing.check(num_experts)
-        if intermediate_size % self.tp.world_size:
+        # Expert parallelism (``moe_ep``): this rank holds a contiguous range of whole experts
+        # instead of every expert's tensor-parallel shard.
+        self.ep = current_expert_parallel()
+        self.placement = self.ep.place(num_experts) if self.ep is not None else None
+        tp_shards = 1 if self.ep is not None else self.tp.world_size
+        if intermediate_size % tp_shards:
             raise ValueError(f"{prefix or 'MoE'}: intermediate size {intermediate_size} does not "
                              f"split over {self.tp.world_size} tensor-parallel ranks")
         self.kernels = current_kernels()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.shard_size = intermediate_size // self.tp.world_size
+        self.shard_size = intermediate_size // tp_shards
+        # Experts held here: all of them, or this expert-parallel rank's range.
+        self.local_experts = range(num_experts) if self.placement is None else \
+            self.placement.experts
+        num_local = len(self.local_experts)
         self.routing = routing
         self.reduce_results = reduce_results
         self.prefix = prefix
@@ -108,17 +118,17 @@ class FusedMoE(nn.Module):
                              "implemented in tidal")
         self.quantized = quant is not None
         wdt = FP8_DTYPE if self.quantized else dtype
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=wdt),
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * i, hidden_size, dtype=wdt),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=wdt),
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, i, dtype=wdt),
                                requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
         if self.quantized:
             self.w13_weight_scale = nn.Parameter(
-                torch.ones(num_experts, 2 * i, dtype=torch.float32), requires_grad=False)
+                torch.ones(num_local, 2 * i, dtype=torch.float32), requires_grad=False)
             self.w2_weight_scale = nn.Parameter(
-                torch.ones(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+                torch.ones(num_local, hidden_size, dtype=torch.float32), requires_grad=False)
             for p in (self.w13_weight_scale, self.w2_weight_scale):
                 p.derived_on_load = True  # type: ignore[attr-defined]  # computed as they load
         else:
@@ -128,7 +138,8 @@ class FusedMoE(nn.Module):
         self._loaded: set[tuple[str, int]] = set()
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+        held = "" if self.placement is None else f" (ep: {self.placement.describe()})"
+        return (f"experts={self.num_experts}{held}, hidden={self.hidden_size}, "
                 f"intermediate={self.shard_size}/{self.intermediate_size}, "
                 f"routing={self.routing}" + (", fp8" if self.quantized else ""))
 
@@ -157,7 +168,7 @@ class FusedMoE(nn.Module):
         """This rank's shard of a full checkpoint tensor: gate/up split their output rows,
         down its input columns (``dim`` counts from the end so stacked tensors work too)."""
         what = self._check_intermediate(which, weight, dim)
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1 or self.ep is not None:  # (expert parallel: whole experts)
             return as_tensor(weight)
         return as_tensor(_shard(weight, dim % len(weight.shape), self.tp.rank,
                                 self.tp.world_size, what))
@@ -189,6 +200,9 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise WeightShapeError(f"{self.prefix or 'MoE'}: expert {expert} out of range "
                                    f"(0..{self.num_experts - 1})")
+        if expert not in self.local_experts:
+            return  # another expert-parallel rank's
+        slot = expert - self.local_experts.start
         dim = -2 if which != "down" else -1
         scale = None
         if self.quantized:
@@ -196,14 +210,14 @@ class FusedMoE(nn.Module):
             part, scale = self._quantized_part(which, weight)
         else:
             part = self._rank_part(which, weight, dim)
-        dst = self._slot(which, expert)
+        dst = self._slot(which, slot)
         if dst.shape != part.shape:
             raise WeightShapeError(f"{self.prefix or 'MoE'} expert {expert} {which}: the model "
                                    f"expects {tuple(dst.shape)}, the checkpoint gives "
                                    f"{tuple(part.shape)}")
         dst.copy_(part)
         if scale is not None:
-            self._scale_slot(which)[expert].copy_(scale)
+            self._scale_slot(which)[slot].copy_(scale)
         self._loaded.add((which, expert))
 
     def load_stacked_weight(self, which: Which, weight: Any) -> None:
@@ -213,6 +227,10 @@ class FusedMoE(nn.Module):
             raise WeightShapeError(f"{self.prefix or 'MoE'} stacked {which}: expected "
                                    f"{self.num_experts} experts stacked in a 3-d tensor, got "
                                    f"shape {tuple(weight.shape)}")
+        if self.placement is not None:  # (a lazy checkpoint tensor reads only this range)
+            r = self.local_experts
+            weight = (weight.narrow(0, r.start, len(r)) if hasattr(weight, "narrow")
+                      else weight[r.start:r.stop])
         i = self.shard_size
         dst = {"gate": self.w13.data[:, :i], "up": self.w13.data[:, i:],
                "down": self.w2.data}.get(which)
@@ -231,7 +249,7 @@ class FusedMoE(nn.Module):
                                    f"{tuple(dst.shape)}, the checkpoint gives "
                                    f"{tuple(part.shape)}")
         dst.copy_(part)
-        self._loaded.update((which, e) for e in range(self.num_experts))
+        self._loaded.update((which, e) for e in self.local_experts)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """The parameters' loader: ``shard_id`` is ``(which, expert)`` for one expert's tensor,
@@ -247,7 +265,7 @@ class FusedMoE(nn.Module):
 
     def missing_weights(self) -> list[str]:
         """The expert tensors not loaded yet, as ``'<which> of expert <e>'``."""
-        return [f"{w} of expert {e}" for e in range(self.num_experts)
+        return [f"{w} of expert {e}" for e in self.local_experts
                 for w in ("gate", "up", "down") if (w, e) not in self._loaded]
 
     @torch.no_grad()
@@ -255,7 +273,7 @@ class FusedMoE(nn.Module):
         """FP8 experts for ``--load-format dummy``: each expert's weights drawn in float32 like
         any dummy weight and quantized as a checkpoint tensor would be."""
         for w, scale in ((self.w13, self.w13_weight_scale), (self.w2, self.w2_weight_scale)):
-            for e in range(self.num_experts):
+            for e in range(w.shape[0]):
                 tmp = torch.empty(w.shape[1:], dtype=torch.float32, device=w.device)
                 tmp.uniform_(low, high, generator=gen)
                 q, s = quantize_rows(tmp)
@@ -271,6 +289,9 @@ class FusedMoE(nn.Module):
         the choice of experts only (``select_experts``)."""
         shape = hidden.shape
         x = hidden.reshape(-1, self.hidden_size)
+        if self.ep is not None:
+            return self.ep.forward(self, x, router_logits.reshape(-1, self.num_experts),
+                                   correction_bias).view(shape)
         weights, ids = self.kernels.select_experts(router_logits.reshape(-1, self.num_experts),
                                                    self.routing, correction_bias)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids,

@@ -42,7 +42,7 @@ def load_model(config: ModelConfig, device: torch.device, impl: AttentionImpl,
         model = build_model(config.arch, dtype, impl, tp, pp, kernels, aux_hidden)
     model.eval()
     if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)
+        init_dummy_weights(model, config.seed, draw_device=device)
     else:
         _load_checkpoint(model, config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -81,10 +81,12 @@ def _load_checkpoint(model: nn.Module, config: ModelConfig) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
-                       high: float = 1e-3) -> None:
+                       high: float = 1e-3, draw_device: torch.device | None = None) -> None:
     """Small uniform random weights (norm weights stay 1), reproducible from ``seed``.
 
-    Drawn on the parameter's own device: an 8B model initialises in seconds on a GPU."""
+    Drawn on the parameter's own device: an 8B model initialises in seconds on a GPU. A
+    parameter kept elsewhere (host memory: --cpu-offload-gb) is drawn on ``draw_device`` and
+    copied over, so it gets the values it would have had there."""
     gens: dict[torch.device, torch.Generator] = {}
 
     def gen_for(device: torch.device) -> torch.Generator:
@@ -104,6 +106,10 @@ def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
             continue  # INT4 layers: likewise
         if "norm" in name:
             param.fill_(1.0)
+            continue
+        if draw_device is not None and param.device != draw_device:
+            drawn = torch.empty(param.shape, dtype=param.dtype, device=draw_device)
+            param.copy_(drawn.uniform_(low, high, generator=gen_for(draw_device)))
             continue
         param.uniform_(low, high, generator=gen_for(param.device))
     for module in model.modules():

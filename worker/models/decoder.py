@@ -17,6 +17,7 @@ from torch import nn
 from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
 from tidal.worker.attention.fp8_kv import load_kv_scale
+from tidal.worker.cpu_offload import layer_built
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
@@ -310,7 +311,8 @@ class DecoderForCausalLM(nn.Module):
         self.pp = pp or single_group()
         self.start_layer, self.end_layer = layer_range(arch.num_layers, self.pp)
         self.layers = nn.ModuleDict({
-            str(i): self.make_layer(arch, dtype, impl, i)
+            # (--cpu-offload-gb may move a layer's weights to host memory as it is built)
+            str(i): layer_built(i, self.make_layer(arch, dtype, impl, i))
             for i in range(self.start_layer, self.end_layer)
         })
         build_stage_ends(self, arch, dtype, RMSNorm)

@@ -23,6 +23,7 @@ from torch import nn
 
 from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionImpl, AttentionMetadata
+from tidal.worker.cpu_offload import layer_built
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.kernel_policy import current_kernels
 from tidal.worker.layers.activation import GeluTanhAndMul
@@ -144,8 +145,8 @@ class Gemma2ForCausalLM(nn.Module):
         layers: dict[str, nn.Module] = {}
         for i in range(self.start_layer, self.end_layer):
             window = arch.layer_sliding_window(i)
-            layers[str(i)] = GemmaDecoderLayer(arch, dtype, self.tp, impl,
-                                               full_rope if window is None else local_rope, window)
+            layers[str(i)] = layer_built(i, GemmaDecoderLayer(  # (--cpu-offload-gb)
+                arch, dtype, self.tp, impl, full_rope if window is None else local_rope, window))
         self.layers = nn.ModuleDict(layers)
         build_stage_ends(self, arch, dtype, GemmaRMSNorm)
 

@@ -154,16 +154,17 @@ class Kernels:
     def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
         """The routed experts' SwiGLU MLPs summed over top-k: ``hidden [T, H]``, ``w13 [E, 2I,
         H]``, ``w2 [E, H, I]`` -> ``[T, H]``. Semantics: ``moe_torch.fused_moe``; on the GPU
         the Triton grouped GEMM (CUDA-graph safe). FP8 experts take their per-row scales
         (weight-only; Triton converts e4m3 from compute capability 8.9, where the policy has
-        ``fp8_scaled_mm``)."""
+        ``fp8_scaled_mm``). ``partial``: ids of E name experts of another expert-parallel
+        rank, which add nothing (``layers/moe_ep``)."""
         if self._moe is not None and hidden.is_cuda and (
                 w13_scale is None or self.policy.fp8_scaled_mm):
             return self._moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids,
-                                       w13_scale=w13_scale, w2_scale=w2_scale)
+                                       w13_scale=w13_scale, w2_scale=w2_scale, partial=partial)
         from tidal.worker.ops import moe_torch
 
         return moe_torch.fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)

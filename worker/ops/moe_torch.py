@@ -123,7 +123,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    # An id of E names an expert held by another expert-parallel rank (layers/moe_ep): it
+    # sorts last and is skipped, its pairs' rows left zero.
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()[:w13.shape[0]]
     out = torch.zeros(t * k, h, dtype=torch.float32, device=hidden.device)
     start = 0
     for expert, n in enumerate(counts):
@@ -148,7 +150,8 @@ def fused_moe_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     e, i = w13.shape[0], w13.shape[1] // 2
     # [T, E]: each token's weight per expert (a token names an expert at most once).
-    per_expert = torch.zeros(hidden.shape[0], e, dtype=torch.float32, device=hidden.device)
+    # (A column more for id E, an expert on another expert-parallel rank: never read.)
+    per_expert = torch.zeros(hidden.shape[0], e + 1, dtype=torch.float32, device=hidden.device)
     per_expert.scatter_add_(1, topk_ids.long(), topk_weights.float())
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(e):

@@ -167,10 +167,12 @@ _ALIGN_BLOCKS_M = 32
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+def _count_experts_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    # An id of num_experts or more: an expert on another expert-parallel rank, skipped.
+    mask = mask & (expert < num_experts)
     tl.atomic_add(counts_ptr + expert, 1, mask=mask)
 
 
@@ -205,6 +207,7 @@ def _scatter_pairs_kernel(ids_ptr, cursor_ptr, ends_ptr, sorted_ids_ptr, expert_
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    mask = mask & (expert < num_experts)  # (another expert-parallel rank's expert: skipped)
     row = tl.atomic_add(cursor_ptr + expert, 1, mask=mask)
     tl.store(sorted_ids_ptr + row, offs, mask=mask)
     e = tl.arange(0, EXPERTS)
@@ -242,7 +245,7 @@ def align(topk_ids: torch.Tensor, num_experts: int,
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     post_padded = torch.empty(1, dtype=torch.int32, device=device)
     _count_experts_kernel[(triton.cdiv(pairs, _ALIGN_BLOCK),)](
-        flat, counts, pairs, BLOCK=_ALIGN_BLOCK)
+        flat, counts, pairs, num_experts, BLOCK=_ALIGN_BLOCK)
     _expert_offsets_kernel[(1,)](
         counts, cursor, ends, sorted_ids, post_padded, num_experts, pairs, BLOCK_M=block_m,
         EXPERTS=experts_p2)
@@ -402,9 +405,11 @@ def _fp32_config(cfg: MoeConfig) -> MoeConfig:
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
     """``moe_torch.fused_moe`` on the GPU (``config``: a launch config instead of the
-    table's, for tuning and tests). FP8 weights come with their scales (``moe_torch``)."""
+    table's, for tuning and tests). FP8 weights come with their scales (``moe_torch``).
+    ``partial``: some ids are E, experts of another expert-parallel rank, whose pairs add
+    nothing (their rows are zeroed, as no GEMM writes them)."""
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     check_moe_scales(w13, w2, w13_scale, w2_scale)
     fp8 = w13_scale is not None
@@ -428,7 +433,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = torch.empty((pairs, i), dtype=hidden.dtype, device=hidden.device)
     _gemm(x, w13, act, None, sorted_ids, expert_ids, post_padded, i, top_k, True,
           cfg.block_m, cfg.w13, _contiguous(w13_scale))
-    out = torch.empty((pairs, h), dtype=torch.float32, device=hidden.device)
+    out = (torch.zeros if partial else torch.empty)((pairs, h), dtype=torch.float32,
+                                                    device=hidden.device)
     weights = topk_weights.reshape(-1).float()
     _gemm(act, w2, out, weights, sorted_ids, expert_ids, post_padded, h, 1, False,
           cfg.block_m, cfg.w2, _contiguous(w2_scale))

@@ -40,13 +40,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_core(folder, role: str | None = None, port: int = 0, **extra) -> EngineCore:
+def make_core(folder, role: str | None = None, port: int = 0, engine: dict | None = None,
+              **extra) -> EngineCore:
     kv = None
     if role is not None:
         kv = {"kv_connector": "P2pConnector", "kv_role": role, "kv_port": port or _free_port(),
               "kv_connector_extra_config": {"pull_timeout_s": 1.0, **extra}}
     args = EngineArgs(model=str(folder), max_model_len=256, num_kv_blocks=32,
-                      enable_prefix_caching=True, kv_transfer_config=kv)
+                      enable_prefix_caching=True, kv_transfer_config=kv, **(engine or {}))
     return EngineCore(args.create_config())
 
 
@@ -86,6 +87,22 @@ def engines(tiny_models):
     yield folder, hf.config.vocab_size, producer, consumer, consumer
     for core in (producer, consumer):
         core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gloo_consumer(engines):
+    """A consumer pulling over a two-rank gloo pair (async pulls, the default)."""
+    core = make_core(engines[0], "kv_consumer", transport="gloo")
+    yield core
+    core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sync_consumer(engines):
+    """A consumer pulling inside the step that first schedules the request."""
+    core = make_core(engines[0], "kv_consumer", async_pull=False)
+    yield core
+    core.shutdown()
 
 
 def reference_run(core: EngineCore, reqs: list[EngineCoreRequest]):
@@ -146,7 +163,8 @@ def test_failed_pull_recomputes(engines):
     expected, _ = reference_run(reference, [EngineCoreRequest("ref", prompt, GREEDY)])
     params = _prefill(producer, "gone", prompt)
     # Params naming a request the producer no longer has (as after a restart): the consumer's
-    # pull is refused, the step that ran on unfilled blocks is dropped, the prompt recomputed.
+    # background pull is refused, the request never runs on the unfilled blocks and computes
+    # its whole prompt.
     failed_before = worker_connector(consumer).failed_loads
     stats: list = []
     lost = dict(params, remote_request_id="lost")
@@ -154,7 +172,7 @@ def test_failed_pull_recomputes(engines):
                                                  kv_transfer_params=lost)], stats)
     assert got["d-gone"] == expected["ref"]
     assert worker_connector(consumer).failed_loads == failed_before + 1
-    assert total(stats, "num_prompt_tokens") == 2 + 50  # tried on 2 tokens, then all 50
+    assert total(stats, "num_prompt_tokens") == 50
     assert last["d-gone"].num_cached_tokens == 0
     # A producer that is not there at all (nothing listens): a timeout, then the same.
     dead = dict(params, remote_port=_free_port(), remote_request_id="x")
@@ -304,7 +322,8 @@ def test_aborted_prefill_holds_nothing(engines):
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"transport": "nccl"}, "not yet supported: P2pConnector transport 'nccl'"),
+    ({"transport": "nccl"}, "transport 'nccl' needs a CUDA engine"),
+    ({"async_pull": "yes"}, "async_pull must be true or false"),
     ({"transport": "carrier pigeon"}, "transport must be one of"),
     ({"pull_timeout_s": 0}, "pull_timeout_s must be seconds"),
     ({"colour": "blue"}, "unknown key"),
@@ -316,7 +335,7 @@ def test_bad_p2p_configs_are_refused(tiny_models, extra, match):
     kv = {"kv_connector": "P2pConnector", "kv_role": "kv_consumer",
           "kv_connector_extra_config": extra}
     with pytest.raises(ConfigError, match=match):
-        EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=8,
+        EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=8, device="cpu",
                    kv_transfer_config=kv).create_config()
 
 
@@ -333,3 +352,145 @@ def test_parallel_engines_are_refused(tiny_models, kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=8,
                    kv_transfer_config=kv, **kw).create_config()
+
+
+def test_gloo_transport_matches_one_engine(engines, gloo_consumer):
+    _, vocab, producer, _, reference = engines
+    n = 70
+    prompt = _prompt(vocab, n, seed=70)
+    expected, _ = reference_run(reference, [EngineCoreRequest("ref-g", prompt, GREEDY)])
+    params = _prefill(producer, "p-gloo", prompt)
+    stats: list = []
+    got, last = run(gloo_consumer, [EngineCoreRequest("d-gloo", prompt, GREEDY,
+                                                      kv_transfer_params=params)], stats)
+    assert got["d-gloo"] == expected["ref-g"]
+    loaded = (n - 1) // BS * BS
+    assert total(stats, "num_prompt_tokens") == n - loaded  # the prefill was skipped
+    assert last["d-gloo"].num_cached_tokens == loaded
+    client = worker_connector(gloo_consumer)._client
+    assert client.backend == "gloo" and len(client._pairs) == 1  # over the pair, not frames
+    assert _released(producer)
+
+
+def test_sync_pull_failure_drops_the_step(engines, sync_consumer):
+    """``async_pull: false``: the pull runs in the step that schedules the request; a refused
+    one drops that step's output and recomputes."""
+    _, vocab, producer, _, reference = engines
+    prompt = _prompt(vocab, 50, seed=11)
+    expected, _ = reference_run(reference, [EngineCoreRequest("ref-s", prompt, GREEDY)])
+    params = _prefill(producer, "p-sync", prompt)
+    stats: list = []
+    got, _ = run(sync_consumer, [EngineCoreRequest("d-sync-lost", prompt, GREEDY,
+                                                   kv_transfer_params=dict(
+                                                       params, remote_request_id="lost"))],
+                 stats)
+    assert got["d-sync-lost"] == expected["ref-s"]
+    assert total(stats, "num_prompt_tokens") == 2 + 50  # tried on 2 tokens, then all 50
+    stats = []
+    got, _ = run(sync_consumer, [EngineCoreRequest("d-sync", prompt, GREEDY,
+                                                   cache_salt="sync",
+                                                   kv_transfer_params=params)], stats)
+    assert got["d-sync"] == expected["ref-s"]
+    assert total(stats, "kv_connector_hits") == 48
+    assert _released(producer)
+
+
+@pytest.fixture
+def slow_pulls(monkeypatch):
+    """Every pull waits for the returned event first (as a slow link would)."""
+    from tidal.engine_core.kv_transfer import p2p_transport
+
+    gate = threading.Event()
+    pull = p2p_transport.KVPullClient.pull
+
+    def gated(self, *args, **kwargs):
+        gate.wait(10)
+        return pull(self, *args, **kwargs)
+
+    monkeypatch.setattr(p2p_transport.KVPullClient, "pull", gated)
+    yield gate
+    gate.set()
+
+
+def test_other_requests_decode_while_a_pull_is_slow(engines, slow_pulls):
+    _, vocab, producer, consumer, reference = engines
+    prompt_a, prompt_b = _prompt(vocab, 20, seed=21), _prompt(vocab, 70, seed=22)
+    expected, _ = reference_run(reference, [EngineCoreRequest("ref-a", prompt_a, GREEDY),
+                                            EngineCoreRequest("ref-b", prompt_b, GREEDY)])
+    params = _prefill(producer, "p-slow", prompt_b)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    consumer.add_request(EngineCoreRequest("a", prompt_a, GREEDY, cache_salt="slow"))
+    consumer.add_request(EngineCoreRequest("b", prompt_b, GREEDY, kv_transfer_params=params))
+    finished: dict = {}
+    for _ in range(200):  # "a" runs to its end while "b"'s pull hangs
+        for o in consumer.step().outputs:
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finished[o.request_id] = o
+        if "a" in finished:
+            break
+    assert tokens["a"] == expected["ref-a"]
+    assert tokens["b"] == [] and "b" in consumer.scheduler._kv_recving
+    slow_pulls.set()
+    while consumer.has_unfinished_requests():
+        for o in consumer.step().outputs:
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finished[o.request_id] = o
+        consumer.scheduler.kv.check_invariants()
+    assert tokens["b"] == expected["ref-b"]
+    assert finished["b"].num_cached_tokens == 64  # loaded, not computed
+    assert _released(producer)
+
+
+def test_abort_during_a_pull_holds_its_blocks_until_the_pull_ends(engines, slow_pulls):
+    _, vocab, producer, consumer, _ = engines
+    prompt = _prompt(vocab, 40, seed=31)
+    params = _prefill(producer, "p-abort", prompt)
+    consumer.add_request(EngineCoreRequest("d-abort", prompt, GREEDY, cache_salt="abort",
+                                           kv_transfer_params=params))
+    consumer.step()
+    assert "d-abort" in consumer.scheduler._kv_recving
+    consumer.abort_requests(["d-abort"])
+    # The pull still writes those blocks: they stay allocated, nobody else may get them.
+    assert not consumer.has_unfinished_requests() and consumer.scheduler.has_held_kv
+    assert consumer.scheduler.kv.usage > 0
+    slow_pulls.set()
+    deadline = time.monotonic() + 10
+    while consumer.scheduler.has_held_kv and time.monotonic() < deadline:
+        consumer.poll_kv_transfers(force=True)
+        time.sleep(0.005)
+    assert not consumer.scheduler.has_held_kv
+    assert consumer.scheduler.kv.usage == 0.0
+    consumer.scheduler.kv.check_invariants()
+    assert _released(producer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (background pulls on their own CUDA stream)")
+def test_gpu_background_pull_matches_one_engine(tiny_models):
+    """Both engines on one GPU (zmq transport: NCCL needs two): the consumer's pull runs on the
+    pull thread's own stream, after the producer's forward (its event), and the request
+    decodes on the loaded blocks as the consumer would compute them itself."""
+    folder, hf = tiny_models["llama"]
+    engine = {"device": "cuda", "dtype": "float32", "enforce_eager": True}
+    producer = make_core(folder, "kv_producer", engine=engine, pull_timeout_s=30.0)
+    consumer = make_core(folder, "kv_consumer", engine=engine, pull_timeout_s=30.0)
+    try:
+        for n in (70, 130):
+            prompt = _prompt(hf.config.vocab_size, n, seed=100 + n)
+            expected, _ = reference_run(consumer, [EngineCoreRequest(f"gref{n}", prompt,
+                                                                     GREEDY)])
+            params = _prefill(producer, f"gp{n}", prompt)
+            stats: list = []
+            got, last = run(consumer, [EngineCoreRequest(f"gd{n}", prompt, GREEDY,
+                                                         kv_transfer_params=params)], stats)
+            assert got[f"gd{n}"] == expected[f"gref{n}"]
+            assert last[f"gd{n}"].num_cached_tokens == (n - 1) // BS * BS
+            assert total(stats, "num_prompt_tokens") == n - (n - 1) // BS * BS
+        assert worker_connector(consumer).failed_loads == 0
+        assert _released(producer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

@@ -1,10 +1,14 @@
 """The P2P KV transport between two caches (producer server, consumer client) in one process:
 blocks land where asked, chunked within the send buffer, and every refusal is an error the
-consumer sees (never a silent partial copy)."""
+consumer sees (never a silent partial copy); over ZMQ frames and over a two-rank gloo pair
+(NCCL between two GPUs in the gpu-marked test)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -45,13 +49,13 @@ def _finished(server: KVSendServer) -> set[str]:
     return set()
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["zmq", "gloo"])
+def pair(request):
     src, dst = _caches(0), _caches(None)
     # A buffer of one layer of two blocks: a 3-block pull goes one layer per chunk.
     server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}",
                           buffer_bytes=2 * layer_block_bytes(src[0]), send_timeout_s=0.5)
-    client = KVPullClient(dst, timeout_s=2.0)
+    client = KVPullClient(dst, timeout_s=2.0, backend=request.param)
     yield src, dst, server, client
     client.close()
     server.close()
@@ -73,6 +77,12 @@ def test_pull_copies_the_asked_blocks_in_chunks(pair) -> None:
     assert server.peak_staged_bytes <= 3 * layer_block_bytes(src[0])
     assert _finished(server) == {"r1"}  # the consumer's done releases it
     assert server.pending() == 0
+    # Over gloo every chunk went through one pair, built once and used again.
+    assert len(server._pairs) == (client.backend == "gloo")
+    server.register("r2", [1], "d2", ready=True)
+    client.pull(server.address, "r2", 0, [6], "d2")
+    assert torch.equal(dst[1][:, 6], src[1][:, 1])
+    assert len(server._pairs) == (client.backend == "gloo")
 
 
 def test_release_needs_the_prompt_digest(pair) -> None:
@@ -101,6 +111,29 @@ def test_refusals_fail_the_pull(pair, case: str) -> None:
     server.mark_ready(["r1"])
     client.pull(server.address, "r1", 0, [3, 4], "d1")
     assert torch.equal(dst[0][:, 3], src[0][:, 1])
+
+
+def test_pairs_are_rebuilt_after_the_producer_drops_one() -> None:
+    src, dst = _caches(0), _caches(None)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=2)
+    client = KVPullClient(dst, timeout_s=2.0, backend="gloo")
+    try:
+        server.register("r1", [1], "d", ready=True)
+        client.pull(server.address, "r1", 0, [2], "d")
+        server._pairs.clear()  # as when a pair's send timed out, or the oldest of too many
+        server.register("r2", [3], "d", ready=True)
+        with pytest.raises(KVTransferError, match="dropped our pair"):
+            client.pull(server.address, "r2", 0, [4], "d")
+        client.pull(server.address, "r2", 0, [4], "d")  # a new pair
+        assert torch.equal(dst[0][:, 4], src[0][:, 3])
+        # A CPU producer cannot pair over NCCL: refused in the handshake, no hang.
+        nccl = KVPullClient(_caches(None), timeout_s=2.0, backend="nccl")
+        with pytest.raises(KVTransferError, match="not on a CUDA device"):
+            nccl.pull(server.address, "r2", 0, [4], "d")
+        nccl.close()
+    finally:
+        client.close()
+        server.close()
 
 
 def test_layout_mismatch_and_dead_producer() -> None:
@@ -140,14 +173,15 @@ def test_unpulled_requests_expire() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU (the transport's device-cache path)")
-def test_pull_between_gpu_caches() -> None:
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_pull_between_gpu_caches(backend: str) -> None:
     """The producer's cache on the first GPU, the consumer's on the last (the same GPU with
-    one): staged through host memory both ways."""
+    one): staged through host memory both ways (gloo: gathered on the server's own stream)."""
     src_dev, dst_dev = "cuda:0", f"cuda:{torch.cuda.device_count() - 1}"
     src = [c.to(src_dev) for c in _caches(0)]
     dst = [c.to(dst_dev) for c in _caches(None)]
     server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=5)
-    client = KVPullClient(dst, timeout_s=5.0)
+    client = KVPullClient(dst, timeout_s=5.0, backend=backend)
     try:
         server.register("r1", [3, 1], "d", ready=True)
         client.pull(server.address, "r1", 0, [0, 7], "d")
@@ -157,3 +191,49 @@ def test_pull_between_gpu_caches() -> None:
     finally:
         client.close()
         server.close()
+
+
+_NCCL_PRODUCER = textwrap.dedent("""
+    import sys, torch
+    from tidal.engine_core.kv_transfer.p2p_transport import KVSendServer
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn({shape}, generator=g).to(torch.bfloat16).cuda(0) for _ in range({layers})]
+    server = KVSendServer(src, "tcp://127.0.0.1:{port}", {buffer}, send_timeout_s=60)
+    server.register("r1", [3, 1, 8], "d", ready=True)
+    print("ready", flush=True)
+    sys.stdin.readline()  # until the test is done
+    server.close()
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (NCCL pairs need a distinct GPU per rank)")
+def test_nccl_pull_between_two_processes() -> None:
+    """The producer in its own process on GPU 0, the consumer here on GPU 1: the blocks go
+    GPU to GPU over a two-rank NCCL pair, chunked (a buffer of one layer)."""
+    port = _free_port()
+    shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    one_layer = 3 * layer_block_bytes(_caches(0)[0])
+    code = _NCCL_PRODUCER.format(shape=shape, layers=LAYERS, port=port,
+                                 buffer=one_layer)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        dst = [c.cuda(1) for c in _caches(None)]
+        client = KVPullClient(dst, timeout_s=60.0, backend="nccl")
+        got = client.pull(f"tcp://127.0.0.1:{port}", "r1", 0, [0, 7, 5], "d")
+        torch.cuda.synchronize(1)
+        src = _caches(0)
+        assert got == 3 * LAYERS * layer_block_bytes(src[0])
+        for s_, d in zip(src, dst):
+            assert torch.equal(d[:, [0, 7, 5]].cpu(), s_[:, [3, 1, 8]])
+        # Again on the same pair (no second handshake needed).
+        client.pull(f"tcp://127.0.0.1:{port}", "r1", 1, [2], "d")
+        assert torch.equal(dst[2][:, 2].cpu(), src[2][:, 1])
+        client.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -1,0 +1,77 @@
+"""Checks of ``--enable-expert-parallel`` (and ``--enable-dbo``) against the rest of the
+engine's configuration, made once at start-up (``EngineArgs.create_config``).
+
+Expert parallelism splits each MoE layer's experts over the DP x TP workers
+(``worker/layers/moe_ep.py``). As in vLLM, the flag on a model without experts changes nothing
+(a warning says so). Combinations the runtime does not handle are refused here with the reason,
+never accepted half-wired.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tidal.engine_core.model_arch import ArchSpec
+
+logger = logging.getLogger(__name__)
+
+
+class ExpertParallelConfigError(ValueError):
+    pass
+
+
+# Dual batch overlap hides the experts' exchange between engines behind their compute: without
+# that exchange there is nothing to overlap.
+_DBO_NEEDS = ("--enable-dbo needs --enable-expert-parallel with --data-parallel-size > 1 on a "
+              "mixture-of-experts model (it overlaps the experts' exchange between engines)")
+
+
+def check_dbo_threshold(threshold: int) -> int:
+    if threshold < 1:
+        raise ExpertParallelConfigError(f"--dbo-token-threshold must be >= 1, got {threshold}")
+    return threshold
+
+
+def check_expert_parallel(*, enabled: bool, enable_dbo: bool, arch: ArchSpec,
+                          tensor_parallel_size: int, pipeline_parallel_size: int,
+                          data_parallel_size: int, device: str, enforce_eager: bool,
+                          compiled: bool, speculative: bool, lora: bool) -> bool:
+    """Whether expert parallelism is on (the flag, on a model with experts); raises
+    ``ExpertParallelConfigError`` for what it cannot run with."""
+    if not enabled:
+        if enable_dbo:
+            raise ExpertParallelConfigError(_DBO_NEEDS)
+        return False
+    if not arch.num_experts:
+        if enable_dbo:
+            raise ExpertParallelConfigError(_DBO_NEEDS + f" ({arch.architecture} has no experts)")
+        logger.warning("--enable-expert-parallel: %s has no experts (a dense model); the flag "
+                       "has no effect", arch.architecture)
+        return False
+    tp, dp = tensor_parallel_size, data_parallel_size
+    ep = tp * dp
+    if pipeline_parallel_size > 1:
+        raise ExpertParallelConfigError(
+            "--enable-expert-parallel with --pipeline-parallel-size > 1 is not yet supported")
+    if arch.num_experts % ep:
+        raise ExpertParallelConfigError(
+            f"--enable-expert-parallel: the model's {arch.num_experts} experts do not split "
+            f"over {ep} expert-parallel ranks (data-parallel size {dp} x tensor-parallel size "
+            f"{tp}); the expert count must be a multiple of DP x TP")
+    if enable_dbo and dp == 1:
+        raise ExpertParallelConfigError(_DBO_NEEDS)
+    if ep == 1:
+        logger.warning("--enable-expert-parallel with one worker (DP x TP = 1): every expert "
+                       "stays on it")
+    if dp > 1:
+        # Every rank must run every MoE layer's exchange in every step with the token counts
+        # agreed in that step (host code): not inside replayed graphs or compiled pieces.
+        what = ("speculative decoding" if speculative else "LoRA" if lora
+                else "torch.compile (--compilation-config)" if compiled
+                else "CUDA graphs (add --enforce-eager)"
+                if device == "cuda" and not enforce_eager else None)
+        if what is not None:
+            raise ExpertParallelConfigError(
+                f"--enable-expert-parallel across data-parallel engines with {what} is not "
+                "yet supported")
+    return True

@@ -1,0 +1,68 @@
+"""``--enable-expert-parallel`` / ``--enable-dbo`` checks (engine_core/expert_parallel_config.py):
+what runs is accepted, what does not is refused naming the reason, and a dense model gets a
+warning (the flag changes nothing there, as in vLLM)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tidal.engine_core.expert_parallel_config import (
+    ExpertParallelConfigError,
+    check_dbo_threshold,
+    check_expert_parallel,
+)
+from tidal.engine_core.model_arch import arch_from_hf_dict
+
+BASE = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100, "moe_intermediate_size": 48, "num_experts_per_tok": 2}
+MOE = arch_from_hf_dict({**BASE, "num_experts": 8}, "qwen3_moe.json")
+DENSE = arch_from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]}, "qwen3.json")
+
+
+def _check(**kw) -> bool:
+    args = dict(enabled=True, enable_dbo=False, arch=MOE, tensor_parallel_size=1,
+                pipeline_parallel_size=1, data_parallel_size=2, device="cpu",
+                enforce_eager=True, compiled=False, speculative=False, lora=False)
+    return check_expert_parallel(**{**args, **kw})
+
+
+def test_accepted_layouts() -> None:
+    assert _check()
+    assert _check(data_parallel_size=1, tensor_parallel_size=2)
+    assert _check(data_parallel_size=2, tensor_parallel_size=4)  # 8 ranks, one expert each
+    assert _check(device="cuda", enforce_eager=True)
+    # Within one engine the CUDA graphs stay: the layer has no host-side exchange.
+    assert _check(data_parallel_size=1, tensor_parallel_size=2, device="cuda",
+                  enforce_eager=False)
+    assert not _check(enabled=False)
+    assert _check(enable_dbo=True)  # across engines: the exchange to overlap
+    assert check_dbo_threshold(1) == 1
+    with pytest.raises(ExpertParallelConfigError, match="--dbo-token-threshold must be >= 1"):
+        check_dbo_threshold(0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_parallel_size=3), "8 experts do not split over 3"),
+    (dict(data_parallel_size=4, tensor_parallel_size=4), "over 16 expert-parallel ranks"),
+    (dict(pipeline_parallel_size=2), "pipeline-parallel-size > 1 is not yet supported"),
+    (dict(device="cuda", enforce_eager=False), r"CUDA graphs \(add --enforce-eager\)"),
+    (dict(compiled=True), "torch.compile"),
+    (dict(speculative=True), "speculative decoding"),
+    (dict(lora=True), "LoRA"),
+    (dict(enable_dbo=True, data_parallel_size=1, tensor_parallel_size=2),
+     "--enable-dbo needs --enable-expert-parallel with --data-parallel-size > 1"),
+    (dict(enabled=False, enable_dbo=True), "--enable-dbo needs"),
+    (dict(arch=DENSE, enable_dbo=True), "has no experts"),
+])
+def test_refused(kw, match) -> None:
+    with pytest.raises(ExpertParallelConfigError, match=match):
+        _check(**kw)
+
+
+def test_a_dense_model_gets_a_warning_and_no_expert_parallelism(caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert not _check(arch=DENSE, data_parallel_size=3)  # (no split to refuse either)
+    assert "has no experts (a dense model); the flag has no effect" in caplog.text

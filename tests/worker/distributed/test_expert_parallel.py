@@ -1,0 +1,92 @@
+"""The exchange of expert parallelism across DP engines (``worker/distributed/expert_parallel``
+and ``layers/moe_ep``), two ranks as two threads over gloo on loopback: each rank holds half
+the experts of two MoE layers and gets, for its own tokens, the full layers' outputs; with
+unequal token counts (padding), a rank with none (the empty step), and dual batch overlap on
+and off (two micro-batches, or one where the step is below the threshold)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from tidal.worker.distributed.expert_parallel import DPExpertGroup
+from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.layers import moe_ep
+from tidal.worker.layers.fused_moe import FusedMoE, RoutingConfig
+
+E, H, INTER = 8, 16, 24
+
+
+def _full_layers() -> nn.ModuleList:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(FusedMoE(E, H, INTER, RoutingConfig(top_k=2), torch.float32)
+                           for _ in range(2))
+    for layer in layers:
+        layer.w13.data.normal_()
+        layer.w2.data.normal_()
+    return layers
+
+
+def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
+          tokens: list[torch.Tensor], results: dict, errors: list) -> None:
+    try:
+        group = DPExpertGroup(rank, 2, 0, port, torch.device("cpu"))
+        ep = moe_ep.ExpertParallel(ParallelGroup(), rank, 2, group, dbo_threshold=dbo)
+        with moe_ep.building(ep):
+            model = nn.ModuleList(FusedMoE(E, H, INTER, RoutingConfig(top_k=2), torch.float32)
+                                  for _ in range(2))
+        for mine, ref in zip(model, full):
+            for e in mine.local_experts:
+                mine.load_expert_weight("gate", e, ref.w13[e, :INTER])
+                mine.load_expert_weight("up", e, ref.w13[e, INTER:])
+                mine.load_expert_weight("down", e, ref.w2[e])
+        ep.bind(model)
+        ep.activate()
+        outs = []
+        for x in tokens:  # one forward per entry: both layers, in order
+            if x.shape[0] == 0:
+                ep.run_empty_step()
+                outs.append(None)
+                continue
+            logits = [torch.randn(x.shape[0], E, generator=torch.Generator().manual_seed(i))
+                      for i in range(2)]
+            outs.append([layer(x, lg) for layer, lg in zip(model, logits)] + logits)
+        results[rank] = (outs, ep.overlapped_steps)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("dbo", [None, 6], ids=["one-exchange", "dual-batch-overlap"])
+def test_two_ranks_get_the_full_layers_outputs(dbo) -> None:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(1)
+    # Per forward, each rank's tokens: unequal (padding), one rank empty (the empty step), and
+    # a small step (below the overlap threshold of 6 tokens over both ranks).
+    counts = [(5, 3), (6, 0), (0, 2), (2, 1)]
+    tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
+    results: dict = {}
+    errors: list = []
+    threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
+                                                    results, errors)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for r in (0, 1):
+        outs, overlapped = results[r]
+        # Steps of 8 and 6 tokens overlap at a threshold of 6; those of 2 and 3 do not.
+        assert overlapped == (0 if dbo is None else 2)
+        for x, out in zip(tokens[r], outs):
+            if x.shape[0] == 0:
+                assert out is None
+                continue
+            *got, l0, l1 = out
+            for layer, lg, g in zip(full, (l0, l1), got):
+                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)

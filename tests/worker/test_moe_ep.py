@@ -1,0 +1,292 @@
+"""Expert parallelism inside one engine (``--enable-expert-parallel``, ``worker/layers/moe_ep``):
+contiguous expert placement, each rank loading only its whole experts (safetensors and GGUF),
+the EP ranks' partial outputs summing to the full layer's, experts held elsewhere never read,
+and, end to end, EP=2 over TP=2 giving HF's greedy tokens and logprobs (as TP=1 does) on a tiny
+Qwen3-MoE (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_harness as mh
+from tidal.worker.distributed.parallel_state import ParallelGroup
+from tidal.worker.layers import moe_ep
+from tidal.worker.layers.fused_moe import FusedMoE, RoutingConfig
+from tidal.worker.ops import moe_torch
+
+PROMPT_LENGTHS = (5, 40)
+EXPERTS = 8
+
+
+def _config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**mh.SHAPES, "num_hidden_layers": 3, "head_dim": 32,
+                             "intermediate_size": 96, "moe_intermediate_size": 48,
+                             "num_experts": EXPERTS, "mlp_only_layers": [1],
+                             "norm_topk_prob": True, "tie_word_embeddings": True, **overrides})
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> mh.TinyMoE:
+    return mh.make_tiny_moe(_config(), tmp_path_factory.mktemp("tiny-qwen3-moe-ep"),
+                            PROMPT_LENGTHS)
+
+
+def _ep(rank: int, size: int) -> moe_ep.ExpertParallel:
+    """EP rank ``rank`` of ``size`` inside one engine's TP group (no process group: the
+    layers here never reduce)."""
+    return moe_ep.ExpertParallel(ParallelGroup(rank=rank, world_size=size,
+                                               ranks=tuple(range(size))))
+
+
+def test_placement_is_contiguous_and_refuses_an_uneven_split() -> None:
+    ranges = [moe_ep.place_experts(8, r, 4).experts for r in range(4)]
+    assert ranges == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="multiple of DP x TP"):
+        moe_ep.place_experts(8, 0, 3)
+    ids = torch.tensor([[0, 5], [3, 4], [7, 2]])
+    # Rank 1 of 2 holds experts 4..7 as slots 0..3; the others map to the sentinel 4.
+    assert moe_ep.local_expert_ids(ids, range(4, 8)).tolist() == [[4, 1], [4, 0], [3, 4]]
+
+
+def test_the_engine_config_turns_it_on_or_refuses(qwen3_moe, tiny_models) -> None:
+    from tidal.engine_core.cli import build_parser, engine_args_from
+    from tidal.engine_core.config import ConfigError
+
+    ns = build_parser().parse_args(["--model", str(qwen3_moe.folder), "--num-kv-blocks", "64",
+                                    "--data-parallel-size", "2", "--enable-expert-parallel"])
+    par = engine_args_from(ns).create_config().parallel
+    # Across DP engines every rank must join every step's exchange: lockstep comes with it.
+    assert par.enable_expert_parallel and par.data_parallel_lockstep
+    with pytest.raises(ConfigError, match="8 experts do not split over 3"):
+        engine_args_from(build_parser().parse_args([
+            "--model", str(qwen3_moe.folder), "--data-parallel-size", "3",
+            "--enable-expert-parallel"])).create_config()
+    with pytest.raises(ConfigError, match="--enable-dbo needs --enable-expert-parallel with"):
+        engine_args_from(build_parser().parse_args([
+            "--model", str(qwen3_moe.folder), "--enable-dbo"])).create_config()
+    par = engine_args_from(build_parser().parse_args([
+        "--model", str(qwen3_moe.folder), "--num-kv-blocks", "64", "--data-parallel-size", "2",
+        "--enable-expert-parallel", "--enable-dbo", "--dbo-token-threshold", "8"])
+    ).create_config().parallel
+    assert par.enable_dbo and par.dbo_token_threshold == 8
+    dense, _ = tiny_models["qwen3"]
+    par = engine_args_from(build_parser().parse_args([
+        "--model", str(dense), "--num-kv-blocks", "64", "--data-parallel-size", "2",
+        "--enable-expert-parallel"])).create_config().parallel
+    assert not par.enable_expert_parallel and not par.data_parallel_lockstep
+
+
+def _load(folder, ep: moe_ep.ExpertParallel | None):
+    from tidal.engine_core.config import EngineArgs
+    from tidal.worker.attention.torch_backend import TorchAttention
+    from tidal.worker.loader.model_loader import load_model
+
+    config = EngineArgs(model=str(folder), device="cpu", num_kv_blocks=64).create_config()
+    tp = ep.tp if ep is not None else None
+    with moe_ep.building(ep):
+        model = load_model(config.model, torch.device("cpu"), TorchAttention(), tp, None)
+    if ep is not None:
+        ep.bind(model)
+    return model
+
+
+def _assert_holds_whole_experts(model, full, rank: int, size: int,
+                                layers: tuple[int, ...] = (0, 2)) -> None:
+    per = EXPERTS // size
+    for layer in layers:  # (layer 1 of the fixture's model is dense)
+        experts = model.layers[str(layer)].mlp.experts
+        ref = full.layers[str(layer)].mlp.experts
+        assert experts.local_experts == range(rank * per, (rank + 1) * per)
+        assert experts.w13.shape[0] == per and experts.shard_size == 48  # whole, not TP shards
+        torch.testing.assert_close(experts.w13, ref.w13[rank * per:(rank + 1) * per],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(experts.w2, ref.w2[rank * per:(rank + 1) * per],
+                                   rtol=0, atol=0)
+        assert experts.missing_weights() == []
+
+
+def test_each_rank_loads_only_its_whole_experts(qwen3_moe, tmp_path) -> None:
+    full = _load(qwen3_moe.folder, None)
+    ep = _ep(1, 2)
+    _assert_holds_whole_experts(_load(qwen3_moe.folder, ep), full, 1, 2)
+    assert len(ep.layers) == 2  # the two MoE layers, in forward order
+    # GGUF stores each layer's experts stacked: the rank slices its range out (llama.cpp's
+    # qwen3moe has no dense layers).
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(_config(num_hidden_layers=2, mlp_only_layers=[]),
+                                          dtype=torch.float32)
+    path = tmp_path / "tiny.gguf"
+    mh.write_moe_gguf(hf, path, "qwen3moe",
+                      {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
+    _assert_holds_whole_experts(_load(path, _ep(3, 4)), _load(path, None), 3, 4, (0, 1))
+
+
+def _layer(ep: moe_ep.ExpertParallel | None, full: FusedMoE | None = None) -> FusedMoE:
+    routing = RoutingConfig(top_k=2)
+    with moe_ep.building(ep):
+        moe = FusedMoE(EXPERTS, 16, 24, routing, torch.float32, reduce_results=False)
+    if full is None:
+        torch.manual_seed(0)
+        moe.w13.data.normal_()
+        moe.w2.data.normal_()
+    else:
+        for e in moe.local_experts:
+            moe.load_expert_weight("gate", e, full.w13[e, :24])
+            moe.load_expert_weight("up", e, full.w13[e, 24:])
+            moe.load_expert_weight("down", e, full.w2[e])
+    return moe
+
+
+def test_ep_ranks_sum_to_the_full_layer_and_never_read_other_experts() -> None:
+    full = _layer(None)
+    ranks = [_layer(_ep(r, 2), full) for r in range(2)]
+    x = torch.randn(5, 16)
+    logits = torch.randn(5, EXPERTS)
+    want = full(x, logits)
+    got = ranks[0](x, logits) + ranks[1](x, logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Batch 1: poison every expert of rank 1 but the one the token picks there (if any): the
+    # output is still exact, so no other expert's weights were read.
+    one_x, one_logits = x[:1], logits[:1]
+    _, ids = moe_torch.select_experts(one_logits, full.routing)
+    rank1 = ranks[1]
+    for slot, e in enumerate(rank1.local_experts):
+        if e not in ids[0].tolist():
+            rank1.w13.data[slot] = float("nan")
+            rank1.w2.data[slot] = float("nan")
+    got_one = ranks[0](one_x, one_logits) + rank1(one_x, one_logits)
+    torch.testing.assert_close(got_one, want[:1], rtol=1e-5, atol=1e-5)
+    # ... and the CUDA-graph-safe dense fallback skips the sentinel too.
+    weights, ids = moe_torch.select_experts(logits, full.routing)
+    local = moe_ep.local_expert_ids(ids, ranks[0].local_experts)
+    dense = moe_torch.fused_moe_dense(x, ranks[0].w13, ranks[0].w2, weights, local)
+    torch.testing.assert_close(dense, ranks[0](x, logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ep2_over_tp2_matches_hf(qwen3_moe) -> None:
+    """EP=2 (TP=2): attention heads split, each rank holding 4 whole experts; chunked prefill
+    and a mixed batch included. The same tolerance TP=1 meets against HF."""
+    got = mh.generate(qwen3_moe.folder, qwen3_moe.prompts, tensor_parallel_size=2,
+                      distributed_executor_backend="mp", cpu_threads=1,
+                      max_num_batched_tokens=32, enable_expert_parallel=True)
+    mh.assert_matches(got, qwen3_moe.refs, qwen3_moe.prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs: EP=2 over TP=2 with NCCL and the Triton "
+                           "fused-MoE kernel's skipped experts")
+def test_ep2_over_tp2_matches_hf_on_two_gpus(qwen3_moe) -> None:
+    got = mh.generate_on(qwen3_moe.folder, qwen3_moe.prompts, device="cuda",
+                         tensor_parallel_size=2, distributed_executor_backend="mp",
+                         enable_expert_parallel=True)
+    mh.assert_matches(got, qwen3_moe.refs, qwen3_moe.prompts, tol=mh.GPU_LOGPROB_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU: the Triton fused-MoE kernel runs only on one")
+def test_triton_kernel_skips_experts_held_elsewhere() -> None:
+    """The Triton path of one EP rank's layer (ids of other ranks' experts = the sentinel)
+    against the torch path; then batch 1 with every unrouted expert poisoned."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import building, kernels_for
+
+    dev = torch.device("cuda")
+    kernels = kernels_for(dev, KernelConfig(ops="triton"))
+    assert kernels._moe is not None, "a GPU with triton should get the Triton MoE kernels"
+    with building(kernels), torch.device(dev):
+        full = _layer(None)
+        rank = _layer(_ep(1, 2), full)
+    x = torch.randn(64, 16, device=dev)
+    logits = torch.randn(64, EXPERTS, device=dev)
+    weights, ids = moe_torch.select_experts(logits, full.routing)
+    local = moe_ep.local_expert_ids(ids, rank.local_experts)
+    want = moe_torch.fused_moe(x, rank.w13, rank.w2, weights, local)
+    torch.testing.assert_close(rank(x, logits), want, rtol=1e-2, atol=1e-2)
+    routed = set(ids[0].tolist())
+    for slot, e in enumerate(rank.local_experts):
+        if e not in routed:
+            rank.w13.data[slot] = float("nan")
+            rank.w2.data[slot] = float("nan")
+    torch.testing.assert_close(rank(x[:1], logits[:1]), want[:1], rtol=1e-2, atol=1e-2)
+
+
+def _generate_dp(folder, prompts: list[list[int]], alone: int,
+                 **kw) -> tuple[list, list[int]]:
+    """Through two DP engines with their experts split between them (TP=1 each): prompt
+    ``alone`` by itself first (the other engine idle, joining each step's exchange with no
+    tokens), then all of them at once (both engines busy, with different token counts). Returns
+    the second round's (tokens, logprobs) per prompt and the requests each engine got."""
+    import asyncio
+
+    from tidal.engine_core.config import EngineArgs
+    from tidal.frontend.async_llm import AsyncLLM
+
+    args = EngineArgs(**{**dict(model=str(folder), num_kv_blocks=128, max_num_seqs=8,
+                                dtype="float32", device="cpu", cpu_threads=1,
+                                max_num_batched_tokens=32, data_parallel_size=2,
+                                enable_expert_parallel=True), **kw})
+    llm = AsyncLLM.from_engine_args(args, skip_tokenizer_init=True)
+
+    async def one(prompt: list[int], rid: str) -> tuple[list[int], list[float]]:
+        final = None
+        async for out in llm.generate(prompt, mh.GREEDY, rid):
+            final = out
+        assert final is not None
+        got = final.outputs[0]
+        return (list(got.token_ids),
+                [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)])
+
+    async def rounds() -> tuple[tuple, list]:
+        first = await one(prompts[alone], "alone")
+        both = await asyncio.gather(*(one(p, f"r{i}") for i, p in enumerate(prompts)))
+        return first, list(both)
+
+    try:
+        first, both = asyncio.run(rounds())
+        routed = [r.routed for r in llm.client.coordinator.ranks]
+    finally:
+        llm.shutdown()
+    assert first[0] == both[alone][0]  # (logprobs: batched sums round a little otherwise)
+    tol = mh.GPU_LOGPROB_TOL if kw.get("device") == "cuda" else mh.LOGPROB_TOL
+    assert mh.max_logprob_diff(first[1], both[alone][1]) < tol
+    return both, routed
+
+
+@pytest.mark.slow
+def test_ep_across_two_dp_engines_matches_hf(qwen3_moe, capfd) -> None:
+    """EP=2 over DP=2 (TP=1): the same greedy tokens and logprobs as one engine (HF's), with
+    one engine idle in the first round and both busy in the second; dual batch overlap on
+    from 4 tokens a step (prefill chunks and the second round's decodes overlap, the first
+    round's decodes do not)."""
+    prompts = qwen3_moe.prompts
+    got, routed = _generate_dp(qwen3_moe.folder, prompts, alone=1, enable_dbo=True,
+                               dbo_token_threshold=4)
+    mh.assert_matches(got, qwen3_moe.refs, prompts)
+    assert sum(routed) == len(prompts) + 1 and min(routed) >= 1, routed
+    # Each engine really held half the experts (so the tokens above needed the exchange).
+    log = capfd.readouterr().err
+    for rank, held in ((0, "experts 0..3 of 8, rank 0/2"), (1, "experts 4..7 of 8, rank 1/2")):
+        assert f"expert parallel rank {rank}/2: 2 MoE layers, {held}; tokens exchanged with 2 " \
+            "data-parallel engines; dual batch overlap from 4 tokens per step" in log, log[-3000:]
+        assert f"expert parallel rank {rank}: first step with dual batch overlap" in log
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs: one engine on each, exchanging tokens over NCCL")
+@pytest.mark.parametrize("dbo", [False, True], ids=["one-exchange", "dual-batch-overlap"])
+def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo) -> None:
+    prompts = qwen3_moe.prompts
+    got, routed = _generate_dp(qwen3_moe.folder, prompts, alone=1, device="cuda",
+                               enforce_eager=True, enable_dbo=dbo, dbo_token_threshold=4)
+    mh.assert_matches(got, qwen3_moe.refs, prompts, tol=mh.GPU_LOGPROB_TOL)
+    assert min(routed) >= 1, routed

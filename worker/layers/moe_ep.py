@@ -1,0 +1,352 @@
+"""Expert parallelism for the MoE layers (``--enable-expert-parallel``, vLLM's semantics).
+
+The experts of every MoE layer are split over the expert-parallel (EP) group, the DP x TP
+workers: EP rank ``dp_rank * tp_size + tp_rank`` holds a contiguous range of ``E / ep_size``
+whole experts (vLLM's default "linear" placement) instead of every expert's tensor-parallel
+shard. Attention and the dense layers stay as they are (TP inside each DP engine); the router
+is replicated.
+
+A layer's forward on this rank:
+
+1. dispatch: within one engine the tokens are already on every TP rank; across DP engines
+   (``DPExpertGroup``) each rank all-gathers every engine's hidden states and router logits,
+   padded to the step's largest token count (the counts are exchanged once per forward, at
+   its first MoE layer, over gloo);
+2. the rank's own experts run on all those tokens (``fused_moe`` with the ids of experts held
+   elsewhere mapped to a sentinel the kernels skip, so a token's routed experts are the only
+   weights read);
+3. combine: a reduce-scatter over the DP engines gives each its tokens' sums, then the MoE
+   layer's tensor-parallel all-reduce sums over the engine's TP ranks, as without EP.
+
+Every DP rank must run every MoE layer's collectives in every step: a rank without tokens
+joins with zero rows (``run_empty_step``, driven by the lockstep busy loop through an empty
+step). The cross-engine exchange starts once the worker is ready (``activate``): start-up's
+profile and warm-up forwards run on each engine alone, local experts only (their outputs are
+thrown away).
+
+Dual batch overlap (``--enable-dbo``, across engines only): a step of at least
+``--dbo-token-threshold`` tokens over all engines splits each rank's tokens in two halves
+inside every MoE layer; the second half's gather is in flight while the first's experts run,
+and the first's reduce-scatter while the second's run (async collectives: NCCL's own stream,
+gloo's threads). Attention is not split.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tidal.worker.distributed.parallel_state import ParallelGroup
+
+if TYPE_CHECKING:
+    from tidal.worker.distributed.expert_parallel import DPExpertGroup
+    from tidal.worker.layers.fused_moe import FusedMoE
+
+logger = logging.getLogger(__name__)
+
+_CURRENT: ContextVar[ExpertParallel | None] = ContextVar("tidal_expert_parallel", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPlacement:
+    """Which experts EP rank ``rank`` of ``size`` holds: a contiguous range."""
+
+    rank: int
+    size: int
+    num_experts: int
+
+    @property
+    def experts(self) -> range:
+        n = self.num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def describe(self) -> str:
+        r = self.experts
+        return f"experts {r.start}..{r.stop - 1} of {self.num_experts}, rank {self.rank}/{self.size}"
+
+
+def place_experts(num_experts: int, rank: int, size: int) -> ExpertPlacement:
+    """EP rank ``rank``'s experts; ``ValueError`` unless ``size`` divides ``num_experts``."""
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"expert-parallel rank {rank} of {size}")
+    if num_experts % size:
+        raise ValueError(f"{num_experts} experts do not split over {size} expert-parallel "
+                         "ranks (the expert count must be a multiple of DP x TP)")
+    return ExpertPlacement(rank, size, num_experts)
+
+
+def local_expert_ids(ids: torch.Tensor, experts: range) -> torch.Tensor:
+    """Global expert ids -> this rank's slots; experts held elsewhere become ``len(experts)``,
+    the sentinel the fused-MoE kernels skip."""
+    n = len(experts)
+    local = ids - experts.start
+    return torch.where((local >= 0) & (local < n), local, torch.full_like(local, n))
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """The shape of one cross-engine exchange: this rank's token rows, the largest rank's
+    (every rank's rows are padded to it), and which gathered rows are tokens (None: all)."""
+
+    tokens: int
+    tmax: int
+    valid: torch.Tensor | None
+
+    @staticmethod
+    def of(counts: list[int], rank: int, device: torch.device) -> Exchange:
+        tmax = max(counts)
+        valid = None
+        if any(c != tmax for c in counts):
+            valid = torch.cat([torch.arange(r * tmax, r * tmax + c)
+                               for r, c in enumerate(counts)]).to(device)
+        return Exchange(counts[rank], tmax, valid)
+
+
+def split_counts(counts: list[int]) -> tuple[list[int], list[int]]:
+    """Each rank's tokens as two micro-batches (dual batch overlap): the first half rounded
+    up, then the rest."""
+    first = [(c + 1) // 2 for c in counts]
+    return first, [c - f for c, f in zip(counts, first)]
+
+
+class ExpertParallel:
+    """One model's expert parallelism on this worker: its place in the EP group, the
+    cross-engine group (None: EP within the engine's TP group only), and the per-step state of
+    the cross-engine exchange.
+
+    ``dbo_threshold`` (dual batch overlap, None: off): a step of at least that many tokens over
+    all engines exchanges in two micro-batches, the second's gather in flight while the first's
+    experts run, the first's reduce-scatter while the second's run. Every rank decides alike,
+    from the agreed counts."""
+
+    def __init__(self, tp: ParallelGroup, dp_rank: int = 0, dp_size: int = 1,
+                 dp_group: DPExpertGroup | None = None,
+                 dtype: torch.dtype = torch.float32, dbo_threshold: int | None = None) -> None:
+        self.tp = tp
+        self.dtype = dtype  # the model's (the empty step's inputs)
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.dp = dp_group
+        self.dbo_threshold = dbo_threshold
+        self.rank = dp_rank * tp.world_size + tp.rank
+        self.size = dp_size * tp.world_size
+        self.layers: list[FusedMoE] = []  # this model's EP layers, in forward order (``bind``)
+        self.active = False  # the cross-engine exchange is on (``activate``)
+        self._next = 0  # the layer the current forward reaches next
+        self._whole = Exchange(0, 0, None)  # the current forward's exchange
+        self._halves: tuple[Exchange, Exchange] | None = None  # ... as two (overlap on)
+        self.overlapped_steps = 0  # forwards that exchanged in two micro-batches
+
+    # --- start-up -----------------------------------------------------------------------------
+
+    def place(self, num_experts: int) -> ExpertPlacement:
+        return place_experts(num_experts, self.rank, self.size)
+
+    def bind(self, model: nn.Module) -> None:
+        """Remember ``model``'s EP layers (module order: the order a forward runs them)."""
+        from tidal.worker.layers.fused_moe import FusedMoE
+
+        self.layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.ep is self]
+        if self.layers:
+            dbo = ("" if self.dbo_threshold is None else
+                   f"; dual batch overlap from {self.dbo_threshold} tokens per step")
+            logger.info("expert parallel rank %d/%d: %d MoE layers, %s; %s%s", self.rank,
+                        self.size, len(self.layers), self.layers[0].placement.describe(),
+                        f"tokens exchanged with {self.dp_size} data-parallel engines"
+                        if self.dp is not None else "within the tensor-parallel group", dbo)
+
+    def activate(self) -> None:
+        """The worker is ready: from now on every forward exchanges tokens across engines."""
+        self.active = self.dp is not None and bool(self.layers)
+
+    # --- forward ------------------------------------------------------------------------------
+
+    def forward(self, moe: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None) -> torch.Tensor:
+        """``moe``'s output for this rank's tokens ``x [T, H]`` (summed over every EP rank's
+        experts when the layer reduces its results)."""
+        if not self.active:
+            out = self._local_experts(moe, x, router_logits, correction_bias)
+        else:
+            self._enter(moe, x.shape[0])
+            if self._halves is not None and router_logits.dtype == x.dtype:
+                out = self._overlapped(moe, x, router_logits, correction_bias)
+            else:
+                x_all, logits_all = self._dispatch(self._whole, x, router_logits)
+                out = self._local_experts(moe, x_all, logits_all, correction_bias)
+                out = self._combine(self._whole, out)
+        # (Every TP rank of an engine holds the same tokens: all of them skip an empty sum.)
+        if moe.reduce_results and out.shape[0]:
+            out = self.tp.all_reduce(out)
+        return out
+
+    def run_empty_step(self) -> None:
+        """Join every EP layer's collectives with no tokens (a DP rank without work in a step
+        the others run); nothing to do without a cross-engine exchange."""
+        if not self.active:
+            return
+        for moe in self.layers:
+            device = moe.w13.device
+            moe(torch.empty(0, moe.hidden_size, dtype=self.dtype, device=device),
+                torch.empty(0, moe.num_experts, dtype=self.dtype, device=device))
+
+    def _enter(self, moe: FusedMoE, tokens: int) -> None:
+        """Check the forward reaches the layers in order; at the first, agree on the step's
+        token counts with the other engines."""
+        if moe is self.layers[0]:
+            self._next = 0
+            assert self.dp is not None
+            counts = self.dp.token_counts(tokens)
+            device = moe.w13.device
+            self._whole = Exchange.of(counts, self.dp_rank, device)
+            self._halves = None
+            # (Two micro-batches need two tokens on some rank; the decision is every rank's.)
+            if self.dbo_threshold is not None and sum(counts) >= self.dbo_threshold \
+                    and max(counts) >= 2:
+                first, second = split_counts(counts)
+                self._halves = (Exchange.of(first, self.dp_rank, device),
+                                Exchange.of(second, self.dp_rank, device))
+                if not self.overlapped_steps:
+                    logger.info("expert parallel rank %d: first step with dual batch overlap "
+                                "(%d tokens over the engines, threshold %d)", self.rank,
+                                sum(counts), self.dbo_threshold)
+                self.overlapped_steps += 1
+        elif self._next >= len(self.layers) or moe is not self.layers[self._next]:
+            raise RuntimeError("expert parallel: MoE layers ran out of order (every rank must "
+                               "run every layer's collectives in the same order)")
+        elif tokens != self._whole.tokens:
+            raise RuntimeError(f"expert parallel: {tokens} tokens in a layer of a forward that "
+                               f"began with {self._whole.tokens}")
+        self._next += 1
+
+    def _start_dispatch(self, ex: Exchange, x: torch.Tensor,
+                        logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Begin gathering every engine's ``[hidden | logits]`` rows (same dtype)."""
+        assert self.dp is not None
+        t, h = x.shape
+        pack = x.new_zeros((ex.tmax, h + logits.shape[1]))
+        pack[:t, :h] = x
+        pack[:t, h:] = logits
+        return self.dp.start_all_gather(pack)
+
+    def _select(self, ex: Exchange, gathered: torch.Tensor) -> torch.Tensor:
+        return gathered if ex.valid is None else gathered.index_select(0, ex.valid)
+
+    def _dispatch(self, ex: Exchange, x: torch.Tensor,
+                  logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every engine's tokens and router logits, padded rows dropped."""
+        assert self.dp is not None
+        if ex.tmax == 0:
+            return x, logits
+        h = x.shape[1]
+        if logits.dtype == x.dtype:  # one gather of [hidden | logits] (the usual case)
+            gathered, work = self._start_dispatch(ex, x, logits)
+            work.wait()
+            gathered = self._select(ex, gathered)
+            return gathered[:, :h], gathered[:, h:]
+        xpack = x.new_zeros((ex.tmax, h))
+        xpack[:x.shape[0]] = x
+        lpack = logits.new_zeros((ex.tmax, logits.shape[1]))
+        lpack[:x.shape[0]] = logits
+        return (self._select(ex, self.dp.all_gather(xpack)),
+                self._select(ex, self.dp.all_gather(lpack)))
+
+    def _start_combine(self, ex: Exchange, out: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Begin summing each engine's rows of ``out`` (every engine's tokens) over the
+        engines; the result holds this rank's ``ex.tokens`` rows first."""
+        assert self.dp is not None
+        if ex.valid is None:
+            padded = out.contiguous()
+        else:
+            padded = out.new_zeros((self.dp_size * ex.tmax, out.shape[1]))
+            padded.index_copy_(0, ex.valid, out)
+        return self.dp.start_reduce_scatter(padded)
+
+    def _combine(self, ex: Exchange, out: torch.Tensor) -> torch.Tensor:
+        if ex.tmax == 0:
+            return out
+        mine, work = self._start_combine(ex, out)
+        work.wait()
+        return mine[:ex.tokens]
+
+    def _overlapped(self, moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
+                    correction_bias: torch.Tensor | None) -> torch.Tensor:
+        """Dual batch overlap: two micro-batches, each one's exchange in flight while the
+        other's experts run."""
+        assert self._halves is not None
+        first, second = self._halves
+        a = first.tokens
+        h = x.shape[1]
+        parts = ((first, x[:a], logits[:a]), (second, x[a:], logits[a:]))
+        gathers = [self._start_dispatch(ex, xs, ls) if ex.tmax else None
+                   for ex, xs, ls in parts]
+        combines = []
+        for (ex, xs, _), gather in zip(parts, gathers):
+            if gather is None:
+                combines.append(None)
+                continue
+            gathered, work = gather
+            work.wait()
+            gathered = self._select(ex, gathered)
+            out = self._local_experts(moe, gathered[:, :h], gathered[:, h:], correction_bias)
+            combines.append(self._start_combine(ex, out))
+        outs = []
+        for (ex, xs, _), combine in zip(parts, combines):
+            if combine is None:
+                outs.append(xs.new_zeros((0, moe.hidden_size)))
+                continue
+            mine, work = combine
+            work.wait()
+            outs.append(mine[:ex.tokens])
+        return torch.cat(outs)
+
+    @staticmethod
+    def _local_experts(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
+                       correction_bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_zeros((0, moe.hidden_size))
+        weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias)
+        partial = len(moe.local_experts) != moe.num_experts
+        if partial:
+            ids = local_expert_ids(ids, moe.local_experts)
+        return moe.kernels.fused_moe(x.contiguous(), moe.w13, moe.w2, weights, ids,
+                                     moe.w13_weight_scale, moe.w2_weight_scale, partial=partial)
+
+
+def create(config: Any, tp: ParallelGroup, device: torch.device,
+           dtype: torch.dtype) -> ExpertParallel | None:
+    """This worker's ``ExpertParallel`` for ``config`` (None: EP off or the model has no
+    experts). With DP > 1 it joins the cross-engine group (collective over the DP engines'
+    workers of this TP rank: they all call it at start-up)."""
+    par = config.parallel
+    if not getattr(par, "enable_expert_parallel", False) or not config.model.arch.num_experts:
+        return None
+    group = None
+    if par.data_parallel_size > 1:
+        from tidal.worker.distributed.expert_parallel import DPExpertGroup
+
+        group = DPExpertGroup(par.data_parallel_rank, par.data_parallel_size, tp.rank,
+                              par.data_parallel_port, device)
+    dbo = par.dbo_token_threshold if par.enable_dbo else None
+    return ExpertParallel(tp, par.data_parallel_rank, par.data_parallel_size, group, dtype, dbo)
+
+
+@contextmanager
+def building(ep: ExpertParallel | None) -> Iterator[None]:
+    """MoE layers built inside take their experts' placement from ``ep`` (None: all)."""
+    token = _CURRENT.set(ep)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_expert_parallel() -> ExpertParallel | None:
+    return _CURRENT.get()
