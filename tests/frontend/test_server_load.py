@@ -171,7 +171,13 @@ def _assert_none_left(children: list[psutil.Process]) -> None:
 
     lingering = [p for p in children if alive(p)]
     # (One may exit between the two looks: a zombie's cmdline reads empty.)
-    assert all(is_tracker(p) or not alive(p) for p in lingering), lingering
+    def describe(p: psutil.Process) -> str:
+        try:
+            return f"{p.pid} {p.status()} {' '.join(p.cmdline())[:300]}"
+        except psutil.NoSuchProcess:
+            return f"{p.pid} gone"
+
+    assert all(is_tracker(p) or not alive(p) for p in lingering), [describe(p) for p in lingering]
     _, still = psutil.wait_procs(lingering, timeout=10)
     assert not [p for p in still if alive(p)], still
 
