@@ -110,7 +110,7 @@ _HELP = {
                   "scatter in flight while the other's experts compute (attention is not "
                   "split)",
     "dbo_token_threshold": "--enable-dbo applies to steps of at least this many tokens over "
-                           "all engines",
+                           "all engines (default 128; only with --enable-dbo)",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
                                     "processes), ray, or noop (no model: overhead benchmarks); "
                                     "default: uni for one worker, mp for several",
@@ -162,6 +162,10 @@ _HELP = {
     "pp_devices": "one device per pipeline stage, comma-separated, e.g. cuda,cpu: the last "
                   "layers run on the CPU (README: Several GPUs or processes); default: every "
                   "stage on --device",
+    "tp_devices": "one device per tensor-parallel rank, comma-separated, e.g. cuda,cpu: a CPU "
+                  "process holds a shard too; the all-reduce goes NCCL among the GPU ranks, "
+                  "then through host memory (README: Several GPUs or processes); default: "
+                  "every rank on --device",
     "compilation_config": "torch.compile as a JSON object in vLLM's field names, e.g. "
                           "'{\"mode\": 3, \"cache_dir\": \"/tmp/cc\"}', or a level: -O3 "
                           "(piecewise: Dynamo + Inductor, split at attention) or -O0 "

@@ -53,6 +53,7 @@ from tidal.engine_core.speculative_config import (
     SpeculativeConfigError,
     check_draft,
 )
+from tidal.engine_core.tp_devices import TPDevicesError, check_mixed_tp, resolve_tp_devices
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The device of each pipeline stage (--pp-devices, pp_devices.py); empty: every stage on
     # the engine's device.
     pp_devices: tuple[str, ...] = ()
+    # The device of each tensor-parallel rank (--tp-devices, tp_devices.py); empty: every rank
+    # on the engine's device.
+    tp_devices: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -261,9 +265,9 @@ class EngineArgs:
     data_parallel_lockstep: bool = False
     enable_expert_parallel: bool = False
     # Dual batch overlap of the experts' exchange between engines (worker/layers/moe_ep.py),
-    # in steps of at least this many tokens over all engines.
+    # in steps of at least this many tokens over all engines (None: 128; only with enable_dbo).
     enable_dbo: bool = False
-    dbo_token_threshold: int = 128
+    dbo_token_threshold: int | None = None
     distributed_executor_backend: str | None = None
     cpu_collectives: str = "auto"  # auto | shm | gloo
     device: str = "auto"
@@ -296,6 +300,8 @@ class EngineArgs:
     cpu_offload_gb: float = 0.0
     # One device per pipeline stage, comma-separated (pp_devices.py); None: all on --device.
     pp_devices: str | None = None
+    # One device per tensor-parallel rank, comma-separated (tp_devices.py); None: all on --device.
+    tp_devices: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -317,7 +323,9 @@ class EngineArgs:
         try:  # (--device auto follows the stages' devices)
             device, pp_devices = resolve_pp_devices(self.pp_devices, self.device, device,
                                                     self.pipeline_parallel_size)
-        except PPDevicesError as exc:
+            device, tp_devices = resolve_tp_devices(self.tp_devices, self.device, device,
+                                                    self.tensor_parallel_size, pp_devices)
+        except (PPDevicesError, TPDevicesError) as exc:
             raise ConfigError(str(exc)) from None
 
         load_format = self.load_format
@@ -373,7 +381,8 @@ class EngineArgs:
             cache = msgspec.structs.replace(cache, enable_prefix_caching=False)
         scheduler = self._scheduler_config(max_model_len, device, task)
         parallel = self._parallel_config(arch)
-        parallel = msgspec.structs.replace(parallel, pp_devices=pp_devices)
+        parallel = msgspec.structs.replace(parallel, pp_devices=pp_devices,
+                                           tp_devices=tp_devices)
         parallel = msgspec.structs.replace(parallel, cpu_collectives=_resolve_cpu_collectives(
             self.cpu_collectives, parallel, device))
         kernels = build_kernel_config(self.kernel_config,
@@ -384,7 +393,9 @@ class EngineArgs:
         runner = RunnerConfig(
             device=device,
             attention_backend=kernels.attention_backend,
-            enforce_eager=(self.enforce_eager or device == "cpu"
+            # (--tp-devices: the hierarchical all-reduce waits on the host, which no CUDA
+            # graph can hold, so mixed ranks run eagerly.)
+            enforce_eager=(self.enforce_eager or device == "cpu" or bool(tp_devices)
                            or compilation.cudagraph_mode == "NONE"),
             max_cudagraph_batch=min(512, scheduler.max_num_seqs),
             max_mixed_graph_tokens=self._mixed_graph_tokens(scheduler),
@@ -436,7 +447,8 @@ class EngineArgs:
                 data_parallel_size=parallel.data_parallel_size, device=device,
                 enforce_eager=runner.enforce_eager, compiled=compilation.enabled,
                 speculative=speculative is not None, lora=lora is not None)
-            dbo_threshold = check_dbo_threshold(self.dbo_token_threshold)
+            dbo_threshold = check_dbo_threshold(self.dbo_token_threshold,
+                                                enable_dbo=self.enable_dbo)
         except ExpertParallelConfigError as exc:
             raise ConfigError(str(exc)) from None
         parallel = msgspec.structs.replace(parallel, enable_expert_parallel=expert_parallel,
@@ -447,11 +459,17 @@ class EngineArgs:
                         backend=parallel.distributed_executor_backend,
                         data_parallel_size=parallel.data_parallel_size,
                         compiled=compilation.enabled, kv_transfer=kv_transfer is not None)
+            check_mixed_tp(tp_devices, pipeline_parallel_size=parallel.pipeline_parallel_size,
+                           backend=parallel.distributed_executor_backend,
+                           data_parallel_size=parallel.data_parallel_size, dtype=model.dtype,
+                           compiled=compilation.enabled, kv_transfer=kv_transfer is not None,
+                           expert_parallel=expert_parallel, speculative=speculative is not None,
+                           lora=lora is not None)
             offload = cpu_offload_bytes(
                 self.cpu_offload_gb, gpu_stages=device == "cuda",
                 quantized=quantization is not None, compiled=compilation.enabled,
                 lora=lora is not None, embedding=task == "embed")
-        except (PPDevicesError, CPUOffloadConfigError) as exc:
+        except (PPDevicesError, TPDevicesError, CPUOffloadConfigError) as exc:
             raise ConfigError(str(exc)) from None
         runner = msgspec.structs.replace(runner, cpu_offload_bytes=offload)
         config = EngineConfig(
@@ -738,7 +756,7 @@ def _resolve_cpu_collectives(choice: str, parallel: ParallelConfig, device: str)
         raise ConfigError(f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got "
                           f"{choice!r}")
     # (Stages on mixed devices, --pp-devices: the pipeline group carries host tensors only.)
-    possible = ((device == "cpu" or bool(parallel.pp_devices))
+    possible = ((device == "cpu" or bool(parallel.pp_devices) or bool(parallel.tp_devices))
                 and parallel.distributed_executor_backend == "mp")
     if choice == "shm" and not possible:
         where = (f"the {parallel.distributed_executor_backend} executor" if device == "cpu"

@@ -163,7 +163,8 @@ class EngineCore:
             request.structured = True
         if request.structured:
             rid = request.request_id
-            if rid in self.scheduler.requests or rid in self.structured.pending:
+            # (Checked now: the scheduler's own check at admission would be too late.)
+            if self.scheduler.id_in_use(rid) or rid in self.structured.pending:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.structured.submit(request)  # joins the scheduler once its grammar compiled
             return

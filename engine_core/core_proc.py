@@ -206,6 +206,12 @@ class EngineCoreProc:
         self._engine_index = parallel.data_parallel_rank
         self._share_load = parallel.data_parallel_size > 1
         self._load_sent = 0.0
+        # Requests received (input thread) and handed to the scheduler (busy loop), each
+        # counter written by its thread alone: those that came during a step count as waiting
+        # in its load report, or every coordinator reads this rank lighter than it is all
+        # through a burst (issue 26).
+        self._adds_received = 0
+        self._adds_taken = 0
 
     def request_shutdown(self, reason: str) -> None:
         """Ask the busy loop to stop after the current step. Safe in a signal handler
@@ -306,6 +312,7 @@ class EngineCoreProc:
     def _handle(self, item: Any) -> Stop | None:
         match item:
             case (int() as client, AddRequests(requests=reqs)):
+                self._adds_taken += len(reqs)
                 for req in reqs:
                     self._add(client, req)
             case (int() as client, AbortRequests(request_ids=ids)):
@@ -367,6 +374,8 @@ class EngineCoreProc:
         stats = outs.scheduler_stats
         if stats is not None:
             stats = self._with_unsent(stats)
+            if self._share_load:
+                stats.num_waiting += max(0, self._adds_received - self._adds_taken)
             if self._share_load and outs.timestamp - self._load_sent >= LOAD_REPORT_INTERVAL_S:
                 self._load_sent = outs.timestamp
                 self._outputs.put(Broadcast(CoreOutputs(OutputBatch(
@@ -529,12 +538,15 @@ class EngineCoreProc:
                 logger.warning("dropped an undecodable message from frontend %d%s: %s", fe.index,
                                f" (requests {', '.join(r for r, _ in bad)})" if bad else "", exc)
                 if good:
+                    self._adds_received += len(good)
                     self._inputs.put((fe.index, AddRequests(good)))
                 for rid, why in bad:
                     self._inputs.put((fe.index, _Rejected(rid, f"malformed request: {why}")))
                 continue
             if isinstance(msg, Goodbye):
                 return True
+            if isinstance(msg, AddRequests):
+                self._adds_received += len(msg.requests)
             self._inputs.put((fe.index, msg))
 
     # --- output thread --------------------------------------------------------------------------

@@ -26,7 +26,18 @@ _DBO_NEEDS = ("--enable-dbo needs --enable-expert-parallel with --data-parallel-
               "mixture-of-experts model (it overlaps the experts' exchange between engines)")
 
 
-def check_dbo_threshold(threshold: int) -> int:
+DEFAULT_DBO_TOKEN_THRESHOLD = 128
+
+
+def check_dbo_threshold(threshold: int | None, *, enable_dbo: bool = True) -> int:
+    """``--dbo-token-threshold`` (None: not given, the default). Given without
+    ``--enable-dbo`` it would change nothing: refused, as ``--enable-dbo`` without what it
+    needs is."""
+    if threshold is None:
+        return DEFAULT_DBO_TOKEN_THRESHOLD
+    if not enable_dbo:
+        raise ExpertParallelConfigError("--dbo-token-threshold needs --enable-dbo (it sets "
+                                        "the step size from which dual batch overlap applies)")
     if threshold < 1:
         raise ExpertParallelConfigError(f"--dbo-token-threshold must be >= 1, got {threshold}")
     return threshold

@@ -64,8 +64,9 @@ def check_mixed(devices: tuple[str, ...], *, tensor_parallel_size: int, backend:
     what = f"--pp-devices {','.join(devices)}"
     if tensor_parallel_size > 1:
         # Each stage's tensor group would need a backend of its own inside the gloo world
-        # (NCCL among a GPU stage's ranks, shared memory among a CPU stage's); a tensor group
-        # across devices would need the hierarchical all-reduce. Neither exists yet.
+        # (NCCL among a GPU stage's ranks, shared memory among a CPU stage's), which does not
+        # exist yet; a tensor group across devices is --tp-devices' (hier_allreduce), without
+        # pipeline stages.
         raise PPDevicesError(f"{what} with tensor parallelism is not yet supported")
     if backend != "mp":
         raise PPDevicesError(f"{what} with the {backend} executor is not yet supported (the "

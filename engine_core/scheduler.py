@@ -82,6 +82,11 @@ class Scheduler:
         # load is over -> their computed tokens (they are admitted from the queue again).
         self._kv_recving: dict[str, Request] = {}
         self._kv_loaded: dict[str, int] = {}
+        # Parked requests -> when their load is given up (``_expire_kv_loads``); the connector's
+        # per-load timeout times the loads queued ahead (they run one after another).
+        self._kv_deadline: dict[str, float] = {}
+        self._kv_load_timeout = None if self.connector is None \
+            else self.connector.async_load_timeout_s
         # Requests the connector's admission answer failed -> why (``take_kv_rejected``).
         self._kv_rejected: dict[str, str] = {}
         # An empty step message of the connector: such a step sends b"" (workers skip it).
@@ -134,9 +139,21 @@ class Scheduler:
 
     # --- intake -----------------------------------------------------------------------------
 
+    def id_in_use(self, request_id: str) -> bool:
+        """Whether ``add_request`` would refuse this id (a live request, or a finished one
+        whose KV transfer is not over)."""
+        return (request_id in self.requests or request_id in self._kv_recving
+                or request_id in self._kv_held)
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if rid in self._kv_recving or rid in self._kv_held:
+            # Its blocks (and a pull's report) are keyed by the id: a new request under it
+            # would inherit them.
+            raise ValueError(f"request id {rid!r} is still in use: the KV transfer of a "
+                             "finished request with that id is not over yet")
         # Its one length limit: max_tokens or the model's context, whichever comes first.
         request.length_limit = min(request.length_limit, self.max_model_len)
         request.queued_ts = time.monotonic()
@@ -170,6 +187,8 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self._kv_deadline:
+            self._expire_kv_loads()
         budget = self.token_budget
         cached = CachedRequestData()
         # Tokens per scheduled request, in batch order (the cached requests, then new ones).
@@ -286,13 +305,17 @@ class Scheduler:
         max_loras = self.max_loras
         if max_loras:
             active_loras = {r.lora_int_id for r in self.running if r.lora_request is not None}
+            # Requests parked for an asynchronous KV load hold their adapter's slot too.
+            active_loras.update(r.lora_int_id for r in self._kv_recving.values()
+                                if r.lora_request is not None and not r.is_finished)
             skipped: list[Request] = []
-        # Admitting while preempting would only thrash: the pool is already short.
+        # Admitting while preempting would only thrash: the pool is already short. Requests
+        # parked for an asynchronous KV load count as sequences (each is admitted once loaded).
         while (
             self.waiting
             and budget > 0
             and not preempted_now
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) + len(self._kv_recving) < self.max_num_seqs
             and len(num_scheduled) < cap
         ):
             req = self.waiting[0]
@@ -718,13 +741,22 @@ class Scheduler:
         """Admit ``req`` (the queue's head) for an asynchronous KV load: blocks for its local
         hit and the loaded tokens, kept out of the prefix cache until filled (no other request
         may hit them mid-pull). It waits in ``_kv_recving``, scheduled nowhere, until the
-        workers report the load over (``_kv_load_done``). False: no room yet."""
+        workers report the load over (``_kv_load_done``). False: no room yet.
+
+        Its blocks cover the whole prompt, the last token's slot included: once loaded it
+        needs no more to be admitted (a pool filled by parked requests would otherwise leave
+        each waiting for one block, forever). A reserve of one block per running request is
+        left free for their next decode step."""
         assert self.connector is not None
         kv = self.kv
+        need = -(-req.num_tokens // kv.block_size) - len(hits)
+        need += sum(1 for b in hits if b.ref_cnt == 0)  # unheld hits leave the free list too
+        if need + len(self.running) > kv.num_free_blocks:
+            return False
         req.num_computed_tokens = num_hit
         caching, kv.enable_caching = kv.enable_caching, False
         try:
-            ok = kv.allocate_slots(req, num_ext, hits) is not None
+            ok = kv.allocate_slots(req, req.num_tokens - num_hit, hits) is not None
         finally:
             kv.enable_caching = caching
         if not ok:
@@ -737,7 +769,28 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit + num_ext
         self._kv_recving[req.request_id] = req
+        if self._kv_load_timeout is not None:
+            self._kv_deadline[req.request_id] = (
+                time.monotonic() + self._kv_load_timeout * len(self._kv_recving))
         return True
+
+    def _expire_kv_loads(self) -> None:
+        """Give up parked requests whose load outlived its deadline (a wedged pull): each
+        fails with an error. Not recomputed: the pull may still write its blocks, so they
+        stay held (like an aborted request's) until the workers report the load over."""
+        now = time.monotonic()
+        for rid, deadline in list(self._kv_deadline.items()):
+            if now < deadline:
+                continue
+            del self._kv_deadline[rid]
+            req = self._kv_recving.get(rid)
+            if req is None or req.is_finished:
+                continue
+            why = "its KV load did not finish in time"
+            logger.error("request %s failed: %s", rid, why)
+            self._kv_rejected[rid] = why
+            req.finish(FinishReason.ERROR)
+            self._release(req)
 
     def _kv_load_done(self, req: Request, invalid: list[int]) -> None:
         """``req``'s asynchronous load is over: back to the queue's head, its loaded tokens
@@ -810,6 +863,8 @@ class Scheduler:
         for rid in result.kv_finished_recving:
             req = self._kv_recving.pop(rid, None)
             if req is not None:
+                if self._kv_deadline:
+                    self._kv_deadline.pop(rid, None)
                 self._kv_load_done(req, result.kv_invalid_block_ids)
         self.connector.update_connector_output(result.kv_finished_sending,
                                                result.kv_finished_recving)

@@ -203,11 +203,13 @@ class DPAsyncClient:
 
     def _outputs(self, rank: int, batch: OutputBatch) -> None:
         coordinator = self.coordinator
-        if batch.scheduler_stats is not None:
-            coordinator.report(rank, batch.scheduler_stats)
+        # Finishes first: the stats no longer count these requests (the report's excess over
+        # this frontend's count is the other frontends' load).
         for detail in batch.details:
             if detail.finish_reason is not None:
                 coordinator.release(detail.request_id)
+        if batch.scheduler_stats is not None:
+            coordinator.report(rank, batch.scheduler_stats)
         if self._on_outputs is not None and self._dead is None:
             self._on_outputs(batch)
 

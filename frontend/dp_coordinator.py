@@ -1,18 +1,33 @@
 """Which data-parallel rank serves a request: the least loaded, prefix-cache affinity on a tie.
 
 Every API server has one ``DPCoordinator`` over all the ranks (``--data-parallel-size``); there
-is no central process. Its view of a rank's load is the rank's latest report (waiting, running,
-KV usage: the ``SchedulerStats`` that come with outputs, and that a DP rank also sends to every
-frontend while busy, ``core_proc.LOAD_REPORT_INTERVAL_S``) plus the requests this frontend sent
-there since that report (the report cannot know them yet; without the count a burst between two
-reports would all go to one rank).
+is no central process. A rank's load, as this frontend sees it, is the count of this frontend's
+requests unfinished there (exact: counted at dispatch, uncounted at the last output or the
+abort) plus the load of the other frontends there beyond what they put on the least loaded
+rank, less a dead band (``OTHERS_DEAD_BAND`` requests, or half their mean load per rank if
+more). The other frontends' load comes from the rank's reports (waiting, with the requests
+received during the step, + running: the ``SchedulerStats`` that come with outputs, and that a
+DP rank also sends to every frontend while busy, ``core_proc.LOAD_REPORT_INTERVAL_S``) less
+this frontend's own count there.
 
-The load of a rank is ``4 * (waiting + sent since the report) + running``: a waiting request
-delays everything behind it, a running one only shares the steps (vLLM's weighting). KV usage,
-in tenths, breaks ties of that. Ranks still tied go by prefix-cache affinity: a prompt of at
-least one KV block prefers the rank its first block (and cache salt) hashes to, the same rank in
-every API server, so requests sharing a prefix meet its cached blocks; a shorter prompt takes
-the tied ranks in turn.
+Why not the reports alone (issue 26: DP=2 served 1.73x DP=1): during a burst a report is
+stale by the step it closes (the requests that came during that step are not in it), and every
+API server reacts to the same stale picture, so they all pile onto the rank that looked light.
+A burst of 1000 requests over eight API servers split about 590/410; with 512 sequences a rank,
+the heavier rank then runs a second, almost empty wave of ~80 requests for their whole output.
+Each frontend balancing its own requests exactly splits any burst within one request per API
+server. The reports still count where other frontends' load differs by more than the noise of
+their timing (a frontend outside this server, or a persistent skew): the dead band. The ranks
+report at different moments, so in a burst their counts of the others differ by what arrived
+in between, which grows with the load: hence a band that grows with it too.
+
+Requests are counted, not weighted (vLLM weighs a waiting request 4x a running one): in a burst
+a rank that admitted its queue sooner looked lighter and took more than its half.
+
+KV usage, in tenths, breaks ties of the load. Ranks still tied go by prefix-cache affinity: a
+prompt of at least one KV block prefers the rank its first block (and cache salt) hashes to,
+the same rank in every API server, so requests sharing a prefix meet its cached blocks; a
+shorter prompt takes the tied ranks in turn.
 
 Aborts go to the rank that owns the request: the owner map holds each unfinished request's
 rank until its last output or its abort.
@@ -30,7 +45,11 @@ from tidal.engine_core.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-WAITING_WEIGHT = 4
+# Other frontends' load on a rank counts only beyond this many requests (or half their mean load
+# per rank) over their least loaded rank: below it the difference is the reports' timing (each
+# frontend's own requests are split evenly already), and acting on it moves every API server
+# the same way at once.
+OTHERS_DEAD_BAND = 64
 # KV usage breaks ties only when it differs by at least a tenth: finer differences are noise
 # (one request's blocks) and would defeat prefix affinity.
 _KV_STEPS = 10
@@ -43,13 +62,9 @@ class RankLoad:
     waiting: int = 0  # reported
     running: int = 0  # reported
     kv_usage: float = 0.0  # reported, 0..1
-    sent_since_report: int = 0  # requests this frontend sent after the latest report
+    others: int = 0  # other frontends' unfinished requests there, as of the latest report
     in_flight: int = 0  # this frontend's unfinished requests on the rank
     routed: int = 0  # requests this frontend sent there, ever
-
-    def score(self) -> tuple[int, int]:
-        return (WAITING_WEIGHT * (self.waiting + self.sent_since_report) + self.running,
-                int(self.kv_usage * _KV_STEPS))
 
 
 @dataclass(slots=True)
@@ -78,7 +93,11 @@ class DPCoordinator:
 
     def pick(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """The rank for a new request (does not record it: ``route`` does)."""
-        scores = [r.score() for r in self.ranks]
+        ranks = self.ranks
+        others = [r.others for r in ranks]
+        floor = min(others) + max(OTHERS_DEAD_BAND, sum(others) // (2 * len(ranks)))
+        scores = [(r.in_flight + max(0, r.others - floor), int(r.kv_usage * _KV_STEPS))
+                  for r in ranks]
         best = min(scores)
         tied = [i for i, s in enumerate(scores) if s == best]
         if len(tied) == 1:
@@ -101,7 +120,6 @@ class DPCoordinator:
         the children of an ``n > 1`` request share their prompt's blocks on one rank)."""
         self.owners[request_id] = rank
         load = self.ranks[rank]
-        load.sent_since_report += 1
         load.in_flight += 1
         load.routed += 1
 
@@ -117,9 +135,11 @@ class DPCoordinator:
         return rank
 
     def report(self, rank: int, stats: SchedulerStats) -> None:
-        """A rank's load report (it counts what this frontend had sent before it)."""
+        """A rank's load report. What it counts beyond this frontend's unfinished requests there
+        is the other frontends' (an undercount while ours are in transit, or finished there
+        and not yet here: at least zero)."""
         load = self.ranks[rank]
         load.waiting = stats.num_waiting
         load.running = stats.num_running
         load.kv_usage = stats.kv_cache_usage
-        load.sent_since_report = 0
+        load.others = max(0, stats.num_waiting + stats.num_running - load.in_flight)

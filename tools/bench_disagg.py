@@ -9,7 +9,10 @@
    measured in the same run (GPU 0 -> GPU 1; a host memcpy on a CPU). ``--transport``: nccl
    (default with 2 GPUs: the producer runs in its own process on GPU 0, one NCCL rank each),
    gloo (default otherwise) or zmq; the zmq transport (staged through host memory) is measured
-   too, for reference.
+   too, for reference. The long prompt's blocks are one run on both sides, so a pair sends them
+   cache to cache (``direct_fraction``); ``--min-direct-bytes 1e18`` stages every block (the
+   path before direct runs); ``--nccl-raw`` adds plain NCCL receives of the same bytes over
+   the same pair (``nccl_raw_GBps``: the transport's ceiling).
 2. Decode under long prompts: ``--streams`` requests decode (``--stream-prompt-len`` prompt,
    ``--stream-tokens`` output each) while long prompts (``--prompt-len`` tokens, a few output
    tokens) arrive every ``--long-interval`` s. Colocated: one ``tidal serve`` (GPU 0) does it
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 from bench_common import SHAPES, device_name, dump, judge, write_model_dir
 
+from tidal.engine_core.kv_transfer.p2p_direct_runs import DIRECT_MIN_BYTES
 from tidal.engine_core.kv_transfer.p2p_transport import KVPullClient, KVSendServer
 
 BLOCK = 16
@@ -108,11 +112,12 @@ def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, b
 
 
 def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.device,
-                     dst_dev: torch.device) -> tuple[list[float], bool]:
+                     dst_dev: torch.device) -> tuple[list[float], bool, float]:
     layers, cache, blocks = _layout(args)
     src = [torch.randn(cache, device=src_dev).to(torch.bfloat16) for _ in range(layers)]
     dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
-    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", args.send_buffer, 600.0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", args.send_buffer, 600.0,
+                          int(args.min_direct_bytes))
     client = KVPullClient(dst, 600.0, backend)
     try:
         for rep in range(args.reps + 1):
@@ -121,10 +126,11 @@ def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.devi
         times = _timed_pulls(client, server.address, args, blocks, dst_dev)
         ok = all(torch.equal(d[:, 4:blocks + 4].cpu(), s_[:, :blocks].cpu())
                  for s_, d in zip(src, dst))
+        direct = client.bytes_direct / max(1, client.bytes_received)
     finally:
         client.close()
         server.close()
-    return times, ok
+    return times, ok, direct
 
 
 # The producer of an NCCL pull: its own process (one NCCL rank per process and GPU). Its cache
@@ -133,25 +139,60 @@ _PRODUCER = """
 import json, sys, torch
 from tidal.engine_core.kv_transfer.p2p_transport import KVSendServer
 torch.cuda.set_device(0)
-layers, cache, blocks, reps, port, buffer = json.loads(sys.argv[1])
+layers, cache, blocks, reps, port, buffer, min_direct = json.loads(sys.argv[1])
 g = torch.Generator(device="cuda:0").manual_seed(0)
 src = [torch.randn(cache, generator=g, device="cuda:0").to(torch.bfloat16) for _ in range(layers)]
-server = KVSendServer(src, f"tcp://127.0.0.1:{port}", buffer, 600.0)
+server = KVSendServer(src, f"tcp://127.0.0.1:{port}", buffer, 600.0, min_direct)
 for rep in range(reps + 1):
     server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
 torch.cuda.synchronize()
 sums = [float(c[:, :blocks].double().sum()) for c in src]
 print(json.dumps(sums), flush=True)
-sys.stdin.readline()
+line = sys.stdin.readline()
+if line.startswith("raw"):
+    # The NCCL ceiling: whole tensors over the pair the pulls built, no protocol around them.
+    n, nbytes = map(int, line.split()[1:])
+    pair = next(iter(server._pairs.values()))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    works = [pair.start_send(buf) for _ in range(n)]
+    for w in works:
+        pair.finish(w, "send")
+    torch.cuda.synchronize()
+    print("raw-done", flush=True)
+    sys.stdin.readline()
 server.close()
 """
 
 
-def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool]:
-    """Producer on GPU 0 (a subprocess), consumer here on GPU 1."""
+def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: int,
+              nbytes: int) -> list[float]:
+    """Seconds of each plain receive of ``nbytes`` over the pull's own NCCL pair (after a
+    warm-up): what NCCL itself does between the two GPUs, the pull's ceiling."""
+    _, group = client._pairs[address]
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"raw {reps + 1} {nbytes}\n")
+    proc.stdin.flush()
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    times = []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize(1)
+        start = time.perf_counter()
+        group.recv(buf)
+        torch.cuda.synchronize(1)
+        if rep:
+            times.append(time.perf_counter() - start)
+    if proc.stdout.readline().strip() != "raw-done":
+        raise RuntimeError("the NCCL producer did not finish its raw sends")
+    return times
+
+
+def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool, float, list[float]]:
+    """Producer on GPU 0 (a subprocess), consumer here on GPU 1 (and, with ``--nccl-raw``,
+    plain NCCL receives of the same bytes over the same pair)."""
     layers, cache, blocks = _layout(args)
     port = free_port()
-    spec = json.dumps([layers, list(cache), blocks, args.reps, port, args.send_buffer])
+    spec = json.dumps([layers, list(cache), blocks, args.reps, port, args.send_buffer,
+                       int(args.min_direct_bytes)])
     proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, spec], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -162,8 +203,13 @@ def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool]:
         dst_dev = torch.device("cuda:1")
         dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
         client = KVPullClient(dst, 600.0, "nccl")
+        raw: list[float] = []
         try:
             times = _timed_pulls(client, f"tcp://127.0.0.1:{port}", args, blocks, dst_dev)
+            direct = client.bytes_direct / max(1, client.bytes_received)
+            if args.nccl_raw:
+                nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2
+                raw = _raw_nccl(client, f"tcp://127.0.0.1:{port}", proc, args.reps, nbytes)
         finally:
             client.close()
         got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
@@ -172,7 +218,7 @@ def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool]:
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(60)
-    return times, ok
+    return times, ok, direct, raw
 
 
 def transfer(args: argparse.Namespace) -> dict[str, Any]:
@@ -182,11 +228,15 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     backend = args.transport
     out: dict[str, Any] = {"devices": [str(src_dev), str(dst_dev)], "transport": backend,
                            "bytes": nbytes, "blocks": blocks, "layers": layers,
-                           "send_buffer_bytes": int(args.send_buffer)}
+                           "send_buffer_bytes": int(args.send_buffer),
+                           "min_direct_bytes": int(args.min_direct_bytes)}
+    raw: list[float] = []
     if backend == "nccl":
-        times, ok = _pull_nccl(args)
+        times, ok, direct, raw = _pull_nccl(args)
     else:
-        times, ok = _pull_in_process(args, backend, src_dev, dst_dev)
+        times, ok, direct = _pull_in_process(args, backend, src_dev, dst_dev)
+    # The share of the bytes sent cache to cache (runs consecutive on both sides), not staged.
+    out["direct_fraction"] = round(direct, 4)
     if not ok:
         raise RuntimeError(f"the {backend} pull delivered other bytes than the producer holds")
     # The ceiling: the same bytes as one plain copy between the two devices (a host memcpy).
@@ -206,8 +256,10 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     out.update({"pull_s": [round(t, 5) for t in times], "pull_GBps": round(pull_gbps, 3),
                 "copy_s": [round(t, 5) for t in copies], "copy_GBps": round(copy_gbps, 3),
                 "ratio": round(pull_gbps / copy_gbps, 4)})
+    if raw:
+        out["nccl_raw_GBps"] = round(nbytes / statistics.median(raw) / 1e9, 3)
     if backend != "zmq":
-        zmq_times, ok = _pull_in_process(args, "zmq", src_dev, dst_dev)
+        zmq_times, ok, _ = _pull_in_process(args, "zmq", src_dev, dst_dev)
         out["zmq_pull_GBps"] = round(nbytes / statistics.median(zmq_times) / 1e9, 3)
     return out
 
@@ -371,6 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=8192, help="tokens of a long prompt")
     p.add_argument("--send-buffer", type=float, default=256e6,
                    help="the producer's send buffer (kv_buffer_size), bytes")
+    p.add_argument("--min-direct-bytes", type=float, default=DIRECT_MIN_BYTES,
+                   help="a run of blocks consecutive on both sides goes cache to cache when "
+                   "each of its sends (one layer's K or V) is at least this many bytes; a huge "
+                   "value stages every block (the path before direct runs)")
+    p.add_argument("--nccl-raw", action="store_true",
+                   help="with --transport nccl: also time plain NCCL receives of the same bytes "
+                   "over the pull's pair (the transport's ceiling)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--transport", default=None, choices=["nccl", "gloo", "zmq"],
                    help="the P2P transport (default: nccl with 2 GPUs, else gloo)")

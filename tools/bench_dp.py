@@ -23,6 +23,11 @@ the same footing::
 ``--dbo-threshold N`` adds a third side, EP with ``--enable-dbo --dbo-token-threshold N`` (target:
 >= 1.1x EP without it at the batch where it turns on); ``--skip-tp`` drops the TP side.
 
+Each side also reports, per rank (``per_rank``, from the server's ``/metrics`` polled every
+quarter second during the timed run): the requests it served and when its last one finished
+(seconds from the start). An uneven split shows as a rank finishing late: with 1000 requests
+and 512 sequences a rank, a rank given more than 512 runs a second wave for the rest.
+
 ``--smoke``: a tiny CPU run (tiny shape, a few short requests): checks the tool end to end, its
 figures mean nothing.
 """
@@ -35,7 +40,9 @@ import re
 import shlex
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +93,70 @@ def _cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
     return out
 
 
+_POLL_S = 0.25
+
+
+def _served_per_rank(base_url: str) -> dict[str, float]:
+    """engine label -> requests finished there so far (every finish reason)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tidal:request_success_total{"):
+            engine = re.search(r'engine="([^"]*)"', line)
+            if engine is not None:
+                key = engine.group(1)
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class RankWatch:
+    """Polls the server's per-rank finished counts while the timed run goes: how many requests
+    each rank served, and when its count last moved (its last request's finish, to
+    ``_POLL_S``)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+        self._base: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+        self._moved: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._base = _served_per_rank(self.base_url)
+        self._last = dict(self._base)
+        self._thread = threading.Thread(target=self._poll, name="bench_dp-rank-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            self._sample()
+
+    def _sample(self) -> None:
+        try:
+            now = _served_per_rank(self.base_url)
+        except OSError:
+            return  # a slow scrape under load: the next one counts
+        t = time.monotonic() - self._t0
+        for rank, n in now.items():
+            if n != self._last.get(rank):
+                self._moved[rank] = t
+        self._last = now
+
+    def stop(self) -> dict[str, dict[str, float | None]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        return {rank: {"requests": n - self._base.get(rank, 0.0),
+                       "last_finish_s": self._moved.get(rank)}
+                for rank, n in sorted(self._last.items())}
+
+
 def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path,
              extra: tuple[str, ...] = (), name: str = "") -> dict[str, Any]:
     flags = ["--data-parallel-size", str(dp), *extra, *shlex.split(ns.engine_flags)]
@@ -98,7 +169,10 @@ def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path,
                 "--num-prompts", str(ns.num_prompts), "--input-len", str(ns.input_len),
                 "--output-len", str(ns.output_len), "--max-token-id", str(ns.max_token_id),
                 "--seed", "0"]
-        rep = bench_serve.run_bench(bench_serve.build_parser().parse_args(argv))
+        watch = RankWatch(server.base_url)
+        rep = bench_serve.run_bench(bench_serve.build_parser().parse_args(argv),
+                                    on_start=watch.start)
+        per_rank = watch.stop()
         engines = _engine_pids(server)
         time.sleep(1.0)  # the last requests' going-idle reports
         before = _cpu_seconds(engines)
@@ -107,6 +181,7 @@ def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path,
         idle = {engines[p]: (after[p] - before[p]) / ns.idle_s for p in before if p in after}
         return {"dp": dp, "flags": flags, "output_throughput": rep["result"]["output_throughput"],
                 "startup_s": server.info.get("startup_s"), "idle_core_fraction": idle,
+                "per_rank": per_rank,
                 "server": server.info, "bench": rep}
     finally:
         server.stop()
@@ -179,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": ns.output_len, "smoke": ns.smoke,
         "output_tok_s": {"dp1": base["output_throughput"], f"dp{ns.dp}": dp["output_throughput"]},
         "speedup": speedup,
+        "per_rank": {"dp1": base["per_rank"], f"dp{ns.dp}": dp["per_rank"]},
         "verdicts": {
             "speedup": {"target": f">= {TARGET_SPEEDUP}", "value": speedup,
                         "verdict": "PASS" if speedup >= TARGET_SPEEDUP else "MISS"},
@@ -191,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"DP=1 {base['output_throughput']:,.0f} output tok/s, DP={ns.dp} "
           f"{dp['output_throughput']:,.0f} output tok/s: {speedup:.2f}x; idle engines at most "
-          f"{(worst_idle or 0.0) * 100:.2f} % of a core", file=sys.stderr)
+          f"{(worst_idle or 0.0) * 100:.2f} % of a core; DP={ns.dp} per rank: "
+          + ", ".join(f"rank {r} {v['requests']:.0f} requests, last at "
+                      f"{v['last_finish_s'] or 0.0:.2f} s" for r, v in dp["per_rank"].items()),
+          file=sys.stderr)
     text = json.dumps(result, indent=1)
     print(text)
     if ns.output:

@@ -17,6 +17,10 @@ the copies read fixed pinned addresses, so a CUDA graph captures the copies with
 
 Without CUDA (``stream`` None) the copies are plain synchronous copies: the machinery runs on
 a CPU with a "host" and a "device" that are both the CPU, which is how it is unit-tested.
+
+Before loading, the runner checks the weights fit with the same choice made over a ``meta``
+model (``plan_only``: nothing moves): the device holds the layers not offloaded plus the two
+staging buffers (``device_weight_bytes``).
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class LayerOffloader:
     device: torch.device
     layer_ids: tuple[int, ...]
     pin: bool = True  # page-locked host memory (False: plain memory, for CPU tests)
+    # Choose the layers only (a ``meta`` model sized before loading): nothing moves.
+    plan_only: bool = False
     _order: list[nn.Module] = field(default_factory=list)  # every layer seen, in order
     _offloaded: dict[int, _Offloaded] = field(default_factory=dict)  # position -> layer
     _used: int = 0
@@ -122,7 +128,9 @@ class LayerOffloader:
             return
         self._used += nbytes
         self._moved.update(id(p) for p in params)
-        self._offloaded[position] = self._to_host(params)
+        self._offloaded[position] = (
+            _Offloaded(params, _layout(params)[0], torch.empty(0, dtype=torch.uint8), nbytes)
+            if self.plan_only else self._to_host(params))
 
     @torch.no_grad()
     def _to_host(self, params: list[nn.Parameter]) -> _Offloaded:
@@ -146,6 +154,17 @@ class LayerOffloader:
     def offloaded_positions(self) -> list[int]:
         return sorted(self._offloaded)
 
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        return id(param) in self._moved
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging buffers ``finalize`` allocates: two (one for a single
+        layer) of the largest offloaded layer's size."""
+        if not self._offloaded:
+            return 0
+        return min(2, len(self._offloaded)) * max(o.nbytes for o in self._offloaded.values())
+
     # --- running (after the weights loaded) -------------------------------------------------
 
     def finalize(self) -> None:
@@ -157,6 +176,8 @@ class LayerOffloader:
             logger.warning("--cpu-offload-gb: the budget of %.2f GiB holds no whole decoder "
                            "layer; nothing is offloaded", self.budget / 2**30)
             return
+        if self.plan_only:
+            raise RuntimeError("a plan-only offloader sizes a model; it does not run one")
         layers = [self._offloaded[p] for p in sorted(self._offloaded)]
         size = max(layer.nbytes for layer in layers)
         slots = min(2, len(layers))
@@ -213,3 +234,17 @@ class LayerOffloader:
         self._hooks.clear()
         self.staging = []
         self._offloaded.clear()
+
+
+def device_weight_bytes(model: nn.Module, offloader: LayerOffloader | None) -> int:
+    """Bytes of ``model``'s parameters (each counted once) the device holds once loaded with
+    ``offloader`` choosing its layers (None: every parameter): those not offloaded, plus the
+    staging buffers the offloaded layers stream through."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or (offloader is not None and offloader.is_offloaded(p)):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total + (offloader.staging_bytes if offloader is not None else 0)

@@ -26,7 +26,7 @@ from tidal.worker.attention.fp8_kv import check_device as check_fp8_kv_device
 from tidal.worker.attention.fp8_kv import kv_cache_torch_dtype
 from tidal.worker.compilation.compiled_model import CompiledForward
 from tidal.worker.compilation.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
-from tidal.worker.cpu_offload import LayerOffloader, offloading
+from tidal.worker.cpu_offload import LayerOffloader, device_weight_bytes, offloading
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.layers import moe_ep
@@ -146,6 +146,20 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def dummy_chunk_lens(tokens: int, reqs: int, max_len: int) -> list[int]:
+    """Query lengths of a dummy mixed batch of ``tokens`` tokens over ``reqs`` requests, none
+    longer than ``max_len``: long chunks first, then one-token requests."""
+    if not reqs <= tokens <= reqs * max_len:
+        raise ValueError(f"{tokens} tokens do not fit {reqs} requests of 1..{max_len}")
+    lens = []
+    left = tokens
+    for i in range(reqs):
+        take = min(max_len, left - (reqs - i - 1))
+        lens.append(take)
+        left -= take
+    return lens
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device,
                  tp: ParallelGroup | None = None, pp: ParallelGroup | None = None) -> None:
@@ -245,7 +259,9 @@ class ModelRunner:
                                    max_num_reqs=self.max_num_reqs,
                                    max_num_tokens=self.max_num_tokens,
                                    block_table=self.bufs.block_table, kernels=self.kernels)
-        if self.on_gpu and self.tp.world_size > 1 and isinstance(self.model, DecoderForCausalLM):
+        # (--tp-devices: the CPU ranks would never join the GPU ranks' agreement below.)
+        if (self.on_gpu and self.tp.world_size > 1 and not self.config.parallel.tp_devices
+                and isinstance(self.model, DecoderForCausalLM)):
             from tidal.worker.distributed.push_allreduce import make_push_all_reduce
 
             # Two row-parallel all-reduces per decoder layer of this stage.
@@ -254,42 +270,40 @@ class ModelRunner:
                 2 * len(self.model.layers), enabled=self.kernel_policy.push_allreduce,
                 kernels=self.kernels)
 
-    def _cpu_offloader(self) -> LayerOffloader | None:
-        """--cpu-offload-gb's offloader for this stage's decoder layers (a GPU only)."""
+    def _cpu_offloader(self, plan_only: bool = False) -> LayerOffloader | None:
+        """--cpu-offload-gb's offloader for this stage's decoder layers (a GPU only);
+        ``plan_only``: to size a ``meta`` model before loading."""
         budget = self.config.runner.cpu_offload_bytes
         if not self.on_gpu or budget <= 0:
             return None
         from tidal.worker.models.decoder import layer_range
 
         start, end = layer_range(self.arch.num_layers, self.pp)
-        return LayerOffloader(budget, self.device, tuple(range(start, end)))
+        return LayerOffloader(budget, self.device, tuple(range(start, end)),
+                              plan_only=plan_only)
 
     def _check_weights_fit(self) -> None:
         """Fail before loading, with the shortfall, when the weights alone cannot fit."""
         from tidal.worker.layers.fp8 import quantizing
         from tidal.worker.models.registry import build_model
 
+        # (--cpu-offload-gb: the whole layers it will offload, and its staging buffers)
+        plan = self._cpu_offloader(plan_only=True)
         try:
             # (Built as it will be loaded: FP8 layers count one byte a weight.)
             with torch.device("meta"), quantizing(self.config.model.quantization), \
-                    moe_ep.building(self.ep):
+                    moe_ep.building(self.ep), offloading(plan):
                 shell = build_model(self.arch, self.dtype, self.attn_impl, self.tp, self.pp,
                                     self.kernels)
         except Exception as exc:  # noqa: BLE001 - the estimate is a courtesy, loading decides
             logger.debug("could not size the model before loading: %s", exc)
             return
-        seen: set[int] = set()
-        need = 0
-        for p in shell.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                need += p.numel() * p.element_size()
+        need = device_weight_bytes(shell, plan)
         if self.spec is not None:  # a draft model / EAGLE-3 head / MTP layer loads too
             try:
                 need += self.spec.draft_weight_bytes(self.config, self.attn_impl, self.kernels)
             except Exception as exc:  # noqa: BLE001 - as above: a courtesy
                 logger.debug("could not size the draft before loading: %s", exc)
-        need -= min(need, self.config.runner.cpu_offload_bytes)  # kept in host memory
         free, total = torch.cuda.mem_get_info(self.device)
         util = self.config.cache.gpu_memory_utilization
         room = int(total * util) - (total - free)
@@ -332,6 +346,8 @@ class ModelRunner:
             return self.config.cache.num_blocks
         per_block = self.kv_bytes_per_block()
         if not self.on_gpu:
+            if self.config.parallel.tp_devices and self.tp.world_size > 1:
+                self._profile_run()  # the GPU ranks' profile forward all-reduces with this one
             budget = self.config.cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             if self.spec is not None:  # the draft's per-row chain scratch
                 budget -= self.spec.scratch_bytes()
@@ -354,7 +370,15 @@ class ModelRunner:
         activations = max(0, peak - weights)
         graph_reserve = self._graph_memory_estimate(activations)
         util = self.config.cache.gpu_memory_utilization
-        budget = int(total * util) - non_torch - peak - graph_reserve
+        # Expert parallelism across DP engines: the profile ran this engine alone, a served
+        # step gathers every engine's rows into each MoE layer (moe_ep.exchange_headroom_bytes).
+        ep_reserve = (self.ep.exchange_headroom(self.max_num_tokens)
+                      if self.ep is not None else 0)
+        if ep_reserve:
+            logger.info("KV cache: %.2f GiB kept for the experts' exchange between the %d "
+                        "data-parallel engines", ep_reserve / 2**30,
+                        self.config.parallel.data_parallel_size)
+        budget = int(total * util) - non_torch - peak - graph_reserve - ep_reserve
         if self.config.cache.kv_cache_memory_bytes is not None:
             budget = self.config.cache.kv_cache_memory_bytes
         if self.spec is not None:  # the draft's per-row chain scratch
@@ -486,6 +510,9 @@ class ModelRunner:
         if self.cpu_offload is not None:
             self.cpu_offload.close()  # (its pinned host memory and staging buffers)
             self.cpu_offload = None
+        if self.ep is not None:
+            self.ep.close()  # (its layers keep the expert weights; its cross-engine groups)
+            self.ep = None
         if self.kv_hooks is not None:
             self.kv_hooks.shutdown()  # (the host tier's pinned buffers)
         if self.on_gpu:
@@ -616,12 +643,11 @@ class ModelRunner:
             return []
         sizes = mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
                                         self.bufs.input_ids.shape[0]))
-        # The dummy batch's prompt chunk (``prepare_mixed``) has tokens - reqs + 1 tokens of
-        # context: past max_model_len it would read past its block-table row (a second engine
-        # in one process met stale memory there: an illegal address). No real step of that
-        # size fits a chunk longer than max_model_len either, so such sizes run eagerly.
+        # A step holds at most max_num_seqs requests of at most max_model_len tokens each:
+        # larger sizes never occur, and their dummy batch (``prepare_mixed``) could not be laid
+        # out inside the block-table rows.
         limit = self.config.model.max_model_len
-        return [t for t in sizes if t - self._mixed_graph_reqs(t) + 1 <= limit]
+        return [t for t in sizes if t <= self._mixed_graph_reqs(t) * limit]
 
     def _mixed_graph_reqs(self, tokens: int) -> int:
         """Request slots of the mixed graph of ``tokens`` (every request has a token)."""
@@ -653,15 +679,16 @@ class ModelRunner:
             return hidden
 
         def prepare_mixed(tokens: int) -> None:
-            # A dummy mixed batch: one long prompt chunk, then one-token requests; nothing
+            # A dummy mixed batch: long prompt chunks of at most max_model_len tokens (a longer
+            # context would read past its block-table row: a second engine in one process met
+            # stale memory there, an illegal address), then one-token requests; nothing
             # written to the cache (slots -1), every context read from block 0.
             reqs = self._mixed_graph_reqs(tokens)
-            first = tokens - reqs + 1
-            starts = torch.arange(reqs + 1, dtype=torch.int32, device=self.device)
-            starts[1:] += first - 1
-            bufs.meta32[: reqs + 1] = starts
-            bufs.meta32[r + 1:r + 1 + reqs] = 1
-            bufs.meta32[r + 1] = first
+            lens = dummy_chunk_lens(tokens, reqs, self.config.model.max_model_len)
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
+            bufs.meta32[0] = 0
+            bufs.meta32[1: reqs + 1] = torch.cumsum(lens_t, 0, dtype=torch.int32)
+            bufs.meta32[r + 1:r + 1 + reqs] = lens_t
             bufs.slot_mappings[:, :tokens] = -1
             bufs.step_block_tables[:, :reqs] = 0
             bufs.positions[:tokens] = 0
@@ -912,6 +939,10 @@ class ModelRunner:
             self._attach_grammar(so, later.sampling, later.sampled_ids)
         out, bad = self._sample(later.logits, later.sampling, later.sample_rows,
                                 later.sampled_ids)
+        if self.config.parallel.tp_devices and self.tp.world_size > 1:
+            # Ranks on different devices draw different random numbers: every rank takes the
+            # output rank's tokens (its next inputs must agree with the others').
+            self.tp.broadcast(out.token_ids, 0)
         failed = later.failed
         for rid, why in bad.items():
             failed[rid] = why

@@ -540,6 +540,8 @@ def warm_up(worker: Worker, num_blocks: int) -> WarmupReport:
                                     "nothing to compile")
     # Stages on different devices (--pp-devices) must run the same steps, or their pipeline
     # sends would not pair up: each runs the CPU's short plan (a GPU stage's first requests
-    # then compile its kernels).
-    full = False if worker.config.parallel.pp_devices else None
+    # then compile its kernels). Tensor ranks on different devices (--tp-devices) likewise,
+    # or their all-reduces would not pair up.
+    par = worker.config.parallel
+    full = False if par.pp_devices or par.tp_devices else None
     return Warmup(worker, num_blocks, full=full).run()

@@ -219,7 +219,8 @@ class WorkerProc:
                                   pp_size=par.pipeline_parallel_size, host=args.store_host,
                                   port=port, device=device, store=store,
                                   kernels=config.runner.kernels,
-                                  cpu_collectives=par.cpu_collectives, mixed=mixed)
+                                  cpu_collectives=par.cpu_collectives, mixed=mixed,
+                                  tp_devices=par.tp_devices)
         logger.info("rank %d: process groups ready in %.2f s", self.rank,
                     time.perf_counter() - start)
         self.worker = Worker(config, args.rank, local_rank, tp, pp)

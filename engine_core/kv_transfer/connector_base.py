@@ -104,6 +104,10 @@ class KVConnectorBase:
     wants_evictions: ClassVar[bool] = False
     # Whether it wants ``on_block_cached`` calls (the block pool's ``on_cache`` hook).
     wants_cached_blocks: ClassVar[bool] = False
+    # Scheduler side: how long one asynchronous load may take before the scheduler gives its
+    # request up (failed with an error; its blocks stay held until the workers report the load
+    # over). None: no deadline.
+    async_load_timeout_s: float | None = None
 
     def __init__(self, config: EngineConfig, role: KVConnectorRole, rank: int = 0) -> None:
         """``config``: the whole engine config (``config.kv_transfer`` is this connector's

@@ -47,6 +47,9 @@ class AsyncPuller:
         self._jobs: queue.SimpleQueue[PullJob | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._results = _Results()
+        # Submitted and not yet done, and of those the ones the scheduler dropped: both
+        # shrink as pulls end (ids are only reused once their pull is over).
+        self._pending: set[str] = set()
         self._cancelled: set[str] = set()
         self.failed = 0
         self.completed = 0
@@ -62,14 +65,19 @@ class AsyncPuller:
         if self._stream is not None and job.block_ids:
             job.after = torch.cuda.Event()
             job.after.record(torch.cuda.current_stream(self._device))
+        if job.block_ids:
+            with self._lock:
+                self._pending.add(job.request_id)
         self._jobs.put(job)
 
     def cancel(self, request_ids: list[str]) -> None:
         """The scheduler dropped these requests: a pull of theirs not started yet is skipped
-        (reported done, its blocks invalid)."""
+        (reported done, its blocks invalid). Ids with no pull pending are ignored (every
+        finished request of every step comes here)."""
         if request_ids:
             with self._lock:
-                self._cancelled.update(request_ids)
+                if self._pending:
+                    self._cancelled.update(self._pending.intersection(request_ids))
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """(Requests whose pull ended since the last call, blocks left unfilled by those that
@@ -78,28 +86,51 @@ class AsyncPuller:
             results, self._results = self._results, _Results()
         return results.done, results.invalid
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the pull thread after its current job (bounded by the client's timeouts).
+        True: it stopped, and the caller may close the client (its sockets are the thread's
+        until then); False: it is stuck, the client must be left alone (a daemon thread)."""
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self.client.timeout_s + 5.0)
+        if self._thread.is_alive():
+            logger.warning("the KV pull thread did not stop in time; leaving it (daemon)")
+            return False
+        return True
 
     # --- pull thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
+        # Nothing may kill this thread silently: a parked request waits for its report.
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+        except Exception:  # noqa: BLE001 - its pulls then fail (and recompute) one by one
+            logger.exception("the KV pull thread could not select %s", self._device)
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             if not job.block_ids:
-                self.client.release(job.address, job.remote_request_id, job.digest)
+                try:
+                    self.client.release(job.address, job.remote_request_id, job.digest)
+                except Exception:  # noqa: BLE001 - the producer's timeout frees them anyway
+                    logger.exception("releasing the KV of request %s failed", job.request_id)
                 continue
-            ok = self._pull(job)
-            with self._lock:
-                self._cancelled.discard(job.request_id)
-                self._results.done.add(job.request_id)
-                if not ok:
-                    self._results.invalid.update(job.block_ids)
+            ok = False
+            try:
+                ok = self._pull(job)
+            except Exception:  # noqa: BLE001 - a cancelled job's release; reported below
+                logger.exception("the KV pull job of request %s failed", job.request_id)
+            finally:  # (whatever ends it, the request hears of it)
+                self._done(job, ok)
+
+    def _done(self, job: PullJob, ok: bool) -> None:
+        with self._lock:
+            self._pending.discard(job.request_id)
+            self._cancelled.discard(job.request_id)
+            self._results.done.add(job.request_id)
+            if not ok:
+                self._results.invalid.update(job.block_ids)
 
     def _pull(self, job: PullJob) -> bool:
         with self._lock:

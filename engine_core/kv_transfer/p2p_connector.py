@@ -198,6 +198,9 @@ class P2pConnector(KVConnectorBase):
         self.send_timeout_s = float(tc.extra("send_timeout_s", 120.0))
         self.transport = str(tc.extra("transport", "zmq"))
         self.async_pull = bool(tc.extra("async_pull", True))
+        # One background pull: its own deadline (a pair's set-up and the transfer) plus a
+        # margin; past it the scheduler gives the request up (a wedged pull thread or group).
+        self.async_load_timeout_s = 2 * self.pull_timeout_s + 30.0
         self.engine_id = tc.engine_id or uuid.uuid4().hex[:16]
         self.address = f"tcp://{tc.kv_ip}:{tc.kv_port}"
         # scheduler side
@@ -231,7 +234,14 @@ class P2pConnector(KVConnectorBase):
         if transport not in _TRANSPORTS:
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.transport must "
                              f"be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
-        if transport == "nccl" and config.runner.device != "cuda":
+        if not tc.is_consumer:
+            # The consumer picks the transport and pulls; a producer serves every transport.
+            idle = [k for k in ("transport", "async_pull") if k in tc.kv_connector_extra_config]
+            if idle:
+                logger.warning("--kv-transfer-config: kv_connector_extra_config %s has no "
+                               "effect on a producer (the consumer picks the transport and "
+                               "pulls)", ", ".join(idle))
+        elif transport == "nccl" and config.runner.device != "cuda":
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.transport "
                              f"'nccl' needs a CUDA engine (this one runs on "
                              f"{config.runner.device}); use 'gloo' or 'zmq'")
@@ -482,7 +492,8 @@ class P2pConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         if self._puller is not None:
-            self._puller.close()
+            if not self._puller.close():
+                self._client = None  # its sockets belong to the stuck pull thread
             self._puller = None
         if self._server is not None:
             self._server.close()

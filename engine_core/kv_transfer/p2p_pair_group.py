@@ -54,22 +54,38 @@ class PairStoreHost:
         self.port = self._sock.getsockname()[1]
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            self.store = dist.TCPStore(host, self.port, None, True, timeout, False, False,
-                                       self._sock.fileno())
+            self.store: Any = dist.TCPStore(host, self.port, None, True, timeout, False, False,
+                                            self._sock.fileno())
         except (RuntimeError, TypeError) as exc:
-            # (A torch whose store backend cannot take a listening socket: its own binds every
-            # interface. The store holds only random-keyed rendezvous entries.)
-            logger.warning("TCPStore refused a listening socket (%s); its own listens on every "
-                           "interface", exc)
+            # Fail closed: a store of its own would listen on every interface, not ``host``.
             self._sock.close()
-            self.store = dist.TCPStore(host, 0, None, True, timeout, False)
-            self.port = self.store.port
+            raise PairError(
+                "this torch's TCPStore cannot take a pre-bound listening socket "
+                f"({exc}); its own would listen on every interface rather than {host}, so "
+                "gloo / nccl pairs are refused here (use transport zmq)") from None
+        # The store owns the socket now (it closes it when dropped): not closed twice.
+        self._sock.detach()
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Drop the store (its server stops and closes the listening socket); pairs built on
+        it should be closed first."""
+        self.store = None
+
+
+class _StreamPoint:
+    """A work-like handle for ops queued on a stream: done once the stream passes here."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, stream: Any) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+    def wait(self) -> None:
+        """(Ordered on that stream already.)"""
 
 
 @dataclass(slots=True)
@@ -112,6 +128,52 @@ class PairGroup:
         except RuntimeError as exc:
             raise PairError(f"{self.backend} receive failed: {exc}") from None
 
+    def start_sends(self, tensors: list[torch.Tensor]) -> Any:
+        """Queue every tensor to the peer, in order; one work for them all (``finish``)."""
+        return self._start_many(self.start_send, tensors, "send")
+
+    def start_recvs(self, tensors: list[torch.Tensor]) -> Any:
+        """Post receives into every tensor, in the peer's send order; one work for them all."""
+        return self._start_many(self.start_recv, tensors, "receive")
+
+    def _start_many(self, start: Any, tensors: list[torch.Tensor], what: str) -> Any:
+        if len(tensors) == 1:
+            return start(tensors[0])
+        if self.backend == "gloo":
+            # (One by one: each send completes once the peer has posted its receive, and the
+            # peer posts them in this order.)
+            for t in tensors[:-1]:
+                self.finish(start(t), what)
+            return start(tensors[-1])
+        # NCCL: one group call (ncclGroupStart/End), so many sends of one chunk run as one
+        # launch instead of serializing, each behind the last one's handshake.
+        begin = getattr(self.group, "_start_coalescing", None)
+        end = getattr(self.group, "_end_coalescing", None)
+        coalesce = begin is not None and end is not None
+        if coalesce:
+            try:
+                begin()
+            except (RuntimeError, TypeError) as exc:
+                logger.debug("no coalesced NCCL p2p (%s): one call per tensor", exc)
+                coalesce = False
+        work = None
+        try:
+            for t in tensors:
+                work = start(t)
+        finally:
+            if coalesce:
+                try:
+                    work = end()
+                except RuntimeError as exc:
+                    raise PairError(f"{self.backend} {what} failed: {exc}") from None
+        if work is None:
+            # (A torch whose coalesced block ran on the current stream returns no work: that
+            # stream reaching this point means every op has finished.)
+            work = _StreamPoint(torch.cuda.current_stream(self.device))
+        # (Without a group the ops run in order on one NCCL stream: the last one's work
+        # finishing means every one has.)
+        return work
+
     def close(self) -> None:
         """Give the group up; an NCCL communicator is aborted, so an operation stuck on a
         peer that died ends instead of spinning on the GPU (best effort)."""
@@ -143,7 +205,9 @@ class PairGroup:
                     raise PairError(f"{self.backend} {what} did not finish within "
                                     f"{self.timeout_s:g} s")
                 time.sleep(pause)
-                pause = min(pause * 2, 0.005)
+                # (A short cap: a 1 GiB pull takes ~3 ms over NVLink; sleeping past its end
+                # costs more than polling.)
+                pause = min(pause * 2, 0.0002)
             work.wait()  # raises the transfer's error, if any; orders NCCL on this stream
         except PairError:
             raise
@@ -152,9 +216,11 @@ class PairGroup:
 
 
 def build_pair(backend: str, store: Any, key: str, rank: int, timeout_s: float,
-               device: torch.device, host: str) -> PairGroup:
+               device: torch.device, host: str,
+               build_timeout_s: float | None = None) -> PairGroup:
     """This process's rank of the pair ``key`` on ``store`` (blocks until the peer joins, at
-    most ``timeout_s``); ``host``: the address gloo listens on for this rank."""
+    most ``build_timeout_s``, by default ``timeout_s``: an operation's limit); ``host``: the
+    address gloo listens on for this rank."""
     if backend not in BACKENDS:
         raise PairError(f"unknown pair backend {backend!r} (known: {', '.join(BACKENDS)})")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -163,7 +229,10 @@ def build_pair(backend: str, store: Any, key: str, rank: int, timeout_s: float,
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            opts._timeout = timeout
+            # (Its rendezvous waits this long; each send / recv is waited on with its own
+            # explicit timeout, ``PairGroup.finish``.)
+            opts._timeout = timeout if build_timeout_s is None \
+                else datetime.timedelta(seconds=build_timeout_s)
             group = dist.ProcessGroupGloo(prefixed, rank, 2, opts)
         else:
             if device.type != "cuda":

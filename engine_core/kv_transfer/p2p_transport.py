@@ -20,7 +20,10 @@ layer after layer) over a two-rank torch.distributed group per producer-consumer
 the producer's GPU cache to the consumer's without touching host memory, and two chunks may be
 in flight (the pair's window): the producer gathers chunk k+1 while chunk k is on the wire, the
 consumer asks for k+1 before scattering k; so at most two staged chunks per pair exist on
-either side. Control messages stay on ZMQ either way.
+either side. Runs of blocks consecutive on both sides skip the staging altogether: each layer's
+K / V slice of such a run goes straight from one cache into the other (``p2p_direct_runs``; a
+fresh long prompt is usually one run), and a chunk's sends go as one NCCL group call; only the
+scattered rest is staged (and bounded by the buffer). Control messages stay on ZMQ either way.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ import msgspec
 import torch
 import zmq
 
+from tidal.engine_core.kv_transfer.p2p_direct_runs import (
+    DIRECT_MIN_BYTES,
+    all_contiguous,
+    check_direct,
+    min_direct_blocks,
+    plan_direct,
+    run_lengths,
+    run_slices,
+    staged_positions,
+)
 from tidal.engine_core.kv_transfer.p2p_pair_group import (
     BACKENDS,
     PairError,
@@ -60,6 +73,10 @@ MAX_PULL_BLOCKS = 1 << 20
 # longest a pair's build or one chunk's send/receive may take.
 MAX_PAIRS = 64
 PAIR_TIMEOUT_S = 30.0
+# How long the serving thread waits for a consumer to join a pair it said hello for (its
+# only thread: a peer that never joins stalls every pull this long). A real consumer joins
+# right after the answer.
+PAIR_BUILD_TIMEOUT_S = 5.0
 
 
 class KVTransferError(RuntimeError):
@@ -83,6 +100,9 @@ class KVPull(msgspec.Struct, tag="pull", **_WIRE):
     digest: str  # the consumer's prompt digest: served only if it is the request's
     chunk: int = 0
     pair: str = ""  # a pair's key: the chunk goes over that group, not as frames
+    # Over a pair: the run lengths of the consumer's destination block ids (consecutive ids),
+    # so runs consecutive on both sides go cache to cache (``p2p_direct_runs``); empty: none.
+    runs: list[int] = []
 
 
 class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
@@ -122,6 +142,9 @@ class KVChunk(msgspec.Struct, tag="chunk", **_WIRE):
     shapes: list[list[int]] = []
     error: str | None = None
     nbytes: int = 0  # over a pair: the staging tensor's bytes (it follows on the group)
+    # Over a pair: flat [offset, length, ...] of the asked blocks sent straight between the
+    # caches after the staging tensor (which holds only the other blocks; 0 bytes if none).
+    direct: list[int] = []
 
 
 _ToProducer = KVPull | KVDone | KVPairHello
@@ -166,10 +189,14 @@ class KVSendServer:
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], address: str, buffer_bytes: float,
-                 send_timeout_s: float) -> None:
+                 send_timeout_s: float, min_direct_bytes: int = DIRECT_MIN_BYTES) -> None:
         self.kv_caches = kv_caches
         self.buffer_bytes = max(1, int(buffer_bytes))
         self.send_timeout_s = send_timeout_s
+        # Runs of at least this many blocks go cache to cache over a pair (not staged).
+        self.min_direct_blocks = min_direct_blocks(kv_caches, min_direct_bytes)
+        self._contiguous = all_contiguous(kv_caches)
+        self.direct_bytes = 0  # sent straight from the cache, over every pull
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
         self._finished: set[str] = set()
@@ -186,7 +213,8 @@ class KVSendServer:
         # Pairs (gloo / nccl), built on a consumer's hello; the serving thread alone uses them.
         self._host = self.address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
         self._store: PairStoreHost | None = None
-        self._pairs: dict[str, PairGroup] = {}
+        self._pairs: dict[str, PairGroup] = {}  # least recently used first
+        self._pair_peers: dict[str, bytes] = {}  # pair key -> the ZMQ identity that made it
         # Per pair, sends not known finished (work, staging tensor): at most its window.
         self._sending: dict[str, collections.deque] = {}
         self._stream = None  # the serving thread's CUDA stream (a GPU cache)
@@ -254,6 +282,12 @@ class KVSendServer:
     # --- serving thread ----------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._serve_loop()
+        finally:  # (closed by the thread that uses it)
+            self._sock.close(linger=0)
+
+    def _serve_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
@@ -317,12 +351,16 @@ class KVSendServer:
         timeout = min(self.send_timeout_s, PAIR_TIMEOUT_S)
         try:
             if self._store is None:
-                self._store = PairStoreHost(self._host, timeout)
+                # (Its timeout bounds the rendezvous: how long a peer that never joins holds
+                # this thread.)
+                self._store = PairStoreHost(self._host,
+                                            min(self.send_timeout_s, PAIR_BUILD_TIMEOUT_S))
         except (OSError, RuntimeError) as exc:
             self._answer(peer, [_encode(KVPairInfo(error=f"no store: {exc}"))], "")
             return
         while len(self._pairs) >= MAX_PAIRS:
-            # The oldest goes (its consumer hears "unknown pair" and builds a new one).
+            # The least recently used goes (its consumer hears "unknown pair" and builds a
+            # new one), not a busy one.
             self._drop_pair(next(iter(self._pairs)))
         key = new_pair_key()
         if not self._answer(peer, [_encode(KVPairInfo(key, self._store.host,
@@ -330,18 +368,26 @@ class KVSendServer:
             return
         try:
             self._pairs[key] = build_pair(hello.backend, self._store.store, key, 0, timeout,
-                                          device, self._host)
+                                          device, self._host,
+                                          min(timeout, PAIR_BUILD_TIMEOUT_S))
+            self._pair_peers[key] = peer
             logger.info("P2P KV %s pair %s built", hello.backend, key)
         except PairError as exc:
             logger.warning("P2P KV pair with a consumer failed: %s", exc)
 
     def _serve_pair_chunk(self, peer: bytes, msg: KVPull) -> None:
-        """One chunk over the pair: the header on ZMQ, then one staging tensor on the group."""
+        """One chunk over the pair: the header on ZMQ, then on the group the staging tensor
+        (blocks not in a direct run) and the direct runs' cache slices, in one group call."""
         pair = self._pairs.get(msg.pair)
+        if pair is not None and self._pair_peers.get(msg.pair) != peer:
+            # (Another peer naming a pair it did not build: refused like an unknown one.)
+            logger.warning("a KV pull named pair %s from another peer; refused", msg.pair)
+            pair = None
         if pair is None:
             self._answer(peer, [_encode(KVChunk(msg.request_id, msg.chunk,
                                                 error=UNKNOWN_PAIR))], msg.request_id)
             return
+        self._pairs[msg.pair] = self._pairs.pop(msg.pair)  # most recently used now
         sending = self._sending.setdefault(msg.pair, collections.deque())
         try:
             # Back-pressure: a new chunk is staged only while fewer than the pair's window of
@@ -359,11 +405,12 @@ class KVSendServer:
         if not self._answer(peer, [_encode(reply)], msg.request_id) or not staged:
             return
         try:
+            # (The tensors stay referenced until their send is finished.)
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    sending.append((pair.start_send(staged[0]), staged[0]))
+                    sending.append((pair.start_sends(staged), staged))
             else:
-                sending.append((pair.start_send(staged[0]), staged[0]))
+                sending.append((pair.start_sends(staged), staged))
             last = reply.first_layer + reply.num_layers >= reply.num_total_layers
             while sending and (last or len(sending) >= pair.window):
                 # (After a pull's last chunk nothing stays staged between pulls.)
@@ -379,6 +426,7 @@ class KVSendServer:
     def _drop_pair(self, key: str) -> None:
         pair = self._pairs.pop(key, None)
         self._sending.pop(key, None)
+        self._pair_peers.pop(key, None)
         if pair is not None:
             pair.close()
 
@@ -402,19 +450,45 @@ class KVSendServer:
                                  f"request's {len(blocks)}"), []
         ids = blocks[msg.start_block:msg.end_block]
         caches = self.kv_caches
-        per_layer = max(layer_block_bytes(c) for c in caches) * len(ids)
-        layers = max(1, self.buffer_bytes // per_layer)  # whole layers within the buffer
+        direct: list[int] = []
+        if backend != "zmq" and msg.runs and self._contiguous and \
+                staging_device(backend, caches[0].device) == caches[0].device:
+            try:
+                direct = plan_direct(ids, msg.runs, self.min_direct_blocks)
+            except ValueError as exc:
+                return KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
+        runs = [(direct[k], direct[k + 1]) for k in range(0, len(direct), 2)]
+        staged_ids = [ids[i] for i in staged_positions(len(ids), runs)]
+        per_layer = max(layer_block_bytes(c) for c in caches) * len(staged_ids)
+        # Whole layers within the buffer (it bounds only what is staged: a chunk of direct
+        # runs alone holds every layer).
+        layers = max(1, self.buffer_bytes // per_layer) if per_layer else len(caches)
         first = msg.chunk * layers
         if not 0 <= first < len(caches):
             return KVChunk(msg.request_id, msg.chunk, error=f"no chunk {msg.chunk}"), []
         last = min(len(caches), first + layers)
         dtype = str(caches[0].dtype).removeprefix("torch.")
         if backend != "zmq":
-            flat, shapes = self._stage_flat(caches[first:last], ids, backend, computed)
-            self.peak_staged_bytes = max(self.peak_staged_bytes, flat.numel())
+            shapes = []
+            for cache in caches[first:last]:
+                shape = list(cache.shape)
+                shape[block_axis(cache)] = len(ids)
+                shapes.append(shape)
+            self._wait_computed(computed)
+            tensors: list[torch.Tensor] = []
+            if staged_ids:
+                flat = self._stage_flat(caches[first:last], staged_ids, backend)
+                self.peak_staged_bytes = max(self.peak_staged_bytes, flat.numel())
+                tensors.append(flat)
+            for cache in caches[first:last]:
+                for offset, length in runs:
+                    for part in run_slices(cache, ids[offset], length):
+                        tensors.append(part)
+                        self.direct_bytes += part.numel() * part.element_size()
             self.chunks_sent += 1
+            nbytes = tensors[0].numel() if staged_ids else 0
             return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
-                           dtype, shapes, nbytes=flat.numel()), [flat]
+                           dtype, shapes, nbytes=nbytes, direct=direct), tensors
         if computed is not None:
             computed.synchronize()  # the forward that wrote these blocks has run
         index = torch.tensor(ids, dtype=torch.long, device=caches[0].device)
@@ -430,14 +504,20 @@ class KVSendServer:
         return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
                        dtype, shapes), staged
 
-    def _stage_flat(self, caches: list[torch.Tensor], ids: list[int], backend: str,
-                    computed: torch.cuda.Event | None
-                    ) -> tuple[torch.Tensor, list[list[int]]]:
-        """The asked blocks of ``caches`` gathered into one uint8 staging tensor (on the GPU for
-        nccl, in host memory for gloo), layer after layer."""
-        device = caches[0].device
+    def _wait_computed(self, computed: torch.cuda.Event | None) -> None:
+        """Order the serving stream (a GPU cache) after the forward that wrote the blocks:
+        the staging gather and the group's sends queued on it read them after it."""
+        device = self.kv_caches[0].device
         if device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(device)
+        if computed is not None and self._stream is not None:
+            self._stream.wait_event(computed)
+
+    def _stage_flat(self, caches: list[torch.Tensor], ids: list[int], backend: str
+                    ) -> torch.Tensor:
+        """The blocks ``ids`` of ``caches`` gathered into one uint8 staging tensor (on the GPU
+        for nccl, in host memory for gloo), layer after layer (after ``_wait_computed``)."""
+        device = caches[0].device
         shapes = []
         for cache in caches:
             shape = list(cache.shape)
@@ -452,8 +532,6 @@ class KVSendServer:
             index = torch.tensor(ids, dtype=torch.long, device=device)
             out = torch.empty(sum(sizes), dtype=torch.uint8,
                               device=staging_device(backend, device))
-            if computed is not None and self._stream is not None:
-                self._stream.wait_event(computed)
             offset = 0
             for cache, shape, size in zip(caches, shapes, sizes):
                 dst = out[offset:offset + size].view(cache.dtype).view(shape)
@@ -462,17 +540,27 @@ class KVSendServer:
                 else:
                     dst.copy_(cache.index_select(block_axis(cache), index))
                 offset += size
-        return out, shapes
+        return out
 
     def close(self) -> None:
+        """Stop serving: abort the pairs first (an NCCL op the serving thread waits on then
+        ends), let the thread close its socket itself, then drop the store."""
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close(linger=0)
+        for pair in list(self._pairs.values()):  # (best effort: the thread may drop one too)
+            pair.close()
+        self._thread.join(timeout=PAIR_BUILD_TIMEOUT_S + 2.0)
+        if self._thread.is_alive():
+            # Its socket stays open (closing it from here, or ``term``, could hang or crash
+            # the thread mid-call); it is a daemon and ends with the process.
+            logger.warning("the KV send server's thread did not stop in time; leaving it")
+            return
         self._ctx.term()
         self._pairs.clear()
+        self._pair_peers.clear()
         self._sending.clear()
         if self._store is not None:
             self._store.close()
+            self._store = None
 
 
 class KVPullClient:
@@ -491,6 +579,11 @@ class KVPullClient:
         self._socks: dict[str, zmq.Socket] = {}
         self._pairs: dict[str, tuple[str, PairGroup]] = {}  # address -> (key, group)
         self.bytes_received = 0
+        self.bytes_direct = 0  # of those, received straight into the cache (no staging)
+        device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        # Direct runs need slices the pair's backend reads in place (NCCL: GPU, gloo: host).
+        self._direct = backend in BACKENDS and all_contiguous(kv_caches) and \
+            staging_device(backend, device) == device
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -544,7 +637,8 @@ class KVPullClient:
         deadline = time.monotonic() + self.timeout_s
         caches = self.kv_caches
         index = torch.tensor(local_block_ids, dtype=torch.long, device=caches[0].device)
-        received = 0
+        runs = run_lengths(local_block_ids) if self._direct else []
+        received = direct = 0
         chunk = 0
         inflight: collections.deque = collections.deque()  # receives not landed yet
         try:
@@ -552,7 +646,7 @@ class KVPullClient:
             sock = self._socket(address)
             while True:
                 sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk,
-                                         key)))
+                                         key, runs)))
                 frames = self._recv(sock, deadline)
                 reply = _to_consumer.decode(frames[0].buffer)
                 if not isinstance(reply, KVChunk):
@@ -582,15 +676,20 @@ class KVPullClient:
                 if group is None:
                     received += self._copy_frames(frames[1:], layers, reply.shapes, index)
                 else:
-                    received += self._start_recv(group, layers, reply, inflight)
+                    if reply.direct and not runs:
+                        raise KVTransferError("the producer sent direct runs unasked")
+                    staged, landed = self._start_recv(group, layers, reply, inflight,
+                                                      local_block_ids)
+                    received += staged + landed
+                    direct += landed
                     # The next chunk is asked for while this one arrives (within the window).
                     while len(inflight) >= group.window:
-                        self._land(group, inflight.popleft(), index)
+                        self._land(group, inflight.popleft())
                 if reply.first_layer + reply.num_layers >= len(caches):
                     break
                 chunk += 1
             while inflight:
-                self._land(group, inflight.popleft(), index)
+                self._land(group, inflight.popleft())
             sock.send(_encode(KVDone(request_id, digest)))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(address)
@@ -607,6 +706,7 @@ class KVPullClient:
             self._drop(address)
             raise KVTransferError(f"transport error: {exc}") from None
         self.bytes_received += received
+        self.bytes_direct += direct
         return received
 
     @staticmethod
@@ -627,22 +727,50 @@ class KVPullClient:
 
     @staticmethod
     def _start_recv(group: PairGroup, layers: list[torch.Tensor], reply: KVChunk,
-                    inflight: collections.deque) -> int:
-        """Post the receive of the chunk's staging tensor off the pair."""
-        sizes = [math.prod(sh) * c.element_size() for sh, c in zip(reply.shapes, layers)]
+                    inflight: collections.deque, local_block_ids: list[int]
+                    ) -> tuple[int, int]:
+        """Post the receives of the chunk off the pair: its staging tensor (the blocks outside
+        the direct runs), then each direct run's slices straight into this cache. Returns
+        (staged bytes, direct bytes)."""
+        try:
+            runs = check_direct(reply.direct, local_block_ids)
+        except ValueError as exc:
+            raise KVTransferError(f"the producer's direct runs: {exc}") from None
+        staged = [local_block_ids[i] for i in staged_positions(len(local_block_ids), runs)]
+        shapes = []
+        for cache, shape in zip(layers, reply.shapes):
+            shape = list(shape)
+            shape[block_axis(cache)] = len(staged)
+            shapes.append(shape)
+        sizes = [math.prod(sh) * c.element_size() for sh, c in zip(shapes, layers)]
         if reply.nbytes != sum(sizes):
-            raise KVTransferError(f"the producer announced {reply.nbytes} bytes, the chunk "
-                                  f"holds {sum(sizes)}")
-        flat = torch.empty(reply.nbytes, dtype=torch.uint8,
-                           device=staging_device(group.backend, layers[0].device))
-        inflight.append((group.start_recv(flat), flat, layers, reply.shapes, sizes))
-        return reply.nbytes
+            raise KVTransferError(f"the producer announced {reply.nbytes} staged bytes, the "
+                                  f"chunk's staged blocks hold {sum(sizes)}")
+        device = layers[0].device
+        tensors: list[torch.Tensor] = []
+        flat = index = None
+        if staged:
+            flat = torch.empty(reply.nbytes, dtype=torch.uint8,
+                               device=staging_device(group.backend, device))
+            index = torch.tensor(staged, dtype=torch.long, device=device)
+            tensors.append(flat)
+        direct = 0
+        for cache in layers:
+            for offset, length in runs:
+                for part in run_slices(cache, local_block_ids[offset], length):
+                    tensors.append(part)
+                    direct += part.numel() * part.element_size()
+        inflight.append((group.start_recvs(tensors), flat, index, layers, shapes, sizes))
+        return reply.nbytes, direct
 
     @staticmethod
-    def _land(group: PairGroup, entry: tuple, index: torch.Tensor) -> None:
-        """Wait for one posted receive, then scatter it into its layers' blocks."""
-        work, flat, layers, shapes, sizes = entry
+    def _land(group: PairGroup, entry: tuple) -> None:
+        """Wait for one chunk's posted receives, then scatter its staging tensor (if any)
+        into its layers' blocks (the direct runs landed in place)."""
+        work, flat, index, layers, shapes, sizes = entry
         group.finish(work, "receive")
+        if flat is None:
+            return
         offset = 0
         for cache, shape, size in zip(layers, shapes, sizes):
             part = flat[offset:offset + size].view(cache.dtype).view(shape)

@@ -42,6 +42,12 @@ def test_accepted_layouts() -> None:
     assert check_dbo_threshold(1) == 1
     with pytest.raises(ExpertParallelConfigError, match="--dbo-token-threshold must be >= 1"):
         check_dbo_threshold(0)
+    # Not given: the default, with or without --enable-dbo; given without it: refused (it
+    # would change nothing), as --enable-dbo without what it needs is.
+    assert check_dbo_threshold(None) == check_dbo_threshold(None, enable_dbo=False) == 128
+    with pytest.raises(ExpertParallelConfigError, match="--dbo-token-threshold needs "
+                                                        "--enable-dbo"):
+        check_dbo_threshold(64, enable_dbo=False)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -277,11 +277,13 @@ def test_async_loads_wait_off_the_batch_then_run_or_recompute(recording_schedule
     assert [r.req_id for r in out.new_reqs] == ["sync"]  # "a" waits for its load
     assert "a" in sched._kv_recving and sched.has_held_kv and out.kv_connector_metadata
     a_blocks = sched.kv.block_ids("a")
-    assert len(a_blocks) == 1 and sched.kv.pool.blocks[a_blocks[0]].block_hash is None
+    # The whole prompt's blocks, last token's slot included: once loaded it needs no more.
+    assert len(a_blocks) == 3
+    assert all(sched.kv.pool.blocks[b].block_hash is None for b in a_blocks)
     sched.update_from_output(out, ModelRunnerOutput(kv_finished_recving=["a"]))
     out = sched.schedule()
     (new,) = out.new_reqs
-    assert new.req_id == "a" and new.num_computed_tokens == 16 and new.block_ids[0] == a_blocks[0]
+    assert new.req_id == "a" and new.num_computed_tokens == 16 and new.block_ids == a_blocks
     assert out.num_scheduled_tokens[-1] == 40 - 16
     # A failed load: its blocks come back invalid; it restarts from no tokens at all.
     sched.add_request(Request.from_engine_request(
@@ -302,7 +304,7 @@ def test_async_loads_wait_off_the_batch_then_run_or_recompute(recording_schedule
     assert "c" not in sched.requests and sched.kv.num_free_blocks == free
     sched.update_from_output(SchedulerOutput(step_id=98),
                              ModelRunnerOutput(kv_finished_recving=["c"]))
-    assert sched.kv.num_free_blocks == free + 1 and not sched._kv_recving
+    assert sched.kv.num_free_blocks == free + 3 and not sched._kv_recving
     sched.kv.pool.check_invariants()
 
 
@@ -342,3 +344,147 @@ def test_metrics_and_stats_line_show_connector_hits_and_stores():
     assert kv_connector_line(80, 48, 48) == (
         "KV connector: external prefix cache hit rate 60.0% (48 of 80 queried tokens loaded), "
         "48 tokens stored")
+
+
+# --- asynchronous loads: admission limits, reused ids, deadlines ---------------------------------
+
+
+class AsyncLoadConnector(KVConnectorBase):
+    """Loads every request's first two blocks asynchronously, once (as P2pConnector does)."""
+
+    tried: set = set()
+    async_load_timeout_s = None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.tried or num_computed_tokens:
+            return 0, False
+        return 2 * self.block_size, True
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.tried.add(request.request_id)
+
+    def request_finished(self, request, block_ids):
+        self.tried.discard(request.request_id)
+        return False, None
+
+
+def _async_scheduler(tiny_models, monkeypatch, lora: bool = False, **kw):
+    from tidal.engine_core.config import EngineArgs
+    from tidal.engine_core.lora_config import LoRAConfig
+    from tidal.engine_core.scheduler import Scheduler
+
+    real = connector_registry.connector_class
+    monkeypatch.setattr(connector_registry, "connector_class",
+                        lambda name: AsyncLoadConnector if name == "AsyncLoad" else real(name))
+    monkeypatch.setattr(AsyncLoadConnector, "tried", set())
+    folder, _ = tiny_models["llama"]
+    config = EngineArgs(model=str(folder), max_model_len=128, enable_prefix_caching=True,
+                        kv_transfer_config={"kv_connector": "AsyncLoad"}, **kw).create_config()
+    if lora:
+        config = msgspec.structs.replace(config, lora=LoRAConfig(max_loras=1, max_cpu_loras=2))
+    return Scheduler(config)
+
+
+def _request(rid, first, n=33, adapter=None):
+    from tidal.engine_core.lora_request import LoRARequest
+    from tidal.engine_core.protocol import EngineCoreRequest
+    from tidal.engine_core.request import Request
+    from tidal.engine_core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    lora = None if adapter is None else LoRARequest(f"a{adapter}", adapter, f"/a{adapter}")
+    return Request.from_engine_request(EngineCoreRequest(
+        rid, list(range(first, first + n)), params, lora_request=lora), 128, frozenset())
+
+
+def _step_all_loaded(sched):
+    """One step whose workers report every pending load over and sample every request that
+    reached its end."""
+    out = sched.schedule()
+    ids = [rid for rid in out.scheduled()
+           if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens]
+    sched.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[[7]] * len(ids),
+        kv_finished_recving=sorted(sched._kv_recving)))
+    return out
+
+
+def test_parked_loads_cannot_fill_the_pool_for_good(tiny_models, monkeypatch):
+    """Six 33-token requests loading 32 tokens each into 12 blocks: parked requests count as
+    sequences and hold their whole prompt, so every one finishes (once, each parked its two
+    loaded blocks and then waited forever for a third none could free)."""
+    sched = _async_scheduler(tiny_models, monkeypatch, num_kv_blocks=12, max_num_seqs=4)
+    for i in range(6):
+        sched.add_request(_request(f"r{i}", 3 + 50 * i))
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        _step_all_loaded(sched)
+        assert len(sched.running) + len(sched._kv_recving) <= 4
+    assert not sched.has_unfinished()
+    assert sched.kv.num_free_blocks == 12
+    sched.kv.pool.check_invariants()
+
+
+def test_parking_keeps_a_block_per_running_request(tiny_models, monkeypatch):
+    sched = _async_scheduler(tiny_models, monkeypatch, num_kv_blocks=8, max_num_seqs=8)
+    monkeypatch.setattr(AsyncLoadConnector, "tried", {"plain"})
+    sched.add_request(_request("plain", 500, n=40))  # 3 blocks, runs
+    sched.add_request(_request("p", 3))  # 3 blocks parked would leave 2 free: 1 running
+    sched.add_request(_request("q", 100))  # 3 more would leave none for "plain"'s next block
+    sched.schedule()
+    assert list(sched._kv_recving) == ["p"] and sched.kv.num_free_blocks == 2
+
+
+def test_parked_loads_hold_their_lora_slot(tiny_models, monkeypatch):
+    sched = _async_scheduler(tiny_models, monkeypatch, lora=True, num_kv_blocks=32)
+    sched.add_request(_request("a", 3, adapter=1))
+    sched.schedule()
+    assert list(sched._kv_recving) == ["a"]
+    sched.add_request(_request("b", 100, adapter=2))
+    out = sched.schedule()  # adapter 1's slot is taken by the parked "a": "b" waits
+    assert not out.new_reqs and list(sched._kv_recving) == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+
+
+def test_an_id_still_loading_or_sending_is_not_reused(tiny_models, monkeypatch):
+    """An aborted request's pull still writes its blocks: a new request under its id must
+    not inherit them (nor the old pull's report)."""
+    from tidal.engine_core.protocol import FinishReason
+
+    sched = _async_scheduler(tiny_models, monkeypatch, num_kv_blocks=12)
+    sched.add_request(_request("r", 3))
+    sched.schedule()
+    sched.finish_requests(["r"], FinishReason.ABORT)
+    with pytest.raises(ValueError, match="still in use"):
+        sched.add_request(_request("r", 3))
+    sched.update_from_output(SchedulerOutput(step_id=90),
+                             ModelRunnerOutput(kv_finished_recving=["r"]))
+    assert sched.kv.num_free_blocks == 12
+    sched.add_request(_request("r", 3))  # the old load is over: the id is free again
+    sched.schedule()
+    assert list(sched._kv_recving) == ["r"]
+
+
+def test_a_load_past_its_deadline_fails_its_request(tiny_models, monkeypatch):
+    """A wedged pull: past the connector's deadline the request fails with an error (not
+    recomputed: its blocks stay held until the workers report the pull over)."""
+    from tidal.engine_core import scheduler as scheduler_mod
+
+    monkeypatch.setattr(AsyncLoadConnector, "async_load_timeout_s", 10.0)
+    sched = _async_scheduler(tiny_models, monkeypatch, num_kv_blocks=12)
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", lambda: clock[0])
+    sched.add_request(_request("r", 3))
+    sched.schedule()
+    clock[0] += 9.0
+    sched.schedule()
+    assert "r" in sched.requests and not sched.take_kv_rejected()
+    clock[0] += 2.0
+    sched.schedule()
+    (out,) = sched.take_kv_rejected()
+    assert out.request_id == "r" and out.error and "r" not in sched.requests
+    assert sched.kv.num_free_blocks == 9  # held for the pull
+    sched.update_from_output(SchedulerOutput(step_id=90),
+                             ModelRunnerOutput(kv_finished_recving=["r"]))
+    assert sched.kv.num_free_blocks == 12 and not sched._kv_deadline

@@ -127,6 +127,29 @@ def test_an_abort_stops_the_request_on_its_rank(dp_server):
     assert 3 <= sum(generated.values()) < LONG, generated
 
 
+def test_a_burst_at_t0_splits_evenly_over_the_ranks(dp_server):
+    """Issue 26: requests sent all at once reach both API servers, and each splits its share
+    within one request (none finishes during the burst: the same long output each)."""
+    burst = 48
+    before = _metrics(dp_server)
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused")
+        try:
+            await asyncio.gather(*(client.completions.create(
+                model="", prompt=f"Item {i}:", max_tokens=48, temperature=0.0,
+                extra_body={"ignore_eos": True}) for i in range(burst)))
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    after = _wait_idle(dp_server)
+    done = {e: n - _per_engine(before, "tidal:request_success_total").get(e, 0.0)
+            for e, n in _per_engine(after, "tidal:request_success_total").items()}
+    assert sum(done.values()) == burst, done
+    assert abs(done.get("0", 0.0) - done.get("1", 0.0)) <= 2, done  # one per API server
+
+
 def test_killing_one_rank_ends_the_server(dp_server):
     """Last in the module: it ends the shared server."""
     log = dp_server.log_path.read_text(errors="replace")

@@ -172,6 +172,54 @@ def test_a_warm_start_runs_no_dynamo_trace(compiled, qwen3, cache_dir, eager_out
         llm.shutdown()
 
 
+def _compile_from(runner, cache_root):
+    """A second CompiledForward of the runner's model over the cache under ``cache_root``,
+    compiled with the runner's start-up dummy step (``ModelRunner.compile_model``)."""
+    import msgspec
+
+    from tidal.worker.compilation.compiled_model import CompiledForward
+
+    cc = msgspec.structs.replace(runner.config.runner.compilation, cache_dir=str(cache_root))
+    forward = CompiledForward(runner.model, cc, key_inputs=dict(
+        arch=runner.arch, dtype=str(runner.dtype), parallel=runner.config.parallel,
+        policy=runner.kernel_policy, device=runner.device.type))
+    n = 8
+    meta = runner._dummy_meta(n, 1)
+    meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
+    ids, pos = runner.bufs.input_ids[:n], runner.bufs.positions[:n]
+    ids.zero_()
+    pos.copy_(torch.arange(n))
+    with torch.inference_mode():
+        assert forward.compile(ids, pos, meta)
+    return forward
+
+
+def test_a_plan_others_may_write_is_traced_instead(compiled, tmp_path, caplog):
+    """The warm-start plan is code the engine runs: from an entry folder or file that the
+    group or others may write (a cache under /tmp) it is refused, and the start traces."""
+    import shutil
+
+    runner = _runner(compiled)
+    entry = runner.compiled.cache.dir
+    for what in ("file", "folder"):
+        root = tmp_path / what
+        copy = root / entry.name
+        shutil.copytree(entry, copy)
+        assert (copy.stat().st_mode & 0o022) == 0 and (copy / "warm.json").exists()
+        (copy / "warm.json" if what == "file" else copy).chmod(
+            (copy / "warm.json" if what == "file" else copy).stat().st_mode | 0o020)
+        caplog.clear()
+        forward = _compile_from(runner, root)
+        assert forward.cache.dir == copy
+        assert not forward.stats.warm_start and forward.stats.dynamo_traces == 1
+        assert "may be written by its group or others" in caplog.text
+    # The same entry, writable by this user only, starts warm.
+    good = tmp_path / "good"
+    shutil.copytree(entry, good / entry.name)
+    forward = _compile_from(runner, good)
+    assert forward.stats.warm_start and forward.stats.dynamo_traces == 0
+
+
 def test_a_changed_key_misses(compiled, cache_dir):
     cache = _runner(compiled).compiled.cache
     parts = dict(cache.parts)

@@ -16,7 +16,12 @@ from torch import nn
 from tidal.engine_core.config import ConfigError, EngineArgs
 from tidal.engine_core.cpu_offload_config import CPUOffloadConfigError, cpu_offload_bytes
 from tidal.engine_core.sampling_params import SamplingParams
-from tidal.worker.cpu_offload import LayerOffloader, layer_built, offloading
+from tidal.worker.cpu_offload import (
+    LayerOffloader,
+    device_weight_bytes,
+    layer_built,
+    offloading,
+)
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 200, 17], [40, 41]]
@@ -81,6 +86,31 @@ def test_offloaded_stack_matches_and_weights_live_on_the_host(layers_in_budget):
             n_bytes = p.numel() * p.element_size()
             host = layer.host[off_bytes:off_bytes + n_bytes].view(p.dtype).view(p.shape)
             assert torch.equal(host, ref.detach())
+
+
+def test_fit_check_counts_whole_layers_and_the_staging_buffers():
+    """The weights-fit check sizes a ``meta`` model with a plan-only offloader: the device
+    holds the layers not offloaded (whole layers: a budget of 2.5 layers offloads 2) plus
+    the two staging buffers, exactly what a real offload leaves there."""
+    n, width = 5, 32
+    budget = 5 * _layer_bytes(width) // 2
+    with torch.device("meta"):
+        plan = LayerOffloader(budget, torch.device("cpu"), tuple(range(n)), plan_only=True)
+        shell = _stack(n, width, plan)
+    assert all(p.is_meta for p in shell.parameters())  # nothing moved
+    real = LayerOffloader(budget, torch.device("cpu"), tuple(range(n)), pin=False)
+    model = _stack(n, width, real)
+    real.finalize()
+    assert plan.offloaded_positions() == real.offloaded_positions() == [3, 4]
+    assert plan.staging_bytes == sum(b.numel() for b in real.staging) == 2 * _layer_bytes(width)
+    kept = sum(p.numel() * p.element_size() for i in range(3) for p in model[i].parameters())
+    assert device_weight_bytes(shell, plan) == kept + plan.staging_bytes
+    whole = sum(p.numel() * p.element_size() for p in shell.parameters())
+    assert device_weight_bytes(shell, None) == whole
+    # (The old estimate, the weights less the budget, was short of this by more than a layer.)
+    assert device_weight_bytes(shell, plan) - (whole - budget) > _layer_bytes(width)
+    with pytest.raises(RuntimeError, match="plan-only"):
+        plan.finalize()
 
 
 def test_budget_below_one_layer_offloads_nothing():

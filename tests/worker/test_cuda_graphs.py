@@ -34,3 +34,18 @@ def test_a_step_replays_the_next_captured_size_only_if_captured():
     assert runner.mixed_size_for(512) == 512
     assert runner.mixed_size_for(513) is None  # larger steps run eagerly
     assert len(runner) == len(runner.mixed_sizes)
+
+
+def test_dummy_mixed_batch_fits_the_block_table_rows():
+    """The mixed-graph capture's dummy batch: every chunk at most max_model_len tokens (a
+    longer one read past its block-table row on an H100: an illegal address), all tokens
+    placed, every request at least one token; a size no real step can have is refused."""
+    from tidal.worker.model_runner import dummy_chunk_lens
+
+    for tokens, reqs, limit in [(512, 4, 128), (16, 4, 128), (8, 8, 100), (300, 4, 128),
+                                (2048, 512, 4096), (2048, 3, 4096)]:
+        lens = dummy_chunk_lens(tokens, reqs, limit)
+        assert len(lens) == reqs and sum(lens) == tokens
+        assert all(1 <= x <= limit for x in lens)
+    with pytest.raises(ValueError):
+        dummy_chunk_lens(2048, 4, 128)

@@ -72,6 +72,12 @@ def test_the_engine_config_turns_it_on_or_refuses(qwen3_moe, tiny_models) -> Non
         "--enable-expert-parallel", "--enable-dbo", "--dbo-token-threshold", "8"])
     ).create_config().parallel
     assert par.enable_dbo and par.dbo_token_threshold == 8
+    # A threshold without --enable-dbo would change nothing: refused, naming the flag.
+    with pytest.raises(ConfigError, match="--dbo-token-threshold needs --enable-dbo"):
+        engine_args_from(build_parser().parse_args([
+            "--model", str(qwen3_moe.folder), "--num-kv-blocks", "64",
+            "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--dbo-token-threshold", "8"])).create_config()
     dense, _ = tiny_models["qwen3"]
     par = engine_args_from(build_parser().parse_args([
         "--model", str(dense), "--num-kv-blocks", "64", "--data-parallel-size", "2",
@@ -290,3 +296,53 @@ def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo) -> None
                                enforce_eager=True, enable_dbo=dbo, dbo_token_threshold=4)
     mh.assert_matches(got, qwen3_moe.refs, prompts, tol=mh.GPU_LOGPROB_TOL)
     assert min(routed) >= 1, routed
+
+
+def test_exchange_headroom_covers_every_engines_rows() -> None:
+    """The KV sizing's reserve for the exchange across DP engines (the start-up profile runs
+    each engine alone): every engine's rows gathered ([hidden | logits] in their dtypes), the
+    experts' temporaries (the [pairs, I] activations, the float32 [pairs, H] output) over the
+    rows the profile did not have, and the combine's buffers."""
+    dp, t, h, e, k, i, b, lb = 4, 256, 64, 8, 2, 48, 2, 4
+    got = moe_ep.exchange_headroom_bytes(dp_size=dp, tokens=t, hidden=h, num_experts=e,
+                                         top_k=k, intermediate=i, dtype_bytes=b,
+                                         logits_bytes=lb)
+    rows, extra = dp * t, (dp - 1) * t
+    gathered = rows * (h * b + e * lb)  # one [dp * t, H + E] gather
+    experts = extra * k * (i * b + 4 * h)  # activations and float32 outputs of the extra pairs
+    combine = rows * h * b  # every engine's rows of the output, before the reduce-scatter
+    assert got >= gathered + experts + combine
+    # Linear in the rows (no term forgotten that grows with the engines), nothing for one.
+    more = moe_ep.exchange_headroom_bytes(dp_size=2 * dp, tokens=t, hidden=h, num_experts=e,
+                                          top_k=k, intermediate=i, dtype_bytes=b,
+                                          logits_bytes=lb)
+    assert more > 2 * got - t * (h * b + e * lb) - t * h * b - 1
+    assert moe_ep.exchange_headroom_bytes(dp_size=1, tokens=t, hidden=h, num_experts=e,
+                                          top_k=k, intermediate=i, dtype_bytes=b,
+                                          logits_bytes=lb) == 0
+    # An ExpertParallel sizes it from its layers and the router logits' dtype it has seen.
+    ep = moe_ep.ExpertParallel(ParallelGroup(), 0, 2)
+    layers = [_layer(ep) for _ in range(2)]
+    ep.bind(torch.nn.ModuleList(layers))
+    want = moe_ep.exchange_headroom_bytes(dp_size=2, tokens=t, hidden=16, num_experts=EXPERTS,
+                                          top_k=2, intermediate=24, dtype_bytes=4,
+                                          logits_bytes=4)
+    assert ep.exchange_headroom(t) == want > 0
+    layers[0](torch.randn(3, 16), torch.randn(3, EXPERTS, dtype=torch.float64))
+    assert ep.logits_dtype == torch.float64 and ep.exchange_headroom(t) > want
+    assert _ep(0, 2).exchange_headroom(t) == 0  # within one engine: nothing exchanged
+
+
+def test_release_drops_the_expert_layers(qwen3_moe) -> None:
+    from tidal.engine_core.config import EngineArgs
+    from tidal.worker.model_runner import ModelRunner
+
+    cfg = EngineArgs(model=str(qwen3_moe.folder), device="cpu", num_kv_blocks=64,
+                     enable_expert_parallel=True).create_config()
+    runner = ModelRunner(cfg, torch.device("cpu"))
+    runner.load_model()
+    ep = runner.ep
+    assert ep is not None and len(ep.layers) == 2
+    runner.release()
+    # Nothing keeps the model's expert weights alive after the runner lets the model go.
+    assert runner.ep is None and ep.layers == [] and not ep.active

@@ -118,7 +118,9 @@ class CompileCache:
         self.key = key
         self.dir = self.root / key
         self.parts = parts
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # (Writable by this user only whatever the umask: a warm start runs the entry's plan
+        # only from such a folder, warm_start.untrusted.)
+        self.dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         self._pieces: dict[str, dict[str, Any]] = self._read_manifest()
 
     def _read_manifest(self) -> dict[str, dict[str, Any]]:

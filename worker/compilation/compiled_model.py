@@ -186,6 +186,12 @@ class CompiledForward:
         data = cache.load_plan() if cache is not None else None
         if cache is None or data is None:
             return False
+        # (The plan is code this process would run: only from a folder nobody else writes.)
+        refused = warm_start.untrusted(cache.dir, cache.dir / warm_start.PLAN)
+        if refused is not None:
+            logger.warning("warm start: not running the plan in %s (%s); tracing instead",
+                           cache.dir, refused)
+            return False
         plan = warm_start.decode(data)
         scratch = CompileStats()
         t0 = time.perf_counter()

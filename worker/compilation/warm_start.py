@@ -16,6 +16,9 @@ missing or corrupt, an attribute path that no longer resolves) falls back to the
 
 The plan's code is executed as Python, like the pieces (``CompiledArtifact.load`` unpickles):
 the cache folder is trusted local state, written by this engine, never received over a socket.
+So a plan runs only from an entry folder and file that this user owns and that neither the
+group nor others may write (``untrusted``); a cache under a shared folder such as ``/tmp``
+that fails this is traced instead, with a warning naming why.
 Dynamo's guards are not re-checked on the warm path: the cache key already covers what they
 guard here (the model's architecture and dtype, the kernel policy, the versions), and the
 runner calls the forward one way (inference mode, int64 ids and positions on the device).
@@ -27,7 +30,9 @@ import hashlib
 import json
 import logging
 import operator
+import os
 import re
+import stat
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -169,6 +174,26 @@ def record(gm: fx.GraphModule, split: fx.GraphModule, pieces: Sequence[str],
         return None
     return WarmPlan(FORMAT_VERSION, sources, tuple(args), split.code, _imports(split),
                     tuple(subs), ())
+
+
+def untrusted(entry: Path, plan_file: Path) -> str | None:
+    """Why the plan ``plan_file`` of the cache entry folder ``entry`` must not be executed, or
+    None: both must be this user's (not links) and writable by nobody else, since whoever can
+    write them chooses the code this process runs."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    for path in (entry, plan_file):
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            return f"cannot inspect {path}: {exc.strerror or exc}"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{path} is a symbolic link"
+        if uid is not None and st.st_uid != uid:
+            return f"{path} belongs to user id {st.st_uid}, not to this user ({uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return (f"{path} may be written by its group or others (mode "
+                    f"{stat.S_IMODE(st.st_mode):o})")
+    return None
 
 
 def _file_sha256(path: str) -> str | None:

@@ -81,6 +81,29 @@ class DPExpertGroup:
                     "rank %d as rank %d (%s)", dp_size, tp_rank, dp_rank,
                     "nccl" if device.type == "cuda" else "gloo")
 
+    @property
+    def closed(self) -> bool:
+        return self.cpu_group is None
+
+    def close(self) -> None:
+        """Shut the group's process groups down and drop them (with them the connection to the
+        rendezvous store); collective-free, so a rank may close while its peers are gone."""
+        groups = [] if self.cpu_group is None else [self.cpu_group]
+        if self.device_group is not None and self.device_group is not self.cpu_group:
+            groups.insert(0, self.device_group)
+        self.cpu_group = self.device_group = None
+        for group in groups:
+            stop = getattr(group, "shutdown", None) or getattr(group, "abort", None)
+            if stop is None:
+                continue
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown: dropped anyway
+                logger.debug("expert parallel: closing %s: %s", type(group).__name__, exc)
+        if groups:
+            logger.debug("expert parallel: left the data-parallel engines' group as rank %d",
+                         self.rank)
+
     def token_counts(self, tokens: int) -> list[int]:
         """Every rank's token count this step (one small gloo all-reduce)."""
         import torch.distributed as dist

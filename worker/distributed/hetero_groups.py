@@ -7,8 +7,12 @@ host side carries the activations: the shared-memory collectives (``shm_collecti
 default: every rank, GPU ones too, maps the group's segment) or its ``cpu_group`` (gloo,
 ``--cpu-collectives gloo``). A GPU stage copies its hidden states to host memory before the
 send; a stage receives into host memory and copies to its own device. Tensor groups inside a
-stage hold ranks of one device; tensor parallelism inside a mixed layout is refused at start-up
-(``engine_core.pp_devices``: it needs the hierarchical all-reduce), so they are groups of one.
+stage hold ranks of one device; tensor parallelism inside a mixed pipeline is refused at
+start-up (``engine_core.pp_devices``), so they are groups of one.
+
+Tensor-parallel ranks on different devices (``--tp-devices cuda,cpu``, no pipeline with it) join
+the same gloo world; their tensor group's collectives are the hierarchical ones of
+``hier_allreduce`` (NCCL among the GPU ranks, host memory with the CPU ranks).
 
 Each worker process sees a plain single-device config (``stage_config``): its stage's device,
 eager on a CPU, no weight offload there. The rest of the worker never learns the layout is
@@ -29,16 +33,20 @@ logger = logging.getLogger(__name__)
 
 
 def is_mixed(config: EngineConfig) -> bool:
-    """Stages on different devices (``--pp-devices`` resolved to a non-empty list)."""
-    return bool(config.parallel.pp_devices)
+    """Stages or tensor-parallel ranks on different devices (``--pp-devices`` or
+    ``--tp-devices`` resolved to a non-empty list)."""
+    return bool(config.parallel.pp_devices or config.parallel.tp_devices)
 
 
 def stage_device(config: EngineConfig, rank: int) -> str:
     """The device type of global ``rank`` (ranks are tensor-parallel first)."""
+    tp = config.parallel.tensor_parallel_size
+    if config.parallel.tp_devices:  # (--tp-devices: hier_allreduce; no pipeline with it)
+        return config.parallel.tp_devices[rank % tp]
     devices = config.parallel.pp_devices
     if not devices:
         return config.runner.device
-    return devices[rank // config.parallel.tensor_parallel_size]
+    return devices[rank // tp]
 
 
 def gpu_index(config: EngineConfig, rank: int) -> int:

@@ -248,14 +248,19 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
                      device: torch.device, store: Any = None,
                      kernels: KernelConfig | None = None,
                      cpu_collectives: str = "gloo",
-                     mixed: bool = False) -> tuple[ParallelGroup, ParallelGroup]:
+                     mixed: bool = False,
+                     tp_devices: tuple[str, ...] = (),
+                     gpu_backend: str = "nccl") -> tuple[ParallelGroup, ParallelGroup]:
     """Join the world (rank 0 passes the store it serves; others connect to ``host:port``) and
     build the tensor- and pipeline-parallel groups of ``rank``. Collective: every rank calls it
     with the same sizes (and the same ``kernels``, whose all-reduce choices apply; None: the
     defaults). ``cpu_collectives`` "shm": the groups of these CPU ranks (all on this host)
     communicate over shared memory (``shm_collectives``); "gloo": over torch.distributed.
     ``mixed``: the pipeline stages run on different devices (``hetero_groups``): a gloo world,
-    and a pipeline group with no device group (its tensors cross through host memory)."""
+    and a pipeline group with no device group (its tensors cross through host memory).
+    ``tp_devices`` (``--tp-devices``, with ``mixed``): each tensor rank's device; the tensor
+    group's device group is then ``gpu_backend`` (NCCL) over its GPU ranks only and its
+    collectives the hierarchical ones (``hier_allreduce``)."""
     if cpu_collectives not in ("shm", "gloo"):
         raise ValueError(f"cpu_collectives must be shm or gloo, got {cpu_collectives!r}")
     if cpu_collectives == "shm" and device.type != "cpu" and not mixed:
@@ -285,7 +290,13 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
     pp = _make_groups(pp_ranks, rank, backend, world)
     if mixed:
         pp.device_group = None  # only GPU ranks could share one (hetero_groups)
-    if tp.world_size > 1:
+    hier = None
+    if tp_devices and tp.world_size > 1:
+        from tidal.worker.distributed.hier_allreduce import make_hierarchical
+
+        # (Before the shared-memory set-up below: new_group is collective over the world.)
+        tp.device_group, hier = make_hierarchical(tp, tp_devices, gpu_backend, None)
+    if tp.world_size > 1 and hier is None:
         from tidal.worker.distributed.symm_allreduce import make_symm_allreduce
 
         kc = kernels or KernelConfig()
@@ -304,6 +315,13 @@ def init_distributed(*, rank: int, tp_size: int, pp_size: int, host: str, port: 
             for group in (tp, pp):
                 if group.world_size > 1:
                     group.shm = ShmCollectives.create(group.cpu_group, group.rank, group.ranks)
+        if hier is not None:
+            from tidal.worker.distributed.hier_allreduce import GlooHost
+
+            # The tensor group's host side (step 3 of the all-reduce) is what a CPU group's
+            # collectives would be; the group routes every collective through ``hier``.
+            hier.host = tp.shm if tp.shm is not None else GlooHost(tp.cpu_group, tp.ranks)
+            tp.shm = hier
         logger.info("rank %d: CPU collectives over %s", rank,
                     "shared memory" if cpu_collectives == "shm" else "gloo")
     return tp, pp

@@ -28,7 +28,12 @@ Dual batch overlap (``--enable-dbo``, across engines only): a step of at least
 ``--dbo-token-threshold`` tokens over all engines splits each rank's tokens in two halves
 inside every MoE layer; the second half's gather is in flight while the first's experts run,
 and the first's reduce-scatter while the second's run (async collectives: NCCL's own stream,
-gloo's threads). Attention is not split.
+gloo's threads). Attention is not split. Router logits of another dtype than the hidden
+states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
+
+Memory: start-up's profile forward runs each engine alone, so the KV cache sizing reserves
+what the exchange adds at the largest step (``exchange_headroom_bytes``): every engine's rows
+gathered, and the experts' activations over all of them.
 """
 
 from __future__ import annotations
@@ -109,6 +114,33 @@ class Exchange:
         return Exchange(counts[rank], tmax, valid)
 
 
+def exchange_headroom_bytes(*, dp_size: int, tokens: int, hidden: int, num_experts: int,
+                            top_k: int, intermediate: int, dtype_bytes: int,
+                            logits_bytes: int) -> int:
+    """Device bytes one MoE layer's cross-engine exchange needs beyond what a forward of
+    ``tokens`` rows on this engine alone needs (what start-up's profile measures): the
+    buffers of every engine's ``dp_size * tokens`` rows, and the experts' temporaries over the
+    rows the profile did not have. One layer's worth: a layer's buffers go before the next.
+    An upper bound (it adds up buffers that are not all alive at once)."""
+    if dp_size <= 1 or tokens <= 0:
+        return 0
+    rows = dp_size * tokens  # every engine's tokens, each padded to the largest count
+    extra = rows - tokens
+    row = hidden * dtype_bytes + num_experts * logits_bytes
+    # This rank's padded [hidden | logits] rows, the gathered rows, their unpadded copy, and
+    # the hidden part made contiguous for the experts.
+    dispatch = tokens * row + 2 * rows * row + rows * hidden * dtype_bytes
+    # Routing of the extra rows: float32 scores (and the biased choice), top-k weights and ids.
+    routing = extra * (2 * num_experts * 4 + top_k * 8)
+    # The experts over the extra rows: per (token, expert) pair the gate/up and activation
+    # rows and the float32 output row; per token the float32 sum and its cast.
+    experts = extra * (top_k * (3 * intermediate * dtype_bytes + 4 * hidden)
+                       + hidden * (4 + dtype_bytes))
+    # Combine: the padded output of every engine's rows, and this rank's summed rows.
+    combine = rows * hidden * dtype_bytes + tokens * hidden * dtype_bytes
+    return dispatch + routing + experts + combine
+
+
 def split_counts(counts: list[int]) -> tuple[list[int], list[int]]:
     """Each rank's tokens as two micro-batches (dual batch overlap): the first half rounded
     up, then the rest."""
@@ -143,6 +175,10 @@ class ExpertParallel:
         self._whole = Exchange(0, 0, None)  # the current forward's exchange
         self._halves: tuple[Exchange, Exchange] | None = None  # ... as two (overlap on)
         self.overlapped_steps = 0  # forwards that exchanged in two micro-batches
+        # The router logits' dtype (DeepSeek-V2's are float32 in a bfloat16 model), seen at
+        # the first forward: an empty step's exchange must match the other ranks'.
+        self.logits_dtype: torch.dtype | None = None
+        self._step_tokens = 0  # the current forward's tokens over all engines
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -166,17 +202,45 @@ class ExpertParallel:
         """The worker is ready: from now on every forward exchanges tokens across engines."""
         self.active = self.dp is not None and bool(self.layers)
 
+    def exchange_headroom(self, tokens: int) -> int:
+        """``exchange_headroom_bytes`` for this model's largest MoE layer at ``tokens`` tokens
+        per engine (0 without a cross-engine exchange)."""
+        if self.dp_size <= 1 or not self.layers:
+            return 0
+        dtype_bytes = self.dtype.itemsize
+        logits_bytes = (self.logits_dtype or self.dtype).itemsize
+        return max(exchange_headroom_bytes(
+            dp_size=self.dp_size, tokens=tokens, hidden=moe.hidden_size,
+            num_experts=moe.num_experts, top_k=moe.routing.top_k,
+            intermediate=moe.w13.shape[1] // 2, dtype_bytes=dtype_bytes,
+            logits_bytes=logits_bytes) for moe in self.layers)
+
+    def close(self) -> None:
+        """Forget the model's layers (they hold its expert weights) and leave the cross-engine
+        group (its process groups and store connection): the runner is releasing the model."""
+        self.active = False
+        self.layers = []
+        self._whole = Exchange(0, 0, None)
+        self._halves = None
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
+
     # --- forward ------------------------------------------------------------------------------
 
     def forward(self, moe: FusedMoE, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None) -> torch.Tensor:
         """``moe``'s output for this rank's tokens ``x [T, H]`` (summed over every EP rank's
         experts when the layer reduces its results)."""
+        if x.shape[0]:
+            self.logits_dtype = router_logits.dtype
         if not self.active:
             out = self._local_experts(moe, x, router_logits, correction_bias)
         else:
             self._enter(moe, x.shape[0])
-            if self._halves is not None and router_logits.dtype == x.dtype:
+            if self._halves is not None:
+                if moe is self.layers[0]:
+                    self._count_overlap()
                 out = self._overlapped(moe, x, router_logits, correction_bias)
             else:
                 x_all, logits_all = self._dispatch(self._whole, x, router_logits)
@@ -192,10 +256,18 @@ class ExpertParallel:
         the others run); nothing to do without a cross-engine exchange."""
         if not self.active:
             return
+        logits_dtype = self.logits_dtype or self.dtype
         for moe in self.layers:
             device = moe.w13.device
             moe(torch.empty(0, moe.hidden_size, dtype=self.dtype, device=device),
-                torch.empty(0, moe.num_experts, dtype=self.dtype, device=device))
+                torch.empty(0, moe.num_experts, dtype=logits_dtype, device=device))
+
+    def _count_overlap(self) -> None:
+        if not self.overlapped_steps:
+            logger.info("expert parallel rank %d: first step with dual batch overlap "
+                        "(%d tokens over the engines, threshold %s)", self.rank,
+                        self._step_tokens, self.dbo_threshold)
+        self.overlapped_steps += 1
 
     def _enter(self, moe: FusedMoE, tokens: int) -> None:
         """Check the forward reaches the layers in order; at the first, agree on the step's
@@ -206,6 +278,7 @@ class ExpertParallel:
             counts = self.dp.token_counts(tokens)
             device = moe.w13.device
             self._whole = Exchange.of(counts, self.dp_rank, device)
+            self._step_tokens = sum(counts)
             self._halves = None
             # (Two micro-batches need two tokens on some rank; the decision is every rank's.)
             if self.dbo_threshold is not None and sum(counts) >= self.dbo_threshold \
@@ -213,11 +286,6 @@ class ExpertParallel:
                 first, second = split_counts(counts)
                 self._halves = (Exchange.of(first, self.dp_rank, device),
                                 Exchange.of(second, self.dp_rank, device))
-                if not self.overlapped_steps:
-                    logger.info("expert parallel rank %d: first step with dual batch overlap "
-                                "(%d tokens over the engines, threshold %d)", self.rank,
-                                sum(counts), self.dbo_threshold)
-                self.overlapped_steps += 1
         elif self._next >= len(self.layers) or moe is not self.layers[self._next]:
             raise RuntimeError("expert parallel: MoE layers ran out of order (every rank must "
                                "run every layer's collectives in the same order)")
@@ -227,14 +295,34 @@ class ExpertParallel:
         self._next += 1
 
     def _start_dispatch(self, ex: Exchange, x: torch.Tensor,
-                        logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Begin gathering every engine's ``[hidden | logits]`` rows (same dtype)."""
+                        logits: torch.Tensor) -> list[tuple[torch.Tensor, Any]]:
+        """Begin gathering every engine's rows: one gather of ``[hidden | logits]`` when the
+        two share a dtype (the usual case), else one of each (every rank decides alike: the
+        dtypes are the model's)."""
         assert self.dp is not None
         t, h = x.shape
-        pack = x.new_zeros((ex.tmax, h + logits.shape[1]))
-        pack[:t, :h] = x
-        pack[:t, h:] = logits
-        return self.dp.start_all_gather(pack)
+        if logits.dtype == x.dtype:
+            pack = x.new_zeros((ex.tmax, h + logits.shape[1]))
+            pack[:t, :h] = x
+            pack[:t, h:] = logits
+            sends = [pack]
+        else:
+            xpack = x.new_zeros((ex.tmax, h))
+            xpack[:t] = x
+            lpack = logits.new_zeros((ex.tmax, logits.shape[1]))
+            lpack[:t] = logits
+            sends = [xpack, lpack]
+        return [self.dp.start_all_gather(send) for send in sends]
+
+    def _finish_dispatch(self, ex: Exchange, started: list[tuple[torch.Tensor, Any]],
+                         h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every engine's tokens and router logits of a begun dispatch, padded rows dropped."""
+        for _, work in started:
+            work.wait()
+        got = [self._select(ex, gathered) for gathered, _ in started]
+        if len(got) == 1:
+            return got[0][:, :h], got[0][:, h:]
+        return got[0], got[1]
 
     def _select(self, ex: Exchange, gathered: torch.Tensor) -> torch.Tensor:
         return gathered if ex.valid is None else gathered.index_select(0, ex.valid)
@@ -242,21 +330,9 @@ class ExpertParallel:
     def _dispatch(self, ex: Exchange, x: torch.Tensor,
                   logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every engine's tokens and router logits, padded rows dropped."""
-        assert self.dp is not None
         if ex.tmax == 0:
             return x, logits
-        h = x.shape[1]
-        if logits.dtype == x.dtype:  # one gather of [hidden | logits] (the usual case)
-            gathered, work = self._start_dispatch(ex, x, logits)
-            work.wait()
-            gathered = self._select(ex, gathered)
-            return gathered[:, :h], gathered[:, h:]
-        xpack = x.new_zeros((ex.tmax, h))
-        xpack[:x.shape[0]] = x
-        lpack = logits.new_zeros((ex.tmax, logits.shape[1]))
-        lpack[:x.shape[0]] = logits
-        return (self._select(ex, self.dp.all_gather(xpack)),
-                self._select(ex, self.dp.all_gather(lpack)))
+        return self._finish_dispatch(ex, self._start_dispatch(ex, x, logits), x.shape[1])
 
     def _start_combine(self, ex: Exchange, out: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Begin summing each engine's rows of ``out`` (every engine's tokens) over the
@@ -292,10 +368,8 @@ class ExpertParallel:
             if gather is None:
                 combines.append(None)
                 continue
-            gathered, work = gather
-            work.wait()
-            gathered = self._select(ex, gathered)
-            out = self._local_experts(moe, gathered[:, :h], gathered[:, h:], correction_bias)
+            x_all, logits_all = self._finish_dispatch(ex, gather, h)
+            out = self._local_experts(moe, x_all, logits_all, correction_bias)
             combines.append(self._start_combine(ex, out))
         outs = []
         for (ex, xs, _), combine in zip(parts, combines):

@@ -29,8 +29,10 @@ def _core(folder, *, blocks: int = 8, host_blocks: int | None = None,
           extra: dict | None = None, **kw) -> EngineCore:
     kv = None
     if host_blocks is not None:
+        # (Sized with the engine's own device and dtype: a probe left at dtype "auto" resolves
+        # to bfloat16 on a GPU, so a float32 engine got half the slots asked for.)
         probe = EngineArgs(model=str(folder), max_model_len=blocks * BS,
-                           num_kv_blocks=blocks).create_config()
+                           num_kv_blocks=blocks, **kw).create_config()
         kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
               "kv_buffer_size": host_blocks * kv_bytes_per_block(probe),
               "kv_connector_extra_config": extra or {}}
@@ -241,6 +243,9 @@ def test_host_hit_on_gpu_gives_the_tokens_of_recompute(tmp_path):
     expected = _run(plain_gpu, [EngineCoreRequest("a", a, GREEDY)])["a"]
     plain_gpu.shutdown()
     core = _core(tmp_path, host_blocks=16, **kw)
+    # a's 4 blocks and b's 7 fit the tier; 8 slots (the tier sized for bfloat16) kept only
+    # one of a's blocks (the LRU dropped the rest for b's): 16 hit tokens, not 48.
+    assert core.scheduler.connector.num_slots == 16
     metas = _record_metas(core)
     assert _run(core, [EngineCoreRequest("a", a, GREEDY)])["a"] == expected
     _run(core, [EngineCoreRequest("b", b, GREEDY)])

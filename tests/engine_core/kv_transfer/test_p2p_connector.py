@@ -6,6 +6,7 @@ request's blocks until they are pulled."""
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import threading
@@ -337,6 +338,18 @@ def test_bad_p2p_configs_are_refused(tiny_models, extra, match):
     with pytest.raises(ConfigError, match=match):
         EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=8, device="cpu",
                    kv_transfer_config=kv).create_config()
+
+
+def test_consumer_flags_on_a_producer_warn(tiny_models, caplog):
+    """The consumer picks the transport and pulls: a CPU producer given them still starts
+    (it serves every transport) and says they do nothing there."""
+    folder, _ = tiny_models["llama"]
+    kv = {"kv_connector": "P2pConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"transport": "nccl", "async_pull": False}}
+    with caplog.at_level(logging.WARNING):
+        EngineArgs(model=str(folder), max_model_len=128, num_kv_blocks=8, device="cpu",
+                   kv_transfer_config=kv).create_config()
+    assert "transport, async_pull has no effect on a producer" in caplog.text
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -199,8 +199,13 @@ _NCCL_PRODUCER = textwrap.dedent("""
     torch.cuda.set_device(0)
     g = torch.Generator().manual_seed(0)
     src = [torch.randn({shape}, generator=g).to(torch.bfloat16).cuda(0) for _ in range({layers})]
-    server = KVSendServer(src, "tcp://127.0.0.1:{port}", {buffer}, send_timeout_s=60)
+    # Runs of 2+ blocks go cache to cache (one block's K half is {half} bytes).
+    server = KVSendServer(src, "tcp://127.0.0.1:{port}", {buffer}, send_timeout_s=60,
+                          min_direct_bytes=2 * {half})
+    # (A pull's done releases its request, as in the real protocol: each pull its own.)
     server.register("r1", [3, 1, 8], "d", ready=True)
+    server.register("r2", [3, 1, 8], "d", ready=True)
+    server.register("r3", [4, 5, 6, 9], "d", ready=True)
     print("ready", flush=True)
     sys.stdin.readline()  # until the test is done
     server.close()
@@ -212,12 +217,13 @@ _NCCL_PRODUCER = textwrap.dedent("""
                     reason="needs 2 CUDA GPUs (NCCL pairs need a distinct GPU per rank)")
 def test_nccl_pull_between_two_processes() -> None:
     """The producer in its own process on GPU 0, the consumer here on GPU 1: the blocks go
-    GPU to GPU over a two-rank NCCL pair, chunked (a buffer of one layer)."""
+    GPU to GPU over a two-rank NCCL pair, chunked (a buffer of one layer) when scattered, cache
+    to cache in one group call where both sides' blocks are consecutive."""
     port = _free_port()
     shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
     one_layer = 3 * layer_block_bytes(_caches(0)[0])
     code = _NCCL_PRODUCER.format(shape=shape, layers=LAYERS, port=port,
-                                 buffer=one_layer)
+                                 buffer=one_layer, half=BLOCK * HEADS * DIM * 2)
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -230,9 +236,20 @@ def test_nccl_pull_between_two_processes() -> None:
         assert got == 3 * LAYERS * layer_block_bytes(src[0])
         for s_, d in zip(src, dst):
             assert torch.equal(d[:, [0, 7, 5]].cpu(), s_[:, [3, 1, 8]])
-        # Again on the same pair (no second handshake needed).
-        client.pull(f"tcp://127.0.0.1:{port}", "r1", 1, [2], "d")
+        assert client.bytes_direct == 0  # scattered: all staged
+        # Again on the same pair (no second handshake needed); r1 was released by its pull's
+        # done message (asking for it again is refused, as over gloo).
+        client.pull(f"tcp://127.0.0.1:{port}", "r2", 1, [2], "d")
+        torch.cuda.synchronize(1)
         assert torch.equal(dst[2][:, 2].cpu(), src[2][:, 1])
+        # Blocks 4, 5, 6 into 9, 10, 11 straight between the caches, 9 into 3 staged: one
+        # chunk (one staged block a layer fits the buffer), one group call.
+        got = client.pull(f"tcp://127.0.0.1:{port}", "r3", 0, [9, 10, 11, 3], "d")
+        torch.cuda.synchronize(1)
+        assert got == 4 * LAYERS * layer_block_bytes(src[0])
+        assert client.bytes_direct == 3 * LAYERS * layer_block_bytes(src[0])
+        for s_, d in zip(src, dst):
+            assert torch.equal(d[:, [9, 10, 11, 3]].cpu(), s_[:, [4, 5, 6, 9]])
         client.close()
     finally:
         proc.stdin.close()

@@ -2,7 +2,9 @@
 and ``layers/moe_ep``), two ranks as two threads over gloo on loopback: each rank holds half
 the experts of two MoE layers and gets, for its own tokens, the full layers' outputs; with
 unequal token counts (padding), a rank with none (the empty step), and dual batch overlap on
-and off (two micro-batches, or one where the step is below the threshold)."""
+and off (two micro-batches, or one where the step is below the threshold), also with router
+logits of another dtype than the hidden states (DeepSeek-V2's float32 gate: two gathers). At
+the end each rank closes its expert parallelism (what the runner's release does)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def _full_layers() -> nn.ModuleList:
 
 
 def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
-          tokens: list[torch.Tensor], results: dict, errors: list) -> None:
+          tokens: list[torch.Tensor], results: dict, errors: list,
+          logits_dtype: torch.dtype) -> None:
     try:
         group = DPExpertGroup(rank, 2, 0, port, torch.device("cpu"))
         ep = moe_ep.ExpertParallel(ParallelGroup(), rank, 2, group, dbo_threshold=dbo)
@@ -51,16 +54,22 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
                 ep.run_empty_step()
                 outs.append(None)
                 continue
-            logits = [torch.randn(x.shape[0], E, generator=torch.Generator().manual_seed(i))
-                      for i in range(2)]
+            logits = [torch.randn(x.shape[0], E, generator=torch.Generator().manual_seed(i),
+                                  dtype=logits_dtype) for i in range(2)]
             outs.append([layer(x, lg) for layer, lg in zip(model, logits)] + logits)
-        results[rank] = (outs, ep.overlapped_steps)
+        closed = (len(ep.layers), group.closed)
+        ep.close()
+        results[rank] = (outs, ep.overlapped_steps, closed,
+                         (ep.layers, ep.dp, ep.active, group.closed, group.cpu_group))
     except BaseException as exc:  # noqa: BLE001 - reported by the test thread
         errors.append(exc)
 
 
-@pytest.mark.parametrize("dbo", [None, 6], ids=["one-exchange", "dual-batch-overlap"])
-def test_two_ranks_get_the_full_layers_outputs(dbo) -> None:
+@pytest.mark.parametrize("dbo, logits_dtype", [
+    (None, torch.float32), (6, torch.float32), (None, torch.float64), (6, torch.float64)],
+    ids=["one-exchange", "dual-batch-overlap", "one-exchange-mixed-dtypes",
+         "dual-batch-overlap-mixed-dtypes"])
+def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -73,16 +82,20 @@ def test_two_ranks_get_the_full_layers_outputs(dbo) -> None:
     results: dict = {}
     errors: list = []
     threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
-                                                    results, errors)) for r in (0, 1)]
+                                                    results, errors, logits_dtype))
+               for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors, errors
     for r in (0, 1):
-        outs, overlapped = results[r]
+        outs, overlapped, before, after = results[r]
         # Steps of 8 and 6 tokens overlap at a threshold of 6; those of 2 and 3 do not.
         assert overlapped == (0 if dbo is None else 2)
+        # Closed: no layer (so no expert weight) kept, the groups shut and dropped.
+        assert before == (2, False)
+        assert after == ([], None, False, True, None)
         for x, out in zip(tokens[r], outs):
             if x.shape[0] == 0:
                 assert out is None
