@@ -131,6 +131,8 @@ _HELP = {
                                   "0 runs them eagerly; default: 2048, at most "
                                   "max-num-batched-tokens",
     "max_logprobs": "most logprobs / top_logprobs a request may ask for",
+    "disable_log_stats": "no periodic stats line from the engine (and, under serve, no stat "
+                         "logger plugins)",
     "cpu_threads": "torch threads of a CPU worker; default: torch's own choice",
     "logits_processors": "global logits processors applied to every request: comma-separated "
                          "entry-point names (group tidal.logits_processors) or "

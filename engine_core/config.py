@@ -188,6 +188,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: LoRAConfig | None = None
     # KV transfer (kv_transfer_config.py): a KV connector; None: off.
     kv_transfer: KVTransferConfig | None = None
+    # The EngineCore's periodic stats line (stats_logger.py); --disable-log-stats turns it off.
+    log_stats: bool = True
 
     def kv_layout(self) -> KVLayout:
         """How the layers share the KV cache (groups by attention type: ``kv_groups``)."""
@@ -278,6 +280,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_mixed_cudagraph_tokens: int | None = None
     max_logprobs: int = 20
+    disable_log_stats: bool = False
     cpu_threads: int | None = None
     # Global logits processors, comma-separated entry-point names / "pkg.mod:Class" strings.
     logits_processors: str | None = None
@@ -475,6 +478,7 @@ class EngineArgs:
         config = EngineConfig(
             model=model, cache=cache, scheduler=scheduler, parallel=parallel, runner=runner,
             speculative=speculative, lora=lora, kv_transfer=kv_transfer,
+            log_stats=not self.disable_log_stats,
         )
         if kv_transfer is not None:
             from tidal.engine_core.kv_transfer.connector_registry import check_connector

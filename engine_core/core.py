@@ -118,7 +118,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             config.model, config.scheduler.structured_outputs_backend,
             reasoning=reasoning_format(config.scheduler.reasoning_parser))
-        self.stats_logger = StatsLogger()
+        self.stats_logger = StatsLogger(enabled=config.log_stats)
         self._kv_polled = 0.0  # when poll_kv_transfers last ran an empty step
         # Steps launched but not yet collected: (scheduler output, result or pending result).
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))

@@ -42,7 +42,9 @@ def kv_connector_line(queries: int, hits: int, stores: int) -> str:
 
 
 class StatsLogger:
-    def __init__(self, interval_s: float = 5.0, window: int = 1000) -> None:
+    def __init__(self, interval_s: float = 5.0, window: int = 1000,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled  # False: --disable-log-stats (nothing counted, nothing logged)
         self.interval_s = interval_s
         self.gc_pauses: GcPauses | None = None
         self._last_log = time.monotonic()
@@ -61,6 +63,8 @@ class StatsLogger:
         self._kv_connector = [0, 0, 0]  # queried, hit, stored tokens since the last line
 
     def record(self, stats: SchedulerStats, step_s: float = 0.0) -> None:
+        if not self.enabled:
+            return
         if stats.spec_num_drafts:
             self._spec[0] += stats.spec_num_drafts
             self._spec[1] += stats.spec_num_draft_tokens

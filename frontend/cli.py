@@ -146,8 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                    help="an unknown model name NAME is the LoRA adapter in DIR/NAME, loaded on "
                         "first use (needs --enable-lora); default: none")
-    s.add_argument("--disable-log-stats", action="store_true",
-                   help="create no stat logger plugins (tidal.stat_logger_plugins)")
+    # (--disable-log-stats is an engine flag: no stats line, no stat logger plugins)
 
     gen = sub.add_parser("generate", help="generate from one prompt and stream it to stdout",
                          description="Generate a continuation of one prompt and stream the text "

@@ -91,6 +91,9 @@ class KVRefused(KVTransferError):
 UNKNOWN_PAIR = "unknown pair"
 
 
+MAX_CONTROL_BYTES = 1 << 20  # a consumer's message to a producer (``KVSendServer``)
+
+
 class KVPull(msgspec.Struct, tag="pull", **_WIRE):
     """Consumer -> producer: chunk ``chunk`` of blocks [start, end) of ``request_id``'s table."""
 
@@ -204,6 +207,9 @@ class KVSendServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Consumers send small control messages (a pull names at most one run length per
+        # block of a request): a peer sending more is cut off before anything is decoded.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()

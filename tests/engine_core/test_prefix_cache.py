@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from tidal.engine_core import cli as engine_cli
 from tidal.engine_core.block_hash import BlockHasher
 from tidal.engine_core.config import EngineArgs
 from tidal.engine_core.core import EngineCore
@@ -167,3 +168,18 @@ def test_busy_engine_logs_hit_rate(tiny, caplog):
     lines = [r.getMessage() for r in caplog.records if "prefix cache hit rate" in r.getMessage()]
     assert lines and "KV cache usage" in lines[0]
     assert any("hit rate: 47.8%" in line for line in lines), lines  # 64 of 134 tokens looked up
+
+
+def test_disable_log_stats_silences_the_engine(tiny, caplog):
+    """--disable-log-stats (an engine flag: serve passes it to every engine) leaves the
+    EngineCore's periodic stats line out."""
+    folder, _ = tiny
+    core = make_core(folder, True, disable_log_stats=True)
+    assert core.config.log_stats is False
+    core.stats_logger.interval_s = 0.0
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with caplog.at_level("INFO", logger="tidal.engine_core.stats_logger"):
+        run(core, [EngineCoreRequest("a", list(range(3, 40)), params)])
+    assert not [r for r in caplog.records if "KV cache usage" in r.getMessage()]
+    ns = engine_cli.build_parser().parse_args(["--model", str(folder), "--disable-log-stats"])
+    assert engine_cli.engine_args_from(ns).disable_log_stats is True
