@@ -15,44 +15,48 @@ class PPDevicesError(ValueError):
     """``--pp-devices`` is malformed or impossible here; the message says why."""
 
 
-def parse_pp_devices(value: str, pp_size: int) -> tuple[str, ...]:
-    """The stage devices of ``--pp-devices`` (``"cuda,cpu"``), one per pipeline stage."""
+def resolve_device_list(value: str | None, requested: str, resolved: str, size: int, *,
+                        flag: str, unit: str, size_flag: str,
+                        error: type[ValueError]) -> tuple[str, tuple[str, ...]]:
+    """A per-``unit`` device list (``--pp-devices``: one per stage; ``--tp-devices``: one per
+    rank) -> (the engine's device, the devices): ``()`` when every one runs on the engine's
+    device. ``requested`` is ``--device`` as given (``auto`` follows the list: cuda if any
+    entry is on the GPU), ``resolved`` what it resolved to without the list."""
+    if value is None or not value.strip():
+        return resolved, ()
     devices = tuple(d.strip().lower() for d in value.split(","))
     bad = [d for d in devices if d not in PP_DEVICES]
     if bad:
-        raise PPDevicesError(f"--pp-devices: unknown device {bad[0]!r} in {value!r}; each "
-                             f"stage is one of {', '.join(PP_DEVICES)}")
-    if len(devices) != pp_size:
-        raise PPDevicesError(f"--pp-devices names {len(devices)} device(s) ({value!r}) but "
-                             f"--pipeline-parallel-size is {pp_size}: give one per stage")
-    return devices
+        raise error(f"{flag}: unknown device {bad[0]!r} in {value!r}; each {unit} is one of "
+                    f"{', '.join(PP_DEVICES)}")
+    if len(devices) != size:
+        raise error(f"{flag} names {len(devices)} device(s) ({value!r}) but {size_flag} is "
+                    f"{size}: give one per {unit}")
+    wants_gpu = "cuda" in devices
+    if wants_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise error(f"{flag} {value!r} puts a {unit} on cuda but no CUDA GPU is visible "
+                        "to torch")
+    device = ("cuda" if wants_gpu else "cpu") if requested == "auto" else resolved
+    if wants_gpu and device != "cuda":
+        raise error(f"{flag} {value!r} puts a {unit} on cuda but --device is {device}: pass "
+                    "--device cuda (or auto)")
+    if not wants_gpu and device != "cpu":
+        raise error(f"{flag} {value!r} runs every {unit} on the CPU but --device is {device}: "
+                    "pass --device cpu (or auto)")
+    if all(d == device for d in devices):
+        return device, ()
+    return device, devices
 
 
 def resolve_pp_devices(value: str | None, requested: str, resolved: str,
                        pp_size: int) -> tuple[str, tuple[str, ...]]:
-    """(the engine's device, the stage devices): ``()`` when every stage runs on the engine's
-    device. ``requested`` is ``--device`` as given (``auto`` follows the stages: cuda if any
-    stage is on the GPU), ``resolved`` what it resolved to without the stages."""
-    if value is None or not value.strip():
-        return resolved, ()
-    devices = parse_pp_devices(value, pp_size)
-    if "cuda" in devices:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise PPDevicesError(f"--pp-devices {value!r} puts a stage on cuda but no CUDA "
-                                 "GPU is visible to torch")
-    wants_gpu = "cuda" in devices
-    device = ("cuda" if wants_gpu else "cpu") if requested == "auto" else resolved
-    if wants_gpu and device != "cuda":
-        raise PPDevicesError(f"--pp-devices {value!r} puts a stage on cuda but --device is "
-                             f"{device}: pass --device cuda (or auto)")
-    if not wants_gpu and device != "cpu":
-        raise PPDevicesError(f"--pp-devices {value!r} runs every stage on the CPU but --device "
-                             f"is {device}: pass --device cpu (or auto)")
-    if all(d == device for d in devices):
-        return device, ()
-    return device, devices
+    """(the engine's device, the stage devices of ``--pp-devices``): ``resolve_device_list``."""
+    return resolve_device_list(value, requested, resolved, pp_size, flag="--pp-devices",
+                               unit="stage", size_flag="--pipeline-parallel-size",
+                               error=PPDevicesError)
 
 
 def check_mixed(devices: tuple[str, ...], *, tensor_parallel_size: int, backend: str,

@@ -10,9 +10,8 @@ CPU ranks.
 
 from __future__ import annotations
 
-from tidal.engine_core.pp_devices import PP_DEVICES
+from tidal.engine_core.pp_devices import resolve_device_list
 
-TP_DEVICES = PP_DEVICES  # ("cpu", "cuda")
 # The dtypes every rank computes in: a CPU's float16 matmuls are slow or missing, and mixing
 # precisions across ranks would make the sum depend on where a shard ran.
 MIXED_TP_DTYPES = ("float32", "bfloat16")
@@ -22,48 +21,16 @@ class TPDevicesError(ValueError):
     """``--tp-devices`` is malformed or impossible here; the message says why."""
 
 
-def parse_tp_devices(value: str, tp_size: int) -> tuple[str, ...]:
-    """The rank devices of ``--tp-devices`` (``"cuda,cpu"``), one per tensor-parallel rank."""
-    devices = tuple(d.strip().lower() for d in value.split(","))
-    bad = [d for d in devices if d not in TP_DEVICES]
-    if bad:
-        raise TPDevicesError(f"--tp-devices: unknown device {bad[0]!r} in {value!r}; each "
-                             f"rank is one of {', '.join(TP_DEVICES)}")
-    if len(devices) != tp_size:
-        raise TPDevicesError(f"--tp-devices names {len(devices)} device(s) ({value!r}) but "
-                             f"--tensor-parallel-size is {tp_size}: give one per rank")
-    return devices
-
-
 def resolve_tp_devices(value: str | None, requested: str, resolved: str, tp_size: int,
                        pp_devices: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
-    """(the engine's device, the rank devices): ``()`` when every rank runs on the engine's
-    device. ``requested`` is ``--device`` as given (``auto`` follows the ranks: cuda if any
-    rank is on the GPU), ``resolved`` what it resolved to so far; ``pp_devices`` the resolved
-    ``--pp-devices`` (the two do not combine)."""
-    if value is None or not value.strip():
-        return resolved, ()
-    devices = parse_tp_devices(value, tp_size)
-    if pp_devices:
+    """(the engine's device, the rank devices of ``--tp-devices``): ``resolve_device_list``;
+    ``pp_devices`` the resolved ``--pp-devices`` (the two do not combine)."""
+    if pp_devices and value is not None and value.strip():
         raise TPDevicesError(f"--tp-devices {value!r} with --pp-devices is not yet supported "
                              "(one mixed dimension at a time)")
-    wants_gpu = "cuda" in devices
-    if wants_gpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise TPDevicesError(f"--tp-devices {value!r} puts a rank on cuda but no CUDA "
-                                 "GPU is visible to torch")
-    device = ("cuda" if wants_gpu else "cpu") if requested == "auto" else resolved
-    if wants_gpu and device != "cuda":
-        raise TPDevicesError(f"--tp-devices {value!r} puts a rank on cuda but --device is "
-                             f"{device}: pass --device cuda (or auto)")
-    if not wants_gpu and device != "cpu":
-        raise TPDevicesError(f"--tp-devices {value!r} runs every rank on the CPU but --device "
-                             f"is {device}: pass --device cpu (or auto)")
-    if all(d == device for d in devices):
-        return device, ()
-    return device, devices
+    return resolve_device_list(value, requested, resolved, tp_size, flag="--tp-devices",
+                               unit="rank", size_flag="--tensor-parallel-size",
+                               error=TPDevicesError)
 
 
 def check_mixed_tp(devices: tuple[str, ...], *, pipeline_parallel_size: int, backend: str,
