@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 from bench_common import SHAPES, device_name, dump, judge, write_model_dir
 
+from tidal.engine_core.kv_transfer.p2p_connector import DEFAULT_NCCL_STREAMS
 from tidal.engine_core.kv_transfer.p2p_direct_runs import DIRECT_MIN_BYTES
 from tidal.engine_core.kv_transfer.p2p_transport import KVPullClient, KVSendServer
 
@@ -96,15 +98,15 @@ def _layout(args: argparse.Namespace) -> tuple[int, tuple[int, ...], int]:
 
 
 def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, blocks: int,
-                 dst_dev: torch.device) -> list[float]:
-    """Each rep pulls request ``r{rep}`` (the producer's blocks 0.., into local 4..): the
-    seconds of each after the first (a warm-up, which also builds a pair)."""
+                 dst_dev: torch.device, prefix: str = "") -> list[float]:
+    """Each rep pulls request ``{prefix}r{rep}`` (the producer's blocks 0.., into local 4..):
+    the seconds of each after the first (a warm-up, which also builds a pair)."""
     times = []
     local = list(range(4, blocks + 4))  # other pool blocks than the source's
     for rep in range(args.reps + 1):
         _sync(dst_dev)
         start = time.perf_counter()
-        client.pull(address, f"r{rep}", 0, local, "d")
+        client.pull(address, f"{prefix}r{rep}", 0, local, "d")
         _sync(dst_dev)
         if rep:
             times.append(time.perf_counter() - start)
@@ -139,18 +141,20 @@ _PRODUCER = """
 import json, sys, torch
 from tidal.engine_core.kv_transfer.p2p_transport import KVSendServer
 torch.cuda.set_device(0)
-layers, cache, blocks, reps, port, buffer, min_direct = json.loads(sys.argv[1])
+layers, cache, blocks, reps, port, buffer, min_direct, streams = json.loads(sys.argv[1])
 g = torch.Generator(device="cuda:0").manual_seed(0)
 src = [torch.randn(cache, generator=g, device="cuda:0").to(torch.bfloat16) for _ in range(layers)]
 server = KVSendServer(src, f"tcp://127.0.0.1:{port}", buffer, 600.0, min_direct)
-for rep in range(reps + 1):
-    server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
+for n in streams:
+    for rep in range(reps + 1):
+        server.register(f"s{n}r{rep}", list(range(blocks)), "d", ready=True)
 torch.cuda.synchronize()
 sums = [float(c[:, :blocks].double().sum()) for c in src]
 print(json.dumps(sums), flush=True)
 line = sys.stdin.readline()
 if line.startswith("raw"):
-    # The NCCL ceiling: whole tensors over the pair the pulls built, no protocol around them.
+    # The NCCL ceiling: whole tensors over the pair the first pulls built (the only one so
+    # far), no protocol around them.
     n, nbytes = map(int, line.split()[1:])
     pair = next(iter(server._pairs.values()))
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
@@ -186,15 +190,23 @@ def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: 
     return times
 
 
-def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool, float, list[float]]:
-    """Producer on GPU 0 (a subprocess), consumer here on GPU 1 (and, with ``--nccl-raw``,
-    plain NCCL receives of the same bytes over the same pair)."""
+def _pull_nccl(args: argparse.Namespace
+               ) -> tuple[dict[int, list[float]], bool, float, list[float]]:
+    """Producer on GPU 0 (a subprocess), consumer here on GPU 1: the pulls with each number
+    of NCCL communicators per pair in ``--nccl-streams`` (a fresh pair each), and, with
+    ``--nccl-raw``, plain NCCL receives of the same bytes over the first pair."""
     layers, cache, blocks = _layout(args)
     port = free_port()
+    streams = list(dict.fromkeys(int(n) for n in str(args.nccl_streams).split(",")))
     spec = json.dumps([layers, list(cache), blocks, args.reps, port, args.send_buffer,
-                       int(args.min_direct_bytes)])
+                       int(args.min_direct_bytes), streams])
     proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, spec], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
+    address = f"tcp://127.0.0.1:{port}"
+    times: dict[int, list[float]] = {}
+    raw: list[float] = []
+    direct = 0.0
+    ok = True
     try:
         line = proc.stdout.readline()
         if not line:
@@ -202,18 +214,23 @@ def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool, float, list
         sums = json.loads(line)
         dst_dev = torch.device("cuda:1")
         dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
-        client = KVPullClient(dst, 600.0, "nccl")
-        raw: list[float] = []
-        try:
-            times = _timed_pulls(client, f"tcp://127.0.0.1:{port}", args, blocks, dst_dev)
-            direct = client.bytes_direct / max(1, client.bytes_received)
-            if args.nccl_raw:
-                nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2
-                raw = _raw_nccl(client, f"tcp://127.0.0.1:{port}", proc, args.reps, nbytes)
-        finally:
-            client.close()
-        got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
-        ok = all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(got, sums))
+        for k, n in enumerate(streams):
+            for d in dst:
+                d.zero_()
+            client = KVPullClient(dst, 600.0, "nccl", n)
+            try:
+                times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}")
+                direct = client.bytes_direct / max(1, client.bytes_received)
+                if args.nccl_raw and k == 0:
+                    nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2
+                    raw = _raw_nccl(client, address, proc, args.reps, nbytes)
+            finally:
+                client.close()
+            got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
+            ok = ok and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(got, sums))
+            progress(f"  {n} NCCL stream(s): pull "
+                     f"{nbytes_of(layers, cache, blocks) / statistics.median(times[n]) / 1e9:.1f}"
+                     " GB/s")
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
@@ -221,10 +238,14 @@ def _pull_nccl(args: argparse.Namespace) -> tuple[list[float], bool, float, list
     return times, ok, direct, raw
 
 
+def nbytes_of(layers: int, cache: tuple[int, ...], blocks: int) -> int:
+    return blocks * layers * math.prod(cache[2:]) * 2 * 2  # K and V, bf16
+
+
 def transfer(args: argparse.Namespace) -> dict[str, Any]:
     layers, cache, blocks = _layout(args)
     src_dev, dst_dev = _devices()
-    nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2  # K and V, bf16
+    nbytes = nbytes_of(layers, cache, blocks)
     backend = args.transport
     out: dict[str, Any] = {"devices": [str(src_dev), str(dst_dev)], "transport": backend,
                            "bytes": nbytes, "blocks": blocks, "layers": layers,
@@ -232,7 +253,14 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                            "min_direct_bytes": int(args.min_direct_bytes)}
     raw: list[float] = []
     if backend == "nccl":
-        times, ok, direct, raw = _pull_nccl(args)
+        by_streams, ok, direct, raw = _pull_nccl(args)
+        out["pull_GBps_by_nccl_streams"] = {
+            n: round(nbytes / statistics.median(t) / 1e9, 3) for n, t in by_streams.items()}
+        # The headline: the connector's default number of communicators (else the first).
+        streams = DEFAULT_NCCL_STREAMS if DEFAULT_NCCL_STREAMS in by_streams \
+            else next(iter(by_streams))
+        out["nccl_streams"] = streams
+        times = by_streams[streams]
     else:
         times, ok, direct = _pull_in_process(args, backend, src_dev, dst_dev)
     # The share of the bytes sent cache to cache (runs consecutive on both sides), not staged.
@@ -401,6 +429,9 @@ def serving(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
     except BaseException:
         progress(log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)")
         raise
+    finally:
+        if args.server_log and log.exists():
+            shutil.copyfile(log, args.server_log)
     return out
 
 
@@ -430,14 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-raw", action="store_true",
                    help="with --transport nccl: also time plain NCCL receives of the same bytes "
                    "over the pull's pair (the transport's ceiling)")
+    p.add_argument("--nccl-streams", default=f"1,{DEFAULT_NCCL_STREAMS},4",
+                   help="with --transport nccl: the NCCL communicators per pair to time the "
+                   "pull with, comma-separated (a fresh pair each; the headline ratio uses the "
+                   f"connector's default, {DEFAULT_NCCL_STREAMS})")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--transport", default=None, choices=["nccl", "gloo", "zmq"],
                    help="the P2P transport (default: nccl with 2 GPUs, else gloo)")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stream-prompt-len", type=int, default=128)
     p.add_argument("--stream-tokens", type=int, default=512)
-    p.add_argument("--long-interval", type=float, default=1.0,
-                   help="seconds between long prompts")
+    p.add_argument("--long-interval", type=float, default=0.5,
+                   help="seconds between long prompts (at 1 s, 64 streams of 256 tokens on two "
+                   "H100s saw only 3 of them: too few to show in the colocated ITL p99)")
     p.add_argument("--long-count", type=int, default=16)
     p.add_argument("--long-tokens", type=int, default=4)
     p.add_argument("--engine-flags", default="", help="more flags for every tidal serve")
@@ -445,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-serving", action="store_true", help="only the transfer bandwidth")
     p.add_argument("--smoke", action="store_true", help="tiny shape on a CPU")
     p.add_argument("--output", default=None)
+    p.add_argument("--server-log", default=None,
+                   help="copy the servers' combined log here (it lives in a temporary folder)")
     return p
 
 

@@ -2,6 +2,7 @@
 of issue 17's Poisson workload), with dummy weights.
 
     python tools/bench_mixed_steps.py --shape qwen3-0.6b --running 16 --prompt 512 --out m.json
+    python tools/bench_mixed_steps.py --compilation-config '{"mode": 3}'   # compiled (issue 25)
 
 ``--running`` requests decode steadily; every ``--every`` steps one new ``--prompt``-token
 request arrives. Each ``core.step()`` is timed; steps are classed as "decode" (no arrival in the
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compilation-config", default=None,
+                    help='torch.compile as JSON, e.g. \'{"mode": 3, "cudagraph_mode": '
+                         '"FULL_AND_PIECEWISE"}\' (default: off)')
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
@@ -109,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         args = EngineArgs(model=model, load_format="dummy", dtype=ns.dtype, device=ns.device,
                           max_model_len=ns.max_model_len, max_num_seqs=max(64, ns.running * 2),
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
-                          enforce_eager=ns.enforce_eager)
+                          enforce_eager=ns.enforce_eager,
+                          compilation_config=(json.loads(ns.compilation_config)
+                                              if ns.compilation_config else None))
         core = EngineCore(args.create_config())
         result = {"benchmark": "mixed_steps", "device": device_name(), "shape": ns.shape,
                   "async_scheduling": bool(ns.async_scheduling), "enforce_eager": ns.enforce_eager,
+                  "compilation_config": ns.compilation_config,
                   **run(core, ns.running, ns.prompt, ns.every, ns.arrivals,
                         core.config.model.arch.vocab_size, rng, ns.profile)}
         core.shutdown()

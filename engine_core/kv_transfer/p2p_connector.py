@@ -24,7 +24,9 @@ the request (a failure drops that step's output of it). Each request is tried on
 ``kv_connector_extra_config``: ``transport`` ("zmq", the default: raw ZeroMQ frames staged
 through host memory; "gloo": a two-rank gloo group per producer-consumer pair, host memory;
 "nccl": a two-rank NCCL group, GPU cache to GPU cache, needs a CUDA engine on each side and
-distinct GPUs; "auto": nccl when the KV cache is on a GPU, else zmq), ``async_pull`` (consumer,
+distinct GPUs; "auto": nccl when the KV cache is on a GPU, else zmq), ``nccl_streams`` (consumer,
+NCCL communicators per pair, 1-4, default 2: a pull's sends go round-robin over them so their
+per-operation handshakes overlap), ``async_pull`` (consumer,
 default true), ``pull_timeout_s`` (consumer, default 5: a dead producer costs a request this
 long once, and with ``async_pull: false`` stalls that step as long), ``send_timeout_s`` (producer: blocks nobody pulls are released after this,
 default 120), ``allowed_producers`` (consumer: ``"host:port"`` or ``"host"`` entries a decode
@@ -62,7 +64,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EXTRA_KEYS = ("transport", "pull_timeout_s", "send_timeout_s", "allowed_producers",
-               "async_pull")
+               "async_pull", "nccl_streams")
+# NCCL communicators per producer-consumer pair (``p2p_pair_group.PairGroup``; its
+# ``MAX_STREAMS`` is the same cap: this module stays free of torch for the API server).
+DEFAULT_NCCL_STREAMS = 2
+MAX_STREAMS = 4
 MAX_ALLOWED_PRODUCERS = 1024
 _TRANSPORTS = ("zmq", "gloo", "nccl", "auto")
 # kv_transfer_params a client may send (vLLM's names); the values are checked where used.
@@ -198,6 +204,7 @@ class P2pConnector(KVConnectorBase):
         self.send_timeout_s = float(tc.extra("send_timeout_s", 120.0))
         self.transport = str(tc.extra("transport", "zmq"))
         self.async_pull = bool(tc.extra("async_pull", True))
+        self.nccl_streams = int(tc.extra("nccl_streams", DEFAULT_NCCL_STREAMS))
         # One background pull: its own deadline (a pair's set-up and the transfer) plus a
         # margin; past it the scheduler gives the request up (a wedged pull thread or group).
         self.async_load_timeout_s = 2 * self.pull_timeout_s + 30.0
@@ -236,7 +243,8 @@ class P2pConnector(KVConnectorBase):
                              f"be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
         if not tc.is_consumer:
             # The consumer picks the transport and pulls; a producer serves every transport.
-            idle = [k for k in ("transport", "async_pull") if k in tc.kv_connector_extra_config]
+            idle = [k for k in ("transport", "async_pull", "nccl_streams")
+                    if k in tc.kv_connector_extra_config]
             if idle:
                 logger.warning("--kv-transfer-config: kv_connector_extra_config %s has no "
                                "effect on a producer (the consumer picks the transport and "
@@ -248,6 +256,11 @@ class P2pConnector(KVConnectorBase):
         if not isinstance(tc.extra("async_pull", True), bool):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.async_pull must "
                              f"be true or false, got {tc.extra('async_pull')!r}")
+        streams = tc.extra("nccl_streams", DEFAULT_NCCL_STREAMS)
+        if isinstance(streams, bool) or not isinstance(streams, int) \
+                or not 1 <= streams <= MAX_STREAMS:
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.nccl_streams must "
+                             f"be an integer in [1, {MAX_STREAMS}], got {streams!r}")
         allowed = tc.extra("allowed_producers", [])
         if not isinstance(allowed, list) or len(allowed) > MAX_ALLOWED_PRODUCERS \
                 or not all(isinstance(a, str) and 0 < len(a) <= MAX_REQUEST_ID_LEN
@@ -423,7 +436,8 @@ class P2pConnector(KVConnectorBase):
                                         self.send_timeout_s)
         if self.is_consumer:
             self._client = KVPullClient(kv_caches, self.pull_timeout_s,
-                                        resolve_transport(self.transport, kv_caches))
+                                        resolve_transport(self.transport, kv_caches),
+                                        self.nccl_streams)
             if self.async_pull:
                 from tidal.engine_core.kv_transfer.p2p_async_pull import AsyncPuller
 

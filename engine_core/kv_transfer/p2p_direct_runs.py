@@ -24,8 +24,17 @@ import torch
 DIRECT_MIN_BYTES = 512 * 1024
 
 
+def _one_run(ids: list[int]) -> bool:
+    """All of ``ids`` consecutive (a fresh long prompt's usual case: checked at C speed, not
+    id by id, since a pull's control path is on its latency)."""
+    return bool(ids) and ids[-1] - ids[0] == len(ids) - 1 and \
+        ids == list(range(ids[0], ids[0] + len(ids)))
+
+
 def run_lengths(ids: list[int]) -> list[int]:
     """The lengths of the maximal runs of consecutive ids, in order."""
+    if _one_run(ids):
+        return [len(ids)]
     runs: list[int] = []
     for i, block in enumerate(ids):
         if i and block == ids[i - 1] + 1:
@@ -42,6 +51,8 @@ def plan_direct(src_ids: list[int], peer_runs: list[int], min_blocks: int) -> li
     n = len(src_ids)
     if any(type(r) is not int or r < 1 for r in peer_runs) or sum(peer_runs) != n:
         raise ValueError(f"the pull's destination runs do not cover its {n} blocks")
+    if len(peer_runs) == 1 and _one_run(src_ids):
+        return [0, n] if n >= min_blocks else []
     breaks = set()
     at = 0
     for r in peer_runs:
@@ -77,6 +88,8 @@ def check_direct(direct: list[int], dst_ids: list[int]) -> list[tuple[int, int]]
 
 def staged_positions(n: int, runs: list[tuple[int, int]]) -> list[int]:
     """The asked blocks' positions that no direct run covers (they travel staged)."""
+    if runs == [(0, n)]:
+        return []
     covered = [False] * n
     for offset, length in runs:
         covered[offset:offset + length] = [True] * length

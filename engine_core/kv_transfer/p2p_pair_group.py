@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 NCCL_WATCHDOG_S = 1800.0
+# Most NCCL communicators one pair may hold (``build_pair``'s ``streams``); each holds GPU
+# buffers and an NCCL stream.
+MAX_STREAMS = 4
 
 
 class PairError(RuntimeError):
@@ -72,29 +75,39 @@ class PairStoreHost:
         self.store = None
 
 
-class _StreamPoint:
-    """A work-like handle for ops queued on a stream: done once the stream passes here."""
+class _Works:
+    """The works of one batch of ops spread over a pair's communicators: done once each
+    communicator's last one is (each runs its ops in order)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("works",)
 
-    def __init__(self, stream: Any) -> None:
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
 
     def is_completed(self) -> bool:
-        return self._event.query()
+        return all(w.is_completed() for w in self.works)
 
-    def wait(self) -> None:
-        """(Ordered on that stream already.)"""
+    def wait(self, *args: Any) -> bool:
+        ok = True
+        for w in self.works:
+            ok = w.wait(*args) is not False and ok
+        return ok
 
 
 @dataclass(slots=True)
 class PairGroup:
-    """One side of a two-rank group: ``send`` / ``recv`` whole tensors to the other rank."""
+    """One side of a two-rank group: ``send`` / ``recv`` whole tensors to the other rank.
+
+    An NCCL pair may hold several communicators (``groups``, each with its own NCCL stream):
+    a batch of tensors goes round-robin over them, so one communicator's per-operation
+    handshake overlaps another's data. (Measured on two H100s, 1 GiB as 64 sends of 16 MiB:
+    one communicator, one op after another, 283 GB/s; the same as one NCCL group call,
+    160 GB/s; one 1 GiB send, 354 GB/s.) Both sides spread a batch alike, so each
+    communicator's sends and receives pair up in order."""
 
     backend: str
     rank: int
-    group: Any  # ProcessGroupGloo | ProcessGroupNCCL
+    groups: list[Any]  # ProcessGroupGloo | ProcessGroupNCCL; gloo: one
     timeout_s: float
     device: torch.device
 
@@ -114,17 +127,17 @@ class PairGroup:
     def recv(self, tensor: torch.Tensor) -> None:
         self.finish(self.start_recv(tensor), "receive")
 
-    def start_send(self, tensor: torch.Tensor) -> Any:
+    def start_send(self, tensor: torch.Tensor, stripe: int = 0) -> Any:
         """Queue ``tensor`` to the peer (on NCCL's stream, after the current stream's work);
         ``tensor`` must live until ``finish``."""
         try:
-            return self.group.send([tensor], self.peer, 0)
+            return self.groups[stripe].send([tensor], self.peer, 0)
         except RuntimeError as exc:
             raise PairError(f"{self.backend} send failed: {exc}") from None
 
-    def start_recv(self, tensor: torch.Tensor) -> Any:
+    def start_recv(self, tensor: torch.Tensor, stripe: int = 0) -> Any:
         try:
-            return self.group.recv([tensor], self.peer, 0)
+            return self.groups[stripe].recv([tensor], self.peer, 0)
         except RuntimeError as exc:
             raise PairError(f"{self.backend} receive failed: {exc}") from None
 
@@ -145,48 +158,28 @@ class PairGroup:
             for t in tensors[:-1]:
                 self.finish(start(t), what)
             return start(tensors[-1])
-        # NCCL: one group call (ncclGroupStart/End), so many sends of one chunk run as one
-        # launch instead of serializing, each behind the last one's handshake.
-        begin = getattr(self.group, "_start_coalescing", None)
-        end = getattr(self.group, "_end_coalescing", None)
-        coalesce = begin is not None and end is not None
-        if coalesce:
-            try:
-                begin()
-            except (RuntimeError, TypeError) as exc:
-                logger.debug("no coalesced NCCL p2p (%s): one call per tensor", exc)
-                coalesce = False
-        work = None
-        try:
-            for t in tensors:
-                work = start(t)
-        finally:
-            if coalesce:
-                try:
-                    work = end()
-                except RuntimeError as exc:
-                    raise PairError(f"{self.backend} {what} failed: {exc}") from None
-        if work is None:
-            # (A torch whose coalesced block ran on the current stream returns no work: that
-            # stream reaching this point means every op has finished.)
-            work = _StreamPoint(torch.cuda.current_stream(self.device))
-        # (Without a group the ops run in order on one NCCL stream: the last one's work
-        # finishing means every one has.)
-        return work
+        # NCCL: op after op, not one group call (a group of many ops to one peer ran at less
+        # than 60 % of the same ops queued), spread round-robin over the communicators.
+        n = len(self.groups)
+        last: list[Any] = [None] * n
+        for i, t in enumerate(tensors):
+            last[i % n] = start(t, i % n)
+        return _Works([w for w in last if w is not None])
 
     def close(self) -> None:
         """Give the group up; an NCCL communicator is aborted, so an operation stuck on a
         peer that died ends instead of spinning on the GPU (best effort)."""
         if self.backend != "nccl":
             return
-        for name in ("abort", "_abort", "shutdown", "_shutdown"):
-            fn = getattr(self.group, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                except Exception as exc:  # noqa: BLE001 - best effort on a broken pair
-                    logger.debug("closing an NCCL pair: %s", exc)
-                return
+        for group in self.groups:
+            for name in ("abort", "_abort", "shutdown", "_shutdown"):
+                fn = getattr(group, name, None)
+                if fn is not None:
+                    try:
+                        fn()
+                    except Exception as exc:  # noqa: BLE001 - best effort on a broken pair
+                        logger.debug("closing an NCCL pair: %s", exc)
+                    break
 
     def finish(self, work: Any, what: str) -> None:
         """Block until ``work`` is done (at most ``timeout_s``), then order the current stream
@@ -217,14 +210,29 @@ class PairGroup:
 
 def build_pair(backend: str, store: Any, key: str, rank: int, timeout_s: float,
                device: torch.device, host: str,
-               build_timeout_s: float | None = None) -> PairGroup:
+               build_timeout_s: float | None = None, streams: int = 1) -> PairGroup:
     """This process's rank of the pair ``key`` on ``store`` (blocks until the peer joins, at
     most ``build_timeout_s``, by default ``timeout_s``: an operation's limit); ``host``: the
-    address gloo listens on for this rank."""
+    address gloo listens on for this rank. ``streams``: NCCL communicators (both sides must
+    ask for the same number; gloo has one)."""
     if backend not in BACKENDS:
         raise PairError(f"unknown pair backend {backend!r} (known: {', '.join(BACKENDS)})")
+    n = 1 if backend == "gloo" else max(1, min(int(streams), MAX_STREAMS))
+    pair = PairGroup(backend, rank, [], timeout_s, device)
+    try:
+        for k in range(n):
+            prefixed = dist.PrefixStore(key if k == 0 else f"{key}/{k}", store)
+            pair.groups.append(_build_one(backend, prefixed, rank, timeout_s, device, host,
+                                          build_timeout_s))
+    except PairError:
+        pair.close()  # (the communicators built before the one that failed)
+        raise
+    return pair
+
+
+def _build_one(backend: str, prefixed: Any, rank: int, timeout_s: float, device: torch.device,
+               host: str, build_timeout_s: float | None) -> Any:
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(key, store)
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -257,7 +265,7 @@ def build_pair(backend: str, store: Any, key: str, rank: int, timeout_s: float,
         raise
     except (RuntimeError, ValueError) as exc:
         raise PairError(f"building the {backend} pair failed: {exc}") from None
-    return PairGroup(backend, rank, group, timeout_s, device)
+    return group
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> Any:

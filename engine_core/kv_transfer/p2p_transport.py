@@ -53,6 +53,7 @@ from tidal.engine_core.kv_transfer.p2p_direct_runs import (
 )
 from tidal.engine_core.kv_transfer.p2p_pair_group import (
     BACKENDS,
+    MAX_STREAMS,
     PairError,
     PairGroup,
     PairStoreHost,
@@ -109,9 +110,11 @@ class KVPull(msgspec.Struct, tag="pull", **_WIRE):
 
 
 class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
-    """Consumer -> producer: build a two-rank ``backend`` group with me (gloo or nccl)."""
+    """Consumer -> producer: build a two-rank ``backend`` group with me (gloo or nccl), of
+    ``streams`` NCCL communicators."""
 
     backend: str
+    streams: int = 1
 
 
 class KVPairInfo(msgspec.Struct, tag="pair", **_WIRE):
@@ -122,6 +125,7 @@ class KVPairInfo(msgspec.Struct, tag="pair", **_WIRE):
     host: str = ""
     port: int = 0
     error: str | None = None
+    streams: int = 1  # the communicators both sides build (the hello's, capped)
 
 
 class KVDone(msgspec.Struct, tag="done", **_WIRE):
@@ -369,13 +373,15 @@ class KVSendServer:
             # new one), not a busy one.
             self._drop_pair(next(iter(self._pairs)))
         key = new_pair_key()
+        streams = 1 if hello.backend == "gloo" else max(1, min(hello.streams, MAX_STREAMS))
         if not self._answer(peer, [_encode(KVPairInfo(key, self._store.host,
-                                                      self._store.port))], ""):
+                                                      self._store.port, streams=streams))],
+                            ""):
             return
         try:
             self._pairs[key] = build_pair(hello.backend, self._store.store, key, 0, timeout,
                                           device, self._host,
-                                          min(timeout, PAIR_BUILD_TIMEOUT_S))
+                                          min(timeout, PAIR_BUILD_TIMEOUT_S), streams)
             self._pair_peers[key] = peer
             logger.info("P2P KV %s pair %s built", hello.backend, key)
         except PairError as exc:
@@ -408,6 +414,8 @@ class KVSendServer:
         except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
             logger.exception("serving KV of %s failed", msg.request_id)
             reply, staged = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
+        # (The header goes first: a pair's first NCCL op initialises its communicator, which
+        # blocks until the consumer, on reading the header, does the same.)
         if not self._answer(peer, [_encode(reply)], msg.request_id) or not staged:
             return
         try:
@@ -573,14 +581,16 @@ class KVPullClient:
     """The consumer's side: pulls a request's blocks from a producer into the local cache.
 
     ``backend``: "zmq" (frames through host memory) or a pair backend, "gloo" / "nccl" (one
-    two-rank group per producer, built on the first pull from it). Not thread-safe: one thread
-    pulls (the step thread, or the consumer's pull thread)."""
+    two-rank group per producer, built on the first pull from it; ``streams``: its NCCL
+    communicators, ``PairGroup``). Not thread-safe: one thread pulls (the step thread, or the
+    consumer's pull thread)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
-                 backend: str = "zmq") -> None:
+                 backend: str = "zmq", streams: int = 1) -> None:
         self.kv_caches = kv_caches
         self.timeout_s = timeout_s
         self.backend = backend
+        self.streams = max(1, min(int(streams), MAX_STREAMS))
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._pairs: dict[str, tuple[str, PairGroup]] = {}  # address -> (key, group)
@@ -616,7 +626,7 @@ class KVPullClient:
         if known is not None:
             return known
         sock = self._socket(address)
-        sock.send(_encode(KVPairHello(self.backend)))
+        sock.send(_encode(KVPairHello(self.backend, self.streams)))
         info = _to_consumer.decode(self._recv(sock, deadline)[0].buffer)
         if not isinstance(info, KVPairInfo):
             raise KVTransferError("the producer answered a pair hello with something else")
@@ -627,7 +637,11 @@ class KVPullClient:
         host = address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
         try:
             store = connect_store(info.host, info.port, left)
-            group = build_pair(self.backend, store, info.key, 1, self.timeout_s, device, host)
+            if not 1 <= info.streams <= self.streams:
+                raise PairError(f"the producer answered {info.streams} streams for our "
+                                f"{self.streams}")
+            group = build_pair(self.backend, store, info.key, 1, self.timeout_s, device, host,
+                               streams=info.streams)
         except PairError as exc:
             raise KVTransferError(str(exc)) from None
         self._pairs[address] = (info.key, group)

@@ -330,6 +330,9 @@ def test_aborted_prefill_holds_nothing(engines):
     ({"colour": "blue"}, "unknown key"),
     ({"allowed_producers": "10.0.0.1:7000"}, "allowed_producers must be a list"),
     ({"allowed_producers": [7000]}, "allowed_producers must be a list"),
+    ({"nccl_streams": 0}, "nccl_streams must be an integer in"),
+    ({"nccl_streams": 5}, "nccl_streams must be an integer in"),
+    ({"nccl_streams": True}, "nccl_streams must be an integer in"),
 ])
 def test_bad_p2p_configs_are_refused(tiny_models, extra, match):
     folder, _ = tiny_models["llama"]

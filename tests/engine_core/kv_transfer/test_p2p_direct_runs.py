@@ -168,3 +168,32 @@ def test_the_producer_refuses_runs_that_do_not_cover_the_pull(gloo_pair) -> None
     reply, tensors = server._chunk(KVPull("r1", 0, 3, "d", 0, "", [5]), "zmq")
     assert reply.error is None and reply.direct == []
     assert len(tensors) == reply.num_layers  # one frame a layer
+
+
+def test_the_one_run_shortcut_agrees_with_the_walk():
+    """A single consecutive run skips the id-by-id walk; the answers must not change."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randrange(1, 40)
+        start = rng.randrange(0, 100)
+        ids = list(range(start, start + n))
+        if rng.random() < 0.5:  # break it somewhere (or swap two ids)
+            i = rng.randrange(n)
+            ids[i] += rng.choice([1, 7, -3])
+        walked = []
+        for i, b in enumerate(ids):  # the plain definition
+            if i and b == ids[i - 1] + 1:
+                walked[-1] += 1
+            else:
+                walked.append(1)
+        assert run_lengths(ids) == walked
+        min_blocks = rng.randrange(1, 8)
+        plan = plan_direct(ids, [n], min_blocks)
+        consecutive = walked == [n]
+        if consecutive:
+            assert plan == ([0, n] if n >= min_blocks else [])
+        runs = [(plan[k], plan[k + 1]) for k in range(0, len(plan), 2)]
+        covered = {p for o, ln in runs for p in range(o, o + ln)}
+        assert staged_positions(n, runs) == [p for p in range(n) if p not in covered]

@@ -215,10 +215,12 @@ _NCCL_PRODUCER = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs (NCCL pairs need a distinct GPU per rank)")
-def test_nccl_pull_between_two_processes() -> None:
+@pytest.mark.parametrize("streams", [1, 2])
+def test_nccl_pull_between_two_processes(streams: int) -> None:
     """The producer in its own process on GPU 0, the consumer here on GPU 1: the blocks go
-    GPU to GPU over a two-rank NCCL pair, chunked (a buffer of one layer) when scattered, cache
-    to cache in one group call where both sides' blocks are consecutive."""
+    GPU to GPU over a two-rank NCCL pair (of ``streams`` communicators, the sends spread over
+    them), chunked (a buffer of one layer) when scattered, cache to cache where both sides'
+    blocks are consecutive."""
     port = _free_port()
     shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
     one_layer = 3 * layer_block_bytes(_caches(0)[0])
@@ -229,7 +231,7 @@ def test_nccl_pull_between_two_processes() -> None:
     try:
         assert proc.stdout.readline().strip() == "ready"
         dst = [c.cuda(1) for c in _caches(None)]
-        client = KVPullClient(dst, timeout_s=60.0, backend="nccl")
+        client = KVPullClient(dst, timeout_s=60.0, backend="nccl", streams=streams)
         got = client.pull(f"tcp://127.0.0.1:{port}", "r1", 0, [0, 7, 5], "d")
         torch.cuda.synchronize(1)
         src = _caches(0)
@@ -237,13 +239,14 @@ def test_nccl_pull_between_two_processes() -> None:
         for s_, d in zip(src, dst):
             assert torch.equal(d[:, [0, 7, 5]].cpu(), s_[:, [3, 1, 8]])
         assert client.bytes_direct == 0  # scattered: all staged
+        assert len(next(iter(client._pairs.values()))[1].groups) == streams
         # Again on the same pair (no second handshake needed); r1 was released by its pull's
         # done message (asking for it again is refused, as over gloo).
         client.pull(f"tcp://127.0.0.1:{port}", "r2", 1, [2], "d")
         torch.cuda.synchronize(1)
         assert torch.equal(dst[2][:, 2].cpu(), src[2][:, 1])
         # Blocks 4, 5, 6 into 9, 10, 11 straight between the caches, 9 into 3 staged: one
-        # chunk (one staged block a layer fits the buffer), one group call.
+        # chunk (one staged block a layer fits the buffer).
         got = client.pull(f"tcp://127.0.0.1:{port}", "r3", 0, [9, 10, 11, 3], "d")
         torch.cuda.synchronize(1)
         assert got == 4 * LAYERS * layer_block_bytes(src[0])
@@ -254,3 +257,20 @@ def test_nccl_pull_between_two_processes() -> None:
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_a_gloo_pair_has_one_group_whatever_streams_were_asked() -> None:
+    """Streams are NCCL communicators: a gloo consumer asking for four gets one group, and
+    the pull still lands."""
+    src, dst = _caches(0), _caches(None)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=5)
+    client = KVPullClient(dst, timeout_s=5.0, backend="gloo", streams=4)
+    try:
+        server.register("r1", [1, 2], "d", ready=True)
+        client.pull(server.address, "r1", 0, [5, 6], "d")
+        assert torch.equal(dst[0][:, [5, 6]], src[0][:, [1, 2]])
+        assert len(next(iter(client._pairs.values()))[1].groups) == 1
+        assert [len(p.groups) for p in server._pairs.values()] == [1]
+    finally:
+        client.close()
+        server.close()
