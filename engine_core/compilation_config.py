@@ -24,7 +24,10 @@ is ``compile_sizes`` (one compile serves every size). ``backend``: "inductor", o
 fusion of the residual add with the RMSNorm after it and of SiLU with its multiply, which
 Inductor does as it lowers the pieces (tests/worker/test_compile.py reads the kernels of the
 saved pieces); no custom FX pass is needed for them, and they cannot be turned off, so false
-is refused.
+is refused. ``custom_ops`` (vLLM's list: "all", "none", "+rms_norm", "-silu_and_mul", ...;
+default none): the fused ops (``CUSTOM_OPS``) kept inside the compiled graph as opaque custom
+ops that run the kernel policy's hand-written kernels (``tidal.worker.compilation.custom_ops``)
+instead of torch ops that Inductor fuses.
 
 A bad key or value is a ``ConfigError`` naming the field.
 """
@@ -44,6 +47,10 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 BACKENDS = ("inductor", "eager")
 PIECEWISE_MODES = ("PIECEWISE", "FULL_AND_PIECEWISE")
 MAX_CAPTURE_SIZE = 8192  # tokens of one piecewise graph (a bound on what the JSON may ask)
+# The hand-written fused ops that ``custom_ops`` can keep inside the compiled graph, as opaque
+# ``tidal::`` custom ops running the kernel policy's own kernels (worker/compilation/custom_ops).
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
+              "gemma_rms_norm", "gemma_add_norm_norm", "rotary_embedding")
 _UNSUPPORTED_MODES = {
     1: "mode 1 (plain torch.compile of the whole model)",
     2: "mode 2 (Dynamo trace once, without Inductor)",
@@ -64,6 +71,9 @@ class CompilationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     backend: str = "inductor"
     cache_dir: str | None = None  # resolved: envs.cache_dir() / "compile" unless given
     pass_config: PassConfig = msgspec.field(default_factory=PassConfig)
+    # Resolved from vLLM's list ("all", "none", "+name", "-name"): the fused ops kept as the
+    # hand-written kernels inside the graph; the others are torch ops that Inductor fuses.
+    custom_ops: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -83,6 +93,30 @@ def _error(message: str) -> Exception:
 
 def default_cache_dir() -> str:
     return str(envs.cache_dir() / "compile")
+
+
+def _custom_ops(raw: Any) -> tuple[str, ...]:
+    """vLLM's ``custom_ops`` list resolved to op names: "all" / "none" set the start (default
+    none: Inductor generates the fused kernels), then "+name" adds and "-name" removes, in
+    order."""
+    if isinstance(raw, str) or not isinstance(raw, (list, tuple)) or \
+            not all(isinstance(e, str) for e in raw):
+        raise _error(f"compilation_config.custom_ops must be a list of strings (\"all\", "
+                     f"\"none\", \"+name\", \"-name\"), got {raw!r}")
+    chosen: set[str] = set()
+    for entry in raw:
+        if entry in ("all", "none"):
+            chosen = set(CUSTOM_OPS) if entry == "all" else set()
+            continue
+        name = entry[1:]
+        if entry[:1] not in "+-" or name not in CUSTOM_OPS:
+            raise _error(f"compilation_config.custom_ops: {entry!r} is not \"all\", \"none\" "
+                         f"or +/- one of {', '.join(CUSTOM_OPS)}")
+        if entry[0] == "+":
+            chosen.add(name)
+        else:
+            chosen.discard(name)
+    return tuple(op for op in CUSTOM_OPS if op in chosen)
 
 
 def _int_field(name: str, value: Any) -> int:
@@ -170,6 +204,11 @@ def build_compilation_config(raw: Mapping[str, Any] | int | str | None) -> Compi
     if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
         raise _error(f"compilation_config.cache_dir must be a folder path, got {cache_dir!r}")
     values["cache_dir"] = cache_dir or default_cache_dir()
+    values["custom_ops"] = _custom_ops(values.get("custom_ops", ()))
+    if values["custom_ops"] and mode != 3:
+        raise _error("compilation_config.custom_ops needs mode 3 (without compilation every "
+                     "fused op runs the kernel policy's hand-written kernel already; "
+                     "--ops-backend chooses those)")
     passes = values.get("pass_config")
     if passes is not None and not isinstance(passes, Mapping):
         raise _error(f"compilation_config.pass_config must be a JSON object, got {passes!r}")
@@ -192,6 +231,8 @@ def describe(cc: CompilationConfig, device: str) -> str:
         return (f"off (mode 0: eager, the default on every device until GPU measurements "
                 f"choose otherwise); cudagraph_mode {graphs}")
     fusion = "; add + RMSNorm and SiLU-and-mul fused" if cc.backend == "inductor" else ""
+    if cc.custom_ops:
+        fusion += f"; hand-written kernels kept as custom ops: {', '.join(cc.custom_ops)}"
     how = {"PIECEWISE": "every piece a graph per capture size, attention eager between them",
            "FULL_AND_PIECEWISE": "decode steps replay whole-model graphs, other steps the "
                                  "piecewise ones",
@@ -233,9 +274,9 @@ def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lo
                        "model outside the compiled forward)")
     if lora:
         refused.append("LoRA adapters (their per-step slots are not traced)")
-    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
-        refused.append("tensor or pipeline parallelism (collectives inside the trace are "
-                       "unverified)")
+    if pipeline_parallel_size > 1:
+        refused.append("pipeline parallelism (a stage's forward takes and returns the "
+                       "intermediate tensors, which the trace does not)")
     if refused:
         raise _error("compilation_config.mode 3: not yet supported with " + "; ".join(refused)
                      + "; use mode 0")

@@ -107,6 +107,11 @@ class KernelPolicy:
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
     triton_lora: bool = False
+    # Compiled (mode 3) only: the fused ops kept in the graph as ``tidal::`` custom ops
+    # (compilation_config.custom_ops), running ``custom_op_impl``: the implementation the
+    # fused ops would have without compilation ("cuda" | "triton" | "torch").
+    custom_ops: tuple[str, ...] = ()
+    custom_op_impl: str = "torch"
 
     @property
     def fused_add_norm(self) -> str:
@@ -172,33 +177,26 @@ def _attention(kc: KernelConfig, dev: DeviceInfo, triton_ok: bool, arch: ArchSpe
 
 
 def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
-            parallel: ParallelConfig | None = None, compiled: bool = False) -> KernelPolicy:
+            parallel: ParallelConfig | None = None, compiled: bool = False,
+            custom_ops: tuple[str, ...] = ()) -> KernelPolicy:
     """The kernels a worker on ``device`` runs for the model ``arch`` (None: no attention
     layers to fit) under ``parallel`` (None: one rank). Pure: the same inputs, the same
     policy. Raises ``ConfigError`` when an explicitly requested backend cannot run the model.
     ``compiled`` (--compilation-config mode 3): the fused ops are torch's, which Dynamo traces
-    and Inductor fuses (the hand-written ones are not registered as custom ops yet); attention
+    and Inductor fuses, except those named in ``custom_ops``, which stay the hand-written
+    kernels as opaque custom ops inside the graph (``worker/compilation/custom_ops``); attention
     keeps its backend, an opaque op between the compiled pieces."""
     why: list[tuple[str, str]] = []
     gpu = device.type == "cuda"
     triton_ok = gpu and device.triton
-    if not gpu:
+    native = _native_ops(kc, device, triton_ok, why)
+    ops = native
+    if compiled and native != "torch":
         ops = "torch"
-        why.append(("ops", "CPU"))
-    elif compiled:
-        ops = "torch"
-        why.append(("ops", "compiled: Inductor generates the fused elementwise kernels"))
-    elif kc.ops == "torch":
-        ops = "torch"
-    elif kc.ops in ("auto", "cuda") and device.cuda_ext:
-        ops = "cuda"
-    elif triton_ok:
-        ops = "triton"
-        if kc.ops == "cuda":
-            why.append(("ops", "the CUDA extension did not build"))
-    else:
-        ops = "torch"
-        why.append(("ops", "neither the CUDA extension nor triton is available"))
+        why.append(("ops", "compiled: Inductor generates the fused elementwise kernels"
+                    + (f" (kept as custom ops on {native}: {', '.join(custom_ops)})"
+                       if custom_ops else "")))
+    custom = tuple(custom_ops) if compiled else ()
 
     decode = triton_ok and ops != "torch" and kc.decode_kernels
     if gpu and not decode:
@@ -254,7 +252,27 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         fp8_norm_quant=fp8_norm_quant,
         triton_w4a16=gpu and triton_ok,
         triton_lora=gpu and triton_ok,
+        custom_ops=custom,
+        custom_op_impl=native,
     )
+
+
+def _native_ops(kc: KernelConfig, device: DeviceInfo, triton_ok: bool,
+                why: list[tuple[str, str]]) -> str:
+    """The fused ops' implementation without compilation."""
+    if device.type != "cuda":
+        why.append(("ops", "CPU"))
+        return "torch"
+    if kc.ops == "torch":
+        return "torch"
+    if kc.ops in ("auto", "cuda") and device.cuda_ext:
+        return "cuda"
+    if triton_ok:
+        if kc.ops == "cuda":
+            why.append(("ops", "the CUDA extension did not build"))
+        return "triton"
+    why.append(("ops", "neither the CUDA extension nor triton is available"))
+    return "torch"
 
 
 def describe(policy: KernelPolicy) -> list[str]:
@@ -367,10 +385,11 @@ def current_kernels() -> Kernels:
 
 def kernels_for(device: torch.device, kc: KernelConfig | None = None,
                 arch: ArchSpec | None = None,
-                parallel: ParallelConfig | None = None, compiled: bool = False) -> Kernels:
+                parallel: ParallelConfig | None = None, compiled: bool = False,
+                custom_ops: tuple[str, ...] = ()) -> Kernels:
     """Probe ``device``, resolve ``kc`` (default: the defaults) and apply the variants: the
     kernels a worker (or a test, a tool) on that device runs."""
     kc = kc or KernelConfig()
-    policy = resolve(kc, probe_device(device, kc), arch, parallel, compiled)
+    policy = resolve(kc, probe_device(device, kc), arch, parallel, compiled, custom_ops)
     apply_tuning(policy)
     return Kernels(policy)

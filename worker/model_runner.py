@@ -177,7 +177,8 @@ class ModelRunner:
         # Every kernel choice, resolved once against this device (kernel_policy.py): the model
         # is built with these kernels, the attention backend is the policy's.
         self.kernels = kernels_for(device, config.runner.kernels, self.arch, config.parallel,
-                                   compiled=config.runner.compilation.enabled)
+                                   compiled=config.runner.compilation.enabled,
+                                   custom_ops=config.runner.compilation.custom_ops)
         self.kernel_policy = self.kernels.policy
         self.attn_impl = attention_impl(self.kernel_policy.attention)
         check_fp8_kv_device(self.kv_dtype, self.kernel_policy.attention, device)

@@ -59,6 +59,14 @@ class ParallelGroup:
     # Every collective and send/recv over shared memory (``shm_collectives.ShmCollectives``)
     # when the group's ranks are CPU processes of this host; None: torch.distributed.
     shm: Any = None
+    # The name ``tidal::all_reduce`` finds this group by in a compiled graph (``collective_ops``).
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size > 1 and not self.name:
+            from tidal.worker.distributed import collective_ops
+
+            self.name = collective_ops.register(self)
 
     @property
     def is_first(self) -> bool:
@@ -80,7 +88,16 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group: in place (returns ``x``), or, for a small CUDA tensor with the
-        one-shot path on, a new tensor. Use the return value."""
+        one-shot path on, a new tensor. Use the return value. Inside a Dynamo trace (the
+        compiled model) it is the opaque ``tidal::all_reduce`` op, out of place."""
+        if self.world_size == 1:
+            return x
+        if torch.compiler.is_compiling():
+            return torch.ops.tidal.all_reduce(x, self.name)
+        return self.eager_all_reduce(x)
+
+    def eager_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``all_reduce`` outside a trace."""
         if self.world_size == 1:
             return x
         if self.shm is not None:

@@ -59,7 +59,8 @@ class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_w4", "_lora")
+                 "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_w4", "_lora",
+                 "_custom", "_custom_impl")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -89,6 +90,11 @@ class Kernels:
         # LoRA's shrink / expand kernels (imports triton; --enable-lora models only call them).
         self._lora: ModuleType | None = (_triton_module("triton_lora")
                                          if policy.triton_lora else None)
+        # Compiled models: the fused ops kept as custom ops (``compilation/custom_ops``).
+        self._custom = frozenset(policy.custom_ops)
+        self._custom_impl = policy.custom_op_impl
+        if self._custom:
+            importlib.import_module("tidal.worker.compilation.custom_ops")  # registers them
 
     def __copy__(self) -> Kernels:
         return self  # immutable, and holds modules (which do not copy)
@@ -107,20 +113,31 @@ class Kernels:
     # --- elementwise fused ops ------------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if "rms_norm" in self._custom:
+            return torch.ops.tidal.rms_norm(x, weight, eps, self._custom_impl)
         return self.impl_for(x).rms_norm(x, weight, eps)
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(rms_norm(x + residual), x + residual)``."""
+        if "fused_add_rms_norm" in self._custom:
+            return torch.ops.tidal.fused_add_rms_norm(x, residual, weight, eps,
+                                                      self._custom_impl)
         return self.impl_for(x).fused_add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if "silu_and_mul" in self._custom:
+            return torch.ops.tidal.silu_and_mul(x, self._custom_impl)
         return self.impl_for(x).silu_and_mul(x)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if "gelu_tanh_and_mul" in self._custom:
+            return torch.ops.tidal.gelu_tanh_and_mul(x, self._custom_impl)
         return self.impl_for(x).gelu_tanh_and_mul(x)
 
     def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if "gemma_rms_norm" in self._custom:
+            return torch.ops.tidal.gemma_rms_norm(x, weight, eps, self._custom_impl)
         return self.impl_for(x).gemma_rms_norm(x, weight, eps)
 
     def gemma_add_norm_norm(self, x: torch.Tensor, residual: torch.Tensor,
@@ -128,11 +145,17 @@ class Kernels:
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gemma_rms_norm(r, next_weight), r)`` with ``r = residual +
         gemma_rms_norm(x, post_weight)``: one kernel between two Gemma sub-blocks."""
+        if "gemma_add_norm_norm" in self._custom:
+            return torch.ops.tidal.gemma_add_norm_norm(x, residual, post_weight, next_weight,
+                                                       eps, self._custom_impl)
         return self.impl_for(x).gemma_add_norm_norm(x, residual, post_weight, next_weight, eps)
 
     def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          cos_sin_cache: torch.Tensor,
                          is_neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if "rotary_embedding" in self._custom:
+            return torch.ops.tidal.rotary_embedding(positions, query, key, cos_sin_cache,
+                                                    is_neox, self._custom_impl)
         return self.impl_for(query).rotary_embedding(positions, query, key, cos_sin_cache,
                                                      is_neox)
 
