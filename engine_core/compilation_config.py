@@ -230,7 +230,8 @@ def describe(cc: CompilationConfig, device: str) -> str:
     if not cc.enabled:
         return (f"off (mode 0: eager, the default on every device until GPU measurements "
                 f"choose otherwise); cudagraph_mode {graphs}")
-    fusion = "; add + RMSNorm and SiLU-and-mul fused" if cc.backend == "inductor" else ""
+    fusion = ("; add + RMSNorm and SiLU-and-mul fused" if cc.backend == "inductor"
+              and not {"fused_add_rms_norm", "silu_and_mul"} & set(cc.custom_ops) else "")
     if cc.custom_ops:
         fusion += f"; hand-written kernels kept as custom ops: {', '.join(cc.custom_ops)}"
     how = {"PIECEWISE": "every piece a graph per capture size, attention eager between them",

@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-raw", action="store_true",
                    help="with --transport nccl: also time plain NCCL receives of the same bytes "
                    "over the pull's pair (the transport's ceiling)")
-    p.add_argument("--nccl-streams", default=f"1,{DEFAULT_NCCL_STREAMS},4",
+    p.add_argument("--nccl-streams", default="1,2,4",
                    help="with --transport nccl: the NCCL communicators per pair to time the "
                    "pull with, comma-separated (a fresh pair each; the headline ratio uses the "
                    f"connector's default, {DEFAULT_NCCL_STREAMS})")

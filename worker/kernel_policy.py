@@ -191,12 +191,14 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
     triton_ok = gpu and device.triton
     native = _native_ops(kc, device, triton_ok, why)
     ops = native
-    if compiled and native != "torch":
+    custom = tuple(custom_ops) if compiled else ()
+    if compiled:
         ops = "torch"
         why.append(("ops", "compiled: Inductor generates the fused elementwise kernels"
-                    + (f" (kept as custom ops on {native}: {', '.join(custom_ops)})"
-                       if custom_ops else "")))
-    custom = tuple(custom_ops) if compiled else ()
+                    + (f" (kept as custom ops on {native}: {', '.join(custom)}"
+                       + (", which Inductor cannot fuse: no faster than leaving them out"
+                          if native == "torch" else "") + ")"
+                       if custom else "")))
 
     decode = triton_ok and ops != "torch" and kc.decode_kernels
     if gpu and not decode:
@@ -253,7 +255,8 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         triton_w4a16=gpu and triton_ok,
         triton_lora=gpu and triton_ok,
         custom_ops=custom,
-        custom_op_impl=native,
+        # (Only where used: the policy is part of the compile cache's key.)
+        custom_op_impl=native if custom else "torch",
     )
 
 

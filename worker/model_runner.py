@@ -551,7 +551,8 @@ class ModelRunner:
             self.model, cc, rank=self.pp.rank * self.tp.world_size + self.tp.rank,
             key_inputs=dict(arch=self.arch, dtype=str(self.dtype), parallel=self.config.parallel,
                             policy=self.kernel_policy, device=self.device.type),
-            graphs=PiecewiseGraphs(sizes) if (sizes := self._piecewise_sizes()) else None)
+            graphs=PiecewiseGraphs(sizes) if (sizes := self._piecewise_sizes()) else None,
+            collectives=self.tp.world_size > 1)
         n = min(8, self.max_num_tokens)
         meta = self._dummy_meta(n, -(-n // self.block_size))
         meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)

@@ -22,8 +22,9 @@ in flight (the pair's window): the producer gathers chunk k+1 while chunk k is o
 consumer asks for k+1 before scattering k; so at most two staged chunks per pair exist on
 either side. Runs of blocks consecutive on both sides skip the staging altogether: each layer's
 K / V slice of such a run goes straight from one cache into the other (``p2p_direct_runs``; a
-fresh long prompt is usually one run), and a chunk's sends go as one NCCL group call; only the
-scattered rest is staged (and bounded by the buffer). Control messages stay on ZMQ either way.
+fresh long prompt is usually one run), and a chunk's sends go one by one, round-robin over the
+pair's NCCL communicators (``PairGroup``); only the scattered rest is staged (and bounded by
+the buffer). Control messages stay on ZMQ either way.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ class KVSendServer:
 
     def _serve_pair_chunk(self, peer: bytes, msg: KVPull) -> None:
         """One chunk over the pair: the header on ZMQ, then on the group the staging tensor
-        (blocks not in a direct run) and the direct runs' cache slices, in one group call."""
+        (blocks not in a direct run) and the direct runs' cache slices, op by op."""
         pair = self._pairs.get(msg.pair)
         if pair is not None and self._pair_peers.get(msg.pair) != peer:
             # (Another peer naming a pair it did not build: refused like an unknown one.)
@@ -635,11 +636,11 @@ class KVPullClient:
         left = max(deadline - time.monotonic(), 0.1)
         device = self.kv_caches[0].device
         host = address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+        if not 1 <= info.streams <= self.streams:
+            raise KVTransferError(f"the producer answered {info.streams} NCCL streams for our "
+                                  f"{self.streams}")
         try:
             store = connect_store(info.host, info.port, left)
-            if not 1 <= info.streams <= self.streams:
-                raise PairError(f"the producer answered {info.streams} streams for our "
-                                f"{self.streams}")
             group = build_pair(self.backend, store, info.key, 1, self.timeout_s, device, host,
                                streams=info.streams)
         except PairError as exc:

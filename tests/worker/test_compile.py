@@ -374,10 +374,11 @@ def test_tensor_parallel_compiled_matches_one_eager_worker(qwen3, eager_out, tmp
     assert [g[0] for g in got] == [w[0] for w in eager_out]
     for (_, lp_got, _), (_, lp_want, _) in zip(got, eager_out):
         assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-3
-    # Each rank compiled its own pieces and saved its plan (the key holds the rank): the
-    # trace went through, not the eager fallback of a model that cannot be traced.
+    # Each rank compiled its own pieces (the key holds the rank): the trace went through, not
+    # the eager fallback of a model that cannot be traced. No warm-start plan under TP (the
+    # ranks would have to agree on using it).
     entries = sorted(tmp_path.iterdir())
     assert len(entries) == 2
     for entry in entries:
         names = {f.name for f in entry.iterdir()}
-        assert "warm.json" in names and sum(n.endswith(".bin") for n in names) == 2
+        assert "warm.json" not in names and sum(n.endswith(".bin") for n in names) == 2

@@ -63,8 +63,15 @@ class CompiledForward:
     FULL_AND_PIECEWISE; captured by ``capture_graphs``), or None."""
 
     def __init__(self, model: nn.Module, cc: CompilationConfig, *, key_inputs: dict[str, Any],
-                 rank: int = 0, graphs: PiecewiseGraphs | None = None) -> None:
+                 rank: int = 0, graphs: PiecewiseGraphs | None = None,
+                 collectives: bool = False) -> None:
         self.model = model
+        # Ranks whose forward runs collectives must run the same number of forwards at
+        # start-up; a warm start (one forward) on one rank beside a cold start (the trace's,
+        # then the plan's check) on another would pair their all-reduces wrongly. Until the
+        # ranks agree on it, such a model always traces (its pieces still load from the cache)
+        # and saves no plan.
+        self.warm_start_ok = not collectives
         self.graphs = graphs
         self.cc = cc
         self.stats = CompileStats()
@@ -183,7 +190,7 @@ class CompiledForward:
     def _warm_start(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> bool:
         cache = self.cache
-        data = cache.load_plan() if cache is not None else None
+        data = cache.load_plan() if cache is not None and self.warm_start_ok else None
         if cache is None or data is None:
             return False
         # (The plan is code this process would run: only from a folder nobody else writes.)
@@ -231,7 +238,7 @@ class CompiledForward:
         forward: the plan read back from its bytes, its pieces loaded from the cache, must
         give the traced forward's outputs on the dummy step."""
         backend, cache = self.backend, self.cache
-        if backend.plan is None or cache is None:
+        if backend.plan is None or cache is None or not self.warm_start_ok:
             return
         plan = warm_start.finish(backend.plan, result, backend.graph_outputs)
         if plan is None:

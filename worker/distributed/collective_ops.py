@@ -24,10 +24,17 @@ def register(group: Any) -> str:
     builds its groups in one order), so the name saved in a compiled piece finds the same
     group in the next process that loads the piece from the compile cache."""
     ranks = ",".join(map(str, group.ranks))
-    k = sum(1 for name in _GROUPS if name.rsplit("#", 1)[0] == ranks)
+    k = 0
+    while f"{ranks}#{k}" in _GROUPS:  # (the lowest free: a group re-made after a close
+        k += 1                       # gets its predecessor's name back)
     name = f"{ranks}#{k}"
     _GROUPS[name] = group
     return name
+
+
+def unregister(name: str) -> None:
+    """The group closed: its name resolves to nothing (and may be given again)."""
+    _GROUPS.pop(name, None)
 
 
 @torch.library.custom_op("tidal::all_reduce", mutates_args=())

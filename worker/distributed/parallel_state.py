@@ -182,6 +182,10 @@ class ParallelGroup:
         """Leave the shared-memory group, if any (peers waiting on this rank then fail)."""
         if self.shm is not None:
             self.shm.close()
+        if self.name:
+            from tidal.worker.distributed import collective_ops
+
+            collective_ops.unregister(self.name)
 
     def _group(self, cpu: bool) -> Any:
         group = self.cpu_group if cpu else self.device_group

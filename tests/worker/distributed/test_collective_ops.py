@@ -22,6 +22,10 @@ def test_names_are_deterministic_and_resolve_back():
     b = _Doubling(rank=0, world_size=2, ranks=(40, 41))  # same ranks, a second group
     assert (a.name, b.name) == ("40,41#0", "40,41#1")
     assert ParallelGroup().name == ""  # one rank: nothing to reduce, no name
+    a.close()  # a group re-made after a close gets the same name (a cached piece holds it)
+    with pytest.raises(RuntimeError, match="no parallel group named"):
+        collective_ops.all_reduce(torch.ones(1), "40,41#0")
+    assert _Doubling(rank=0, world_size=2, ranks=(40, 41)).name == "40,41#0"
 
 
 def test_the_op_sums_out_of_place_and_traces_as_one_node():
