@@ -552,7 +552,7 @@ class ModelRunner:
             key_inputs=dict(arch=self.arch, dtype=str(self.dtype), parallel=self.config.parallel,
                             policy=self.kernel_policy, device=self.device.type),
             graphs=PiecewiseGraphs(sizes) if (sizes := self._piecewise_sizes()) else None,
-            collectives=self.tp.world_size > 1)
+            agree=self._tp_agree if self.tp.world_size > 1 else None)
         n = min(8, self.max_num_tokens)
         meta = self._dummy_meta(n, -(-n // self.block_size))
         meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
@@ -565,6 +565,12 @@ class ModelRunner:
             return f"off: {compiled.failure}"
         self.compiled = compiled
         return compiled.describe()
+
+    def _tp_agree(self, ok: bool) -> bool:
+        """True on every tensor-parallel rank iff ``ok`` on every one (start-up only)."""
+        from tidal.worker.distributed.symm_allreduce import agree
+
+        return agree(ok, self.tp.cpu_group)
 
     def _piecewise_sizes(self) -> list[int]:
         """Token counts of the piecewise graphs (cudagraph_mode PIECEWISE /

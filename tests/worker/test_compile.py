@@ -361,24 +361,38 @@ def test_compiled_matches_eager_on_gpu(tiny_models, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_compiled_matches_one_eager_worker(qwen3, eager_out, tmp_path):
+def test_tensor_parallel_compiles_and_warm_starts_together(qwen3, eager_out, tmp_path, capfd):
     """TP=2 over two CPU worker processes, compiled (the all-reduces are ``tidal::all_reduce``
     ops in each rank's trace, ``worker/distributed/collective_ops``): the same greedy tokens
-    as one eager worker, logprobs within float32 noise of a different summation order."""
-    llm = _llm(qwen3, tensor_parallel_size=2, distributed_executor_backend="mp",
-               compilation_config={"mode": 3, "cache_dir": str(tmp_path)})
-    try:
-        got = _generate(llm)
-    finally:
-        llm.shutdown()
-    assert [g[0] for g in got] == [w[0] for w in eager_out]
-    for (_, lp_got, _), (_, lp_want, _) in zip(got, eager_out):
-        assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-3
-    # Each rank compiled its own pieces (the key holds the rank): the trace went through, not
-    # the eager fallback of a model that cannot be traced. No warm-start plan under TP (the
-    # ranks would have to agree on using it).
+    as one eager worker, logprobs within float32 noise of a different summation order. A
+    second start on the same cache warm-starts on both ranks (they agree first), no trace;
+    with one rank's plan gone, both trace."""
+    def run() -> str:
+        llm = _llm(qwen3, tensor_parallel_size=2, distributed_executor_backend="mp",
+                   compilation_config={"mode": 3, "cache_dir": str(tmp_path)})
+        try:
+            got = _generate(llm)
+        finally:
+            llm.shutdown()
+        assert [g[0] for g in got] == [w[0] for w in eager_out]
+        for (_, lp_got, _), (_, lp_want, _) in zip(got, eager_out):
+            assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-3
+        return capfd.readouterr().err
+
+    def compile_lines(err: str) -> list[str]:
+        return sorted(line.split("tidal.worker.worker: ", 1)[-1]
+                      for line in err.splitlines() if " compile in " in line)
+
+    cold = compile_lines(run())
+    assert len(cold) == 2 and all("trace" in line and "Inductor 2 piece" in line
+                                  for line in cold), cold
+    # Each rank compiled its own pieces and saved its plan (the key holds the rank).
     entries = sorted(tmp_path.iterdir())
-    assert len(entries) == 2
-    for entry in entries:
-        names = {f.name for f in entry.iterdir()}
-        assert "warm.json" not in names and sum(n.endswith(".bin") for n in names) == 2
+    assert len(entries) == 2 and all((e / "warm.json").exists() for e in entries)
+    warm = compile_lines(run())
+    assert len(warm) == 2 and all("warm start without a Dynamo trace" in line
+                                  for line in warm), warm
+    (entries[0] / "warm.json").unlink()  # one rank has no plan: both trace
+    again = compile_lines(run())
+    assert len(again) == 2 and all("trace" in line and "warm start" not in line
+                                   and "cache hits 2" in line for line in again), again

@@ -64,14 +64,13 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, cc: CompilationConfig, *, key_inputs: dict[str, Any],
                  rank: int = 0, graphs: PiecewiseGraphs | None = None,
-                 collectives: bool = False) -> None:
+                 agree: Callable[[bool], bool] | None = None) -> None:
         self.model = model
-        # Ranks whose forward runs collectives must run the same number of forwards at
-        # start-up; a warm start (one forward) on one rank beside a cold start (the trace's,
-        # then the plan's check) on another would pair their all-reduces wrongly. Until the
-        # ranks agree on it, such a model always traces (its pieces still load from the cache)
-        # and saves no plan.
-        self.warm_start_ok = not collectives
+        # Tensor-parallel ranks (whose forward runs collectives) must run the same start-up
+        # forwards: a warm start (one forward) on one rank beside a cold start (the trace's,
+        # then the plan's check) on another would pair their all-reduces wrongly. ``agree``
+        # (True on every rank iff true on every rank) makes each such choice together.
+        self._agree = agree or (lambda ok: ok)
         self.graphs = graphs
         self.cc = cc
         self.stats = CompileStats()
@@ -102,6 +101,7 @@ class CompiledForward:
         self._compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False)
         self.failure: str | None = None  # why the model runs eagerly after all
         self._warm: WarmForward | None = None  # the forward rebuilt without Dynamo, if any
+        self._warm_loaded = (0, 0.0)  # (cache hits, seconds) of loading the plan's pieces
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,6 +177,7 @@ class CompiledForward:
             logger.warning("compilation: falling back to the eager model: %s", self.failure)
             for layer in self.layers:
                 layer.op_index = None
+            self._agree(False)  # (the other ranks' ``_save_plan`` asks once: no check forward)
             return False
         stats = self.stats
         stats.trace_s = max(0.0, time.perf_counter() - t0 - stats.compile_s - stats.load_s)
@@ -189,16 +190,46 @@ class CompiledForward:
 
     def _warm_start(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> bool:
-        cache = self.cache
-        data = cache.load_plan() if cache is not None and self.warm_start_ok else None
-        if cache is None or data is None:
+        warm = self._load_warm()
+        if not self._agree(warm is not None):
+            if warm is not None:
+                logger.info("warm start: another rank has no usable plan; tracing instead")
             return False
+        self._warm = warm
+        t0 = time.perf_counter()
+        failed = None
+        try:
+            self(input_ids, positions, meta)
+        except Exception as exc:  # noqa: BLE001 - a plan that does not run: trace instead
+            failed = exc
+        if not self._agree(failed is None):
+            self._warm = None
+            if failed is not None:
+                logger.warning("warm start: the plan in %s failed (%s: %s); tracing instead",
+                               self.cache.dir, type(failed).__name__, failed)
+                self.cache.drop_plan()
+            return False
+        stats = self.stats
+        hits, load_s = self._warm_loaded
+        stats.cache_hits += hits
+        stats.load_s += load_s + time.perf_counter() - t0
+        stats.pieces = sum(sub.kind == "piece" for sub in warm.plan.subs)
+        stats.attention_calls = len(warm.plan.subs) - stats.pieces
+        stats.warm_start = True
+        return True
+
+    def _load_warm(self) -> WarmForward | None:
+        """The forward rebuilt from the cache's plan (not run yet), or None."""
+        cache = self.cache
+        data = cache.load_plan() if cache is not None else None
+        if cache is None or data is None:
+            return None
         # (The plan is code this process would run: only from a folder nobody else writes.)
         refused = warm_start.untrusted(cache.dir, cache.dir / warm_start.PLAN)
         if refused is not None:
             logger.warning("warm start: not running the plan in %s (%s); tracing instead",
                            cache.dir, refused)
-            return False
+            return None
         plan = warm_start.decode(data)
         scratch = CompileStats()
         t0 = time.perf_counter()
@@ -215,22 +246,10 @@ class CompiledForward:
         stats.cache_rebuilt += scratch.cache_rebuilt  # (a corrupt piece stays dropped)
         if warm is None:
             logger.info("warm start: the plan in %s does not load; tracing instead", cache.dir)
-            return False
-        self._warm = warm
-        try:
-            self(input_ids, positions, meta)
-        except Exception as exc:  # noqa: BLE001 - a plan that does not run: trace instead
-            logger.warning("warm start: the plan in %s failed (%s: %s); tracing instead",
-                           cache.dir, type(exc).__name__, exc)
-            self._warm = None
-            cache.drop_plan()
-            return False
-        stats.cache_hits += scratch.cache_hits
-        stats.load_s += time.perf_counter() - t0
-        stats.pieces = sum(sub.kind == "piece" for sub in warm.plan.subs)
-        stats.attention_calls = len(warm.plan.subs) - stats.pieces
-        stats.warm_start = True
-        return True
+            return None
+        # (Counted once the ranks have agreed to use it: a trace after loads its pieces again.)
+        self._warm_loaded = (scratch.cache_hits, time.perf_counter() - t0)
+        return warm
 
     def _save_plan(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata, result: Any) -> None:
@@ -238,20 +257,21 @@ class CompiledForward:
         forward: the plan read back from its bytes, its pieces loaded from the cache, must
         give the traced forward's outputs on the dummy step."""
         backend, cache = self.backend, self.cache
-        if backend.plan is None or cache is None or not self.warm_start_ok:
-            return
-        plan = warm_start.finish(backend.plan, result, backend.graph_outputs)
-        if plan is None:
-            logger.info("warm start: the model's result does not match its graph's outputs; "
-                        "no plan saved")
-            return
-        data = warm_start.encode(plan)
-        check = CompileStats()
-        decoded = warm_start.decode(data)
-        warm = None if decoded is None else warm_start.build(
-            decoded, self.model, lambda key: cache.load(key, check),
-            lambda artifact, spec, index: _Piece(artifact, spec.name, spec.single))
-        if warm is None:
+        warm = data = None
+        if backend.plan is not None and cache is not None:
+            plan = warm_start.finish(backend.plan, result, backend.graph_outputs)
+            if plan is None:
+                logger.info("warm start: the model's result does not match its graph's "
+                            "outputs; no plan saved")
+            else:
+                data = warm_start.encode(plan)
+                check = CompileStats()
+                decoded = warm_start.decode(data)
+                warm = None if decoded is None else warm_start.build(
+                    decoded, self.model, lambda key: cache.load(key, check),
+                    lambda artifact, spec, index: _Piece(artifact, spec.name, spec.single))
+        # (The check runs a forward: every rank or none.)
+        if not self._agree(warm is not None):
             return
         try:
             with step_context(meta, self.layers):
@@ -263,6 +283,7 @@ class CompiledForward:
             logger.info("warm start: the plan does not run (%s: %s); not saved",
                         type(exc).__name__, exc)
             return
+        # (Saved where it checked out; a rank without one makes every rank trace next time.)
         if same and len(got) == len(result):
             cache.save_plan(data)
         else:
