@@ -273,8 +273,6 @@ def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lo
     if speculative:
         refused.append("speculative decoding (drafters and EAGLE-3 hidden states run the "
                        "model outside the compiled forward)")
-    if lora:
-        refused.append("LoRA adapters (their per-step slots are not traced)")
     if pipeline_parallel_size > 1:
         refused.append("pipeline parallelism (a stage's forward takes and returns the "
                        "intermediate tensors, which the trace does not)")

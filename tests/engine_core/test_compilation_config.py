@@ -74,7 +74,6 @@ def test_bad_config_names_the_field(raw, words):
 @pytest.mark.parametrize("kw, word", [
     (dict(task="embed"), "task"),
     (dict(speculative=True), "speculative decoding"),
-    (dict(lora=True), "LoRA"),
     (dict(pipeline_parallel_size=2), "pipeline parallelism"),
 ])
 def test_combinations_not_done_yet_are_refused(kw, word):

@@ -214,3 +214,25 @@ def test_gpu_mixed_batch_matches_peft(lora_setup, eager):
             assert max_logprob_diff(lps, logprobs) < 1e-2
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_compiled_mixed_batch_matches_peft_with_one_trace(lora_setup, tmp_path):
+    """torch.compile (mode 3, Inductor) with LoRA: every linear's adapter products are
+    ``tidal::lora_shrink`` / ``tidal::lora_expand`` ops in the trace (the expand declared as
+    mutating its output), reading the step's token slots from the persistent buffer: PEFT's
+    tokens for a batch mixing four adapters and the base model, and later batches with other
+    adapters in other slots run the same trace (no recompile)."""
+    folder, loras, per_prompt = lora_setup
+    llm = _llm(folder, max_loras=4, compilation_config={"mode": 3, "cache_dir": str(tmp_path)})
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False,
+                            lora_request=[lora for lora, _, _ in per_prompt])
+        _check(outs, per_prompt)
+        again = llm.generate(PROMPTS[:2][::-1], PARAMS, use_tqdm=False,
+                             lora_request=[per_prompt[1][0], per_prompt[0][0]])
+        _check(again, [per_prompt[1], per_prompt[0]])
+        stats = _runner(llm).compiled.stats
+        assert stats.dynamo_traces == 1 and stats.pieces >= 2
+    finally:
+        llm.shutdown()

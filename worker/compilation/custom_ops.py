@@ -114,3 +114,50 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 @rotary_embedding.register_fake
 def _(positions, query, key, cos_sin_cache, is_neox, impl):
     return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
+# --- LoRA (``--enable-lora`` with compilation: always these, on every device) --------------------
+
+
+def _lora_module(impl: str, x: torch.Tensor):
+    if impl == "triton" and x.is_cuda:
+        from tidal.worker.ops import triton_lora
+
+        return triton_lora
+    return None
+
+
+@torch.library.custom_op(f"{_LIB}::lora_shrink", mutates_args=())
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                impl: str) -> torch.Tensor:
+    """LoRA's first product, per token (the segmented kernels need per-step host metadata,
+    which a compiled graph does not take)."""
+    mod = _lora_module(impl, x)
+    if mod is not None:
+        return mod.lora_shrink(x, a, slots, None)
+    from tidal.worker.ops import lora_torch
+
+    return lora_torch.lora_shrink(x, a, slots)
+
+
+@lora_shrink.register_fake
+def _(x, a, slots, impl):
+    return x.new_empty((x.shape[0], a.shape[1]))
+
+
+@torch.library.custom_op(f"{_LIB}::lora_expand", mutates_args=("y",))
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                offsets: list[int], rank: int, impl: str) -> None:
+    """LoRA's second product added into ``y`` in place (declared: the graph orders it)."""
+    mod = _lora_module(impl, y)
+    if mod is not None:
+        mod.lora_expand(y, xa, b, slots, tuple(offsets), rank, None)
+        return
+    from tidal.worker.ops import lora_torch
+
+    lora_torch.lora_expand(y, xa, b, slots, tuple(offsets), rank)
+
+
+@lora_expand.register_fake
+def _(y, xa, b, slots, offsets, rank, impl):
+    return None

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import importlib
+
 import torch
 
 from tidal.worker.ops.kernels import Kernels
+
+# The ``tidal::lora_*`` ops a compiled model's trace holds (``compilation/custom_ops``).
+importlib.import_module("tidal.worker.compilation.custom_ops")
 
 
 @dataclass(slots=True)
@@ -87,6 +92,8 @@ class LoRALayer:
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.reshape(-1, y.shape[-1])
         slots = ctx.token_slots[:x2.shape[0]]
-        xa = self.kernels.lora_shrink(x2, self.a, slots, ctx.segments)
-        self.kernels.lora_expand(y2, xa, self.b, slots, self.offsets, self.rank, ctx.segments)
+        # (A compiled graph takes no per-step host metadata: per-token kernels there.)
+        segments = None if torch.compiler.is_compiling() else ctx.segments
+        xa = self.kernels.lora_shrink(x2, self.a, slots, segments)
+        self.kernels.lora_expand(y2, xa, self.b, slots, self.offsets, self.rank, segments)
         return y

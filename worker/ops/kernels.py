@@ -261,6 +261,9 @@ class Kernels:
         """LoRA's first product over a batch mixing adapters (``ops/lora_torch.py`` for the
         layout): x [T, in] -> [T, S*R]. ``segments`` (the step's runs of tokens sharing an
         adapter; eager steps only) picks the segmented Triton kernel, else per-token."""
+        if torch.compiler.is_compiling():
+            # (One opaque op in a compiled graph: ``compilation/custom_ops``, per token.)
+            return torch.ops.tidal.lora_shrink(x, a, slots, self._lora_impl(x))
         if self._lora is not None and x.is_cuda:
             return self._lora.lora_shrink(x, a, slots, segments)
         return lora_torch.lora_shrink(x, a, slots)
@@ -269,10 +272,17 @@ class Kernels:
                     slots: torch.Tensor, offsets: tuple[int, ...], rank: int,
                     segments: object | None = None) -> None:
         """LoRA's second product, added into ``y`` [T, out] in place, slice by slice."""
+        if torch.compiler.is_compiling():
+            torch.ops.tidal.lora_expand(y, xa, b, slots, list(offsets), rank,
+                                        self._lora_impl(y))
+            return
         if self._lora is not None and y.is_cuda:
             self._lora.lora_expand(y, xa, b, slots, offsets, rank, segments)
             return
         lora_torch.lora_expand(y, xa, b, slots, offsets, rank)
+
+    def _lora_impl(self, x: torch.Tensor) -> str:
+        return "triton" if self._lora is not None and x.is_cuda else "torch"
 
     def fp8_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                    bias: torch.Tensor | None = None,
