@@ -270,9 +270,6 @@ def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lo
     refused = []
     if task != "generate":
         refused.append(f"task {task!r} (the compiled forward is the decoder's)")
-    if speculative:
-        refused.append("speculative decoding (drafters and EAGLE-3 hidden states run the "
-                       "model outside the compiled forward)")
     if pipeline_parallel_size > 1:
         refused.append("pipeline parallelism (a stage's forward takes and returns the "
                        "intermediate tensors, which the trace does not)")

@@ -241,6 +241,7 @@ class ModelRunner:
             self._check_weights_fit()
         aux = (self.spec.aux_hidden_spec(self.config, self.max_num_tokens)
                if self.spec is not None else None)
+        self._aux_hidden = aux  # (part of the compile cache's key)
         offload = self._cpu_offloader()
         # (--cpu-offload-gb: offloaded layers are built and loaded in host memory)
         with moe_ep.building(self.ep), offloading(offload):
@@ -550,7 +551,8 @@ class ModelRunner:
         compiled = CompiledForward(
             self.model, cc, rank=self.pp.rank * self.tp.world_size + self.tp.rank,
             key_inputs=dict(arch=self.arch, dtype=str(self.dtype), parallel=self.config.parallel,
-                            policy=self.kernel_policy, device=self.device.type),
+                            policy=self.kernel_policy, device=self.device.type,
+                            aux_hidden=getattr(self, "_aux_hidden", None)),
             graphs=PiecewiseGraphs(sizes) if (sizes := self._piecewise_sizes()) else None,
             agree=self._tp_agree if self.tp.world_size > 1 else None)
         n = min(8, self.max_num_tokens)

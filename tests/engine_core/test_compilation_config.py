@@ -73,7 +73,6 @@ def test_bad_config_names_the_field(raw, words):
 
 @pytest.mark.parametrize("kw, word", [
     (dict(task="embed"), "task"),
-    (dict(speculative=True), "speculative decoding"),
     (dict(pipeline_parallel_size=2), "pipeline parallelism"),
 ])
 def test_combinations_not_done_yet_are_refused(kw, word):
@@ -101,10 +100,14 @@ def test_cli_shorthand_and_engine_config(tiny_models):
         config = engine_args_from(ns).create_config()
         assert config.runner.compilation.mode == mode
     assert config.runner.enforce_eager  # cudagraph_mode NONE (and a CPU)
-    with pytest.raises(ConfigError, match="speculative decoding"):
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
         EngineArgs(model=folder, device="cpu", compilation_config=3,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                       "prompt_lookup_max": 2}).create_config()
+                   pipeline_parallel_size=2).create_config()
+    # (Speculative decoding and LoRA compile: tests/worker/test_compile_spec.py,
+    # test_lora_model.py.)
+    EngineArgs(model=folder, device="cpu", compilation_config=3,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                   "prompt_lookup_max": 2}).create_config()
     with pytest.raises(ConfigError, match="compile_sizes"):
         EngineArgs(model=folder, device="cpu",
                    compilation_config={"mode": 3, "compile_sizes": [4]}).create_config()

@@ -57,7 +57,7 @@ def _triton_version() -> str:
 
 
 def key_parts(*, arch: Any, dtype: str, parallel: Any, rank: int, policy: Any,
-              compilation: Any, device: str) -> dict[str, str]:
+              compilation: Any, device: str, aux_hidden: Any = None) -> dict[str, str]:
     """Everything the compiled code depends on, as text (what the key hashes, and what the
     manifest records so a person can see why two folders differ)."""
     def text(obj: Any) -> str:
@@ -73,6 +73,8 @@ def key_parts(*, arch: Any, dtype: str, parallel: Any, rank: int, policy: Any,
         "rank": str(rank),
         "device": device,
         "kernel_policy": text(policy),
+        # (EAGLE-3's targets copy chosen layers' hidden states out inside the forward)
+        "aux_hidden": text(aux_hidden),
         # (cache_dir names where the entry lives, not what is in it; the CUDA graphs are
         # captured at start-up around the same pieces whatever their mode and sizes)
         "compilation": text(msgspec.structs.replace(compilation, cache_dir=None,

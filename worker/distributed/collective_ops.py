@@ -11,11 +11,14 @@ may not alias its input): it sums a copy.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-_GROUPS: dict[str, Any] = {}  # name -> ParallelGroup (process lifetime, like the groups)
+# name -> ParallelGroup, weakly: a group left behind must not outlive its process group's
+# teardown (a gloo group destroyed at interpreter exit aborts the process).
+_GROUPS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def register(group: Any) -> str:
@@ -33,7 +36,8 @@ def register(group: Any) -> str:
 
 
 def unregister(name: str) -> None:
-    """The group closed: its name resolves to nothing (and may be given again)."""
+    """The group closed: its name resolves to nothing (and may be given again; so it is
+    once the group is garbage)."""
     _GROUPS.pop(name, None)
 
 

@@ -45,7 +45,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 _STORE_BACKLOG = 512
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # (weakly named by ``collective_ops``)
 class ParallelGroup:
     rank: int = 0
     world_size: int = 1

@@ -387,9 +387,7 @@ class DecoderForCausalLM(nn.Module):
         buf = self.aux_hidden_states
         assert buf is not None
         n, width = hidden.shape[0], self.arch.hidden_size
-        if n > buf.shape[0]:
-            raise ValueError(f"{n} tokens exceed the {buf.shape[0]} rows of the auxiliary "
-                             "hidden state buffer")
+        _check_aux_rows(n, buf)
         for c in self._aux_final_cols:
             buf[:n, c:c + width].copy_(hidden)
 
@@ -407,9 +405,7 @@ class DecoderForCausalLM(nn.Module):
         first rows of ``aux_hidden_states`` (a fixed buffer: CUDA graphs replay into it)."""
         buf = self.aux_hidden_states
         n = positions.shape[0]
-        if n > buf.shape[0]:
-            raise ValueError(f"{n} tokens exceed the {buf.shape[0]} rows of the auxiliary "
-                             "hidden state buffer")
+        _check_aux_rows(n, buf)
         width = self.arch.hidden_size
         for layer, cols in self._aux_plan:
             if cols:
@@ -504,3 +500,11 @@ class DecoderForCausalLM(nn.Module):
         # Embedding / head / final norm held by another pipeline stage.
         head = name.split(".")[0]
         return head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None
+
+
+def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
+    """The step's tokens fit the auxiliary hidden-state buffer (a ``torch._check``: under
+    compilation the token count is symbolic, so a Python ``if`` on it cannot be traced)."""
+    rows = buf.shape[0]
+    why = f"a step's tokens exceed the {rows} rows of the auxiliary hidden state buffer"
+    torch._check(n <= rows, lambda: why)
