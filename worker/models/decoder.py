@@ -503,8 +503,14 @@ class DecoderForCausalLM(nn.Module):
 
 
 def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
-    """The step's tokens fit the auxiliary hidden-state buffer (a ``torch._check``: under
-    compilation the token count is symbolic, so a Python ``if`` on it cannot be traced)."""
+    """The step's tokens fit the auxiliary hidden-state buffer (``ValueError``; while Dynamo
+    traces, a ``torch._check``: the token count is symbolic there, so a Python ``if`` on it
+    cannot be traced)."""
     rows = buf.shape[0]
+    if not torch.compiler.is_compiling():
+        if n > rows:
+            raise ValueError(f"{n} tokens exceed the {rows} rows of the auxiliary hidden "
+                             "state buffer")
+        return
     why = f"a step's tokens exceed the {rows} rows of the auxiliary hidden state buffer"
     torch._check(n <= rows, lambda: why)
