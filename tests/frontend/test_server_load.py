@@ -149,11 +149,19 @@ def test_disconnect_frees_kv(streaming):
     assert elapsed < 10
 
 
-def _children(pid: int) -> list[psutil.Process]:
-    return psutil.Process(pid).children(recursive=True)
+def _children(pid: int) -> list[tuple[psutil.Process, str]]:
+    """The server's descendants with their command lines, read now: a process in the middle
+    of exiting has already lost its command line, so it cannot be told apart later."""
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append((p, " ".join(p.cmdline())))
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
-def _assert_none_left(children: list[psutil.Process]) -> None:
+def _assert_none_left(children: list[tuple[psutil.Process, str]]) -> None:
     """Every child of the exited server is gone. The one exception allowed a moment's grace is
     multiprocessing's resource tracker: it exits by itself once the server's end of its pipe
     closes, i.e. just after the server does; the engine and its workers must already be gone."""
@@ -163,22 +171,10 @@ def _assert_none_left(children: list[psutil.Process]) -> None:
         except psutil.NoSuchProcess:
             return False
 
-    def is_tracker(p: psutil.Process) -> bool:
-        try:
-            return "resource_tracker" in " ".join(p.cmdline())
-        except psutil.NoSuchProcess:
-            return True  # gone meanwhile
-
-    lingering = [p for p in children if alive(p)]
-    # (One may exit between the two looks: a zombie's cmdline reads empty.)
-    def describe(p: psutil.Process) -> str:
-        try:
-            return f"{p.pid} {p.status()} {' '.join(p.cmdline())[:300]}"
-        except psutil.NoSuchProcess:
-            return f"{p.pid} gone"
-
-    assert all(is_tracker(p) or not alive(p) for p in lingering), [describe(p) for p in lingering]
-    _, still = psutil.wait_procs(lingering, timeout=10)
+    lingering = [(p, cmd) for p, cmd in children if alive(p)]
+    assert all("resource_tracker" in cmd for _, cmd in lingering), \
+        [f"{p.pid} {cmd[:300]}" for p, cmd in lingering]
+    _, still = psutil.wait_procs([p for p, _ in lingering], timeout=10)
     assert not [p for p in still if alive(p)], still
 
 
