@@ -246,8 +246,7 @@ def describe(cc: CompilationConfig, device: str) -> str:
             f"cache {cc.cache_dir}")
 
 
-def check_combination(cc: CompilationConfig, *, task: str, speculative: bool, lora: bool,
-                      tensor_parallel_size: int, pipeline_parallel_size: int,
+def check_combination(cc: CompilationConfig, *, task: str, pipeline_parallel_size: int,
                       device: str = "cuda", enforce_eager: bool = False,
                       max_num_tokens: int | None = None) -> None:
     """Refuse what the compiled model does not do yet (mode 3 only), naming it.

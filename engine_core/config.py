@@ -435,9 +435,7 @@ class EngineArgs:
             # and (lockstep) a busy loop that does not poll transfers.
             raise ConfigError("--data-parallel-size > 1 with a KV connector is not yet "
                               "supported (each rank would need its own kv_port)")
-        check_compilation(compilation, task=task, speculative=speculative is not None,
-                          lora=lora is not None,
-                          tensor_parallel_size=parallel.tensor_parallel_size,
+        check_compilation(compilation, task=task,
                           pipeline_parallel_size=parallel.pipeline_parallel_size,
                           device=device, enforce_eager=self.enforce_eager,
                           max_num_tokens=max(scheduler.max_num_batched_tokens,

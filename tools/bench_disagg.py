@@ -196,6 +196,7 @@ def _pull_nccl(args: argparse.Namespace
     of NCCL communicators per pair in ``--nccl-streams`` (a fresh pair each), and, with
     ``--nccl-raw``, plain NCCL receives of the same bytes over the first pair."""
     layers, cache, blocks = _layout(args)
+    nbytes = nbytes_of(layers, cache, blocks)
     port = free_port()
     streams = list(dict.fromkeys(int(n) for n in str(args.nccl_streams).split(",")))
     spec = json.dumps([layers, list(cache), blocks, args.reps, port, args.send_buffer,
@@ -222,15 +223,13 @@ def _pull_nccl(args: argparse.Namespace
                 times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}")
                 direct = client.bytes_direct / max(1, client.bytes_received)
                 if args.nccl_raw and k == 0:
-                    nbytes = blocks * layers * math.prod(cache[2:]) * 2 * 2
                     raw = _raw_nccl(client, address, proc, args.reps, nbytes)
             finally:
                 client.close()
             got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
             ok = ok and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(got, sums))
             progress(f"  {n} NCCL stream(s): pull "
-                     f"{nbytes_of(layers, cache, blocks) / statistics.median(times[n]) / 1e9:.1f}"
-                     " GB/s")
+                     f"{nbytes / statistics.median(times[n]) / 1e9:.1f} GB/s")
     finally:
         if proc.stdin is not None:
             proc.stdin.close()

@@ -76,19 +76,12 @@ def test_bad_config_names_the_field(raw, words):
     (dict(pipeline_parallel_size=2), "pipeline parallelism"),
 ])
 def test_combinations_not_done_yet_are_refused(kw, word):
-    args = dict(task="generate", speculative=False, lora=False, tensor_parallel_size=1,
-                pipeline_parallel_size=1)
+    args = dict(task="generate", pipeline_parallel_size=1)
     args.update(kw)
     check_combination(build_compilation_config(0), **args)  # off: anything goes
     with pytest.raises(ConfigError, match="not yet supported") as info:
         check_combination(build_compilation_config(3), **args)
     assert word in str(info.value)
-
-
-def test_tensor_parallelism_compiles():
-    """(The all-reduce is an opaque custom op in the trace: worker/distributed/collective_ops.)"""
-    check_combination(build_compilation_config(3), task="generate", speculative=False,
-                      lora=False, tensor_parallel_size=2, pipeline_parallel_size=1)
 
 
 def test_cli_shorthand_and_engine_config(tiny_models):

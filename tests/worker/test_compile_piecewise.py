@@ -149,8 +149,7 @@ def test_bad_piecewise_config_names_the_field(raw, words):
 def test_piecewise_is_refused_where_it_cannot_run(tiny_models):
     cc = build_compilation_config({"mode": 3, "cudagraph_mode": "PIECEWISE",
                                    "cudagraph_capture_sizes": [64]})
-    base = dict(task="generate", speculative=False, lora=False, tensor_parallel_size=1,
-                pipeline_parallel_size=1)
+    base = dict(task="generate", pipeline_parallel_size=1)
     check_combination(cc, **base, device="cuda", max_num_tokens=64)
     for kw, word in ((dict(device="cpu"), "needs a CUDA device"),
                      (dict(enforce_eager=True), "enforce_eager"),

@@ -97,9 +97,7 @@ class ParallelGroup:
         return self.eager_all_reduce(x)
 
     def eager_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """``all_reduce`` outside a trace."""
-        if self.world_size == 1:
-            return x
+        """``all_reduce`` outside a trace, on a group of more than one rank."""
         if self.shm is not None:
             return self.shm.all_reduce(x)
         fast = self.fast_all_reduce
