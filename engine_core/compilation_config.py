@@ -15,9 +15,14 @@ decode and small mixed steps; with mode 3 they capture the compiled forward, pie
 attention op together); PIECEWISE (mode 3 on a GPU: every compiled piece captured as a CUDA
 graph per capture size, the attention run eagerly between them, so prefill, decode and mixed
 steps all replay graphs: ``tidal.worker.compilation.piecewise_graphs``); FULL_AND_PIECEWISE
-(pure decode steps replay the whole-model graphs, every other step the piecewise ones).
-``cudagraph_capture_sizes`` (token counts; by default vLLM's grid: 1, 2, 4, 8, then every 8 to
-256 and every 16 beyond, up to 512 or the step's token budget) sizes the piecewise graphs only;
+(decode steps and mixed steps up to ``max_mixed_cudagraph_tokens`` replay whole-model graphs
+of the compiled forward, as FULL does, since tidal's Triton attention plans a mixed batch from
+its counts alone; larger steps replay piecewise graphs. vLLM's FULL_AND_PIECEWISE sends every
+mixed step to the piecewise graphs, whose eager attention between pieces cost Qwen3-0.6B's
+528-token mixed step 2x on an H100). ``cudagraph_capture_sizes`` (token counts; by default
+vLLM's grid: 1, 2, 4, 8, then every 8 to 256 and every 16 beyond, up to 512 or the step's
+token budget; under FULL_AND_PIECEWISE only sizes above the whole-model mixed graphs' largest
+step, so by default none) sizes the piecewise graphs only;
 a CPU, ``enforce_eager`` or mode 0 with a piecewise mode is refused (``check_combination``), as
 is ``compile_sizes`` (one compile serves every size). ``backend``: "inductor", or "eager"
 (the split graph runs uncompiled: for debugging a trace). ``pass_config.enable_fusion``: the
@@ -235,8 +240,9 @@ def describe(cc: CompilationConfig, device: str) -> str:
     if cc.custom_ops:
         fusion += f"; hand-written kernels kept as custom ops: {', '.join(cc.custom_ops)}"
     how = {"PIECEWISE": "every piece a graph per capture size, attention eager between them",
-           "FULL_AND_PIECEWISE": "decode steps replay whole-model graphs, other steps the "
-                                 "piecewise ones",
+           "FULL_AND_PIECEWISE": "decode and mixed steps up to max_mixed_cudagraph_tokens "
+                                 "replay whole-model graphs, larger steps piecewise ones "
+                                 "of the capture sizes above that",
            "NONE": "no graphs"}.get(graphs, "on a GPU the whole-model graphs capture the "
                                             "compiled forward")
     sizes = (f", capture sizes {list(cc.cudagraph_capture_sizes)}"

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compilation-config", default=None,
                     help='torch.compile as JSON, e.g. \'{"mode": 3, "cudagraph_mode": '
                          '"FULL_AND_PIECEWISE"}\' (default: off)')
+    ap.add_argument("--max-mixed-cudagraph-tokens", type=int, default=None,
+                    help="0: mixed steps run kernel by kernel (the eager engine before mixed "
+                         "CUDA graphs; issue 25's baseline); default: the engine's")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
@@ -114,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                           max_model_len=ns.max_model_len, max_num_seqs=max(64, ns.running * 2),
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
                           enforce_eager=ns.enforce_eager,
+                          max_mixed_cudagraph_tokens=ns.max_mixed_cudagraph_tokens,
                           compilation_config=(json.loads(ns.compilation_config)
                                               if ns.compilation_config else None))
         core = EngineCore(args.create_config())
         result = {"benchmark": "mixed_steps", "device": device_name(), "shape": ns.shape,
                   "async_scheduling": bool(ns.async_scheduling), "enforce_eager": ns.enforce_eager,
                   "compilation_config": ns.compilation_config,
+                  "max_mixed_cudagraph_tokens": ns.max_mixed_cudagraph_tokens,
                   **run(core, ns.running, ns.prompt, ns.every, ns.arrivals,
                         core.config.model.arch.vocab_size, rng, ns.profile)}
         core.shutdown()

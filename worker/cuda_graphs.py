@@ -76,6 +76,7 @@ class CudaGraphRunner:
         self._mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
+        self.mixed_replays = 0  # mixed steps replayed (a counter for tests and benches)
 
     def __len__(self) -> int:
         return len(self._graphs) + len(self._mixed)
@@ -144,4 +145,5 @@ class CudaGraphRunner:
         """Run the mixed-step graph of ``tokens``; returns its (static) output, ``tokens`` rows."""
         graph, out = self._mixed[tokens]
         graph.replay()
+        self.mixed_replays += 1
         return out

@@ -580,8 +580,11 @@ class ModelRunner:
         cc = self.config.runner.compilation
         if not (cc.piecewise and self.on_gpu and not self.config.runner.enforce_eager):
             return []
+        # FULL_AND_PIECEWISE: the sizes the whole-model mixed graphs hold are theirs.
+        above = (max(self._mixed_graph_sizes(), default=0)
+                 if cc.cudagraph_mode == "FULL_AND_PIECEWISE" and self._graphs_enabled() else 0)
         return piecewise_sizes(cc.cudagraph_capture_sizes,
-                               max_num_tokens=self.bufs.input_ids.shape[0])
+                               max_num_tokens=self.bufs.input_ids.shape[0], above=above)
 
     @torch.inference_mode()
     def capture_piecewise_graphs(self) -> str | None:
@@ -647,9 +650,13 @@ class ModelRunner:
         mixed batch from its token and request counts alone (Triton; the CUDA backend splits
         the batch on the host)."""
         if self.attn_impl.name != "triton" or self.arch.is_mla \
-                or self.config.runner.compilation.piecewise:
-            # MLA's prefill (expanded) path walks its requests on the host; with piecewise
-            # graphs (FULL_AND_PIECEWISE) every step but a pure decode replays those.
+                or self.config.runner.compilation.cudagraph_mode == "PIECEWISE":
+            # MLA's prefill (expanded) path walks its requests on the host. Under
+            # FULL_AND_PIECEWISE the mixed steps these sizes hold replay whole-model graphs
+            # of the compiled forward (its attention inside), the larger ones piecewise
+            # graphs: piecewise replays leave attention eager between the pieces, ~0.15 ms of
+            # host launch work a layer, which doubled Qwen3-0.6B's 528-token mixed step on an
+            # H100 against a whole-model graph (tools/results/compile_h100_qwen3_stop26.json).
             return []
         sizes = mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
                                         self.bufs.input_ids.shape[0]))

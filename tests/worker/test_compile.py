@@ -24,7 +24,9 @@ from tidal.worker.compilation.compile_cache import CompileCache, cache_key, key_
 from tidal.worker.compilation.piecewise_backend import CompileStats
 from tidal.worker.worker import Worker
 
-LAYERS = {"num_hidden_layers": 1}
+# Three layers: the middle one's piece (layer 0's MLP + layer 1's attention inputs) reads the
+# same as the next one's, so four pieces are three artifacts (piecewise_backend.piece_key).
+LAYERS = {"num_hidden_layers": 3}
 PROMPTS = [list(range(3, 40)), [5, 9, 2, 7, 1], [11] * 17]
 # Shares PROMPTS[0]'s first two blocks: its prefill starts from the prefix cache.
 PREFIX_PROMPT = list(range(3, 40)) + [8, 6, 4]
@@ -99,16 +101,17 @@ def test_compiled_tokens_match_eager_with_one_trace(compiled, eager_out):
     # One trace served every step: the start-up's, prefill chunks, mixed steps, decode
     # batches of 3, 2 and 1, a prefix hit (async scheduling on throughout).
     assert stats.dynamo_traces == 1
-    assert (stats.pieces, stats.attention_calls) == (2, 1)
-    assert stats.inductor_compiles + stats.cache_hits == stats.pieces
+    assert (stats.pieces, stats.attention_calls) == (4, 3)
+    assert stats.inductor_compiles + stats.cache_hits + stats.shared == stats.pieces
+    assert stats.shared == 1, "the two middle pieces should share one compiled artifact"
 
 
 def test_second_start_loads_the_cache_and_rebuilds_a_corrupt_piece(compiled, qwen3, cache_dir,
                                                                    eager_out):
     first = _runner(compiled).compiled
-    assert first.stats.inductor_compiles == 2 and first.stats.cache_hits == 0
+    assert first.stats.inductor_compiles == 3 and first.stats.cache_hits == 0
     files = first.cache.piece_files()
-    assert len(files) == 2
+    assert len(files) == 3  # (one file for the two middle pieces)
     victim = files[1]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, another hash
@@ -118,7 +121,8 @@ def test_second_start_loads_the_cache_and_rebuilds_a_corrupt_piece(compiled, qwe
         second = _runner(llm).compiled
         assert second.cache.dir == first.cache.dir  # the same key
         stats = second.stats
-        assert (stats.cache_hits, stats.cache_rebuilt, stats.inductor_compiles) == (1, 1, 1)
+        assert (stats.cache_hits, stats.cache_rebuilt, stats.inductor_compiles) == (2, 1, 1)
+        assert stats.shared == 1
         assert stats.dynamo_traces == 1
         _assert_same(_generate(llm), eager_out)
         assert second.stats.dynamo_traces == 1
@@ -143,8 +147,9 @@ def test_a_warm_start_runs_no_dynamo_trace(compiled, qwen3, cache_dir, eager_out
     try:
         warm = _runner(llm).compiled
         assert warm.stats.warm_start and warm.stats.dynamo_traces == 0
-        assert (warm.stats.cache_hits, warm.stats.inductor_compiles) == (2, 0)
-        assert (warm.stats.pieces, warm.stats.attention_calls) == (2, 1)
+        assert (warm.stats.cache_hits, warm.stats.shared, warm.stats.inductor_compiles) \
+            == (3, 1, 0)
+        assert (warm.stats.pieces, warm.stats.attention_calls) == (4, 3)
         assert "without a Dynamo trace" in warm.describe()
         _assert_same(_generate(llm), eager_out)
         assert warm.stats.dynamo_traces == 0 and not counters["stats"]["unique_graphs"]
@@ -206,7 +211,7 @@ def test_ranks_that_do_not_all_have_a_plan_trace(compiled, cache_dir):
 
     forward = _compile_from(_runner(compiled), cache_dir, agree=others_say_no)
     assert not forward.stats.warm_start and forward.stats.dynamo_traces == 1
-    assert forward.stats.cache_hits == 2  # (counted once: the unused plan's loads are not)
+    assert forward.stats.cache_hits == 3  # (counted once: the unused plan's loads are not)
     assert asked == [True, True]  # a usable plan here; a plan this rank could check
 
 
@@ -376,6 +381,34 @@ def test_compiled_matches_eager_on_gpu(tiny_models, tmp_path):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.gpu
+def test_tensor_parallel_compiled_matches_eager_on_gpus(tiny_models, tmp_path):
+    """TP=2 on two GPUs, compiled with FULL_AND_PIECEWISE (the all-reduces are
+    ``tidal::all_reduce`` ops inside the pieces, NCCL inside the whole-model graphs): the
+    same greedy tokens as one eager GPU, on a cold start and on a warm one (both ranks load
+    their plans, no trace)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs: tensor parallelism over NCCL, compiled")
+    folder = str(tiny_models["qwen3"][0])
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=128, device="cuda",
+              dtype="float32", max_num_batched_tokens=16, hf_overrides=LAYERS)
+    runs = [(None, 1)] + [({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
+                            "cache_dir": str(tmp_path)}, 2)] * 2
+    outs = []
+    for cc, tp in runs:
+        llm = LLM(folder, compilation_config=cc, tensor_parallel_size=tp,
+                  distributed_executor_backend="mp" if tp > 1 else None, **kw)
+        try:
+            outs.append([o.outputs[0].token_ids for o in
+                         llm.generate(PROMPTS, _params(), use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+    # Each rank's cache entry holds its pieces and the plan the warm start ran.
+    entries = sorted(tmp_path.iterdir())
+    assert len(entries) == 2 and all((e / "warm.json").exists() for e in entries)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_compiles_and_warm_starts_together(qwen3, eager_out, tmp_path, capfd):
     """TP=2 over two CPU worker processes, compiled (the all-reduces are ``tidal::all_reduce``
@@ -399,7 +432,7 @@ def test_tensor_parallel_compiles_and_warm_starts_together(qwen3, eager_out, tmp
                       for line in err.splitlines() if " compile in " in line)
 
     cold = compile_lines(run())
-    assert len(cold) == 2 and all("trace" in line and "Inductor 2 piece" in line
+    assert len(cold) == 2 and all("trace" in line and "Inductor 3 piece" in line
                                   for line in cold), cold
     # Each rank compiled its own pieces and saved its plan (the key holds the rank).
     entries = sorted(tmp_path.iterdir())

@@ -81,6 +81,11 @@ def test_default_capture_sizes_follow_vllms_grid():
                                              88, 96, 100]
     assert pg.piecewise_sizes((24, 3, 3, 99), max_num_tokens=64) == [3, 24]
     assert pg.piecewise_sizes(None, max_num_tokens=6) == [1, 2, 4, 6]
+    # FULL_AND_PIECEWISE with whole-model mixed graphs: only larger sizes are captured
+    # piecewise; with the default 2048-token mixed graphs the default grid adds none.
+    assert pg.piecewise_sizes(None, max_num_tokens=8192, above=2048) == []
+    assert pg.piecewise_sizes((8, 512, 4096), max_num_tokens=8192, above=2048) == [4096]
+    assert pg.piecewise_sizes(None, max_num_tokens=8192, above=480) == [496, 512]
 
 
 @pytest.mark.parametrize("n, want", [(1, 2), (2, 2), (3, 4), (5, 8), (8, 8), (9, None)])
@@ -291,7 +296,10 @@ def test_piecewise_graphs_match_eager_on_gpu(tiny_models, tmp_path):
     """Greedy tokens of eager (its own whole-model graphs), compiled + PIECEWISE and compiled +
     FULL_AND_PIECEWISE are identical over prefill chunks (16 tokens: above the largest capture
     size, run without graphs), mixed steps and decode batches of 3, 2, 1 (padded); the
-    second compiled engine is a warm start on the first's cache (no Dynamo trace)."""
+    second compiled engine is a warm start on the first's cache (no Dynamo trace).
+    FULL_AND_PIECEWISE's whole-model mixed graphs hold steps of up to 8 tokens here (the
+    mixed step of 8), so its piecewise graphs are of the given sizes above that: 16 only (the
+    prefill chunks)."""
     _needs_cuda()
     folder = str(tiny_models["qwen3"][0])
     outs = {}
@@ -300,18 +308,21 @@ def test_piecewise_graphs_match_eager_on_gpu(tiny_models, tmp_path):
                                      "cudagraph_capture_sizes": [1, 2, 4, 8],
                                      "cache_dir": str(tmp_path)}),
                       ("full_and_piecewise", {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
-                                              "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                              "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
                                               "cache_dir": str(tmp_path)})):
-        llm = LLM(folder, compilation_config=cc, **_gpu_kw())
+        mixed = {"max_mixed_cudagraph_tokens": 8} if label == "full_and_piecewise" else {}
+        llm = LLM(folder, compilation_config=cc, **_gpu_kw(**mixed))
         try:
             outs[label] = _generate(llm)
             runner = _runner(llm)
             if cc is None:
                 continue
             graphs = runner.compiled.graphs
-            assert graphs is not None and graphs.captured == [1, 2, 4, 8]
+            want = [1, 2, 4, 8] if label == "piecewise" else [16]
+            assert graphs is not None and graphs.captured == want, label
             assert graphs.replays > 0 and graphs.graph_steps > 0, label
-            assert graphs.ungraphed_steps > 0, label  # the 16-token chunks
+            if label == "piecewise":
+                assert graphs.ungraphed_steps > 0, label  # the 16-token chunks
             # The second compiled engine shares the first's cache entry (the graph mode is
             # not in its key): a warm start, rebuilt from the plan without Dynamo.
             stats = runner.compiled.stats
@@ -319,11 +330,13 @@ def test_piecewise_graphs_match_eager_on_gpu(tiny_models, tmp_path):
                 assert (stats.dynamo_traces, stats.warm_start) == (1, False)
             else:
                 assert (stats.dynamo_traces, stats.warm_start) == (0, True), stats
-            # PIECEWISE: no whole-model graphs; FULL_AND_PIECEWISE: decode ones, no mixed.
+            # PIECEWISE: no whole-model graphs; FULL_AND_PIECEWISE: decode ones and mixed
+            # ones of up to 8 tokens, capturing the compiled forward.
             if label == "piecewise":
                 assert runner.graphs is None
             else:
-                assert runner.graphs is not None and runner.graphs.mixed_sizes == []
+                assert runner.graphs is not None and runner.graphs.mixed_sizes == [8]
+                assert runner.graphs.mixed_replays > 0, "no mixed step replayed a whole graph"
         finally:
             llm.shutdown()
     assert [t for t, _ in outs["piecewise"]] == [t for t, _ in outs["eager"]]

@@ -58,6 +58,22 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
 
 
+def _sharing_loader(cache: CompileCache, stats: CompileStats) -> Callable[[str], Any | None]:
+    """``cache.load`` for a plan's pieces, each key loaded once: pieces of identical code
+    (a decoder's middle layers) share one artifact (counted in ``stats.shared``)."""
+    loaded: dict[str, Any] = {}
+
+    def load(key: str) -> Any | None:
+        if key in loaded:
+            stats.shared += 1
+            return loaded[key]
+        artifact = loaded[key] = cache.load(key, stats)
+        stats.cache_hits += artifact is not None
+        return artifact
+
+    return load
+
+
 class CompiledForward:
     """``graphs``: the piecewise CUDA graphs its pieces replay (``cudagraph_mode`` PIECEWISE /
     FULL_AND_PIECEWISE; captured by ``capture_graphs``), or None."""
@@ -101,7 +117,8 @@ class CompiledForward:
         self._compiled = torch.compile(fn, backend=self.backend, fullgraph=True, dynamic=False)
         self.failure: str | None = None  # why the model runs eagerly after all
         self._warm: WarmForward | None = None  # the forward rebuilt without Dynamo, if any
-        self._warm_loaded = (0, 0.0)  # (cache hits, seconds) of loading the plan's pieces
+        # (cache hits, pieces sharing an identical one's artifact, seconds) of the plan's load
+        self._warm_loaded = (0, 0, 0.0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,8 +227,9 @@ class CompiledForward:
                 self.cache.drop_plan()
             return False
         stats = self.stats
-        hits, load_s = self._warm_loaded
+        hits, shared, load_s = self._warm_loaded
         stats.cache_hits += hits
+        stats.shared += shared
         stats.load_s += load_s + time.perf_counter() - t0
         stats.pieces = sum(sub.kind == "piece" for sub in warm.plan.subs)
         stats.attention_calls = len(warm.plan.subs) - stats.pieces
@@ -235,20 +253,16 @@ class CompiledForward:
         t0 = time.perf_counter()
         warm = None
 
-        def load(key: str) -> Any | None:
-            artifact = cache.load(key, scratch)
-            scratch.cache_hits += artifact is not None
-            return artifact
-
         if plan is not None:
-            warm = warm_start.build(plan, self.model, load, self._make_piece)
+            warm = warm_start.build(plan, self.model, _sharing_loader(cache, scratch),
+                                    self._make_piece)
         stats = self.stats
         stats.cache_rebuilt += scratch.cache_rebuilt  # (a corrupt piece stays dropped)
         if warm is None:
             logger.info("warm start: the plan in %s does not load; tracing instead", cache.dir)
             return None
         # (Counted once the ranks have agreed to use it: a trace after loads its pieces again.)
-        self._warm_loaded = (scratch.cache_hits, time.perf_counter() - t0)
+        self._warm_loaded = (scratch.cache_hits, scratch.shared, time.perf_counter() - t0)
         return warm
 
     def _save_plan(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -268,7 +282,7 @@ class CompiledForward:
                 check = CompileStats()
                 decoded = warm_start.decode(data)
                 warm = None if decoded is None else warm_start.build(
-                    decoded, self.model, lambda key: cache.load(key, check),
+                    decoded, self.model, _sharing_loader(cache, check),
                     lambda artifact, spec, index: _Piece(artifact, spec.name, spec.single))
         # (The check runs a forward: every rank or none.)
         if not self._agree(warm is not None):
@@ -298,4 +312,4 @@ class CompiledForward:
         return (f"{s.pieces} pieces around {s.attention_calls} attention calls; {how}, "
                 f"Inductor {s.inductor_compiles} piece(s) in "
                 f"{s.compile_s:.2f} s, cache hits {s.cache_hits} loaded in {s.load_s:.2f} s, "
-                f"rebuilt {s.cache_rebuilt}{where}")
+                f"{s.shared} sharing an identical piece, rebuilt {s.cache_rebuilt}{where}")

@@ -47,6 +47,7 @@ class CompileStats:
     attention_calls: int = 0  # attention ops the graph was split at
     inductor_compiles: int = 0  # pieces compiled by Inductor (cache misses)
     cache_hits: int = 0  # pieces loaded from the compile cache
+    shared: int = 0  # pieces that reuse an identical piece's artifact (no compile, no load)
     cache_rebuilt: int = 0  # cache entries found corrupt or unreadable, compiled again
     trace_s: float = 0.0  # Dynamo's trace (first call to the backend, measured around it)
     compile_s: float = 0.0  # Inductor, for the pieces it compiled
@@ -125,12 +126,27 @@ def _describe_input(x: Any) -> str:
     return f"{type(x).__name__}:{x}"
 
 
-def piece_key(base: str, index: int, piece: fx.GraphModule, args: Sequence[Any]) -> str:
-    """The cache key of one piece: the engine's key, its place, its code and its inputs."""
+def canonical_code(piece: fx.GraphModule) -> str:
+    """``piece``'s Python code with every value renamed by its position. Dynamo names values
+    after their source (``l_self_modules_layers_modules_7_...``), so the pieces of a decoder's
+    identical middle layers differ only in those names; in this form they read the same."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(piece.graph.nodes):
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        target = f"v{i}" if node.op == "placeholder" else node.target
+        env[node] = graph.create_node(node.op, target, args, kwargs, name=f"v{i}")
+    return graph.python_code(root_module="self").src
+
+
+def piece_key(base: str, piece: fx.GraphModule, args: Sequence[Any]) -> str:
+    """The cache key of one piece: the engine's key, its code (``canonical_code``) and its
+    inputs' layouts. Pieces with one key are one compiled artifact: a decoder's middle
+    layers compile, save and load once."""
     h = hashlib.sha256()
     h.update(base.encode())
-    h.update(str(index).encode())
-    h.update(piece.code.encode())
+    h.update(canonical_code(piece).encode())
     for a in args:
         h.update(_describe_input(a).encode())
     return h.hexdigest()[:32]
@@ -174,6 +190,7 @@ class PiecewiseBackend:
         self.compile_pieces = compile_pieces
         self.graphs = graphs
         self.piece_keys: dict[str, str] = {}  # piece name -> its cache key
+        self._artifacts: dict[str, Any] = {}  # cache key -> its compiled (or loaded) artifact
         # The split graph's plan for a trace-free warm start (warm_start), once traced.
         self.plan: WarmPlan | None = None
         self.graph_outputs = 0
@@ -207,8 +224,9 @@ class PiecewiseBackend:
                                               index=index, fed=fed.get(name, frozenset()))
         stats.pieces = len(pieces)
         logger.info("compiled the model's graph as %d pieces around %d attention calls "
-                    "(%d compiled by Inductor, %d from the cache)", len(pieces), n_attn,
-                    stats.inductor_compiles, stats.cache_hits)
+                    "(%d compiled by Inductor, %d from the cache, %d sharing an identical "
+                    "piece's code)", len(pieces), n_attn, stats.inductor_compiles,
+                    stats.cache_hits, stats.shared)
         return split
 
     def _compile_piece(self, index: int, name: str, sub: fx.GraphModule,
@@ -216,14 +234,19 @@ class PiecewiseBackend:
         if not self.compile_pieces:
             return sub
         stats = self.stats
-        key = piece_key(self.key, index, sub, args)
+        key = piece_key(self.key, sub, args)
         self.piece_keys[name] = key
+        shared = self._artifacts.get(key)
+        if shared is not None:  # (an identical earlier piece: another layer of the same code)
+            stats.shared += 1
+            return shared
         if self.store is not None:
             t0 = time.perf_counter()
             loaded = self.store.load(key, stats)
             if loaded is not None:
                 stats.cache_hits += 1
                 stats.load_s += time.perf_counter() - t0
+                self._artifacts[key] = loaded
                 return loaded
         from torch._inductor import standalone_compile  # (imports Inductor: only here)
 
@@ -235,4 +258,5 @@ class PiecewiseBackend:
         stats.compile_s += time.perf_counter() - t0
         if self.store is not None:
             self.store.save(key, artifact)
+        self._artifacts[key] = artifact
         return artifact
