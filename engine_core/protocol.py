@@ -135,6 +135,11 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     kv_connector_queries: int = 0
     kv_connector_hits: int = 0
     kv_connector_stores: int = 0
+    # MoE models since the previous report: each expert's routings (tokens x top-k, summed
+    # over the MoE layers), and the expert-parallel ranks they split over in contiguous
+    # ranges (1: no expert parallelism); empty / 0: not counted.
+    moe_expert_load: list[int] = []
+    moe_ep_ranks: int = 0
 
     def add_counters(self, earlier: SchedulerStats) -> None:
         """Fold in the counters of an earlier report that was never delivered (the gauges here
@@ -150,6 +155,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
         if earlier.spec_accepted_per_pos:
             self.spec_accepted_per_pos = add_per_pos(earlier.spec_accepted_per_pos,
                                                      self.spec_accepted_per_pos)
+        if earlier.moe_expert_load:
+            self.moe_expert_load = add_per_pos(earlier.moe_expert_load, self.moe_expert_load)
+            self.moe_ep_ranks = self.moe_ep_ranks or earlier.moe_ep_ranks
         self.num_preemptions += earlier.num_preemptions
         self.prefix_cache_queries += earlier.prefix_cache_queries
         self.prefix_cache_hits += earlier.prefix_cache_hits
@@ -366,6 +374,9 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # KV connector only: pool blocks a synchronous load failed to fill this step; the scheduler
     # drops the outputs of the requests holding them and recomputes those requests.
     kv_invalid_block_ids: list[int] = []
+    # MoE models: each expert's routings (tokens x top-k, summed over the MoE layers) since
+    # the previous output that carried them (worker/layers/expert_load); empty: none.
+    expert_load: list[int] = []
 
 
 
@@ -376,7 +387,7 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
 # decode instead of being misread. See ``core_proc`` for the sockets that carry them.
 
 # Bumped whenever an envelope changes shape; the handshake refuses a mismatched peer.
-PROTOCOL_VERSION = 10  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
+PROTOCOL_VERSION = 11  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerStats.iteration_tokens
 # (and Heartbeat.steps); 4: SchedulerStats.kv_cache_usage_groups; 5: SchedulerStats.grammar_*
 # and structured_requests; 6: SamplingParams.thinking_token_budget and reasoning_first,
 # StructuredOutputsParams.structural_tag and backend (an older engine would drop them unseen);
@@ -384,7 +395,7 @@ PROTOCOL_VERSION = 10  # 3: EngineCoreOutput.queued_ts/scheduled_ts, SchedulerSt
 # SchedulerStats.spec_* (speculative decoding counters) and EngineConfig.speculative; 9:
 # EngineCoreRequest.lora_request, EngineConfig.lora and the LoRA control calls; 10:
 # SchedulerStats.kv_connector_* and EngineConfig.kv_transfer, EngineCoreRequest and
-# EngineCoreOutput.kv_transfer_params
+# EngineCoreOutput.kv_transfer_params; 11: SchedulerStats.moe_expert_load and moe_ep_ranks
 
 
 class Hello(msgspec.Struct, tag="hello", **_WIRE):

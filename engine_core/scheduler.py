@@ -31,6 +31,7 @@ from tidal.engine_core.protocol import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    add_per_pos,
 )
 from tidal.engine_core.request import Request, RequestStatus
 from tidal.engine_core.spec_off_switch import SpecOffSwitch
@@ -130,6 +131,12 @@ class Scheduler:
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
         self._spec_per_pos = [0] * k
+        # MoE models: each expert's routings since the last report (the workers count them),
+        # and the expert-parallel ranks the experts split over (1: none).
+        self._expert_load: list[int] = []
+        par = config.parallel
+        self._ep_ranks = (par.data_parallel_size * par.tensor_parallel_size
+                          if par.enable_expert_parallel else 1)
         # Per step, whether the drafts at hand are worth verifying (batch size, acceptance).
         self.spec_off: SpecOffSwitch | None = None
         self._proposed_last = True  # whether the workers proposed drafts after the last step
@@ -487,6 +494,8 @@ class Scheduler:
             self._connector_output(result)
         if sched.scheduled_spec_decode_tokens:
             self._verified(sched.scheduled_spec_decode_tokens, result)
+        if result.expert_load:
+            self._expert_load = add_per_pos(self._expert_load, result.expert_load)
         if result.logprobs is None and not result.prompt_logprobs:
             self._generation_tokens_step += self._apply_plain_tokens(result, outputs)
         else:
@@ -663,6 +672,9 @@ class Scheduler:
         if self.spec_off is not None:
             stats.spec_off_steps_batch_size, stats.spec_off_steps_acceptance = \
                 self.spec_off.take_counts()
+        if self._expert_load:
+            stats.moe_expert_load, stats.moe_ep_ranks = self._expert_load, self._ep_ranks
+            self._expert_load = []
         if self.connector is not None:
             kv_stats = self.connector.take_stats()
             if kv_stats is not None:

@@ -29,7 +29,9 @@ from tidal.worker.compilation.piecewise_graphs import PiecewiseGraphs, piecewise
 from tidal.worker.cpu_offload import LayerOffloader, device_weight_bytes, offloading
 from tidal.worker.cuda_graphs import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
-from tidal.worker.layers import moe_ep
+from tidal.worker.layers import expert_load, moe_ep
+from tidal.worker.layers.expert_load import ExpertLoad
+from tidal.worker.layers.fused_moe import FusedMoE
 from tidal.worker.attention.selector import attention_impl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.kernel_policy import kernels_for
@@ -114,6 +116,9 @@ class PendingStep:
     tokens_host: torch.Tensor | None  # kept rows' ids, copied on the side stream
     logprobs_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     copied: torch.cuda.Event | None
+    # Each expert's routings since the previous step that sampled (``layers.expert_load``),
+    # on its way to the host with the tokens; None: not counted.
+    expert_load_host: torch.Tensor | None = None
     done: bool = False
 
     def get_output(self) -> ModelRunnerOutput:
@@ -134,7 +139,9 @@ class PendingStep:
         if self.logprobs_host is not None:
             ids, vals, ranks = self.logprobs_host
             result.logprobs = LogprobsArrays(ids.numpy(), vals.numpy(), ranks.numpy())
-        self.tokens_host = self.logprobs_host = None
+        if self.expert_load_host is not None:
+            result.expert_load = self.expert_load_host.tolist()
+        self.tokens_host = self.logprobs_host = self.expert_load_host = None
         self.done = True
 
 
@@ -212,6 +219,8 @@ class ModelRunner:
         self.kv_hooks = ConnectorHooks.create(config, self.tp.ranks[self.tp.rank])
         # Expert parallelism (worker/layers/moe_ep.py), set up with the model; None: off.
         self.ep: moe_ep.ExpertParallel | None = None
+        # Per-expert routing counts for /metrics (MoE models; layers/expert_load).
+        self.expert_load: ExpertLoad | None = None
         self.graphs: CudaGraphRunner | None = None
         # The torch.compile'd forward (--compilation-config mode 3, ``compile_model``): runs
         # the steps no CUDA graph replays.
@@ -252,6 +261,7 @@ class ModelRunner:
             self.cpu_offload = offload
         if self.ep is not None:
             self.ep.bind(self.model)
+        self.expert_load = self._count_expert_load()
         if self.config.lora is not None:
             # (Before the KV cache is sized: the profile counts the slot buffers.)
             self.lora = LoRAManager(self.config, self.model, self.device, self.dtype, self.tp,
@@ -515,6 +525,7 @@ class ModelRunner:
         if self.ep is not None:
             self.ep.close()  # (its layers keep the expert weights; its cross-engine groups)
             self.ep = None
+        self.expert_load = None
         if self.kv_hooks is not None:
             self.kv_hooks.shutdown()  # (the host tier's pinned buffers)
         if self.on_gpu:
@@ -567,6 +578,22 @@ class ModelRunner:
             return f"off: {compiled.failure}"
         self.compiled = compiled
         return compiled.describe()
+
+    def _count_expert_load(self) -> ExpertLoad | None:
+        """The MoE routing counter for /metrics, or None: no MoE layers, stats off
+        (--disable-log-stats), or a layout whose counts would not reach the engine whole."""
+        assert self.model is not None
+        why = ("stats are off (--disable-log-stats)" if not self.config.log_stats
+               else "the model is compiled (--compilation-config)"
+               if self.config.runner.compilation.enabled
+               else "pipeline parallelism (only the last stage's output reaches the engine)"
+               if self.pp.world_size > 1 else None)
+        if why is not None:
+            if any(isinstance(m, FusedMoE) for m in self.model.modules()):
+                logger.info("expert load: not counted for /metrics: %s", why)
+            return None
+        return expert_load.attach(self.model, self.bufs.num_tokens, self.max_num_tokens,
+                                  self.device)
 
     def _tp_agree(self, ok: bool) -> bool:
         """True on every tensor-parallel rank iff ``ok`` on every one (start-up only)."""
@@ -941,6 +968,8 @@ class ModelRunner:
         if later.so.propose_drafts:
             result.spec_token_ids = self.spec.propose(self.batch, rows,
                                                       result.sampled_token_ids)
+        if self.expert_load is not None:  # (verification waited for the device already)
+            result.expert_load = self.expert_load.snapshot().tolist()
         return result
 
     @torch.inference_mode()
@@ -1018,6 +1047,7 @@ class ModelRunner:
         r = self.max_num_reqs
         m[:num_reqs + 1] = cu
         m[r + 1:r + 1 + num_reqs] = seq_lens
+        m[bufs.num_tokens_index] = total
         if padded_reqs > num_reqs:
             # Padding requests: no query (empty range at the end), no context.
             m[num_reqs + 1:padded_reqs + 1] = total
@@ -1207,6 +1237,9 @@ class ModelRunner:
         pos_k = positions if keep is None else positions[keep]
         lp = out.logprobs
         copied = None
+        # (In stream order after this step's forward: what it routed, and nothing later.)
+        load = self.expert_load.snapshot() if self.expert_load is not None else None
+        load_host = None
         if self.on_gpu:
             main = torch.cuda.current_stream(self.device)
             stream = self._copy_stream
@@ -1218,17 +1251,21 @@ class ModelRunner:
                 lp_host = None
                 if lp is not None:
                     lp_host = self._logprobs_to_host(lp, keep)
+                if load is not None:
+                    load.record_stream(stream)  # (made on the main stream, read here)
+                    load_host = _to_pinned(load)
                 copied = torch.cuda.Event()
                 copied.record(stream)
         else:
             sel = tokens if keep is None else tokens[torch.from_numpy(keep)]
             tokens_host = sel
             lp_host = None if lp is None else self._logprobs_to_host(lp, keep)
+            load_host = load
         pending = PendingStep(
             runner=self, result=result, req_ids=kept_ids, rows=rows_k, positions=pos_k,
             generations=b.generation[rows_k], membership=b.membership, tokens_dev=tokens,
             tokens_host=tokens_host,
-            logprobs_host=lp_host, copied=copied)
+            logprobs_host=lp_host, copied=copied, expert_load_host=load_host)
         self._inflight.append(pending)
         return pending
 

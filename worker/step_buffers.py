@@ -39,6 +39,11 @@ _DTYPES = (torch.int64, torch.int32, torch.float32)
 _MAX_CACHED_VIEWS = 256
 
 
+def _meta32_len(max_num_reqs: int) -> int:
+    # query_start_loc (max_num_reqs + 1), seq_lens (max_num_reqs), the real token count (1)
+    return 2 * max_num_reqs + 2
+
+
 @dataclass(slots=True)
 class HostSet:
     """One set of pinned host buffers (and their numpy views)."""
@@ -101,7 +106,7 @@ class StepBuffers:
         if self.on_gpu:
             self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
             self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
-            self.meta32 = torch.zeros(2 * max_num_reqs + 1, dtype=torch.int32, device=dev)
+            self.meta32 = torch.zeros(_meta32_len(max_num_reqs), dtype=torch.int32, device=dev)
             self.stage = {dt: torch.zeros(self._caps[dt], dtype=dt, device=dev) for dt in _DTYPES}
         else:
             self._use_host_set_as_device()
@@ -145,6 +150,17 @@ class StepBuffers:
         start = self.max_num_reqs + 1
         return self.meta32[start:start + n]
 
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """The step's real token count (padding excluded), one int32 at a fixed address: what
+        a replayed graph reads to tell tokens from padding rows (``layers.expert_load``)."""
+        return self.meta32[-1:]
+
+    @property
+    def num_tokens_index(self) -> int:
+        """Where ``num_tokens`` sits in the host set's ``meta32``."""
+        return 2 * self.max_num_reqs + 1
+
     def views(self, num_tokens: int, num_reqs: int) -> StepViews:
         """Views of the fixed buffers for a step of ``num_tokens`` tokens (padding included
         where a graph runs) and ``num_reqs`` requests."""
@@ -163,7 +179,7 @@ class StepBuffers:
         pin = self.on_gpu
         ids = _host(self.max_num_tokens, torch.int64, pin)
         pos = _host(self.max_num_tokens, torch.int64, pin)
-        meta32 = _host(2 * self.max_num_reqs + 1, torch.int32, pin)
+        meta32 = _host(_meta32_len(self.max_num_reqs), torch.int32, pin)
         stage = {dt: _host(self._caps[dt], dt, pin) for dt in _DTYPES}
         return HostSet(ids, pos, meta32, stage, ids.numpy(), pos.numpy(), meta32.numpy(), {dt: t.numpy() for dt, t in stage.items()},
                        torch.cuda.Event() if pin else None)

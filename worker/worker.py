@@ -243,6 +243,8 @@ class Worker:
             # Start-up's forwards ran on this engine alone; serving ones meet the other DP
             # engines' (layers/moe_ep).
             runner.ep.activate()
+        if isinstance(runner, ModelRunner) and runner.expert_load is not None:
+            runner.expert_load.reset()  # (/metrics counts serving's routing, not start-up's)
         self._mark_ready()
 
     def _mark_ready(self) -> None:

@@ -28,6 +28,10 @@ prompt's last token). ``engine_sleep_state`` always shows an awake engine (no sl
 ``time_per_output_token_seconds`` (deprecated by vLLM 0.11 for ``inter_token_latency_seconds``,
 still read by older dashboards) is rendered as a copy of the latter.
 
+Mixture-of-experts models add tidal's expert-load histogram, from ``SchedulerStats.moe_*``
+(the workers' device counters, ``worker/layers/expert_load``): ``moe_expert_load_tokens``
+per expert and, with expert parallelism, ``moe_ep_rank_load_tokens`` per EP rank.
+
 With several API server processes (``--api-server-count``) every process writes its values to
 files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode) and ``/metrics``
 in any of them renders the sum over all: frontend counters and histograms add up, the engine's
@@ -239,9 +243,10 @@ class _EngineSeries:
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int = 2048,
                  prefix: str = DEFAULT_PREFIX, cache_info: dict[str, str] | None = None,
-                 speculative: bool = False) -> None:
+                 speculative: bool = False, moe: bool = False) -> None:
         """``speculative``: the engine runs speculative decoding (its families exist only
-        then, as vLLM's)."""
+        then, as vLLM's); ``moe``: the model is a mixture of experts (the expert-load
+        families exist only then)."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.prefix = check_prefix(prefix)
@@ -383,12 +388,25 @@ class ServerMetrics:
                 "Steps whose drafts were not verified (speculation switched off), by reason: "
                 "batch_size (too many running requests) or acceptance (too few accepted to "
                 "pay for verifying).", ["reason"])
+        # Mixture of experts: the expert-load histogram (tidal's; vLLM keeps its expert loads
+        # inside EPLB). Routings are tokens x top-k, summed over the MoE layers; with expert
+        # parallelism each EP rank holds a contiguous range of experts, summed per rank too.
+        self.moe = moe
+        if moe:
+            self.expert_load = counter(
+                "moe_expert_load_tokens", "Tokens routed to each expert (a token counts once "
+                "per expert of its top-k, summed over the MoE layers).", ["expert"])
+            self.ep_rank_load = counter(
+                "moe_ep_rank_load_tokens", "Tokens routed to the experts each expert-parallel "
+                "rank holds (--enable-expert-parallel), summed over the MoE layers.",
+                ["ep_rank"])
         self._series(0)
 
     @classmethod
     def from_config(cls, config: EngineConfig, prefix: str = DEFAULT_PREFIX) -> ServerMetrics:
         return cls(config.model.served_model_name, config.model.max_model_len, prefix,
-                   cache_config_info(config), speculative=config.speculative is not None)
+                   cache_config_info(config), speculative=config.speculative is not None,
+                   moe=bool(config.model.arch.num_experts))
 
     def _series(self, engine: int) -> _EngineSeries:
         series = self._engines.get(engine)
@@ -414,6 +432,20 @@ class ServerMetrics:
         if stats.spec_off_steps_acceptance:
             self.spec_off_steps.labels(model, engine, "acceptance").inc(
                 stats.spec_off_steps_acceptance)
+
+    def _observe_expert_load(self, stats: SchedulerStats, engine: str) -> None:
+        model = self.model_name
+        load = stats.moe_expert_load
+        for expert, n in enumerate(load):
+            if n:
+                self.expert_load.labels(model, engine, str(expert)).inc(n)
+        ranks = stats.moe_ep_ranks
+        if ranks > 1 and len(load) % ranks == 0:
+            per = len(load) // ranks
+            for rank in range(ranks):
+                n = sum(load[rank * per:(rank + 1) * per])
+                if n:
+                    self.ep_rank_load.labels(model, engine, str(rank)).inc(n)
 
     def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:
         e = self._series(record.engine_index)
@@ -449,6 +481,8 @@ class ServerMetrics:
             if self.speculative and (stats.spec_num_drafts or stats.spec_off_steps_batch_size
                                      or stats.spec_off_steps_acceptance):
                 self._observe_spec(stats, str(record.engine_index))
+            if self.moe and stats.moe_expert_load:
+                self._observe_expert_load(stats, str(record.engine_index))
         if record.prompt_tokens:
             cached = record.cached_prompt_tokens
             e.prompt_tokens.inc(record.prompt_tokens)

@@ -228,3 +228,23 @@ def test_gpu_policy_dispatch_and_cuda_graph():
     torch.testing.assert_close(out, want)
     weights, ids = select_experts(logits, layer.routing)
     _check(out, moe_torch.fused_moe(x, w13, w2, weights, ids), torch.bfloat16)
+
+
+def test_routing_kernel_counts_real_tokens_only():
+    """The /metrics routing counter inside the Triton routing kernel (layers/expert_load):
+    each real token's top-k picks added once; rows from ``valid`` on (CUDA-graph padding)
+    nothing; without ``valid`` every row."""
+    dev = DEVICE
+    torch.manual_seed(0)
+    logits = torch.randn(37, 16, device=dev)
+    cfg = RoutingConfig(top_k=3)
+    counts = torch.zeros(16, dtype=torch.int32, device=dev)
+    valid = torch.tensor([30], dtype=torch.int32, device=dev)
+    weights, ids = triton_moe.select_experts(logits, cfg, count=(counts, valid))
+    want_w, want_ids = moe_torch.select_experts(logits, cfg)
+    assert torch.equal(ids.long(), want_ids.long())  # (routing unchanged by counting)
+    torch.testing.assert_close(weights, want_w)
+    assert counts.tolist() == torch.bincount(ids[:30].reshape(-1).long(), minlength=16).tolist()
+    counts.zero_()
+    triton_moe.select_experts(logits, cfg, count=(counts, None))
+    assert counts.tolist() == torch.bincount(ids.reshape(-1).long(), minlength=16).tolist()

@@ -25,7 +25,7 @@ where ``select_experts`` is defined; this module re-exports it) elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from tidal.worker.layers.linear import WeightShapeError, _shard, as_tensor, set_
 from tidal.worker.layers.moe_ep import current_expert_parallel
 from tidal.worker.ops.fp8_torch import FP8_DTYPE, quantize_rows
 from tidal.worker.ops.moe_torch import select_experts
+
+if TYPE_CHECKING:
+    from tidal.worker.layers.expert_load import ExpertLoad
 
 __all__ = ["FusedMoE", "RoutingConfig", "select_experts"]
 
@@ -136,6 +139,10 @@ class FusedMoE(nn.Module):
             self.register_parameter("w2_weight_scale", None)
         # (which, expert) pairs loaded so far, so a model can tell a checkpoint that lacks some.
         self._loaded: set[tuple[str, int]] = set()
+        # The routing counter for /metrics and this layer's row in it (``expert_load``; None:
+        # not counted).
+        self.expert_load: ExpertLoad | None = None
+        self.expert_load_index = 0
 
     def extra_repr(self) -> str:
         held = "" if self.placement is None else f" (ep: {self.placement.describe()})"
@@ -292,8 +299,10 @@ class FusedMoE(nn.Module):
         if self.ep is not None:
             return self.ep.forward(self, x, router_logits.reshape(-1, self.num_experts),
                                    correction_bias).view(shape)
+        count = (self.expert_load.into(self.expert_load_index)
+                 if self.expert_load is not None else None)
         weights, ids = self.kernels.select_experts(router_logits.reshape(-1, self.num_experts),
-                                                   self.routing, correction_bias)
+                                                   self.routing, correction_bias, count)
         out = self.kernels.fused_moe(x, self.w13, self.w2, weights, ids,
                                      self.w13_weight_scale, self.w2_weight_scale)
         if self.reduce_results:

@@ -235,7 +235,7 @@ class ExpertParallel:
         if x.shape[0]:
             self.logits_dtype = router_logits.dtype
         if not self.active:
-            out = self._local_experts(moe, x, router_logits, correction_bias)
+            out = self._local_experts(moe, x, router_logits, correction_bias, gathered=False)
         else:
             self._enter(moe, x.shape[0])
             if self._halves is not None:
@@ -244,7 +244,8 @@ class ExpertParallel:
                 out = self._overlapped(moe, x, router_logits, correction_bias)
             else:
                 x_all, logits_all = self._dispatch(self._whole, x, router_logits)
-                out = self._local_experts(moe, x_all, logits_all, correction_bias)
+                out = self._local_experts(moe, x_all, logits_all, correction_bias,
+                                          gathered=True)
                 out = self._combine(self._whole, out)
         # (Every TP rank of an engine holds the same tokens: all of them skip an empty sum.)
         if moe.reduce_results and out.shape[0]:
@@ -369,7 +370,7 @@ class ExpertParallel:
                 combines.append(None)
                 continue
             x_all, logits_all = self._finish_dispatch(ex, gather, h)
-            out = self._local_experts(moe, x_all, logits_all, correction_bias)
+            out = self._local_experts(moe, x_all, logits_all, correction_bias, gathered=True)
             combines.append(self._start_combine(ex, out))
         outs = []
         for (ex, xs, _), combine in zip(parts, combines):
@@ -381,12 +382,16 @@ class ExpertParallel:
             outs.append(mine[:ex.tokens])
         return torch.cat(outs)
 
-    @staticmethod
-    def _local_experts(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
-                       correction_bias: torch.Tensor | None) -> torch.Tensor:
+    def _local_experts(self, moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
+                       correction_bias: torch.Tensor | None, *, gathered: bool) -> torch.Tensor:
+        """``moe``'s experts held here over ``x``: this engine's rows, or (``gathered``) every
+        engine's, which each engine routes alike (only DP rank 0 counts them for /metrics)."""
         if x.shape[0] == 0:
             return x.new_zeros((0, moe.hidden_size))
-        weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias)
+        count = (moe.expert_load.into(moe.expert_load_index, all_rows=gathered)
+                 if moe.expert_load is not None and (not gathered or self.dp_rank == 0)
+                 else None)
+        weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias, count)
         partial = len(moe.local_experts) != moe.num_experts
         if partial:
             ids = local_expert_ids(ids, moe.local_experts)

@@ -23,6 +23,7 @@ from tidal.worker.sample import grammar_mask, seeded_random
 
 if TYPE_CHECKING:
     from tidal.worker.kernel_policy import KernelPolicy
+    from tidal.worker.layers.expert_load import CountInto
     from tidal.worker.layers.fused_moe import RoutingConfig
 
 GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
@@ -160,19 +161,25 @@ class Kernels:
                                                      is_neox)
 
     def select_experts(self, router_logits: torch.Tensor, routing: RoutingConfig,
-                       correction_bias: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       correction_bias: torch.Tensor | None = None,
+                       count: CountInto | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MoE routing, ``[T, E]`` logits -> ``(weights float32 [T, k], ids int32 [T, k])`` by
         a ``fused_moe.RoutingConfig``. Semantics: ``moe_torch.select_experts``; on the GPU
-        one Triton kernel."""
+        one Triton kernel. ``count``: add the real tokens' picks to a routing counter
+        (``layers.expert_load``), inside the Triton kernel where it runs."""
         # (The Triton kernel scores a group by its best expert only: V3's top-2 sums take
         # the torch ops, which are graph-safe.)
         if (self._moe is not None and router_logits.is_cuda
                 and (routing.group_score == "max" or routing.num_groups == 1)):
-            return self._moe.select_experts(router_logits, routing, correction_bias)
+            return self._moe.select_experts(
+                router_logits, routing, correction_bias,
+                None if count is None else (count.counts, count.valid))
         from tidal.worker.ops import moe_torch
 
-        return moe_torch.select_experts(router_logits, routing, correction_bias)
+        weights, ids = moe_torch.select_experts(router_logits, routing, correction_bias)
+        if count is not None:
+            count.add(ids)
+        return weights, ids
 
     def fused_moe(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -73,13 +73,16 @@ def align_torch(topk_ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # token counts: one compile serves all
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_experts,
-                  stride_l, scale, TOP_K: tl.constexpr, TOPK_P2: tl.constexpr,
-                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                  GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, EXPERTS: tl.constexpr,
-                  ROWS: tl.constexpr):
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, valid_ptr,
+                  num_tokens, num_experts, stride_l, scale, TOP_K: tl.constexpr,
+                  TOPK_P2: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORM: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                  EXPERTS: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr,
+                  HAS_VALID: tl.constexpr):
     """``select_experts`` for ROWS tokens: scores, group mask, top-k by repeated argmax (the
-    lowest index wins a tie), renormalisation and scaling, in one pass over the logits."""
+    lowest index wins a tie), renormalisation and scaling, in one pass over the logits.
+    ``COUNT``: also add each real token's picks to ``counts_ptr`` (int32 per expert; rows
+    from ``*valid_ptr`` on are padding when ``HAS_VALID``: ``layers.expert_load``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, EXPERTS)
     rm = rows < num_tokens
@@ -131,12 +134,21 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, num_ex
     mask = rm[:, None] & (slots[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=mask)
     tl.store(ids_ptr + out, top_i, mask=mask)
+    if COUNT:
+        real = mask
+        if HAS_VALID:
+            real = real & (rows < tl.load(valid_ptr))[:, None]
+        tl.atomic_add(counts_ptr + top_i, tl.full((ROWS, TOPK_P2), 1, tl.int32), mask=real)
 
 
 def select_experts(router_logits: torch.Tensor, cfg: Any,
-                   correction_bias: torch.Tensor | None = None
+                   correction_bias: torch.Tensor | None = None,
+                   count: tuple[torch.Tensor, torch.Tensor | None] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layers.fused_moe.select_experts`` (``cfg`` a ``RoutingConfig``) in one launch."""
+    """``layers.fused_moe.select_experts`` (``cfg`` a ``RoutingConfig``) in one launch.
+    ``count``: ``(counts int32 [E], valid)``: each real token's picks are added to
+    ``counts`` in the same launch (``valid``: a one-element int32 tensor, the real token
+    count; None: every row)."""
     num_experts = router_logits.shape[-1]
     cfg.check(num_experts)
     logits = router_logits.reshape(-1, num_experts)
@@ -149,12 +161,15 @@ def select_experts(router_logits: torch.Tensor, cfg: Any,
         return weights, ids
     experts_p2 = triton.next_power_of_2(num_experts)
     rows = max(1, min(16, 1024 // experts_p2))
+    counts, valid = count if count is not None else (ids, None)
     _route_kernel[(triton.cdiv(t, rows),)](
-        logits, correction_bias if correction_bias is not None else logits, weights, ids, t,
-        num_experts, logits.stride(0), float(cfg.routed_scaling_factor), TOP_K=cfg.top_k,
+        logits, correction_bias if correction_bias is not None else logits, weights, ids,
+        counts, valid if valid is not None else ids, t, num_experts, logits.stride(0),
+        float(cfg.routed_scaling_factor), TOP_K=cfg.top_k,
         TOPK_P2=triton.next_power_of_2(cfg.top_k), SIGMOID=cfg.scoring == "sigmoid",
         HAS_BIAS=correction_bias is not None, RENORM=cfg.renormalize, GROUPS=cfg.num_groups,
-        TOPK_GROUPS=cfg.topk_groups, EXPERTS=experts_p2, ROWS=rows)
+        TOPK_GROUPS=cfg.topk_groups, EXPERTS=experts_p2, ROWS=rows, COUNT=count is not None,
+        HAS_VALID=valid is not None)
     return weights, ids
 
 
