@@ -592,8 +592,10 @@ class ModelRunner:
             if any(isinstance(m, FusedMoE) for m in self.model.modules()):
                 logger.info("expert load: not counted for /metrics: %s", why)
             return None
-        return expert_load.attach(self.model, self.bufs.num_tokens, self.max_num_tokens,
-                                  self.device)
+        # (Padding rows exist only in a GPU's graph steps; a CPU's staging tensors are
+        # replaced when they grow, so no view of them is kept.)
+        return expert_load.attach(self.model, self.bufs.num_tokens if self.on_gpu else None,
+                                  self.max_num_tokens, self.device)
 
     def _tp_agree(self, ok: bool) -> bool:
         """True on every tensor-parallel rank iff ``ok`` on every one (start-up only)."""

@@ -437,14 +437,14 @@ class ServerMetrics:
         model = self.model_name
         load = stats.moe_expert_load
         for expert, n in enumerate(load):
-            if n:
+            if n > 0:
                 self.expert_load.labels(model, engine, str(expert)).inc(n)
         ranks = stats.moe_ep_ranks
         if ranks > 1 and len(load) % ranks == 0:
             per = len(load) // ranks
             for rank in range(ranks):
                 n = sum(load[rank * per:(rank + 1) * per])
-                if n:
+                if n > 0:
                     self.ep_rank_load.labels(model, engine, str(rank)).inc(n)
 
     def observe_step(self, stats: SchedulerStats | None, record: StepRecord) -> None:

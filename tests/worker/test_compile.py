@@ -382,11 +382,11 @@ def test_compiled_matches_eager_on_gpu(tiny_models, tmp_path):
 
 
 @pytest.mark.gpu
-def test_tensor_parallel_compiled_matches_eager_on_gpus(tiny_models, tmp_path):
+def test_tensor_parallel_compiled_matches_eager_on_gpus(tiny_models, tmp_path, capfd):
     """TP=2 on two GPUs, compiled with FULL_AND_PIECEWISE (the all-reduces are
-    ``tidal::all_reduce`` ops inside the pieces, NCCL inside the whole-model graphs): the
-    same greedy tokens as one eager GPU, on a cold start and on a warm one (both ranks load
-    their plans, no trace)."""
+    ``tidal::all_reduce`` ops inside the compiled pieces, which the whole-model decode and
+    mixed graphs capture; NCCL): the same greedy tokens as one eager GPU, on a cold start and
+    on a warm one (both ranks load their plans, no trace)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs: tensor parallelism over NCCL, compiled")
     folder = str(tiny_models["qwen3"][0])
@@ -394,7 +394,7 @@ def test_tensor_parallel_compiled_matches_eager_on_gpus(tiny_models, tmp_path):
               dtype="float32", max_num_batched_tokens=16, hf_overrides=LAYERS)
     runs = [(None, 1)] + [({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
                             "cache_dir": str(tmp_path)}, 2)] * 2
-    outs = []
+    outs, logs = [], []
     for cc, tp in runs:
         llm = LLM(folder, compilation_config=cc, tensor_parallel_size=tp,
                   distributed_executor_backend="mp" if tp > 1 else None, **kw)
@@ -403,7 +403,12 @@ def test_tensor_parallel_compiled_matches_eager_on_gpus(tiny_models, tmp_path):
                          llm.generate(PROMPTS, _params(), use_tqdm=False)])
         finally:
             llm.shutdown()
+        logs.append([line for line in capfd.readouterr().err.splitlines()
+                     if " compile in " in line])
     assert outs[1] == outs[0] and outs[2] == outs[0]
+    assert len(logs[1]) == 2 and all("trace" in line for line in logs[1]), logs[1]
+    assert len(logs[2]) == 2 and all("warm start without a Dynamo trace" in line
+                                     for line in logs[2]), logs[2]
     # Each rank's cache entry holds its pieces and the plan the warm start ran.
     entries = sorted(tmp_path.iterdir())
     assert len(entries) == 2 and all((e / "warm.json").exists() for e in entries)

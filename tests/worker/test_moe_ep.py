@@ -349,25 +349,31 @@ def test_release_drops_the_expert_layers(qwen3_moe) -> None:
 
 
 def test_expert_load_counts_each_engines_tokens_once() -> None:
-    """The /metrics expert-load counter (layers/expert_load) under EP: within an engine a rank
-    counts its own rows (padding masked); across DP engines every engine routes every
-    engine's gathered rows alike, so only DP rank 0 counts them."""
+    """The /metrics expert-load counter (layers/expert_load) under EP: an engine's own rows
+    are counted as they are routed (padding masked); across DP engines every engine routes
+    every engine's gathered rows alike and counts only its own among them, so the engines'
+    counts add up to one count of every token."""
     from tidal.worker.layers.expert_load import ExpertLoad
 
     x = torch.randn(6, 16)
     logits = torch.randn(6, EXPERTS)
     _, ids = moe_torch.select_experts(logits, RoutingConfig(top_k=2))
-    want = torch.bincount(ids.reshape(-1), minlength=EXPERTS).tolist()
-    counted = {}
+
+    def bins(rows: torch.Tensor) -> list[int]:
+        return torch.bincount(rows.reshape(-1), minlength=EXPERTS).tolist()
+
+    counted = []
     for dp_rank in (0, 1):
         ep = moe_ep.ExpertParallel(ParallelGroup(), dp_rank, 2)
         layer = _layer(ep)
         load = ExpertLoad([layer], torch.tensor([4], dtype=torch.int32), 8,
                           torch.device("cpu"))
-        ep._local_experts(layer, x, logits, None, gathered=True)
-        counted[dp_rank] = load.snapshot().tolist()
+        # Engine 0 sent 4 tokens, engine 1 sent 2: the 6 gathered rows in rank order.
+        mine = moe_ep.Exchange.of([4, 2], dp_rank, torch.device("cpu"))
+        assert (mine.offset, mine.tokens) == ((0, 4), (4, 2))[dp_rank]
+        ep._local_experts(layer, x, logits, None, mine=mine)
+        counted.append(load.snapshot().tolist())
         # This engine's own rows (start-up, or EP inside one engine): the first 4 are tokens.
-        ep._local_experts(layer, x, logits, None, gathered=False)
-        mine = torch.bincount(ids[:4].reshape(-1), minlength=EXPERTS).tolist()
-        assert load.snapshot().tolist() == mine
-    assert counted == {0: want, 1: [0] * EXPERTS}
+        ep._local_experts(layer, x, logits, None)
+        assert load.snapshot().tolist() == bins(ids[:4])
+    assert counted == [bins(ids[:4]), bins(ids[4:])]

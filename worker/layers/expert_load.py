@@ -6,8 +6,9 @@ experts from garbage) count nothing: on a GPU inside the Triton routing kernel (
 no launch of its own), elsewhere one ``index_add_`` of the top-k ids weighted by a row mask.
 The real-token count is a device scalar the runner writes with each step's metadata
 (``StepBuffers.num_tokens``): it sits at a fixed address, which is what a captured graph reads.
-With expert parallelism across engines every engine routes every engine's tokens, so only
-data-parallel rank 0 counts those (the sum over engines stays the number of routings).
+With expert parallelism across engines every engine routes every engine's gathered tokens and
+counts only its own rows among them (so the sum over engines stays the number of routings, and
+each engine's count leaves with its own steps).
 
 Each step that samples, the runner folds the counter over the layers and hands the sums to
 the host with the step's sampled tokens (``snapshot``: a sum and a zero on the device, the
@@ -94,13 +95,18 @@ class ExpertLoad:
 
 def attach(model: torch.nn.Module, valid: torch.Tensor | None, max_rows: int,
            device: torch.device) -> ExpertLoad | None:
-    """An ``ExpertLoad`` over ``model``'s MoE layers (None: it has none)."""
+    """An ``ExpertLoad`` over ``model``'s MoE layers (None: it has none, or they differ in
+    their expert counts: a metric never stops a model from serving)."""
     from tidal.worker.layers.fused_moe import FusedMoE
 
     layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not layers:
         return None
-    load = ExpertLoad(layers, valid, max_rows, device)
+    try:
+        load = ExpertLoad(layers, valid, max_rows, device)
+    except ValueError as exc:
+        logger.warning("expert load: not counted for /metrics: %s", exc)
+        return None
     logger.info("expert load: counting the routing of %d MoE layers x %d experts for /metrics",
                 len(layers), load.num_experts)
     return load

@@ -98,11 +98,13 @@ def local_expert_ids(ids: torch.Tensor, experts: range) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """The shape of one cross-engine exchange: this rank's token rows, the largest rank's
-    (every rank's rows are padded to it), and which gathered rows are tokens (None: all)."""
+    (every rank's rows are padded to it), which gathered rows are tokens (None: all), and
+    where this rank's rows start among the gathered tokens (padding dropped)."""
 
     tokens: int
     tmax: int
     valid: torch.Tensor | None
+    offset: int = 0
 
     @staticmethod
     def of(counts: list[int], rank: int, device: torch.device) -> Exchange:
@@ -111,7 +113,7 @@ class Exchange:
         if any(c != tmax for c in counts):
             valid = torch.cat([torch.arange(r * tmax, r * tmax + c)
                                for r, c in enumerate(counts)]).to(device)
-        return Exchange(counts[rank], tmax, valid)
+        return Exchange(counts[rank], tmax, valid, sum(counts[:rank]))
 
 
 def exchange_headroom_bytes(*, dp_size: int, tokens: int, hidden: int, num_experts: int,
@@ -235,7 +237,7 @@ class ExpertParallel:
         if x.shape[0]:
             self.logits_dtype = router_logits.dtype
         if not self.active:
-            out = self._local_experts(moe, x, router_logits, correction_bias, gathered=False)
+            out = self._local_experts(moe, x, router_logits, correction_bias)
         else:
             self._enter(moe, x.shape[0])
             if self._halves is not None:
@@ -245,7 +247,7 @@ class ExpertParallel:
             else:
                 x_all, logits_all = self._dispatch(self._whole, x, router_logits)
                 out = self._local_experts(moe, x_all, logits_all, correction_bias,
-                                          gathered=True)
+                                          mine=self._whole)
                 out = self._combine(self._whole, out)
         # (Every TP rank of an engine holds the same tokens: all of them skip an empty sum.)
         if moe.reduce_results and out.shape[0]:
@@ -370,7 +372,7 @@ class ExpertParallel:
                 combines.append(None)
                 continue
             x_all, logits_all = self._finish_dispatch(ex, gather, h)
-            out = self._local_experts(moe, x_all, logits_all, correction_bias, gathered=True)
+            out = self._local_experts(moe, x_all, logits_all, correction_bias, mine=ex)
             combines.append(self._start_combine(ex, out))
         outs = []
         for (ex, xs, _), combine in zip(parts, combines):
@@ -382,16 +384,22 @@ class ExpertParallel:
             outs.append(mine[:ex.tokens])
         return torch.cat(outs)
 
-    def _local_experts(self, moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
-                       correction_bias: torch.Tensor | None, *, gathered: bool) -> torch.Tensor:
-        """``moe``'s experts held here over ``x``: this engine's rows, or (``gathered``) every
-        engine's, which each engine routes alike (only DP rank 0 counts them for /metrics)."""
+    @staticmethod
+    def _local_experts(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
+                       correction_bias: torch.Tensor | None,
+                       mine: Exchange | None = None) -> torch.Tensor:
+        """``moe``'s experts held here over ``x``: this engine's rows, or every engine's
+        gathered by the exchange ``mine``. Each engine routes every gathered row alike, and
+        counts (for /metrics) only its own: each engine's load reaches the frontend with its
+        own steps, and an idle engine counts nothing."""
         if x.shape[0] == 0:
             return x.new_zeros((0, moe.hidden_size))
-        count = (moe.expert_load.into(moe.expert_load_index, all_rows=gathered)
-                 if moe.expert_load is not None and (not gathered or self.dp_rank == 0)
-                 else None)
+        load = moe.expert_load
+        count = load.into(moe.expert_load_index) if load is not None and mine is None else None
         weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias, count)
+        if load is not None and mine is not None:
+            load.into(moe.expert_load_index, all_rows=True).add(
+                ids[mine.offset:mine.offset + mine.tokens])
         partial = len(moe.local_experts) != moe.num_experts
         if partial:
             ids = local_expert_ids(ids, moe.local_experts)

@@ -135,7 +135,8 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, valid_
     tl.store(weights_ptr + out, top_w, mask=mask)
     tl.store(ids_ptr + out, top_i, mask=mask)
     if COUNT:
-        real = mask
+        # (An id of EXPERTS, from a row of NaN logits, names no expert: never an address.)
+        real = mask & (top_i < num_experts)
         if HAS_VALID:
             real = real & (rows < tl.load(valid_ptr))[:, None]
         tl.atomic_add(counts_ptr + top_i, tl.full((ROWS, TOPK_P2), 1, tl.int32), mask=real)
