@@ -5,6 +5,7 @@ same model with every layer's KV kept whole (``--disable-hybrid-kv-cache-manager
     python tools/bench_kv_capacity.py --shape gemma3-27b --context 32768 \\
         --tensor-parallel-size 2 --gpu-memory-utilization 0.9      # on GPUs, dummy weights
     python tools/bench_kv_capacity.py --shape mistral-7b --context 32768   # one H100
+    python tools/bench_kv_capacity.py --dry-run --kv-cache-dtype fp8   # FP8 KV: 1 byte a value
 
 (Gemma-3-27B's bf16 weights take 54 GB: on one 80 GB GPU the all-full layout cannot hold even
 one 32k request, so run it with two GPUs, or compare at equal ``--kv-gib``.)
@@ -101,14 +102,19 @@ def shape_config(name: str, context: int) -> dict[str, Any]:
 
 
 def arithmetic(name: str, context: int, kv_bytes: int, block_size: int, hybrid: bool,
-               tp: int = 1, dtype: str = "bfloat16") -> Capacity:
+               tp: int = 1, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> Capacity:
+    """``kv_cache_dtype``: "auto" (the model's ``dtype``) or an FP8 one (one byte a value;
+    the per-layer scales live outside the pool)."""
     from tidal.engine_core.kv_groups import layout_for
     from tidal.engine_core.model_arch import arch_from_hf_dict
 
     arch = arch_from_hf_dict(shape_config(name, context), name)
     layout = layout_for(arch, hybrid, context)
     heads = max(1, arch.num_kv_heads // tp)
-    per_block = 2 * layout.group_size * block_size * heads * arch.head_dim * DTYPE_BYTES[dtype]
+    from tidal.engine_core.kv_cache_dtype import resolve_kv_cache_dtype
+
+    value_bytes = DTYPE_BYTES[dtype] if resolve_kv_cache_dtype(kv_cache_dtype) == "auto" else 1
+    per_block = 2 * layout.group_size * block_size * heads * arch.head_dim * value_bytes
     pool = kv_bytes // per_block
     per_req = layout.blocks_per_seq(context, block_size)
     null = 1 if layout.has_sliding else 0
@@ -173,7 +179,8 @@ def measure(name: str, context: int, hybrid: bool, ns: argparse.Namespace) -> tu
         block_size=ns.block_size, gpu_memory_utilization=ns.gpu_memory_utilization,
         tensor_parallel_size=ns.tensor_parallel_size, enable_prefix_caching=False,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.chunk,
-        disable_hybrid_kv_cache_manager=not hybrid, device=ns.device)
+        disable_hybrid_kv_cache_manager=not hybrid, device=ns.device,
+        kv_cache_dtype=ns.kv_cache_dtype)
     if ns.kv_gib:
         kw["kv_cache_memory_bytes"] = int(ns.kv_gib * 2**30)
     core = EngineCore(EngineArgs(**kw).create_config())
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the engine's --kv-cache-dtype (fp8: one byte a value, the capacity "
+                        "doubles against bfloat16)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         pair = []
         for hybrid in (True, False):
             cap = arithmetic(name, ns.context, kv_bytes, ns.block_size, hybrid,
-                             ns.tensor_parallel_size, ns.dtype)
+                             ns.tensor_parallel_size, ns.dtype, ns.kv_cache_dtype)
             if ns.dry_run:
                 if not ns.no_simulate:
                     cap.simulated_requests = simulate(name, ns.context, cap.pool_blocks,

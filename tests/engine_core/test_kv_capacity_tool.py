@@ -74,3 +74,19 @@ def test_engine_run_holds_what_the_arithmetic_says(tool, tmp_path):
         assert row["measured_tokens"] >= (row["requests"] - 1) * 256 * 0.9, row
         assert row["measured_requests"] <= row["requests"] + 1
     assert hybrid["measured_tokens"] > 1.3 * full["measured_tokens"]
+
+
+def test_fp8_kv_cache_doubles_the_blocks(tool, tmp_path):
+    """``--kv-cache-dtype fp8``: one byte a cached value, so the same KV memory holds twice
+    the bfloat16 blocks (and requests); the command line carries it to the arithmetic."""
+    gib = 16 * 2**30
+    bf16 = tool.arithmetic("mistral-7b", 8192, gib, 16, hybrid=True)
+    fp8 = tool.arithmetic("mistral-7b", 8192, gib, 16, hybrid=True, kv_cache_dtype="fp8")
+    assert fp8.bytes_per_block * 2 == bf16.bytes_per_block
+    assert fp8.pool_blocks == 2 * bf16.pool_blocks and fp8.requests >= 2 * bf16.requests
+    out = tmp_path / "caps.json"
+    assert tool.main(["--dry-run", "--shape", "mistral-7b", "--context", "8192", "--kv-gib",
+                      "16", "--kv-cache-dtype", "fp8", "--no-simulate", "--json",
+                      str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["bytes_per_block"] == fp8.bytes_per_block
