@@ -19,7 +19,7 @@ steps all replay graphs: ``tidal.worker.compilation.piecewise_graphs``); FULL_AN
 of the compiled forward, as FULL does, since tidal's Triton attention plans a mixed batch from
 its counts alone; larger steps replay piecewise graphs. vLLM's FULL_AND_PIECEWISE sends every
 mixed step to the piecewise graphs, whose eager attention between pieces cost Qwen3-0.6B's
-528-token mixed step 2x on an H100). ``cudagraph_capture_sizes`` (token counts; by default
+528-token mixed step 1.6x on an H100). ``cudagraph_capture_sizes`` (token counts; by default
 vLLM's grid: 1, 2, 4, 8, then every 8 to 256 and every 16 beyond, up to 512 or the step's
 token budget; under FULL_AND_PIECEWISE only sizes above the whole-model mixed graphs' largest
 step, so by default none) sizes the piecewise graphs only;

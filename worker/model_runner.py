@@ -683,9 +683,9 @@ class ModelRunner:
             # MLA's prefill (expanded) path walks its requests on the host. Under
             # FULL_AND_PIECEWISE the mixed steps these sizes hold replay whole-model graphs
             # of the compiled forward (its attention inside), the larger ones piecewise
-            # graphs: piecewise replays leave attention eager between the pieces, ~0.15 ms of
-            # host launch work a layer, which doubled Qwen3-0.6B's 528-token mixed step on an
-            # H100 against a whole-model graph (tools/results/compile_h100_qwen3_stop26.json).
+            # graphs: piecewise replays leave attention eager between the pieces, which took
+            # Qwen3-0.6B's 528-token mixed step on an H100 to 5.49 ms against 3.46 with a
+            # whole-model graph (tools/results/compile_h100_qwen3_stop26.json).
             return []
         sizes = mixed_capture_sizes(min(self.config.runner.max_mixed_graph_tokens,
                                         self.bufs.input_ids.shape[0]))
