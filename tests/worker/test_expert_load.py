@@ -5,7 +5,6 @@ same tokens (its router logits' top-k), dense layers left out."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -44,23 +43,16 @@ def test_padding_rows_count_nothing_and_snapshots_start_again():
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def tiny_moe(tmp_path_factory) -> mh.TinyMoE:
+    from transformers import Qwen3MoeConfig
 
     # Three layers, the middle one dense: two MoE layers counted.
     cfg = Qwen3MoeConfig(**{**mh.SHAPES, "num_hidden_layers": 3, "head_dim": 32,
                             "intermediate_size": 96, "moe_intermediate_size": 48,
                             "num_experts": NUM_EXPERTS, "mlp_only_layers": [1],
                             "norm_topk_prob": False})
-    folder = tmp_path_factory.mktemp("tiny-qwen3-moe-load")
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.mul_(3.0)
-    hf.save_pretrained(folder)
-    return folder, hf
+    return mh.make_tiny_moe(cfg, tmp_path_factory.mktemp("tiny-qwen3-moe-load"),
+                            PROMPT_LENGTHS)
 
 
 def _hf_routing(hf, tokens: list[int]) -> list[int]:
@@ -106,21 +98,15 @@ def _run(folder, prompts: list[list[int]], device: str, dtype: str = "float32"):
     return generated, load, forwarded, graphs
 
 
-def _prompts(hf) -> list[list[int]]:
-    rng = random.Random(3)
-    return [[rng.randrange(hf.config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
 def test_engine_counts_hf_routing_of_every_forwarded_token(tiny_moe):
-    folder, hf = tiny_moe
-    prompts = _prompts(hf)
-    generated, load, forwarded, _ = _run(folder, prompts, "cpu")
+    prompts = tiny_moe.prompts
+    generated, load, forwarded, _ = _run(tiny_moe.folder, prompts, "cpu")
     # Every forwarded token, each of 2 MoE layers picking top-k experts.
     assert sum(load) == forwarded * 2 * TOP_K
     # The last generated token is never forwarded.
     want = [0] * NUM_EXPERTS
     for i, p in enumerate(prompts):
-        for e, n in enumerate(_hf_routing(hf, p + generated[f"r{i}"][:-1])):
+        for e, n in enumerate(_hf_routing(tiny_moe.hf, p + generated[f"r{i}"][:-1])):
             want[e] += n
     assert load == want
 
@@ -131,7 +117,6 @@ def test_graph_padding_rows_count_nothing_on_gpu(tiny_moe):
     graphs' sizes: the padding rows' routings must not count."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: padded CUDA-graph steps")
-    folder, hf = tiny_moe
-    _, load, forwarded, graphs = _run(folder, _prompts(hf), "cuda")
+    _, load, forwarded, graphs = _run(tiny_moe.folder, tiny_moe.prompts, "cuda")
     assert graphs is not None and graphs.mixed_replays > 0, "no padded graph step ran"
     assert sum(load) == forwarded * 2 * TOP_K
