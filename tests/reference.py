@@ -269,11 +269,12 @@ def make_eagle3_head(folder: Path, *, vocab: int, hidden: int, heads: int, kv_he
 def engine_greedy(model, prompts: list[list[int]], params, device: str = "cpu",
                   **kw) -> list[tuple[list[int], list[float]]]:
     """tidal's tokens and each token's logprob for ``prompts`` (float32, token-id prompts;
-    ``params`` must ask for ``logprobs``), from an engine started and shut down here."""
+    ``params`` must ask for ``logprobs``), from an engine started and shut down here; ``kw``
+    adds to or overrides the engine's arguments."""
     from tidal.frontend import LLM
 
-    llm = LLM(str(model), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
-              dtype="float32", device=device, **kw)
+    llm = LLM(str(model), skip_tokenizer_init=True, device=device,
+              **{"num_kv_blocks": 128, "max_num_seqs": 8, "dtype": "float32", **kw})
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:

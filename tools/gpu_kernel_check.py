@@ -349,18 +349,19 @@ DECODE1_GEMVS = [
     ("qwen3/gate_up", 6144, 1024, "silu"), ("qwen3/down", 1024, 3072, ""),
     ("llama8b/qkv", 6144, 4096, "norm"), ("llama8b/o", 4096, 4096, ""),
     ("llama8b/gate_up", 28672, 4096, "silu"), ("llama8b/down", 4096, 14336, ""),
-    # Gemma's norms are (1 + w) and its GeGLU runs apart: plain GEMVs (issue 19).
+    # Gemma's norms are (1 + w), run apart (plain GEMVs); its GeGLU is the gate/up GEMV's
+    # epilogue (issue 19).
     ("gemma2_9b/qkv", 8192, 3584, ""), ("gemma2_9b/o", 3584, 4096, ""),
-    ("gemma2_9b/gate_up", 28672, 3584, ""), ("gemma2_9b/down", 3584, 14336, ""),
+    ("gemma2_9b/gate_up", 28672, 3584, "gelu"), ("gemma2_9b/down", 3584, 14336, ""),
     ("gemma3_12b/qkv", 8192, 3840, ""), ("gemma3_12b/o", 3840, 4096, ""),
-    ("gemma3_12b/gate_up", 30720, 3840, ""), ("gemma3_12b/down", 3840, 15360, ""),
+    ("gemma3_12b/gate_up", 30720, 3840, "gelu"), ("gemma3_12b/down", 3840, 15360, ""),
 ]  # fmt: skip
 GEMV_SWEEP = [(2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
               (16, 512, 4), (16, 512, 8), (2, 1024, 4), (4, 256, 4), (8, 256, 4), (2, 4096, 8),
               (4, 1024, 8), (8, 512, 8)]  # fmt: skip
 
 
-def bench_decode1(ceiling: float, sweep: bool = True) -> list[dict[str, Any]]:
+def bench_decode1(ceiling: float, sweep: bool = True, only: str = "") -> list[dict[str, Any]]:
     """Batch-1 decode pieces: the one-row GEMV (cuBLAS vs the Triton kernel, plain and with the
     fusions the engine uses, plus a launch-shape sweep), split-KV attention at batch 1 with the
     fused merge on/off, the fused q/k-norm + rotary + K/V write against the four kernels it
@@ -382,46 +383,55 @@ def bench_decode1(ceiling: float, sweep: bool = True) -> list[dict[str, Any]]:
                      "frac_of_ceiling": gbps / ceiling, **extra})  # fmt: skip
 
     for name, n, k, kind in DECODE1_GEMVS:
+        if only and only not in name:
+            continue
         nbytes = n * k * 2
         copies = max(2, min(48, math.ceil(256 * 2**20 / nbytes)))
         ws = [torch.randn((n, k), device=dev, dtype=dt) for _ in range(copies)]
         x = torch.randn((1, k), device=dev, dtype=dt)
         r = torch.randn((1, k), device=dev, dtype=dt)
         nw = torch.randn(k, device=dev, dtype=dt)
-        silu = kind == "silu"
+        silu, gelu = kind == "silu", kind == "gelu"
+        gated = silu or gelu
         add("gemv/cublas", name, nbytes, time_calls([(lambda w=w: F.linear(x, w)) for w in ws]))
         if silu:  # what the engine ran before: norm, cuBLAS (split-K + reduce), SiLU
             old = [(lambda w=w: triton_ops.silu_and_mul(F.linear(
                 triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))) for w in ws]
+        elif gelu:  # what the engine ran before: cuBLAS, then the GeGLU kernel
+            old = [(lambda w=w: triton_ops.gelu_tanh_and_mul(F.linear(x, w))) for w in ws]
         elif kind == "norm":
             old = [(lambda w=w: F.linear(triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))
                    for w in ws]  # fmt: skip
         else:
             old = None
         if old is not None:
-            add("gemv/cublas+norm" + ("+silu" if silu else ""), name, nbytes, time_calls(old))
-        cfg = td.gemv_config(n // 2 if silu else n, k, silu, 2, sms)
-        add("gemv/triton" + ("_silu" if silu else ""), name, nbytes,
-            time_calls([(lambda w=w: td.gemv(x, w, silu=silu)) for w in ws]), config=cfg)
-        if kind:
+            add("gemv/cublas" + ("+geglu" if gelu else "+norm" + ("+silu" if silu else "")),
+                name, nbytes, time_calls(old))
+        act = "_silu" if silu else "_geglu" if gelu else ""
+        cfg = td.gemv_config(n // 2 if gated else n, k, gated, 2, sms)
+        add("gemv/triton" + act, name, nbytes,
+            time_calls([(lambda w=w: td.gemv(x, w, silu=silu, gelu=gelu)) for w in ws]),
+            config=cfg)
+        norm = kind in ("silu", "norm")
+        if norm:
             add("gemv/triton_norm" + ("_silu" if silu else ""), name, nbytes, time_calls(
                 [(lambda w=w: td.gemv(x, w, norm_weight=nw, residual=r, eps=1e-6, silu=silu))
                  for w in ws]), config=cfg)  # fmt: skip
         if sweep:  # launch shapes of the variant the engine runs (with its norm / SiLU)
-            nwv, rv = (nw, r) if kind else (None, None)
+            nwv, rv = (nw, r) if norm else (None, None)
             for c in GEMV_SWEEP:
                 if c == cfg or c[1] > max(64, 1 << (k - 1).bit_length()):
                     continue
                 try:
                     t = time_calls([(lambda w=w, c=c: td.gemv(
-                        x, w, norm_weight=nwv, residual=rv, eps=1e-6, silu=silu, config=c))
+                        x, w, norm_weight=nwv, residual=rv, eps=1e-6, silu=silu, gelu=gelu,
+                        config=c))
                         for w in ws])  # fmt: skip
                 except Exception as exc:  # a launch shape that does not compile
                     rows.append({"kernel": "sweep/gemv", "case": name, "config": c,
                                  "error": str(exc)[:200]})  # fmt: skip
                     continue
-                add("sweep/gemv" + ("_norm" if kind else "") + ("_silu" if silu else ""), name,
-                    nbytes, t, config=c)
+                add("sweep/gemv" + ("_norm" if norm else "") + act, name, nbytes, t, config=c)
         del ws
         torch.cuda.empty_cache()
 
@@ -837,7 +847,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"device {props.name}: d2d copy {ceil['GBps']:.0f} GB/s (read+write of 2 GiB)")
     sections = [("decode", lambda: bench_decode(ceil["GBps"], QWEN3)), ("prefill", lambda: bench_prefill(QWEN3)),
                 ("ops", lambda: bench_ops(ceil["GBps"], QWEN3)),
-                ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep)),
+                ("decode1", lambda: bench_decode1(ceil["GBps"], sweep=args.sweep, only=args.gemvs)),
                 ("decode1_tp", lambda: bench_decode1_tp(ceil["GBps"])),
                 ("decode1_norm", lambda: bench_decode1_norm(ceil["GBps"], sweep=args.sweep))]  # fmt: skip
     if args.sweep:
@@ -889,6 +899,8 @@ def main() -> int:
     c = sub.add_parser("bench")
     c.add_argument("--out")
     c.add_argument("--sweep", action="store_true", help="also sweep launch configurations")
+    c.add_argument("--gemvs", default="",
+                   help="decode1: only the GEMVs whose case name holds this (e.g. gemma3_12b)")
     c.add_argument("--sections", default="",
                    help="comma-separated subset of decode,prefill,ops,decode1,decode1_tp,decode1_norm,"
                         "sweep (default: all)")

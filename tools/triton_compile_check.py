@@ -6,11 +6,11 @@
 Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (Triton 3.6 did
 on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
-pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue), the
-partial-sum kernel, the signal-free all-reduce (also with the residual add and sums of squares,
-and as an all-gather), the one-row add + norm, and the attention chain of a decode step (rotary
-+ K/V write, split attention, merge; with and without time stamps). Exits non-zero if any
-fails.
+pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
+the GeGLU one), the partial-sum kernel, the signal-free all-reduce (also with the residual add
+and sums of squares, and as an all-gather), the one-row add + norm, and the attention chain of
+a decode step (rotary + K/V write, also with Gemma's q/k norms; split attention, merge; with
+and without time stamps). Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -41,17 +41,24 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
     cases = []
     ints = {"num_slots", "stride_qkv", "stride_qo", "stride_cs", "stride_c_blk", "stride_c_tok"}
     # (times, FP8 KV cache): the stamped variants, and the FP8 cache without stamps.
-    for times, fp8 in ((False, False), (True, False), (False, True)):
+    # (times, FP8 KV cache, Gemma 3's (1 + w) q/k norms): the stamped variants, the FP8 cache
+    # without stamps, and the Gemma norms.
+    for times, fp8, gemma in ((False, False, False), (True, False, False),
+                              (False, True, False), (False, False, True)):
         cache = "*fp8e4nv" if fp8 else "*bf16"
-        name = " + stamps" if times else " (FP8 cache)" if fp8 else ""
+        name = (" + stamps" if times else " (FP8 cache)" if fp8
+                else " + Gemma q/k norms" if gemma else "")
         consts = dict(NUM_HEADS=16, NUM_KV_HEADS=4, HEADS_P=16, KV_HEADS_P=4, HEAD_DIM=128,
-                      HALF=64, PAGE_SIZE=16, NORM=False, PDL=True, TIMES=times, KV_FP8=fp8)
+                      HALF=64, PAGE_SIZE=16, NORM=gemma, PDL=True, TIMES=times, KV_FP8=fp8,
+                      GEMMA=gemma)
         sig = {a: "constexpr" if a in consts else "i32" if a in ints else "fp32" if a == "eps"
                else "*i64" if a in ("pos_ptr", "slot_ptr", "times_ptr") else "*fp32"
                if a in ("cs_ptr", "k_scale_ptr", "v_scale_ptr") else cache
                if a in ("k_cache_ptr", "v_cache_ptr") else "*bf16"
                for a in td._qk_norm_rope_kv_kernel.arg_names}
         cases.append((f"rotary + K/V write{name}", td._qk_norm_rope_kv_kernel, sig, consts))
+        if gemma:  # the attention kernels do not change with the norm
+            continue
         consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
                       IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=16, EARLY_V=True, PDL=True,
@@ -85,16 +92,20 @@ def main() -> int:
                   "res_out_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
                   "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                   "parts_bits_ptr": "*i16", "rearm_ptr": "*i16", "rearm_n": "i32",
-                  "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32"}
-    for name, parts, push, silu, prefetch, ss in (
-            ("gemv", 0, 0, False, 1, 0), ("gemv producer", 0, 2, False, 1, 0),
-            ("gemv consumer", 2, 0, False, 1, 0), ("gemv consumer + SiLU", 2, 0, True, 1, 0),
-            ("gemv two chunks prefetched", 0, 0, False, 2, 0),
-            ("gemv + SiLU, norm from sums of squares, two chunks prefetched", 0, 0, True, 2, 8)):
+                  "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32", "ws_ptr": "*fp32"}
+    for name, parts, push, silu, prefetch, ss, gelu in (
+            ("gemv", 0, 0, False, 1, 0, False), ("gemv producer", 0, 2, False, 1, 0, False),
+            ("gemv consumer", 2, 0, False, 1, 0, False),
+            ("gemv consumer + SiLU", 2, 0, True, 1, 0, False),
+            ("gemv two chunks prefetched", 0, 0, False, 2, 0, False),
+            ("gemv + SiLU, norm from sums of squares, two chunks prefetched", 0, 0, True, 2, 8,
+             False),
+            ("gemv + GeGLU", 0, 0, True, 1, 0, True)):
         consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0, ADD=parts > 0,
-                      SILU=silu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
+                      SILU=silu, GELU=gelu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
                       ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
-                      PUSH_WORLD=push, SENT=td.SENTINEL, EVICT="evict_first" if push else "")
+                      PUSH_WORLD=push, SENT=td.SENTINEL, EVICT="evict_first" if push else "",
+                      W_SCALE=False)
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))

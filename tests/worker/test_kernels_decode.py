@@ -2,10 +2,11 @@
 paged attention, against plain-torch references.
 
 - GEMV (one row times a weight), alone and with its RMSNorm prologue (with and without the
-  residual add) and its SiLU-and-mul epilogue, over random shapes (ragged K and N included) and
-  every launch configuration family, against a float64 reference; the kernel must be within the
-  dtype's tolerance and no worse than twice the torch version's own error.
-- q/k RMSNorm + rotary + K/V cache write against ``torch_ops.qk_norm_rope_write_kv``.
+  residual add) and its SiLU-and-mul or GeGLU epilogue, over random shapes (ragged K and N
+  included) and every launch configuration family, against a float64 reference; the kernel
+  must be within the dtype's tolerance and no worse than twice the torch version's own error.
+- q/k RMSNorm (Qwen3's and Gemma 3's) + rotary + K/V cache write against
+  ``torch_ops.qk_norm_rope_write_kv``.
 - the two-stage argmax: exactly ``torch.argmax`` (ties, NaN, -inf rows).
 - split-context decode attention with the merge done by the last split program, repeated (the
   split counters must re-arm) and inside a CUDA graph, against the merge-kernel path and the
@@ -68,11 +69,11 @@ MODEL_SHAPES = [  # (N, K, silu): Qwen3-0.6B and Llama-3.1-8B decode projections
     (4096, 1024, False), (1024, 2048, False), (6144, 1024, True), (1024, 3072, False),
     (6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False),
 ]  # fmt: skip
-VARIANTS = ["plain", "bias", "norm", "add_norm", "silu", "add_norm_silu"]
-# Every variant in bf16; the plain and the fully fused one in every dtype (each case compiles
+VARIANTS = ["plain", "bias", "norm", "add_norm", "silu", "add_norm_silu", "gelu"]
+# Every variant in bf16; the plain and the fully fused ones in every dtype (each case compiles
 # its own kernels, so the grid stays small).
 GEMV_CASES = [(v, torch.bfloat16) for v in VARIANTS] + [
-    (v, dt) for v in ("plain", "add_norm_silu") for dt in (torch.float16, torch.float32)
+    (v, dt) for v in ("plain", "add_norm_silu", "gelu") for dt in (torch.float16, torch.float32)
 ]
 
 
@@ -88,7 +89,7 @@ def _gemv_case(n, k, dtype, gen, norm, add, bias):
     return x, w, b, nw, r
 
 
-def _gemv_refs(x, w, b, nw, r, eps, silu):
+def _gemv_refs(x, w, b, nw, r, eps, silu, gelu=False):
     """(float64 reference, torch version in the dtype, expected new residual)."""
     if nw is None:
         h, res = x, None
@@ -101,17 +102,21 @@ def _gemv_refs(x, w, b, nw, r, eps, silu):
     got_torch = F.linear(h, w, b)
     if silu:
         ref, got_torch = torch_ops.silu_and_mul(ref), torch_ops.silu_and_mul(got_torch)
+    if gelu:
+        ref, got_torch = torch_ops.gelu_tanh_and_mul(ref), torch_ops.gelu_tanh_and_mul(got_torch)
     return ref, got_torch, res
 
 
 def _run_gemv(n, k, dtype, gen, variant, cfg) -> None:
     norm, add, silu = "norm" in variant, "add" in variant, "silu" in variant
+    gelu = "gelu" in variant
     x, w, b, nw, r = _gemv_case(n, k, dtype, gen, norm, add, variant == "bias")
-    ref, got_torch, res_ref = _gemv_refs(x, w, b, nw, r, 1e-6, silu)
+    ref, got_torch, res_ref = _gemv_refs(x, w, b, nw, r, 1e-6, silu, gelu)
     _poison(4 * (n + k))
-    y, res = td.gemv(x, w, b, norm_weight=nw, residual=r, eps=1e-6, silu=silu, config=cfg)
+    y, res = td.gemv(x, w, b, norm_weight=nw, residual=r, eps=1e-6, silu=silu, gelu=gelu,
+                     config=cfg)
     label = f"gemv {variant} {n}x{k} {dtype} cfg={cfg}"
-    assert y.shape == (1, n // 2 if silu else n), label
+    assert y.shape == (1, n // 2 if silu or gelu else n), label
     _check(y, ref, got_torch, dtype, label)
     if add:
         assert torch.equal(res, res_ref), f"{label}: new residual differs"
@@ -123,7 +128,7 @@ def _run_gemv(n, k, dtype, gen, variant, cfg) -> None:
 def test_gemv_random_shapes(variant: str, dtype: torch.dtype) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(VARIANTS.index(variant) * 7 + len(str(dtype)))
     rng = random.Random(f"{variant}{dtype}")
-    pair = 2 if "silu" in variant else 1
+    pair = 2 if "silu" in variant or "gelu" in variant else 1
     cases = [
         # ragged N and K (masks on both), a non-default launch shape
         ((2 * rng.randint(1, 350) + 1) * pair, rng.randint(1, 1500) * 2 + 1, (4, 512, 4)),
@@ -164,6 +169,12 @@ def test_ops_dispatch_one_row() -> None:
     assert torch.equal(res, res_ref)
     _check(y, torch_ops.rms_norm_linear(x.double(), r.double(), nw.double(), 1e-6, w.double(),
                                         silu=True)[0], y_ref, dt, "Kernels.rms_norm_linear")
+    # The gated projection: one GEMV with the activation as its epilogue, for one row.
+    for act, fn in (("silu", torch_ops.silu_and_mul), ("gelu_tanh", torch_ops.gelu_tanh_and_mul)):
+        y = K.gated_linear(x, w, act)
+        assert y.shape == (1, 384)
+        _check(y, fn(F.linear(x.double(), w.double())), fn(F.linear(x, w)), dt,
+               f"Kernels.gated_linear {act}")
 
 
 # ----------------------------------------------------- q/k norm + rotary + K/V cache write
@@ -172,11 +183,15 @@ def test_ops_dispatch_one_row() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,norm",
                          [(16, 8, 128, True), (32, 8, 128, False), (14, 2, 64, True),
-                          (4, 4, 64, False), (12, 3, 16, True)])  # fmt: skip
+                          (4, 4, 64, False), (12, 3, 16, True), (16, 8, 256, "gemma"),
+                          (8, 4, 128, "gemma")])  # fmt: skip
 def test_qk_norm_rope_write_kv(dtype, heads, kv_heads, head_dim, norm) -> None:
+    """``norm``: Qwen3's q/k norms (True), none, or Gemma 3's (1 + w) ones."""
     from tidal.worker.layers.rotary import build_cos_sin_cache
 
-    gen = torch.Generator().manual_seed(heads * head_dim + norm)
+    gemma = norm == "gemma"
+    norm = bool(norm)
+    gen = torch.Generator().manual_seed(heads * head_dim + norm + gemma)
     page, blocks = 16, 64
     cs = build_cos_sin_cache(head_dim, 8192, 1e6, None).to(DEVICE)
     for t in (1, 3, 257):
@@ -193,16 +208,18 @@ def test_qk_norm_rope_write_kv(dtype, heads, kv_heads, head_dim, norm) -> None:
         cache = torch.randn((2, blocks, page, kv_heads, head_dim), generator=gen).to(DEVICE, dtype)
         expected = cache.clone()
         args = (pos, heads, kv_heads, head_dim, qw, kw, 1e-6, cs)
-        q_ref = torch_ops.qk_norm_rope_write_kv(qkv, *args, expected, slots[:n_slots])
+        q_ref = torch_ops.qk_norm_rope_write_kv(qkv, *args, expected, slots[:n_slots],
+                                                gemma_norm=gemma)
         q64 = torch_ops.qk_norm_rope_write_kv(
             qkv.double(), pos, heads, kv_heads, head_dim,
             None if qw is None else qw.double(), None if kw is None else kw.double(), 1e-6,
             cs.double(), torch.zeros((2, blocks, page, kv_heads, head_dim), dtype=torch.float64,
-                                     device=DEVICE), slots[:n_slots])  # fmt: skip
+                                     device=DEVICE), slots[:n_slots], gemma_norm=gemma)  # fmt: skip
         _poison(qkv.numel() * 4)
         assert K.qk_norm_rope_applies(qkv, head_dim, cs, True, cache)
-        q = td.qk_norm_rope_write_kv(qkv, *args, cache, slots[:n_slots])
-        label = f"qk_norm_rope {dtype} t={t} {heads}/{kv_heads}x{head_dim} norm={norm}"
+        q = td.qk_norm_rope_write_kv(qkv, *args, cache, slots[:n_slots], gemma_norm=gemma)
+        label = f"qk_norm_rope {dtype} t={t} {heads}/{kv_heads}x{head_dim} norm={norm} " \
+                f"gemma={gemma}"
         _check(q, q64, q_ref, dtype, label)
         # The cache: untouched slots bit-equal, written K within the dtype's rounding of the
         # reference, written V bit-equal.

@@ -40,6 +40,31 @@ def test_cpu_tensors_take_the_torch_path() -> None:
     assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
 
 
+def test_gated_projection_on_cpu() -> None:
+    """``act(gate) * up`` of a fused [gate | up] linear, through ``Kernels.gated_linear`` and
+    the MLP's ``GatedActivation.project`` (also where the layer has a bias, which the one-op
+    path does not take), equals the linear then the activation."""
+    from tidal.worker.layers.activation import GeluTanhAndMul, SiluAndMul
+    from tidal.worker.layers.linear import MergedColumnParallelLinear
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 32, generator=gen)
+    kernels = kernels_for(torch.device("cpu"), KernelConfig())
+    for act, ref in ((SiluAndMul(), torch_ops.silu_and_mul),
+                     (GeluTanhAndMul(), torch_ops.gelu_tanh_and_mul)):
+        for bias in (False, True):
+            layer = MergedColumnParallelLinear(32, [24, 24], bias, torch.float32)
+            layer.weight.data.copy_(torch.randn(48, 32, generator=gen))
+            if bias:
+                layer.bias.data.copy_(torch.randn(48, generator=gen))
+            expected = ref(torch.nn.functional.linear(x, layer.weight, layer.bias))
+            assert torch.equal(act.project(layer, x), expected), (act.act, bias)
+            if not bias:
+                assert torch.equal(kernels.gated_linear(x, layer.weight, act.act), expected)
+    with pytest.raises(ValueError, match="unknown gated activation 'relu'"):
+        kernels.gated_linear(x, torch.randn(48, 32), "relu")
+
+
 def test_selector_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert get_attention_impl(None, cpu).name == "torch"

@@ -9,21 +9,37 @@ from torch import nn
 from tidal.worker.kernel_policy import current_kernels
 
 
-class SiluAndMul(nn.Module):
+class GatedActivation(nn.Module):
+    """``act(gate) * up`` over a fused ``[gate | up]`` input; ``act`` names it for
+    ``Kernels.gated_linear``."""
+
+    act = ""
+
     def __init__(self) -> None:
         super().__init__()
         self.kernels = current_kernels()
+
+    def project(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``self(linear(x))`` for a fused ``[gate | up]`` linear layer, as one op where the
+        layer's weight is a plain one (no bias, FP8 / INT4 weights or LoRA adapters): for one
+        row on the GPU, the GEMV with this activation as its epilogue."""
+        if (linear.lora is None and linear.bias is None and linear.weight_scale is None
+                and linear.w4a16 is None):
+            return self.kernels.gated_linear(x, linear.weight, self.act)
+        return self(linear(x))
+
+
+class SiluAndMul(GatedActivation):
+    act = "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(x)
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(GatedActivation):
     """GeGLU of Gemma: gelu(gate, tanh approximation) * up over a fused [gate | up] input."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = current_kernels()
+    act = "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.gelu_tanh_and_mul(x)

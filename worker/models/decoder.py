@@ -21,7 +21,7 @@ from tidal.worker.cpu_offload import layer_built
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
-from tidal.worker.layers.activation import SiluAndMul
+from tidal.worker.layers.activation import GatedActivation, SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.worker.layers.fused_moe import FusedMoE
@@ -167,7 +167,7 @@ class DecoderMLP(nn.Module):
     (Gemma: GeGLU)."""
 
     def __init__(self, arch: ArchSpec, dtype: torch.dtype, tp: ParallelGroup,
-                 act_fn: nn.Module | None = None) -> None:
+                 act_fn: GatedActivation | None = None) -> None:
         super().__init__()
         inter = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], False,
@@ -176,7 +176,7 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul() if act_fn is None else act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.project(self.gate_up_proj, x))
 
 
 class NormLinear:

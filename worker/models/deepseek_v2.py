@@ -80,7 +80,7 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.project(self.gate_up_proj, x))
 
 
 class DeepseekV2MoE(nn.Module):

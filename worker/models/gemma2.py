@@ -75,14 +75,17 @@ class GemmaAttention(nn.Module):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         rope, kv_cache, kernels = self.rotary_emb, self.attn.kv_cache, self.kernels
-        # Without q/k norms (Gemma 2) rotary and the K/V write are one kernel on the GPU, as in
-        # the decoder; Gemma 3's (1 + w) q/k norms have no such kernel.
-        if self.q_norm is None and kernels.qk_norm_rope_applies(
-                qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox, kv_cache):
+        # The q/k norms (Gemma 3's, (1 + w)), rotary and the K/V write are one kernel on the
+        # GPU, as in the decoder.
+        if kernels.qk_norm_rope_applies(qkv, self.head_dim, rope.cos_sin_cache, rope.is_neox,
+                                        kv_cache):
+            qn, kn = self.q_norm, self.k_norm
             q = kernels.qk_norm_rope_write_kv(
-                qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim, None, None,
-                0.0, rope.cos_sin_cache, kv_cache, self.attn.group_meta(meta).slot_mapping,
-                self.attn.k_scale, self.attn.v_scale)
+                qkv, positions, self.num_heads, self.num_kv_heads, self.head_dim,
+                None if qn is None else qn.weight, None if kn is None else kn.weight,
+                0.0 if qn is None else qn.eps, rope.cos_sin_cache, kv_cache,
+                self.attn.group_meta(meta).slot_mapping, self.attn.k_scale, self.attn.v_scale,
+                gemma_norm=True)
             return self.o_proj(self.attn.attend(q.view(n, -1), meta))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)

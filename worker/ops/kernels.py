@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tidal.worker.layers.fused_moe import RoutingConfig
 
 GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
+GATED_ACTS = ("silu", "gelu_tanh")  # the activations of Kernels.gated_linear
 ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
 # The RMSNorm before a GEMV of at least this many bytes runs once, in its own one-program kernel,
 # rather than as the GEMV's prologue (which every one of the GEMV's programs runs over the whole
@@ -349,6 +350,20 @@ class Kernels:
             y = self.fp8_linear(h, w_q, w_scale, bias, input_scale)
         return (self.silu_and_mul(y) if silu else y), residual
 
+    def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of ``F.linear(x, weight)``, ``weight`` a fused ``[gate; up]`` one
+        and ``act`` ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU); a single row on the GPU runs
+        the GEMV kernel with the activation as its epilogue."""
+        if act not in GATED_ACTS:
+            raise ValueError(f"unknown gated activation {act!r}; known: {', '.join(GATED_ACTS)}")
+        n = weight.shape[0] // 2
+        if (self.gemv_applies(x, weight) and weight.dtype == x.dtype
+                and weight.shape[0] % 2 == 0):
+            y, _ = self._td.gemv(x, weight, silu=act == "silu", gelu=act == "gelu_tanh")
+            return y.view(*x.shape[:-1], n)
+        y = F.linear(x, weight)
+        return self.silu_and_mul(y) if act == "silu" else self.gelu_tanh_and_mul(y)
+
     def rms_norm_linear(
         self,
         x: torch.Tensor | PendingSum,
@@ -444,15 +459,18 @@ class Kernels:
         slot_mapping: torch.Tensor,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        gemma_norm: bool = False,
     ) -> torch.Tensor:
-        """q/k RMSNorm (Qwen3), neox rotary and the K/V cache write in one pass; returns q
-        ``[T, H, D]``. Semantics: ``torch_ops.qk_norm_rope_write_kv`` (an FP8 cache stores
-        K/V quantized with the layer's scales)."""
+        """q/k RMSNorm (Qwen3's, or Gemma 3's with ``gemma_norm``), neox rotary and the K/V
+        cache write in one pass; returns q ``[T, H, D]``. Semantics:
+        ``torch_ops.qk_norm_rope_write_kv`` (an FP8 cache stores K/V quantized with the layer's
+        scales)."""
         args = (qkv, positions, num_heads, num_kv_heads, head_dim, q_norm_weight, k_norm_weight,
                 eps, cos_sin_cache, kv_cache, slot_mapping)
+        kw = dict(k_scale=k_scale, v_scale=v_scale, gemma_norm=gemma_norm)
         if self.qk_norm_rope_applies(qkv, head_dim, cos_sin_cache, True, kv_cache):
-            return self._td.qk_norm_rope_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
-        return torch_ops.qk_norm_rope_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
+            return self._td.qk_norm_rope_write_kv(*args, **kw)
+        return torch_ops.qk_norm_rope_write_kv(*args, **kw)
 
     def vocab_shard_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
                               start: int) -> torch.Tensor:

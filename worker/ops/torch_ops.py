@@ -135,8 +135,10 @@ def qk_norm_rope_write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    gemma_norm: bool = False,
 ) -> torch.Tensor:
-    """Split ``qkv [T, (H + 2 Hkv) D]``; per-head RMSNorm of q and k (when weights are given);
+    """Split ``qkv [T, (H + 2 Hkv) D]``; per-head RMSNorm of q and k (when weights are given;
+    ``gemma_norm``: Gemma's ``(1 + w)`` norm, ``gemma_rms_norm``);
     neox rotary; K and V written to ``kv_cache [2, blocks, page, Hkv, D]`` at ``slot_mapping``
     (< 0: skipped; an FP8 cache quantized with ``k_scale`` / ``v_scale``). Returns q
     ``[T, H, D]``."""
@@ -149,8 +151,9 @@ def qk_norm_rope_write_kv(
     k = k.reshape(t, num_kv_heads, head_dim)
     v = v.reshape(t, num_kv_heads, head_dim)
     if q_norm_weight is not None:
-        q = rms_norm(q, q_norm_weight, eps)
-        k = rms_norm(k, k_norm_weight, eps)
+        norm = gemma_rms_norm if gemma_norm else rms_norm
+        q = norm(q, q_norm_weight, eps)
+        k = norm(k, k_norm_weight, eps)
     q, k = rotary_embedding(positions, q, k, cos_sin_cache, True)
     n = min(t, slot_mapping.shape[0])
     write_kv_reference(k[:n], v[:n], kv_cache, slot_mapping[:n], k_scale, v_scale)
