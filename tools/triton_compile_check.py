@@ -7,10 +7,10 @@ Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (
 on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
-the GeGLU one), the partial-sum kernel, the signal-free all-reduce (also with the residual add
-and sums of squares, and as an all-gather), the one-row add + norm, and the attention chain of
-a decode step (rotary + K/V write, also with Gemma's q/k norms; split attention, merge; with
-and without time stamps). Exits non-zero if any fails.
+the GeGLU one), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce
+(also with the residual add and sums of squares, and as an all-gather), the one-row add +
+norm, and the attention chain of a decode step (rotary + K/V write, also with Gemma's q/k
+norms; split attention, merge; with and without time stamps). Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -130,6 +130,15 @@ def main() -> int:
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
            "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", **{k: "constexpr" for k in consts}}
     cases.append(("add + norm row", td._add_rms_norm_row_kernel, sig, consts))
+    from tidal.worker.ops import triton_w4a16 as w4
+
+    for bias in (False, True):
+        consts = dict(GROUP=128, HAS_BIAS=bias, BLOCK_N=4, BLOCK_K=1024, PREFETCH=bias)
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
+               "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "NG": "i32",
+               **{k: "constexpr" for k in consts}}
+        cases.append(("INT4 GEMV over whole rows" + (" + bias, prefetched" if bias else ""),
+                      w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
     failed = 0
     for name, fn, sig, consts in cases:

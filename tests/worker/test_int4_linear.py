@@ -178,6 +178,28 @@ def test_triton_w4a16_matches_torch_reference(m, act_order, dtype):
     _check_kernel(m, 72, 200, 32, dtype, act_order, bias=m % 2 == 1, seed=m)
 
 
+@triton_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k,group,config", [
+    (40, 2120, 128, (16, 1024, 4, False)),  # three K chunks, the last group partial; 40 rows
+    (40, 2120, 128, (16, 1024, 4, True)),  # the same, each chunk loaded ahead: 2.5 blocks
+    (8, 256, 256, None),  # one group a row (per-channel scales)
+    (32, 64, 8, (4, 64, 2, True)),  # one packed word a group, eight groups a chunk
+    (16, 96, 24, (8, 64, 4, False)),  # a group of three words, straddling the chunks
+])  # fmt: skip
+def test_triton_whole_row_gemv(monkeypatch, bias, n, k, group, config):
+    """The batch-1 decode GEMV that streams whole weight rows (``_w4a16_gemv_rows``): several
+    K chunks with a last partial group, a ragged last block of rows, per-channel, one-word and
+    three-word groups."""
+    from tidal.worker.ops import triton_w4a16
+
+    assert triton_w4a16.rows_kernel_takes(group)
+    if config is not None:
+        monkeypatch.setitem(triton_w4a16.GEMV_ROWS_CONFIGS, (n, k, group), config)
+    m = 1
+    _check_kernel(m, n, k, group, torch.float32, act_order=False, bias=bias, seed=n + bias)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1,0 +1,113 @@
+"""Launch shapes of the INT4 (W4A16) GEMV for the batch-1 decode of an AWQ / GPTQ model
+(issue 23): each of a shape's projections, group 128, one activation row, under the split-K
+kernel (what the engine ran before ``_w4a16_gemv_rows``), the whole-row kernel's default rule
+and a sweep of its launch shapes, in CUDA graphs over enough weight copies to stream from HBM.
+Prints the best per projection and the ``GEMV_ROWS_CONFIGS`` entries to commit in
+``worker/ops/triton_w4a16.py``.
+
+    python tools/sweep_int4_gemv.py --shape llama8b --out int4_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+# (BLOCK_N, BLOCK_K, num_warps, PREFETCH) of the whole-row kernel.
+SWEEP = [(bn, bk, w, pre) for bn in (4, 8, 16) for bk in (512, 1024, 2048)
+         for w in (1, 2, 4) for pre in (False, True)
+         if 2048 <= bn * bk <= 16384 and bn * bk // 8 >= 32 * w]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from gpu_kernel_check import DECODE1_GEMVS, time_calls
+    from tidal.worker.ops import triton_w4a16 as w4
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama8b", help="prefix of gpu_kernel_check's GEMV names")
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev, dt, group = "cuda", torch.bfloat16, args.group
+    results: list[dict[str, Any]] = []
+    best: dict[str, Any] = {}
+    for name, n, k, _kind in DECODE1_GEMVS:
+        if not name.startswith(args.shape + "/"):
+            continue
+        ng = -(-k // group)
+        nbytes = n * k // 2 + n * ng * 3  # packed weights, bf16 scales, uint8 zeros
+        copies = max(2, min(48, math.ceil(256 * 2**20 / nbytes)))
+        gen = torch.Generator(device=dev).manual_seed(n + k)
+        weights = [(torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32,
+                                  generator=gen),
+                    (torch.rand((n, ng), device=dev, generator=gen) * 0.02).to(dt),
+                    torch.randint(0, 16, (n, ng), device=dev, dtype=torch.uint8, generator=gen))
+                   for _ in range(copies)]  # fmt: skip
+        x = torch.randn((1, k), device=dev, dtype=dt)
+        rows: list[dict[str, Any]] = []
+
+        def timed(label: str, config: tuple[int, int, int, bool] | None) -> None:
+            saved = dict(w4.GEMV_ROWS_CONFIGS), w4.ROWS_MAX_GROUP
+            try:
+                w4.GEMV_ROWS_CONFIGS.clear()
+                if label == "split_k":
+                    w4.ROWS_MAX_GROUP = 0  # the whole-row kernel takes nothing
+                elif config is not None:
+                    w4.GEMV_ROWS_CONFIGS[(n, k, group)] = config
+                used = None if label == "split_k" else w4.gemv_rows_config(n, k, group)
+                t = time_calls([(lambda q=q, s=s, z=z: w4.w4a16_linear(x, q, s, z, group))
+                                for q, s, z in weights])
+            except Exception as exc:  # a launch shape that does not compile
+                rows.append({"kernel": label, "config": config, "error": str(exc)[:200]})
+                return
+            finally:
+                w4.GEMV_ROWS_CONFIGS.clear()
+                w4.GEMV_ROWS_CONFIGS.update(saved[0])
+                w4.ROWS_MAX_GROUP = saved[1]
+            rows.append({"kernel": label, "config": used, "ms": t["ms"],
+                         "GBps": nbytes / t["ms"] / 1e6})
+
+        timed("split_k", None)
+        timed("rows_default", None)
+        for c in SWEEP:
+            if c[1] <= max(1024, 1 << (k - 1).bit_length()):
+                timed("rows", c)
+        ok = [r for r in rows if "ms" in r]
+        top = min((r for r in ok if r["kernel"] != "split_k"), key=lambda r: r["ms"])
+        old = next(r for r in ok if r["kernel"] == "split_k")
+        default = next(r for r in ok if r["kernel"] == "rows_default")
+        print(f"{name:18s} {n}x{k} g{group}: split-K {old['ms'] * 1e3:.1f} us "
+              f"({old['GBps']:.0f} GB/s); rows default {default['config']} "
+              f"{default['ms'] * 1e3:.1f} us; best {top['config']} {top['ms'] * 1e3:.1f} us "
+              f"({top['GBps']:.0f} GB/s)", flush=True)
+        best[name] = {"n": n, "k": k, "config": top["config"], "us": top["ms"] * 1e3,
+                      "default_us": default["ms"] * 1e3, "split_k_us": old["ms"] * 1e3}
+        results.append({"gemv": name, "n": n, "k": k, "rows": rows})
+        weights.clear()
+        torch.cuda.empty_cache()
+    print("GEMV_ROWS_CONFIGS entries:")
+    for name, b in best.items():
+        c = b["config"]
+        print(f"    ({b['n']}, {b['k']}, {group}): ({c[0]}, {c[1]}, {c[2]}, {c[3]}),"
+              f"  # {name}: {b['default_us']:.1f} -> {b['us']:.1f} us")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0),
+                                              "group": group,
+                                              "best": best, "sweep": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
