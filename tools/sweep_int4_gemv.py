@@ -20,9 +20,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
-# (BLOCK_N, BLOCK_K, num_warps, PREFETCH) of the whole-row kernel.
-SWEEP = [(bn, bk, w, pre) for bn in (4, 8, 16) for bk in (512, 1024, 2048)
-         for w in (1, 2, 4) for pre in (False, True)
+# (BLOCK_N, BLOCK_K, num_warps) of the whole-row kernel.
+SWEEP = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (1, 2, 4)
          if 2048 <= bn * bk <= 16384 and bn * bk // 8 >= 32 * w]  # fmt: skip
 
 
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn((1, k), device=dev, dtype=dt)
         rows: list[dict[str, Any]] = []
 
-        def timed(label: str, config: tuple[int, int, int, bool] | None) -> None:
+        def timed(label: str, config: tuple[int, int, int] | None) -> None:
             saved = dict(w4.GEMV_ROWS_CONFIGS), w4.ROWS_MAX_GROUP
             try:
                 w4.GEMV_ROWS_CONFIGS.clear()
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print("GEMV_ROWS_CONFIGS entries:")
     for name, b in best.items():
         c = b["config"]
-        print(f"    ({b['n']}, {b['k']}, {group}): ({c[0]}, {c[1]}, {c[2]}, {c[3]}),"
+        print(f"    ({b['n']}, {b['k']}, {group}): ({c[0]}, {c[1]}, {c[2]}),"
               f"  # {name}: {b['default_us']:.1f} -> {b['us']:.1f} us")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0),

@@ -133,11 +133,11 @@ def main() -> int:
     from tidal.worker.ops import triton_w4a16 as w4
 
     for bias in (False, True):
-        consts = dict(GROUP=128, HAS_BIAS=bias, BLOCK_N=4, BLOCK_K=1024, PREFETCH=bias)
+        consts = dict(GROUP=128, HAS_BIAS=bias, BLOCK_N=4, BLOCK_K=1024)
         sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
                "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "NG": "i32",
                **{k: "constexpr" for k in consts}}
-        cases.append(("INT4 GEMV over whole rows" + (" + bias, prefetched" if bias else ""),
+        cases.append(("INT4 GEMV over whole rows" + (" + bias" if bias else ""),
                       w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
     failed = 0

@@ -181,11 +181,10 @@ def test_triton_w4a16_matches_torch_reference(m, act_order, dtype):
 @triton_kernel
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k,group,config", [
-    (40, 2120, 128, (16, 1024, 4, False)),  # three K chunks, the last group partial; 40 rows
-    (40, 2120, 128, (16, 1024, 4, True)),  # the same, each chunk loaded ahead: 2.5 blocks
+    (40, 2120, 128, (16, 1024, 4)),  # three K chunks, the last group partial; 40 = 2.5 blocks
     (8, 256, 256, None),  # one group a row (per-channel scales)
-    (32, 64, 8, (4, 64, 2, True)),  # one packed word a group, eight groups a chunk
-    (16, 96, 24, (8, 64, 4, False)),  # a group of three words, straddling the chunks
+    (32, 64, 8, (4, 64, 2)),  # one packed word a group, eight groups a chunk
+    (16, 96, 24, (8, 64, 4)),  # a group of three words, straddling the chunks
 ])  # fmt: skip
 def test_triton_whole_row_gemv(monkeypatch, bias, n, k, group, config):
     """The batch-1 decode GEMV that streams whole weight rows (``_w4a16_gemv_rows``): several

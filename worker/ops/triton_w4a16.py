@@ -7,9 +7,9 @@ the activation dtype, as the torch reference does), accumulated in float32.
 - ``_w4a16_gemv_rows``: batch-1 decode (grouped weights, no act-order): each program owns
   ``BLOCK_N`` output rows and streams their whole K extent in long chunks, as the 16-bit GEMV
   does (``triton_decode.gemv``); no partial sums, the bias and the cast to the dtype in the
-  kernel. The 4-bit values become floats by OR-ing them into the mantissa of 2^23 (no
-  integer-to-float conversion); each packed word contributes ``s * (sum(q * x) - z *
-  sum(x))`` over its 8 values.
+  kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into the mantissa
+  of 1.0 (no integer-to-float conversion); each packed word contributes ``s * (sum((q - z) *
+  x))`` over its 8 values, from ``sum((1 + q / 16) * x)`` and ``sum(x)``.
 - ``_w4a16_gemv``: one program per (row, column block, K split) without ``tl.dot``, for the
   decode steps the kernel above does not take (2-4 rows, act-order, groups over
   ``ROWS_MAX_GROUP``); its K splits give the GPU enough programs for a narrow weight.
@@ -97,13 +97,13 @@ def _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, k0, offs_w, k8, NG,
 @triton.jit
 def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, NG,
                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_K: tl.constexpr):
     """Output rows ``[BLOCK_N]`` of one activation row over the whole K; ``GROUP`` is a
     multiple of 8. Every tensor is a [rows, packed words] tile in one layout (no reshapes,
     which Triton turns into shuffles through shared memory): nibble ``j`` of every word is
     unpacked in place and meets column ``j`` of the activation (a strided read of a row that
     stays in L1 / L2); each word's group scale and zero come from a gather that L1 serves.
-    ``PREFETCH``: the next chunk's words are loaded before this one is computed."""
+    (Loading the next chunk before computing this one measured no faster on an H100.)"""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -111,28 +111,25 @@ def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, NG,
     k8 = K // 8
     offs_w = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    words, s, z, wi = _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, 0, offs_w, k8, NG,
-                                  GROUP)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCH:  # (past the end: all masked, nothing read)
-            nxt = _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, k0 + BLOCK_K, offs_w, k8,
-                              NG, GROUP)
-        else:
-            words, s, z, wi = _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, k0, offs_w,
-                                          k8, NG, GROUP)
+        words, s, z, wi = _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, k0, offs_w, k8, NG,
+                                      GROUP)
         w_ok = wi < k8
+        # Nibble q lands in the top four mantissa bits of 1.0: the float 1 + q / 16, in one
+        # shift and one and-or (no integer-to-float conversion, no subtraction per value);
+        # sum((q - z) * x) = 16 * sum((1 + q / 16) * x) - (16 + z) * sum(x).
         dot = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         sx = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
         for j in tl.static_range(8):
             x = tl.load(x_ptr + wi * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-            # 0x4B000000 is 2^23 as a float32: OR-ing q into its mantissa gives 2^23 + q
-            # exactly, with no integer-to-float conversion.
-            q = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            dot += (q - 8388608.0) * x[None, :]
+            if 4 * j <= 19:
+                t = words << (19 - 4 * j)
+            else:
+                t = words >> (4 * j - 19)
+            f = ((t & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            dot += f * x[None, :]
             sx += x
-        acc += s * (dot - z * sx[None, :])
-        if PREFETCH:
-            words, s, z, wi = nxt
+        acc += s * (16.0 * dot - (16.0 + z) * sx[None, :])
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -203,14 +200,14 @@ def _splits(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(want, k_blocks, 16))
 
 
-# Launch shapes (BLOCK_N, BLOCK_K, num_warps, PREFETCH) of ``_w4a16_gemv_rows`` per (N, K,
-# group), where the sweep (tools/sweep_int4_gemv.py) found better than the default rule.
-# Llama-3.1-8B at group 128 (H100): o 9.7 -> 9.0 us, gate/up 48.8 -> 46.0, down 29.8 -> 27.8
-# (q/k/v, 12.5 us, keeps the rule); the split-K kernel took 35.2 / 192.7 / 106.2 / 51.4.
-GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, bool]] = {
-    (4096, 4096, 128): (8, 2048, 4, False),
-    (28672, 4096, 128): (8, 512, 1, False),
-    (4096, 14336, 128): (8, 2048, 4, False),
+# Launch shapes (BLOCK_N, BLOCK_K, num_warps) of ``_w4a16_gemv_rows`` per (N, K, group), where
+# the sweep (tools/sweep_int4_gemv.py) found better than the default rule.
+# Llama-3.1-8B at group 128 (H100): o 9.7 -> 8.9 us, gate/up 45.4 -> 43.7, down 28.7 -> 27.1
+# (q/k/v, 12.1 us, keeps the rule); the split-K kernel took 35.0 / 192.1 / 105.2 / 51.8.
+GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (4096, 4096, 128): (8, 2048, 4),
+    (28672, 4096, 128): (8, 512, 1),
+    (4096, 14336, 128): (8, 2048, 4),
 }
 ROWS_MAX_GROUP = 1 << 20  # per-channel scales (one group over the whole K) included
 
@@ -221,14 +218,14 @@ def rows_kernel_takes(group: int) -> bool:
     return 8 <= group <= ROWS_MAX_GROUP and group % 8 == 0
 
 
-def gemv_rows_config(n: int, k: int, group: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for an ``n`` x ``k`` INT4 weight: a measured
+def gemv_rows_config(n: int, k: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an ``n`` x ``k`` INT4 weight: a measured
     one, else the rule the Llama-3.1-8B sweep on an H100 found best for all four of its
     projections (8 rows of 1024 K, 512 bytes of packed weight a row, a chunk; two warps)."""
     hit = GEMV_ROWS_CONFIGS.get((n, k, group))
     if hit is not None:
         return hit
-    return 8, 1024, 2, False
+    return 8, 1024, 2
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -249,12 +246,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return x.new_empty(*lead, n)
     if m == 1 and not has_gidx and rows_kernel_takes(group):
-        block_n, block_k, warps, prefetch = gemv_rows_config(n, k, group)
+        block_n, block_k, warps = gemv_rows_config(n, k, group)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
         _w4a16_gemv_rows[(triton.cdiv(n, block_n),)](
             x2, qweight, scales, qzeros, bias if bias is not None else x2, out, n, k, ng,
             GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=prefetch, num_warps=warps)
+            num_warps=warps)
         return out.reshape(*lead, n)
     if m <= GEMV_MAX_ROWS:
         block_n = 64
