@@ -68,8 +68,9 @@ def _error(message: str) -> Exception:
 
 
 def parse_gemv_configs(spec: str, where: str = "gemv_configs") -> GemvShapes:
-    """``NxK=BLOCK_N,BLOCK_K,WARPS,PREFETCH`` entries separated by ``;`` (``NxKs=`` for the
-    gate/up GEMV with SiLU, ``N`` its output rows): launch shapes for 16-bit GEMVs."""
+    """``NxK=BLOCK_N,BLOCK_K,WARPS,PREFETCH`` entries separated by ``;`` (``NxKs=`` for a
+    gate/up GEMV with its activation, SiLU or GeGLU, as the epilogue, ``N`` its output rows):
+    launch shapes for 16-bit GEMVs."""
     out: GemvShapes = {}
     for entry in filter(None, (e.strip() for e in spec.split(";"))):
         try:

@@ -397,7 +397,7 @@ def bench_decode1(ceiling: float, sweep: bool = True, only: str = "") -> list[di
         if silu:  # what the engine ran before: norm, cuBLAS (split-K + reduce), SiLU
             old = [(lambda w=w: triton_ops.silu_and_mul(F.linear(
                 triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))) for w in ws]
-        elif gelu:  # what the engine ran before: cuBLAS, then the GeGLU kernel
+        elif gelu:  # cuBLAS, then the GeGLU kernel (the engine before ran the plain GEMV)
             old = [(lambda w=w: triton_ops.gelu_tanh_and_mul(F.linear(x, w))) for w in ws]
         elif kind == "norm":
             old = [(lambda w=w: F.linear(triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)[0], w))

@@ -149,9 +149,9 @@ def test_gemv_model_shapes() -> None:
             _run_gemv(n, k, torch.bfloat16, gen, "add_norm", None)
 
 
-def test_ops_dispatch_one_row() -> None:
-    """``Kernels.linear`` / ``Kernels.rms_norm_linear`` take the kernel for one CUDA row and
-    agree with the torch path; more rows stay on F.linear."""
+def test_ops_dispatch_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Kernels.linear`` / ``Kernels.rms_norm_linear`` / ``Kernels.gated_linear`` take the
+    kernel for one CUDA row and agree with the torch path; more rows stay on F.linear."""
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     dt = torch.bfloat16
     x = torch.randn((1, 512), device=DEVICE, generator=gen).to(dt)
@@ -170,9 +170,14 @@ def test_ops_dispatch_one_row() -> None:
     _check(y, torch_ops.rms_norm_linear(x.double(), r.double(), nw.double(), 1e-6, w.double(),
                                         silu=True)[0], y_ref, dt, "Kernels.rms_norm_linear")
     # The gated projection: one GEMV with the activation as its epilogue, for one row.
+    calls: list[dict] = []
+    gemv = td.gemv
+    monkeypatch.setattr(td, "gemv", lambda *a, **kw: calls.append(kw) or gemv(*a, **kw))
     for act, fn in (("silu", torch_ops.silu_and_mul), ("gelu_tanh", torch_ops.gelu_tanh_and_mul)):
+        calls.clear()
         y = K.gated_linear(x, w, act)
         assert y.shape == (1, 384)
+        assert len(calls) == 1 and calls[0]["gelu"] == (act == "gelu_tanh"), act
         _check(y, fn(F.linear(x.double(), w.double())), fn(F.linear(x, w)), dt,
                f"Kernels.gated_linear {act}")
 
