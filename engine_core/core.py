@@ -128,7 +128,9 @@ class EngineCore:
         # With steps in flight and a worker in this process, a constrained request runs every
         # step: its step is launched first, and its mask is filled from its previous token
         # (which arrives meanwhile) while the device runs the forward pass, then sampled with.
-        self.defer_masks = (self.max_inflight > 1
+        # (Not with speculative decoding: a step that verifies drafts samples as it ends, and
+        # its constrained requests' masks, one per draft, are filled when it is scheduled.)
+        self.defer_masks = (self.max_inflight > 1 and not self.speculative
                             and getattr(self.executor, "supports_deferred_sample", False))
         self.scheduler.grammar_in_flight_ok = self.defer_masks
         # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
@@ -236,6 +238,8 @@ class EngineCore:
             outputs += self.scheduler.update_from_output(sched, result)
             if structured.states:
                 self._advance_grammars(outputs)
+                if self.speculative:
+                    self._trim_drafts()
         if mask_later:
             # Every earlier step of these requests is collected now: their matchers are current.
             ids = self._needing_masks(mask_later)
@@ -306,19 +310,47 @@ class EngineCore:
     def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
         """The next-token masks of the constrained requests that sample this step (their
         previous tokens are all collected: without deferred sampling, a constrained request
-        waits for its token in flight)."""
-        ids = self._needing_masks(self._sampling_constrained(sched))
+        waits for its token in flight). A request verifying drafts gets one row per verify
+        position (``StructuredOutputManager.fill_draft_bitmask``), even while it thinks: its
+        drafts may end the thinking."""
+        sampling = self._sampling_constrained(sched)
+        spec = sched.scheduled_spec_decode_tokens
+        if spec and any(rid in spec for rid in sampling):
+            states = self.structured.states
+            ids = [rid for rid in sampling if rid in spec or states[rid].needs_mask]
+            sched.grammar_req_ids = ids
+            sched.grammar_bitmask = self.structured.fill_draft_bitmask(ids, spec)
+            return
+        ids = self._needing_masks(sampling)
         if ids:
             sched.grammar_req_ids = ids
             sched.grammar_bitmask = self.structured.fill_bitmask(ids)
 
+    def _trim_drafts(self) -> None:
+        """Cut the drafts just proposed for constrained requests to the prefix their grammar
+        allows: a draft it refuses could never be accepted (its mask rules it out), nor could
+        any after it, and verifying them would only cost the step."""
+        drafts = self.scheduler.drafts
+        if not drafts:
+            return
+        structured = self.structured
+        for rid in [rid for rid in drafts if rid in structured.states]:
+            kept = structured.valid_drafts(rid, drafts[rid])
+            if kept:
+                drafts[rid] = kept
+            else:
+                del drafts[rid]
+
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         structured = self.structured
-        for out in outputs:
+        states = structured.states
+        mine = [out for out in outputs if out.request_id in states]
+        verdicts = structured.advance_all([(out.request_id, out.new_token_ids)
+                                           for out in mine if not out.finished])
+        it = iter(verdicts)
+        for out in mine:
             rid = out.request_id
-            if rid not in structured.states:
-                continue
-            verdict = None if out.finished else structured.advance(rid, out.new_token_ids)
+            verdict = None if out.finished else next(it)
             if verdict is not None:
                 # The grammar is complete (or, should a masked token slip through, broken):
                 # the request ends here rather than sampling past it.

@@ -42,6 +42,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tidal.engine_core import envs
 from tidal.engine_core.config import EngineConfig
@@ -62,6 +63,7 @@ from tidal.worker.worker_proc import (
     Done,
     ExecuteModel,
     Failed,
+    FinishSample,
     FlushStep,
     GetNumBlocks,
     InitKVCache,
@@ -255,11 +257,29 @@ class MultiprocExecutor:
         for r in self._ranks:
             self._expect(r, Done)
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
-        self._broadcast(ExecuteModel(so))
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sample: bool = False) -> Any:
+        self._broadcast(ExecuteModel(so, defer_sample))
         self._sent += 1
         pending = _PendingStep(self, self._sent - 1)
         return pending if non_block else pending.result()
+
+    @property
+    def supports_deferred_sample(self) -> bool:
+        """Grammar masks filled while the step runs, sent on the ring behind it
+        (`FinishSample`): the ranks compute the logits, then wait for them. Not with pipeline
+        stages (the last stage samples on tensors the others send it)."""
+        return self.pp_size == 1
+
+    def finish_sample(self, pending: _PendingStep, grammar_req_ids: list[str],
+                      grammar_bitmask: np.ndarray | None) -> None:
+        """Sample the step ``execute_model(..., defer_sample=True)`` launched, on every rank
+        (its reply comes as any step's)."""
+        self._broadcast(FinishSample(grammar_req_ids, grammar_bitmask))
+
+    def grammar_buffer(self, rows: int) -> np.ndarray:
+        """Host memory for the next ``finish_sample``'s masks (they travel on the ring)."""
+        return np.empty((rows, (self.config.model.vocab_size + 31) // 32), dtype=np.int32)
 
     def check_health(self) -> None:
         self._raise_if_failed()

@@ -483,6 +483,13 @@ class Scheduler:
         num_scheduled.extend([1] * len(c_ids))
         return len(c_ids) + skipped, prompt_tokens
 
+    @property
+    def drafts(self) -> dict[str, list[int]]:
+        """The drafts the workers proposed for each request's next step (verified when it is
+        scheduled); the EngineCore trims those of constrained requests to what their grammar
+        allows."""
+        return self._drafts
+
     def update_from_output(
         self, sched: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:

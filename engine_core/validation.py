@@ -94,15 +94,6 @@ def _check_speculative(params: SamplingParams) -> None:
         raise RequestValidationError(
             "logits_processors are not supported yet with speculative decoding "
             "(--speculative-config)", "logits_processors")
-    if params.structured_outputs is not None:
-        raise RequestValidationError(
-            "structured outputs (response_format / structured_outputs / guided_*) are not "
-            "supported yet by this server, which runs speculative decoding "
-            "(--speculative-config)", "response_format")
-    if params.thinking_token_budget is not None:
-        raise RequestValidationError(
-            "thinking_token_budget is not supported yet with speculative decoding "
-            "(--speculative-config)", "thinking_token_budget")
 
 
 __all__ = ["RequestValidationError", "SamplingParamError", "validate_request"]

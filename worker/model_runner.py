@@ -954,6 +954,10 @@ class ModelRunner:
         # Verification appends each request's tokens to its row: an older step still in flight
         # (async scheduling pipelines the steps that do not speculate) lands first.
         self.finish_inflight()
+        so = later.so
+        if so.grammar_req_ids:  # one mask per verify position
+            self._attach_grammar(so, later.sampling, later.sampled_ids,
+                                 so.scheduled_spec_decode_tokens)
         emitted, bad, logprobs = self.spec.verify(
             self.batch, later.logits, later.sampling, self.sampling_builder, later.sample_rows,
             later.sampled_ids, later.so.scheduled_spec_decode_tokens,
@@ -1177,11 +1181,12 @@ class ModelRunner:
         return self._mask_staging.buffer(rows)
 
     def _attach_grammar(self, so: SchedulerOutput, meta: SamplingMetadata,
-                        sampled_ids: list[str]) -> None:
+                        sampled_ids: list[str], drafts: dict[str, list[int]] | None = None
+                        ) -> None:
         """The step's grammar bitmasks on the device (one host-to-device copy) and the
-        sampling rows they belong to."""
+        sampling rows they belong to (with ``drafts``, each verify position's)."""
         assert so.grammar_bitmask is not None
-        placed = grammar_rows(so.grammar_req_ids, sampled_ids)
+        placed = grammar_rows(so.grammar_req_ids, sampled_ids, drafts)
         if placed is None:
             return
         src, dst = placed

@@ -31,7 +31,7 @@ from tidal.engine_core.startup_log import StartupLog
 from tidal.worker.distributed.hetero_groups import recv_through_host, send_through_host
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.kernel_policy import log_policy
-from tidal.worker.model_runner import IntermediateTensors, ModelRunner
+from tidal.worker.model_runner import IntermediateTensors, ModelRunner, SampleLater
 from tidal.worker.ops.jit_watch import JIT_WATCH
 from tidal.worker.warmup import WarmupReport, warm_up
 
@@ -268,8 +268,8 @@ class Worker:
     def execute_model(self, so: SchedulerOutput, defer_sample: bool = False) -> Any:
         """Run one step. Returns the runner's output on the output rank (a ``ModelRunnerOutput``
         or an object whose ``get_output()`` gives it), None on every other rank.
-        ``defer_sample`` (one process, no pipeline stages): a sampling step comes back as a
-        ``SampleLater`` for ``finish_sample``."""
+        ``defer_sample`` (no pipeline stages): a sampling step comes back as a ``SampleLater``
+        for ``finish_sample``, on every rank (each samples its own copy of the tokens)."""
         if self._receiver is not None:
             inter = self._receiver.recv()
             out = self.runner.execute_model(so, inter) if inter is not None else \
@@ -283,7 +283,7 @@ class Worker:
             # output; the next stage is still told, so it never waits for tensors.
             self._sender.send(out if isinstance(out, IntermediateTensors) else None)
             return None
-        return out if self.is_output_rank else None
+        return out if self.is_output_rank or isinstance(out, SampleLater) else None
 
     def finish_sample(self, later: Any, grammar_req_ids: list[str],
                       grammar_bitmask: Any) -> Any:

@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.control import CompileStats, GetCompileStats
@@ -81,6 +82,17 @@ def spin_seconds(config: EngineConfig) -> float:
 
 class ExecuteModel(msgspec.Struct, tag="step", **_WIRE):
     so: SchedulerOutput
+    # A step that samples stops after its logits until `FinishSample` brings the grammar
+    # masks the EngineCore fills meanwhile (no pipeline stages).
+    defer_sample: bool = False
+
+
+class FinishSample(msgspec.Struct, tag="sample", **_WIRE):
+    """Sample the step launched with ``defer_sample`` under these masks (every rank samples;
+    a no-op for a step that had nothing to sample)."""
+
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
 
 
 class GetNumBlocks(msgspec.Struct, tag="blocks", **_WIRE):
@@ -105,7 +117,8 @@ class FlushStep(msgspec.Struct, tag="flush", **_WIRE):
 
 
 # `GetCompileStats` (the control call's own struct): every rank answers `CompileStats`.
-WorkerRequest = ExecuteModel | GetNumBlocks | InitKVCache | Profile | FlushStep | GetCompileStats
+WorkerRequest = (ExecuteModel | FinishSample | GetNumBlocks | InitKVCache | Profile | FlushStep
+                 | GetCompileStats)
 
 
 # --- workers -> executor -------------------------------------------------------------------
@@ -182,6 +195,12 @@ def format_exception(exc: BaseException) -> str:
 # --- the worker ----------------------------------------------------------------------------
 
 
+def _is_sample_later(out: Any) -> bool:
+    from tidal.worker.model_runner import SampleLater
+
+    return isinstance(out, SampleLater)
+
+
 def _step_result(out: Any) -> StepResult:
     """The reply for a step's output (a ``ModelRunnerOutput``, or a pending one whose
     ``get_output()`` waits for the device)."""
@@ -227,6 +246,7 @@ class WorkerProc:
         self.worker.load_model()
         self._profiler: Any = None
         self._held: Any = None  # the last step's output, not yet sent (defer_step_replies)
+        self._later: Any = None  # a step waiting for `FinishSample` (every rank)
 
     @property
     def is_output_rank(self) -> bool:
@@ -234,14 +254,20 @@ class WorkerProc:
 
     def handle(self, msg: WorkerRequest) -> WorkerReply | None:
         match msg:
-            case ExecuteModel(so=so):
-                out = self.worker.execute_model(so)
-                if out is None:
+            case ExecuteModel(so=so, defer_sample=defer):
+                out = self.worker.execute_model(so, defer_sample=defer)
+                if defer and _is_sample_later(out):
+                    # Sampled on `FinishSample`; the step before is due now (this one runs).
+                    self._later = out
+                    held, self._held = self._held, None
+                    return None if held is None else _step_result(held)
+                return self._deliver(out)
+            case FinishSample(grammar_req_ids=ids, grammar_bitmask=mask):
+                later, self._later = self._later, None
+                if later is None:
                     return None
-                if not self.args.defer_step_replies:
-                    return _step_result(out)
-                held, self._held = self._held, out
-                return None if held is None else _step_result(held)
+                out = self.worker.finish_sample(later, ids, mask)
+                return self._deliver(out) if self.is_output_rank else None
             case FlushStep():
                 held, self._held = self._held, None
                 if held is not None:
@@ -261,6 +287,16 @@ class WorkerProc:
             case Profile(start=False, trace_dir=trace_dir):
                 return self._stop_profile(trace_dir)
         raise TypeError(f"unexpected request {type(msg).__name__}")
+
+    def _deliver(self, out: Any) -> WorkerReply | None:
+        """The reply for a step's output now, or (``defer_step_replies``) the step before's,
+        holding this one."""
+        if out is None:
+            return None
+        if not self.args.defer_step_replies:
+            return _step_result(out)
+        held, self._held = self._held, out
+        return None if held is None else _step_result(held)
 
     def _start_profile(self) -> None:
         import torch

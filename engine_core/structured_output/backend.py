@@ -23,6 +23,10 @@ class Matcher(Protocol):
     """One sequence's grammar state (llguidance's ``LLMatcher`` has this shape already)."""
 
     def consume_tokens(self, tokens: list[int]) -> bool: ...  # False: a token was rejected
+    # How many of ``tokens``, from the first, would be accepted (the state is unchanged).
+    def validate_tokens(self, tokens: list[int]) -> int: ...
+    # Undo the last ``num_tokens`` consumed (speculative decoding's per-draft masks).
+    def rollback(self, num_tokens: int) -> None: ...
     def is_stopped(self) -> bool: ...  # the grammar ended (end-of-sequence consumed)
     def get_error(self) -> str: ...
     def deep_copy(self) -> Matcher: ...
@@ -40,4 +44,9 @@ class GrammarBackend(Protocol):
 
     def fill(self, matchers: list[Matcher], out: np.ndarray) -> None:
         """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
+        ...
+
+    def consume_each(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        """Feed ``tokens[i]`` to ``matchers[i]`` for every i at once (a step's sampled tokens);
+        False where a token was rejected, as ``consume_tokens`` would say."""
         ...

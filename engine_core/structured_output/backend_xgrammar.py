@@ -127,13 +127,27 @@ class XgrammarMatcher:
         for t in tokens:
             if not m.accept_token(t):
                 return False
-        if m.is_terminated():
-            self._stopped = True
-        elif m.is_completed() and self._only_stop_allowed():
-            # Complete with nothing left but end-of-sequence: stop here, as llguidance does
-            # (with ignore_eos the request would otherwise need one more step).
-            self._stopped = True
+        # Complete with nothing left but end-of-sequence stops too, as llguidance does (with
+        # ignore_eos the request would otherwise need one more step).
+        self.after_accept()
         return True
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        m = self.matcher
+        n = 0
+        for t in tokens:
+            if not m.accept_token(t):  # (a rejected token leaves the state as it was)
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            # Nothing is ever consumed after a stop: the state rolled back to is not stopped.
+            self._stopped = False
 
     def _only_stop_allowed(self) -> bool:
         row = self._scratch
@@ -143,6 +157,14 @@ class XgrammarMatcher:
         # (bitwise_and.at: two stop ids in one word, as Qwen's 151643 and 151645, both clear)
         np.bitwise_and.at(allowed, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
         return not allowed.any()
+
+    def after_accept(self) -> None:
+        """Note whether the tokens just accepted ended the grammar (``consume_tokens``)."""
+        m = self.matcher
+        if m.is_terminated():
+            self._stopped = True
+        elif m.is_completed() and self._only_stop_allowed():
+            self._stopped = True
 
     def is_stopped(self) -> bool:
         return self._stopped
@@ -194,3 +216,12 @@ class XgrammarBackend:
             matchers[0].matcher.fill_next_token_bitmask(out, 0)
             return
         self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], out)
+
+    def consume_each(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        import xgrammar as xgr
+
+        ok = xgr.BatchGrammarMatcher.batch_accept_token([m.matcher for m in matchers], tokens)
+        for m, accepted in zip(matchers, ok):
+            if accepted:
+                m.after_accept()
+        return list(ok)

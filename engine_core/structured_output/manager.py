@@ -15,9 +15,13 @@ whose grammar is complete stops there.
 Why the EngineCore and not the workers: the tokens are known here in order (preemption and
 recompute re-feed nothing: the matcher has consumed exactly the request's output tokens), one
 process compiles (not every tensor-parallel rank), and a compile never stalls a worker's step.
-The cost is that a constrained request's next mask needs its previous token, so under async
-scheduling a constrained request sits out the step after each of its own (the scheduler skips
-it while its token is in flight) — unconstrained requests keep the full overlap.
+The cost is that a constrained request's next mask needs its previous token: under async
+scheduling its step is launched first and sampled once the mask is filled (the worker in this
+process, or tensor-parallel workers told by a second message on the ring); with pipeline
+stages it sits out the step after each of its own (the scheduler skips it while its token is
+in flight) — unconstrained requests keep the full overlap. With speculative decoding a
+request's drafts are cut to what its grammar allows and each verify position gets its own
+mask (``valid_drafts``, ``fill_draft_bitmask``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ _TEMPLATES_PER_GRAMMAR = max(1, min(16, (os.cpu_count() or 1) * 4 // 5))
 # A request whose own template is still compiling this long copies one that is done instead.
 _TEMPLATE_WAIT_S = 0.005
 _MAX_TIMINGS = 4096
+# From this many sequences fed one token each, a step's tokens go to the backend in one call
+# (llguidance consumes them on its threads; fewer cost more to hand over than to consume).
+_BATCH_CONSUME = 8
 
 
 @dataclass(slots=True)
@@ -69,6 +76,16 @@ class GrammarState:
     @property
     def needs_mask(self) -> bool:
         return self.gate is None or self.gate.needs_mask(self.matcher is not None)
+
+
+def _allows(gate: ReasoningGate | None, m: Any, token: int) -> bool:
+    """Whether the next-token mask of matcher ``m`` (None: no grammar) and ``gate`` allows
+    ``token`` (what ``StructuredOutputManager._fill`` would write, for one token)."""
+    if gate is not None:
+        allowed = gate.allows(token)
+        if allowed is not None:
+            return allowed
+    return m is None or m.validate_tokens([token]) == 1
 
 
 @dataclass(slots=True)
@@ -278,38 +295,170 @@ class StructuredOutputManager:
         """int32 [len(request_ids), words]: each request's next-token mask (written into
         ``out`` when given: the executor's host memory, from which it is copied as it is)."""
         states = [self.states[rid] for rid in request_ids]
-        # Rows under their grammar now; the others (thinking, forcing an end) start all ones.
-        rows = [i for i, s in enumerate(states)
-                if s.matcher is not None and (s.gate is None or s.gate.grammar_applies)]
-        shape = (len(states), (self.model.vocab_size + 31) // 32)
+        out = self._mask_array(len(states), out)
+        masked = self._fill([(s.matcher, s.gate) for s in states], out)
+        self._count_masks([states[i] for i in masked])
+        return out
+
+    def _mask_array(self, rows: int, out: np.ndarray | None) -> np.ndarray:
+        shape = (rows, (self.model.vocab_size + 31) // 32)
         if out is None:
-            out = np.empty(shape, dtype=np.int32)
-        elif out.shape != shape or out.dtype != np.int32:
+            return np.empty(shape, dtype=np.int32)
+        if out.shape != shape or out.dtype != np.int32:
             raise ValueError(f"mask buffer {out.shape} {out.dtype}, expected {shape} int32")
+        return out
+
+    def _fill(self, pairs: list[tuple[Any, ReasoningGate | None]], out: np.ndarray
+              ) -> list[int]:
+        """Row i of ``out`` = the next-token mask of matcher and gate ``pairs[i]`` (a matcher
+        of None: no grammar; a gate of None: no reasoning parser). Returns the rows the
+        grammar filled."""
+        # Rows under their grammar now; the others (thinking, forcing an end) start all ones.
+        rows = [i for i, (m, g) in enumerate(pairs)
+                if m is not None and (g is None or g.grammar_applies)]
         if rows:
             backend = self._backend
             assert backend is not None
             start = time.perf_counter()
-            if len(rows) == len(states):
-                backend.fill([s.matcher for s in states], out)
+            if len(rows) == len(pairs):
+                backend.fill([m for m, _ in pairs], out)
             else:
                 out.fill(-1)
                 part = np.empty((len(rows), out.shape[1]), dtype=np.int32)
-                backend.fill([states[i].matcher for i in rows], part)
+                backend.fill([pairs[i][0] for i in rows], part)
                 out[rows] = part
-            now = time.perf_counter()
-            self.stats.fills.append((len(rows), now - start))
-            for i in rows:
-                s = states[i]
-                if not s.masks:
-                    self.stats.first_mask_s.append(now - s.submitted)
-                s.masks += 1
+            self.stats.fills.append((len(rows), time.perf_counter() - start))
         else:
             out.fill(-1)
-        for i, s in enumerate(states):
-            if s.gate is not None:
-                s.gate.shape_mask(out[i])
+        for i, (_, gate) in enumerate(pairs):
+            if gate is not None:
+                gate.shape_mask(out[i])
+        return rows
+
+    def _count_masks(self, states: list[GrammarState]) -> None:
+        now = time.perf_counter()
+        for s in states:
+            if not s.masks:
+                self.stats.first_mask_s.append(now - s.submitted)
+            s.masks += 1
+
+    # --- speculative decoding (engine loop) ---------------------------------------------------
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` whose every token the request's masks allow at its
+        position (its thinking followed on a copy of its gate), ending before a token that
+        would complete the grammar (a draft after it could never be emitted, and the grammar's
+        last token is the step's own sample instead). The matcher ends as it started."""
+        state = self.states.get(request_id)
+        if state is None or not drafts:
+            return drafts
+        gate = None if state.gate is None else state.gate.fork()
+        m = state.matcher
+        consumed = keep = 0
+        try:
+            for token in drafts:
+                if not _allows(gate, m, token):
+                    break
+                answer = [token] if gate is None else gate.feed([token])
+                if answer and m is not None:
+                    m.consume_tokens(answer)  # (allowed: one token, accepted)
+                    consumed += 1
+                    if m.is_stopped():
+                        break
+                keep += 1
+        finally:
+            if consumed:
+                m.rollback(consumed)
+        return drafts[:keep]
+
+    def fill_draft_bitmask(self, request_ids: list[str], drafts: dict[str, list[int]],
+                           out: np.ndarray | None = None) -> np.ndarray:
+        """The masks of a step that verifies drafts: for each request in order, one row per
+        verify position, row j the mask after its first j drafts (``drafts``: the scheduled
+        ones, a prefix of what ``valid_drafts`` kept), so ``1 + len(drafts[rid])`` rows. Rows of
+        one position across the requests are filled together; the matchers end as they
+        started."""
+        states = [self.states[rid] for rid in request_ids]
+        own = [drafts.get(rid, []) for rid in request_ids]
+        first = np.zeros(len(states), dtype=np.int64)
+        if len(states) > 1:
+            np.cumsum([len(d) + 1 for d in own[:-1]], out=first[1:])
+        out = self._mask_array(int(first[-1]) + len(own[-1]) + 1 if states else 0, out)
+        gates = [None if s.gate is None else s.gate.fork() for s in states]
+        consumed = [0] * len(states)
+        broken: dict[int, int] = {}  # request -> the row whose draft its grammar refused
+        try:
+            for j in range(max((len(d) for d in own), default=0) + 1):
+                active = [i for i, d in enumerate(own) if j <= len(d) and i not in broken]
+                if not active:
+                    break
+                rows = first[active] + j
+                target = np.empty((len(active), out.shape[1]), dtype=np.int32)
+                masked = self._fill([(states[i].matcher, gates[i]) for i in active], target)
+                out[rows] = target
+                if j == 0:
+                    self._count_masks([states[active[k]] for k in masked])
+                for i in active:
+                    if j == len(own[i]):
+                        continue
+                    token, gate, m = own[i][j], gates[i], states[i].matcher
+                    if not _allows(gate, m, token):
+                        # (valid_drafts keeps only allowed drafts: not expected.) The row
+                        # refuses the draft, so the rows after it are never used.
+                        broken[i] = int(first[i]) + j
+                        continue
+                    answer = [token] if gate is None else gate.feed([token])
+                    if answer and m is not None:
+                        m.consume_tokens(answer)
+                        consumed[i] += 1
+            for i, row in broken.items():
+                logger.warning("request %s: draft %d refused by its grammar while filling "
+                               "its masks", request_ids[i], row - int(first[i]))
+                out[row + 1:int(first[i]) + len(own[i]) + 1] = out[row]
+        finally:
+            for s, n in zip(states, consumed):
+                if n:
+                    s.matcher.rollback(n)
         return out
+
+    def advance_all(self, new_tokens: list[tuple[str, list[int]]]) -> list[str | None]:
+        """``advance`` for a step's requests: the verdict of each. The requests that feed
+        their grammar one token (a decode step's) are consumed in one backend call, on its
+        threads (``_BATCH_CONSUME`` of them or more)."""
+        verdicts: list[str | None] = [None] * len(new_tokens)
+        single: list[int] = []  # indices fed one token each, together
+        matchers: list[Any] = []
+        tokens: list[int] = []
+        for i, (rid, toks) in enumerate(new_tokens):
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            if state.gate is not None:
+                toks = state.gate.feed(toks)  # only the answer's tokens meet the grammar
+            if not toks or state.matcher is None:
+                continue
+            if len(toks) == 1:
+                single.append(i)
+                matchers.append(state.matcher)
+                tokens.append(toks[0])
+            else:
+                verdicts[i] = self._consumed(state.matcher, toks,
+                                             state.matcher.consume_tokens(toks))
+        if len(single) >= _BATCH_CONSUME:
+            assert self._backend is not None
+            ok = self._backend.consume_each(matchers, tokens)
+        else:
+            ok = [m.consume_tokens([t]) for m, t in zip(matchers, tokens)]
+        for i, m, t, accepted in zip(single, matchers, tokens, ok):
+            verdicts[i] = self._consumed(m, [t], accepted)
+        return verdicts
+
+    @staticmethod
+    def _consumed(m: Any, tokens: list[int], accepted: bool) -> str | None:
+        if not accepted:
+            return f"structured output: token(s) {tokens} rejected by the grammar: " \
+                   f"{m.get_error()}"
+        return "stop" if m.is_stopped() else None
 
     def advance(self, request_id: str, tokens: list[int]) -> str | None:
         """Feed a request's new tokens to its matcher. Returns None to go on, "stop" when the
@@ -324,12 +473,7 @@ class StructuredOutputManager:
         m = state.matcher
         if m is None:
             return None
-        if not m.consume_tokens(tokens):
-            return f"structured output: token(s) {tokens} rejected by the grammar: " \
-                   f"{m.get_error()}"
-        if m.is_stopped():
-            return "stop"
-        return None
+        return self._consumed(m, tokens, m.consume_tokens(tokens))
 
     def take_report(self, stats: SchedulerStats) -> None:
         """Put the compile times and request kinds since the previous call, each with its

@@ -5,8 +5,9 @@ gate: while the model thinks it samples unconstrained and its grammar matcher is
 once the end marker (``</think>``) is generated, the matcher starts from the token after it. A
 thinking budget ends the thinking by forcing the format's end sequence ("\\n</think>\\n\\n"):
 each forced token is the only one the next-token mask allows, so forcing rides on the bitmask
-the step already carries (and the request already sits out the async step after each of its
-own, so the count of thinking tokens is exact when the next mask is built).
+the step already carries (built, like any constrained request's mask, once the previous token
+is known, so the count of thinking tokens is exact). Under speculative decoding the drafts are
+followed on a ``fork`` of the gate, one mask per verify position.
 
 The markers come from ``tidal.engine_core.reasoning_formats`` (the frontend's parsers use the
 same table) tokenized by the engine's tokenizer, and are matched as token-id sequences: a model
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -133,6 +134,22 @@ class ReasoningGate:
         elif self.phase == FORCING:
             row[:] = 0
             _set_bit(row, self.markers.forced[self.forced])
+
+    def allows(self, token: int) -> bool | None:
+        """Whether this phase's mask allows ``token`` on its own (True / False), or None when
+        the grammar's mask decides (the answer; the first token, unless it opens reasoning)."""
+        phase = self.phase
+        if phase == REASONING:
+            return True
+        if phase == FORCING:
+            return token == self.markers.forced[self.forced]
+        if phase == AWAIT and token == self.markers.start[0]:
+            return True
+        return None
+
+    def fork(self) -> ReasoningGate:
+        """A copy to follow draft tokens on (speculative decoding), leaving this one as is."""
+        return replace(self, recent=list(self.recent))
 
     def feed(self, tokens: Sequence[int]) -> list[int]:
         """Follow the request's new output tokens; returns those its grammar must consume (the

@@ -90,19 +90,22 @@ def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
     assert again.speculative == spec_config.speculative
 
 
-def test_requests_speculation_cannot_serve_are_refused(spec_config):
+def test_requests_speculation_cannot_serve_are_refused(spec_config, monkeypatch):
     ok = SamplingParams(max_tokens=4, temperature=0.7, seed=1, min_tokens=2,
                         presence_penalty=0.5)
     validate_request([5, 6], ok, spec_config)
     validate_request([5, 6], SamplingParams(logprobs=2), spec_config)
-    for params, param in [
-        (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
-         "response_format"),
-        (SamplingParams(thinking_token_budget=8), "thinking_token_budget"),
-    ]:
-        with pytest.raises(RequestValidationError, match="speculative") as info:
-            validate_request([5, 6], params, spec_config)
-        assert info.value.param == param
+    # Constrained requests and thinking budgets verify drafts under one mask per position
+    # (tests/engine_core/structured_output/test_spec_masks.py).
+    validate_request([5, 6], SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="a+"), thinking_token_budget=8),
+        spec_config)
+    from tidal.engine_core import plugins
+
+    monkeypatch.setattr(plugins, "plugin_names", lambda group: ["mine"])
+    with pytest.raises(RequestValidationError, match="speculative") as info:
+        validate_request([5, 6], SamplingParams(logits_processors=["mine"]), spec_config)
+    assert info.value.param == "logits_processors"
 
 
 # --- scheduler ----------------------------------------------------------------------------------

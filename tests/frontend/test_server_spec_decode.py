@@ -1,7 +1,7 @@
 """The OpenAI server with speculative decoding (``--speculative-config``): streamed text, stop
 strings and finish reasons identical to a server without it (several tokens a step arrive as
-ordered deltas), vLLM's spec-decode counters in ``/metrics``, logprobs, and what speculation
-does not serve yet (structured outputs) refused with a 400 naming the field."""
+ordered deltas), vLLM's spec-decode counters in ``/metrics``, logprobs, and constrained
+output (``response_format``, a regex) identical to the plain server's."""
 
 from __future__ import annotations
 
@@ -66,15 +66,30 @@ def test_streamed_text_and_stops_identical_to_plain_server(spec_server):
 
 
 @pytest.mark.slow
-def test_structured_outputs_refused_logprobs_served(spec_server):
+def test_constrained_output_identical_logprobs_served(spec_server):
+    plain = generation_server()
+    schema = {"type": "object", "properties": {"colors": {"type": "array", "maxItems": 6,
+              "items": {"enum": ["red", "green", "blue", "yellow"]}}},
+              "required": ["colors"], "additionalProperties": False}
+    texts = {}
+    for name, server in (("plain", plain), ("spec", spec_server)):
+        client = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0,
+                               timeout=120)
+        chat = client.chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=64,
+            messages=[{"role": "user", "content": PROMPT + " as JSON"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "colors", "schema": schema}})
+        rx = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40,
+                                       temperature=0,
+                                       extra_body={"structured_outputs": {
+                                           "regex": r"( (red|green|blue|yellow),){2,8}"}})
+        texts[name] = (chat.choices[0].message.content, rx.choices[0].text)
+    assert texts["spec"] == texts["plain"]
+    assert json.loads(texts["spec"][0])["colors"]
+    # Logprobs work: one entry per token, several tokens a step or not.
     client = openai.OpenAI(base_url=spec_server.base_url, api_key=API_KEY, max_retries=0,
                            timeout=60)
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                  extra_body={"structured_outputs": {"regex": "a+"}})
-    assert info.value.body["param"] == "response_format", info.value.body
-    assert "speculative" in info.value.body["message"]
-    # Logprobs work: one entry per token, several tokens a step or not.
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
                                     logprobs=1)
     assert len(out.choices[0].logprobs.token_logprobs) == out.usage.completion_tokens == 12

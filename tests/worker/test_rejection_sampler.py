@@ -192,3 +192,46 @@ def test_sampled_drafter_keeps_the_target_distribution():
     # Accepted with probability min(1, p/q) overall: sum over d of q(d) min(1, p(d)/q(d)).
     accepted = float((out.num_emitted == 2).float().mean())
     assert abs(accepted - float(torch.minimum(p0, q).sum())) < 0.015
+
+
+def _bitmask(rows: list[set[int]], vocab: int) -> torch.Tensor:
+    words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.uint32)
+    for i, allowed in enumerate(rows):
+        for t in allowed:
+            words[i, t >> 5] |= np.uint32(1 << (t & 31))
+    return torch.from_numpy(words.view(np.int32))
+
+
+@pytest.mark.parametrize("method", ["greedy", "sampled", "synthetic"])
+def test_grammar_masks_hold_at_every_verify_position(method):
+    """One mask per verify position: whatever the logits (the top token always banned) and
+    whichever drafts are taken, every emitted token is one its position's mask allows, also
+    when synthetic acceptance rejects a draft that is the only token allowed."""
+    vocab, k = 40, 3
+    g = torch.Generator().manual_seed(0)
+    drafts = [[5, 6, 7], [9], []]
+    lay = verify_layout(drafts)
+    logits = torch.randn(lay.num_rows, vocab, generator=g)
+    # Request 0: position 0 allows {5, 1, 2}, 1 only {6}, 2 {7, 3}, 3 {8, 4}; request 1:
+    # {9, 10} then {11}; request 2: {12, 13}. Each row's own argmax is banned.
+    allowed = [{5, 1, 2}, {6}, {7, 3}, {8, 4}, {9, 10}, {11}, {12, 13}]
+    drafted = {0: 5, 1: 6, 2: 7, 4: 9}  # (the engine only verifies drafts the mask allows)
+    for row, a in enumerate(allowed):
+        top = int(logits[row].argmax())
+        if top != drafted.get(row) and len(a) > 1:
+            allowed[row] = a - {top}
+    greedy = method == "greedy"
+    sampler = RejectionSampler((0.5,) * k if method == "synthetic" else None)
+    for trial in range(40):
+        meta = SamplingMetadata(
+            temperature=torch.full((lay.num_rows,), 0.0 if greedy else 1.0),
+            all_greedy=greedy, all_random=not greedy,
+            grammar_bitmask=_bitmask(allowed, vocab))
+        got, _, _ = _run(sampler, logits.clone(), meta, drafts)
+        row = 0
+        for d, emitted in zip(drafts, got):
+            for j, t in enumerate(emitted):
+                assert t in allowed[row + j], (method, trial, d, emitted)
+                if j < len(emitted) - 1:
+                    assert t == d[j]
+            row += len(d) + 1

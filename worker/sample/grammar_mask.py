@@ -10,23 +10,56 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def grammar_rows(grammar_req_ids: list[str], sampled_ids: list[str]
+def grammar_rows(grammar_req_ids: list[str], sampled_ids: list[str],
+                 drafts: dict[str, list[int]] | None = None
                  ) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Where each grammar row goes: (the bitmask rows to keep, int64 indices into the sampling
     rows, or None when the kept rows are the sampling rows in order). None when no sampling
-    row has a grammar."""
-    if grammar_req_ids == sampled_ids:
-        return np.arange(len(sampled_ids)), None
-    where = {rid: i for i, rid in enumerate(sampled_ids)}
-    src, dst = [], []
-    for i, rid in enumerate(grammar_req_ids):
+    row has a grammar. With speculative ``drafts``, a request has one sampling row per verify
+    position (1 + its drafts) and as many consecutive bitmask rows, in the same order."""
+    if not drafts:
+        if grammar_req_ids == sampled_ids:
+            return np.arange(len(sampled_ids)), None
+        width = {}
+    else:
+        width = {rid: len(d) for rid, d in drafts.items()}
+    where: dict[str, int] = {}
+    row = 0
+    for rid in sampled_ids:
+        where[rid] = row
+        row += 1 + width.get(rid, 0)
+    num_sampling = row
+    src: list[int] = []
+    dst: list[int] = []
+    row = 0
+    for rid in grammar_req_ids:
+        n = 1 + width.get(rid, 0)
         j = where.get(rid)
         if j is not None:
-            src.append(i)
-            dst.append(j)
+            src.extend(range(row, row + n))
+            dst.extend(range(j, j + n))
+        row += n
     if not src:
         return None
-    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+    src_a = np.array(src, dtype=np.int64)
+    dst_a = np.array(dst, dtype=np.int64)
+    if len(dst) == num_sampling and np.array_equal(src_a, dst_a):
+        return src_a, None
+    return src_a, dst_a
+
+
+def grammar_slice(bitmask: torch.Tensor | None, rows: torch.Tensor | None, start: int,
+                  count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The masks (and their rows, renumbered from 0) of sampling rows ``start`` ..
+    ``start + count - 1``, for one request sampled on its own."""
+    if bitmask is None:
+        return None, None
+    if rows is None:
+        rows = torch.arange(bitmask.shape[0], device=bitmask.device)
+    pick = ((rows >= start) & (rows < start + count)).nonzero().flatten()
+    if not pick.numel():
+        return None, None
+    return bitmask[pick], rows[pick] - start
 
 
 def unpack_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

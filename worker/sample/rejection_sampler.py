@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal.worker.sample.grammar_mask import apply_token_bitmask_
 from tidal.worker.sample.metadata import SamplingMetadata
 from tidal.worker.sample.sampler import (
     apply_allowed_token_ids,
@@ -84,12 +85,12 @@ class RejectionOutput:
 
 
 def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The logits as ``Sampler`` processes them before the temperature, in its order: allowed
-    tokens, bias, min_tokens bans, penalties. (Grammar masks are not combined with speculation:
-    the EngineCore refuses constrained requests while it is on.)"""
+    """The logits as ``Sampler`` processes them before the temperature, in its order: grammar
+    masks (one row per verify position: the mask after the drafts before it), allowed tokens,
+    bias, min_tokens bans, penalties."""
+    logits = logits.float()  # (in place when already float32, as ``Sampler`` masks)
     if meta.grammar_bitmask is not None:
-        raise ValueError("grammar masks are not supported with speculative decoding")
-    logits = logits.float()
+        apply_token_bitmask_(logits, meta.grammar_bitmask, meta.grammar_rows)
     if meta.allowed_rows is not None:
         assert meta.allowed_cols is not None
         logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_cols)
@@ -179,8 +180,10 @@ class RejectionSampler:
             if k and draft_probs is None:
                 draft_at = drafts.gather(1, num_accepted.clamp(max=k - 1).unsqueeze(1))
                 kept = p.gather(1, draft_at)
-                p = p.scatter(1, draft_at, torch.where(rejected.unsqueeze(1),
-                                                       torch.zeros_like(kept), kept))
+                # (Synthetic acceptance can reject a draft that holds all of p, e.g. the one
+                # token a grammar allows: p itself then, never an empty residual.)
+                drop = rejected.unsqueeze(1) & (kept < 1.0)
+                p = p.scatter(1, draft_at, torch.where(drop, torch.zeros_like(kept), kept))
             elif k:
                 q = draft_probs[torch.arange(b, device=dev), num_accepted.clamp(max=k - 1)]
                 residual = (p - q).clamp_min(0.0)

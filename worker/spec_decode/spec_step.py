@@ -34,6 +34,7 @@ from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.models.decoder import AuxHiddenSpec
 from tidal.worker.ops.kernels import Kernels
+from tidal.worker.sample.grammar_mask import grammar_slice
 from tidal.worker.sample.metadata import (
     SamplingMetadata,
     SamplingMetadataBuilder,
@@ -275,7 +276,7 @@ class SpeculativeStep:
             logger.warning("batched verification failed (%s); isolating the failing "
                            "request(s)", exc)
             emitted, failed = self._verify_each(b, logits, builder, sample_rows, sampled_ids,
-                                                drafts)
+                                                drafts, meta)
             logprobs = None
         self._append(b, sample_rows, emitted)
         return emitted, failed, logprobs
@@ -320,7 +321,7 @@ class SpeculativeStep:
 
     def _verify_each(self, b: InputBatch, logits: torch.Tensor,
                      builder: SamplingMetadataBuilder, sample_rows: np.ndarray,
-                     sampled_ids: list[str], drafts: list[list[int]]
+                     sampled_ids: list[str], drafts: list[list[int]], meta: SamplingMetadata
                      ) -> tuple[list[list[int]], dict[str, str]]:
         dev = self.device
 
@@ -335,6 +336,8 @@ class SpeculativeStep:
             try:
                 one = self.verify_sampling(builder, b, sample_rows[i:i + 1],
                                            np.array([len(drafts[i])]), direct)
+                one.grammar_bitmask, one.grammar_rows = grammar_slice(
+                    meta.grammar_bitmask, meta.grammar_rows, start, n)
                 tokens, _ = self._verify_batch(logits[start:start + n], one,
                                                drafts[i:i + 1], None, [rid])
                 emitted.append(tokens[0])

@@ -135,15 +135,6 @@ def test_budget_field_checks():
 
 # --- end to end: a tiny random-weight Qwen3 ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_qwen3(qwen3_tokenizer, tmp_path_factory):
-    """Random weights, Qwen3's shapes in miniature, the real tokenizer and chat template."""
-    import reference
-
-    return reference.make_tiny_qwen3_with_tokenizer(
-        qwen3_tokenizer, tmp_path_factory.mktemp("tiny-qwen3-think"))
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(tiny_qwen3, request):
     """Async scheduling too: a forced token needs the previous one known when its mask is
