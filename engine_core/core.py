@@ -343,14 +343,11 @@ class EngineCore:
 
     def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
         structured = self.structured
-        states = structured.states
-        mine = [out for out in outputs if out.request_id in states]
-        verdicts = structured.advance_all([(out.request_id, out.new_token_ids)
-                                           for out in mine if not out.finished])
-        it = iter(verdicts)
-        for out in mine:
+        for out in outputs:
             rid = out.request_id
-            verdict = None if out.finished else next(it)
+            if rid not in structured.states:
+                continue
+            verdict = None if out.finished else structured.advance(rid, out.new_token_ids)
             if verdict is not None:
                 # The grammar is complete (or, should a masked token slip through, broken):
                 # the request ends here rather than sampling past it.

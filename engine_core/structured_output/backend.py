@@ -45,8 +45,3 @@ class GrammarBackend(Protocol):
     def fill(self, matchers: list[Matcher], out: np.ndarray) -> None:
         """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
         ...
-
-    def consume_each(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
-        """Feed ``tokens[i]`` to ``matchers[i]`` for every i at once (a step's sampled tokens);
-        False where a token was rejected, as ``consume_tokens`` would say."""
-        ...

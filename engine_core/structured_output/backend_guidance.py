@@ -78,8 +78,3 @@ class GuidanceBackend:
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], out.ctypes.data, out.shape[1] * 4,
             out.shape[0])
-
-    def consume_each(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """One token per matcher, consumed on llguidance's threads (a batch of 256 in a third
-        of the time of one call each on two cores)."""
-        return self._executor.consume_token_par(list(zip(matchers, tokens)))

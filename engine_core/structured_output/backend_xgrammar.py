@@ -127,9 +127,12 @@ class XgrammarMatcher:
         for t in tokens:
             if not m.accept_token(t):
                 return False
-        # Complete with nothing left but end-of-sequence stops too, as llguidance does (with
-        # ignore_eos the request would otherwise need one more step).
-        self.after_accept()
+        if m.is_terminated():
+            self._stopped = True
+        elif m.is_completed() and self._only_stop_allowed():
+            # Complete with nothing left but end-of-sequence: stop here, as llguidance does
+            # (with ignore_eos the request would otherwise need one more step).
+            self._stopped = True
         return True
 
     def validate_tokens(self, tokens: list[int]) -> int:
@@ -157,14 +160,6 @@ class XgrammarMatcher:
         # (bitwise_and.at: two stop ids in one word, as Qwen's 151643 and 151645, both clear)
         np.bitwise_and.at(allowed, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
         return not allowed.any()
-
-    def after_accept(self) -> None:
-        """Note whether the tokens just accepted ended the grammar (``consume_tokens``)."""
-        m = self.matcher
-        if m.is_terminated():
-            self._stopped = True
-        elif m.is_completed() and self._only_stop_allowed():
-            self._stopped = True
 
     def is_stopped(self) -> bool:
         return self._stopped
@@ -216,12 +211,3 @@ class XgrammarBackend:
             matchers[0].matcher.fill_next_token_bitmask(out, 0)
             return
         self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], out)
-
-    def consume_each(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        import xgrammar as xgr
-
-        ok = xgr.BatchGrammarMatcher.batch_accept_token([m.matcher for m in matchers], tokens)
-        for m, accepted in zip(matchers, ok):
-            if accepted:
-                m.after_accept()
-        return list(ok)

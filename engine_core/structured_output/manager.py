@@ -59,9 +59,6 @@ _TEMPLATES_PER_GRAMMAR = max(1, min(16, (os.cpu_count() or 1) * 4 // 5))
 # A request whose own template is still compiling this long copies one that is done instead.
 _TEMPLATE_WAIT_S = 0.005
 _MAX_TIMINGS = 4096
-# From this many sequences fed one token each, a step's tokens go to the backend in one call
-# (llguidance consumes them on its threads; fewer cost more to hand over than to consume).
-_BATCH_CONSUME = 8
 
 
 @dataclass(slots=True)
@@ -420,38 +417,6 @@ class StructuredOutputManager:
                 if n:
                     s.matcher.rollback(n)
         return out
-
-    def advance_all(self, new_tokens: list[tuple[str, list[int]]]) -> list[str | None]:
-        """``advance`` for a step's requests: the verdict of each. The requests that feed
-        their grammar one token (a decode step's) are consumed in one backend call, on its
-        threads (``_BATCH_CONSUME`` of them or more)."""
-        verdicts: list[str | None] = [None] * len(new_tokens)
-        single: list[int] = []  # indices fed one token each, together
-        matchers: list[Any] = []
-        tokens: list[int] = []
-        for i, (rid, toks) in enumerate(new_tokens):
-            state = self.states.get(rid)
-            if state is None:
-                continue
-            if state.gate is not None:
-                toks = state.gate.feed(toks)  # only the answer's tokens meet the grammar
-            if not toks or state.matcher is None:
-                continue
-            if len(toks) == 1:
-                single.append(i)
-                matchers.append(state.matcher)
-                tokens.append(toks[0])
-            else:
-                verdicts[i] = self._consumed(state.matcher, toks,
-                                             state.matcher.consume_tokens(toks))
-        if len(single) >= _BATCH_CONSUME:
-            assert self._backend is not None
-            ok = self._backend.consume_each(matchers, tokens)
-        else:
-            ok = [m.consume_tokens([t]) for m, t in zip(matchers, tokens)]
-        for i, m, t, accepted in zip(single, matchers, tokens, ok):
-            verdicts[i] = self._consumed(m, [t], accepted)
-        return verdicts
 
     @staticmethod
     def _consumed(m: Any, tokens: list[int], accepted: bool) -> str | None:

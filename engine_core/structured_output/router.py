@@ -99,18 +99,3 @@ class BackendRouter:
             part = np.empty((len(rows), out.shape[1]), dtype=np.int32)
             self._backends[name].fill([matchers[i] for i in rows], part)
             out[rows] = part
-
-    def consume_each(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """``tokens[i]`` into ``matchers[i]``, each backend its own matchers at once."""
-        names = [getattr(m, "backend", "guidance") for m in matchers]
-        first = names[0]
-        if all(n == first for n in names):
-            return self._backends[first].consume_each(matchers, tokens)
-        ok = [False] * len(matchers)
-        for name in set(names):
-            rows = [i for i, n in enumerate(names) if n == name]
-            got = self._backends[name].consume_each([matchers[i] for i in rows],
-                                                   [tokens[i] for i in rows])
-            for i, accepted in zip(rows, got):
-                ok[i] = accepted
-        return ok
