@@ -16,6 +16,9 @@ Acting as one server:
 * ``--max-queued-requests``: the admission counts of all processes live on one shared
   ``AdmissionBoard``, so the limit holds for the server, not per process.
 * ``/health``, ``--api-key``: the same settings in every process.
+* ``/v1/responses`` stored for ``previous_response_id``, ``GET`` and ``DELETE``: each process
+  keeps those it answered and asks the others over IPC for an id it lacks
+  (``response_peers``).
 * ``GET /load`` (``--enable-server-load-tracking``): each process counts its requests in its
   row of the ``AdmissionBoard``; any process answers with the sum. ``--max-connections`` and
   the header/body timeouts hold per process.
@@ -65,6 +68,7 @@ import msgspec
 from tidal.engine_core import envs
 from tidal.engine_core.config import EngineArgs, EngineConfig
 from tidal.frontend.dp_engines import DPEngine
+from tidal.frontend.server.response_peers import peer_addresses
 from tidal.frontend.server.state import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -154,6 +158,10 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
     # it, so one left from an earlier run would be counted too). API servers read it from
     # their environment when they import prometheus_client.
     metrics_dir = tempfile.mkdtemp(prefix="tidal-metrics-")
+    # The API servers' IPC sockets for stored responses (response_peers.py): mkdtemp's folder
+    # is this user's alone.
+    peers_dir = tempfile.mkdtemp(prefix="tidal-peers-")
+    peers = peer_addresses(peers_dir, count) if count > 1 else None
     env_before = envs.prometheus_multiproc_dir()
     stopping: list[int] = []
     engine: BaseProcess | None = None
@@ -180,7 +188,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
             ready = ctx.Event()
             proc = ctx.Process(target=run_api_server, name=f"APIServer-{i}", daemon=False,
                                args=(i, count, settings, addresses, config_bytes,
-                                     engine_args.tokenizer, board, ready))
+                                     engine_args.tokenizer, board, ready, peers))
             proc.start()
             servers.append(_Child(proc.name, proc, ready))
         code = _supervise(servers, engine, stopping, settings, dp_engines)
@@ -197,6 +205,7 @@ def run(engine_args: EngineArgs, settings: ServerSettings, count: int,
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = env_before
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(peers_dir, ignore_errors=True)
         if engine_tmp is not None:
             shutil.rmtree(engine_tmp, ignore_errors=True)
     # (One that never listened was ended on purpose, or its death already set the code.)
@@ -290,7 +299,7 @@ def _supervise(servers: list[_Child], engine: BaseProcess | None, stopping: list
 
 def run_api_server(index: int, count: int, settings: ServerSettings, engine_addresses: list[str],
                    config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
-                   ready: Any) -> None:
+                   ready: Any, peer_addresses: list[str] | None = None) -> None:
     """Entry point of API server ``index`` (a ``multiprocessing`` target). Several
     ``engine_addresses``: the data-parallel ranks, each reached by every API server."""
     from tidal.engine_core.core_proc import setup_logging, watch_parent
@@ -305,12 +314,12 @@ def run_api_server(index: int, count: int, settings: ServerSettings, engine_addr
     import uvloop
 
     sys.exit(uvloop.run(_serve_one(index, count, settings, engine_addresses, config_bytes,
-                                   tokenizer, board_memory, ready)))
+                                   tokenizer, board_memory, ready, peer_addresses)))
 
 
 async def _serve_one(index: int, count: int, settings: ServerSettings, engine_addresses: list[str],
                      config_bytes: bytes | None, tokenizer: str | None, board_memory: Any,
-                     ready: Any) -> int:
+                     ready: Any, peer_addresses: list[str] | None) -> int:
     from tidal.frontend.async_llm import AsyncLLM
     from tidal.frontend.dp_client import DPAsyncClient
     from tidal.frontend.mp_client import EngineConnection, EngineStartupError, MPAsyncClient
@@ -346,4 +355,5 @@ async def _serve_one(index: int, count: int, settings: ServerSettings, engine_ad
         return 1
     board = AdmissionBoard.attach(board_memory, index)
     return await serve(engine, settings, reuse_port=True, board=board, on_ready=ready.set,
-                       label=f"API server {index + 1}/{count}", stop_signals=(_DRAIN,))
+                       label=f"API server {index + 1}/{count}", stop_signals=(_DRAIN,),
+                       response_peers=None if not peer_addresses else (index, peer_addresses))

@@ -50,6 +50,7 @@ from tidal.frontend.server.errors import (
 from tidal.frontend.server.lora_models import FilesystemResolver, LoRAModels
 from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.frontend.server.openai_protocol import ModelCard, ModelList
+from tidal.frontend.server.response_peers import ResponsePeers
 from tidal.frontend.server.response_store import ResponseStore
 from tidal.frontend.server.server_plugins import ServerPlugins
 from tidal.frontend.server.serving_chat import create_chat_completion
@@ -391,14 +392,16 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
                 *, reuse_port: bool = False, board: AdmissionBoard | None = None,
                 on_ready: Callable[[], None] | None = None, label: str = "server",
                 stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
-                ) -> int:
+                response_peers: tuple[int, list[str]] | None = None) -> int:
     """Serve until a stop signal (returns 0 after draining) or the engine's death (returns 1).
     Listens on ``sock`` (from ``bind_socket``) or binds now; shuts the engine down before
     returning. Raises ``ServerStartError`` if it cannot listen.
 
     ``reuse_port``, ``board``: one of several API server processes (``api_servers``): bind
-    the shared port, keep admission counts on the shared board. ``on_ready`` is called once
-    the server listens. ``stop_signals``: the first drains, a second aborts what runs."""
+    the shared port, keep admission counts on the shared board; ``response_peers`` (this
+    process's index, every API server's address): stored responses are looked up at the
+    others too (response_peers.py). ``on_ready`` is called once the server listens.
+    ``stop_signals``: the first drains, a second aborts what runs."""
     try:
         plugins = _load_plugins(engine, settings)
         # Before the metrics observe the engine: the warm-up is no client's request.
@@ -431,6 +434,10 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
             if isinstance(exc, ValueError):
                 raise ServerStartError(str(exc)) from None
             raise
+    if response_peers is not None:
+        index, addresses = response_peers
+        state.response_peers = ResponsePeers(index, addresses, state.responses)
+        state.response_peers.start()
     app = build_app(state)
     limits = connection_limits(settings, raise_fd_limit())
     logger.info("%s: at most %d connections (--max-connections), header timeout %g s, body "
@@ -449,6 +456,8 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         await web.SockSite(runner, sock, backlog=_LISTEN_BACKLOG).start()
     except BaseException:
         await runner.cleanup()
+        if state.response_peers is not None:
+            await state.response_peers.close()
         engine.shutdown()
         raise
     loop = asyncio.get_running_loop()
@@ -482,6 +491,8 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+        if state.response_peers is not None:
+            await state.response_peers.close()
         state.plugins.shutdown()
         engine.shutdown()
     logger.info("%s stopped (exit code %d)", label, code)

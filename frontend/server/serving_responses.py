@@ -60,6 +60,7 @@ from tidal.frontend.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from tidal.frontend.server.response_peers import find_response, forget_response
 from tidal.frontend.server.serving_chat import render_chat
 from tidal.frontend.server.sampling import chat_params
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
@@ -106,14 +107,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                              reads_special_tokens(parsers, chat_tools))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        stored = state.responses.get(req.previous_response_id)
+        stored = await find_response(state.responses, state.response_peers,
+                                     req.previous_response_id)
         if stored is None:
             raise APIError(400, f"previous response with id "
                            f"{req.previous_response_id[:_ID_CHARS]!r} not found (responses are "
-                           "kept in the memory of the API server process that answered, a "
-                           "bounded number of them, and only with store: true; a server with "
-                           "several API server processes may route a follow-up to another: "
-                           "run it with --api-server-count 1 to chain responses)", param="previous_response_id",
+                           "kept in this server's memory, a bounded number of them, the least "
+                           "recently used evicted first, and only with store: true)",
+                           param="previous_response_id",
                            code="previous_response_not_found")
         history = stored.messages
     conversation = history + input_messages(req.input, bool(history))
@@ -159,7 +160,7 @@ async def get_response(request: web.Request) -> web.Response:
     if request.query.get("stream", "false").lower() not in ("false", "0"):
         raise bad_request("replaying a stored response as a stream is not supported; GET it "
                           "whole", "stream", code="unsupported_field")
-    stored = state.responses.get(rid)
+    stored = await find_response(state.responses, state.response_peers, rid)
     if stored is None:
         raise _not_found(rid)
     return web.Response(body=stored.body, content_type="application/json")
@@ -168,7 +169,7 @@ async def get_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     state = get_state(request)
     rid = request.match_info["response_id"]
-    if not state.responses.delete(rid):
+    if not await forget_response(state.responses, state.response_peers, rid):
         raise _not_found(rid)
     return json_response(DeletedResponse(id=rid))
 

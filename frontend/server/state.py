@@ -23,6 +23,7 @@ from tidal.frontend.server.server_plugins import ServerPlugins
 
 if TYPE_CHECKING:
     from tidal.frontend.async_llm import AsyncLLM
+    from tidal.frontend.server.response_peers import ResponsePeers
 
 
 @dataclass(slots=True)
@@ -80,6 +81,8 @@ class ServerState:
     task: str  # "generate" | "embed"
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
+    # The other API server processes' stores (--api-server-count > 1; response_peers.py).
+    response_peers: ResponsePeers | None = None
     plugins: ServerPlugins = field(default_factory=ServerPlugins)
     loras: LoRAModels | None = None  # None: the engine runs no LoRA (--enable-lora off)
 

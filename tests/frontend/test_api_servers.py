@@ -1,6 +1,7 @@
 """``tidal serve --api-server-count 2``: two API server processes over one EngineCore behave as
 one server: concurrent streams through both match their non-streamed twins, ``/metrics`` is one
-view (frontend counters summed, engine counters counted once), SIGTERM (to the whole process
+view (frontend counters summed, engine counters counted once), stored responses chain, read
+and delete from either process, SIGTERM (to the whole process
 group) drains every process and exits 0 with no child left, and killing one API server ends the
 whole server with exit code 1."""
 
@@ -50,6 +51,12 @@ def _wait_api_servers(server: ServerProcess, n: int, timeout: float = 90.0
         time.sleep(0.2)
     assert len(api) == n, f"expected {n} API server processes listening, got {api}"
     return api
+
+
+def client_for(server: ServerProcess) -> openai.AsyncOpenAI:
+    """A client of its own: its first request opens a new connection, which the kernel gives
+    to either API server."""
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
 
 
 def _metric(text: str, name: str) -> float:
@@ -132,6 +139,43 @@ def test_two_api_servers_act_as_one():
                 _metric(before, "tidal:request_queue_time_seconds_count") == len(results)
             assert len([line for line in text.splitlines()
                         if line.startswith("tidal:cache_config_info")]) == 1
+
+        # Stored responses: follow-ups on fresh connections (either process may take each)
+        # chain from one stored response; GET and DELETE reach it from either.
+        async def chain():
+            c = client_for(server)
+            try:
+                first = await c.responses.create(model="", input="Say hi.", max_output_tokens=8,
+                                                 temperature=0.0)
+            finally:
+                await c.close()
+            ids = []
+            for k in range(8):
+                c = client_for(server)
+                try:
+                    r = await c.responses.create(model="", input=f"And {k}?",
+                                                 previous_response_id=first.id,
+                                                 max_output_tokens=4, temperature=0.0)
+                    got = await c.responses.retrieve(first.id)
+                finally:
+                    await c.close()
+                assert r.status in ("completed", "incomplete") and got.id == first.id
+                ids.append(r.id)
+            c = client_for(server)
+            try:
+                await c.responses.delete(first.id)
+            finally:
+                await c.close()
+            for _ in range(4):
+                c = client_for(server)
+                try:
+                    with pytest.raises(openai.NotFoundError):
+                        await c.responses.retrieve(first.id)
+                finally:
+                    await c.close()
+            return ids
+
+        assert len(set(asyncio.run(chain()))) == 8
 
         # SIGTERM to the server's whole process group (as Ctrl-C or ``timeout`` send it)
         # drains both API servers once while a request runs: it completes; exit code 0.

@@ -1,0 +1,172 @@
+"""Stored ``/v1/responses`` across the API server processes of one server
+(``--api-server-count N``).
+
+Each API server keeps the responses it answered (``response_store``); the kernel spreads
+connections over the processes, so a follow-up (``previous_response_id``, ``GET`` / ``DELETE
+/v1/responses/{id}``) may land on another one. A process that does not hold the id asks its
+peers: every API server answers lookups on an IPC socket of its own (a ZMQ ROUTER in a folder
+only this server's user can enter, created by the supervisor), and the asking one sends the
+question to every peer at once and takes the answer of the one that holds it. Messages are
+msgspec structs (no pickle); the conversation travels as the JSON it is stored as.
+
+A lookup costs one IPC round trip per peer, concurrently (well under a millisecond), and only
+on a miss in the local store. A peer that does not answer within ``_TIMEOUT_S`` counts as not
+holding the id (a dead API server ends the whole server anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from tidal.frontend.server.response_store import ResponseStore, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_S = 2.0
+_MAX_ID_BYTES = 256  # ids this server makes are ~30 characters
+
+
+class PeerAsk(msgspec.Struct, frozen=True):
+    op: str  # "get" | "delete"
+    response_id: str
+
+
+class PeerAnswer(msgspec.Struct, frozen=True):
+    found: bool
+    messages: bytes = b""  # the stored conversation, JSON
+    body: bytes = b""  # the response object, JSON
+
+
+_ask_decoder = msgspec.msgpack.Decoder(PeerAsk)
+_answer_decoder = msgspec.msgpack.Decoder(PeerAnswer)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ResponsePeers:
+    """This API server's side: answers its peers from ``store`` on ``addresses[index]`` and
+    asks the other addresses for ids it does not hold."""
+
+    def __init__(self, index: int, addresses: list[str], store: ResponseStore) -> None:
+        import zmq
+        import zmq.asyncio
+
+        if not 0 <= index < len(addresses):
+            raise ValueError(f"API server index {index} out of {len(addresses)} peer addresses")
+        self.index = index
+        self.addresses = list(addresses)
+        self.store = store
+        self._ctx = zmq.asyncio.Context()
+        self._server = self._ctx.socket(zmq.ROUTER)
+        self._server.setsockopt(zmq.LINGER, 0)
+        self._server.bind(addresses[index])
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def peers(self) -> list[str]:
+        return [a for i, a in enumerate(self.addresses) if i != self.index]
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._answer_loop(),
+                                                            name="tidal-response-peers")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._server.close(0)
+        self._ctx.term()
+
+    # --- answering -------------------------------------------------------------------------
+
+    async def _answer_loop(self) -> None:
+        while True:
+            frames = await self._server.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) > _MAX_ID_BYTES + 64:
+                logger.warning("response peers: dropped a malformed lookup (%d frames)",
+                               len(frames))
+                continue
+            ident, empty, payload = frames
+            try:
+                ask = _ask_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                logger.warning("response peers: dropped an undecodable lookup: %s", exc)
+                continue
+            await self._server.send_multipart([ident, empty, _encoder.encode(self._answer(ask))])
+
+    def _answer(self, ask: PeerAsk) -> PeerAnswer:
+        if ask.op == "delete":
+            return PeerAnswer(self.store.delete(ask.response_id))
+        stored = self.store.get(ask.response_id) if ask.op == "get" else None
+        if stored is None:
+            return PeerAnswer(False)
+        return PeerAnswer(True, msgspec.json.encode(stored.messages), stored.body)
+
+    # --- asking ----------------------------------------------------------------------------
+
+    async def get(self, response_id: str) -> StoredResponse | None:
+        """The response as the peer that holds it stored it, or None."""
+        for answer in await self._ask_all(PeerAsk("get", response_id)):
+            if answer.found:
+                messages = msgspec.json.decode(answer.messages)
+                return StoredResponse(messages, answer.body, len(answer.body)
+                                      + len(answer.messages))
+        return None
+
+    async def delete(self, response_id: str) -> bool:
+        """Whether a peer held (and now dropped) the response."""
+        return any(a.found for a in await self._ask_all(PeerAsk("delete", response_id)))
+
+    async def _ask_all(self, ask: PeerAsk) -> list[PeerAnswer]:
+        if len(ask.response_id.encode()) > _MAX_ID_BYTES:
+            return []
+        payload = _encoder.encode(ask)
+        return await asyncio.gather(*(self._ask(address, payload) for address in self.peers))
+
+    async def _ask(self, address: str, payload: bytes) -> PeerAnswer:
+        import zmq
+
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(address)
+            await sock.send(payload)
+            if not await sock.poll(int(_TIMEOUT_S * 1000)):
+                logger.warning("response peers: %s did not answer within %.1f s", address,
+                               _TIMEOUT_S)
+                return PeerAnswer(False)
+            return _answer_decoder.decode(await sock.recv())
+        except (msgspec.DecodeError, zmq.ZMQError) as exc:
+            logger.warning("response peers: lookup at %s failed: %s", address, exc)
+            return PeerAnswer(False)
+        finally:
+            sock.close(0)
+
+
+async def find_response(store: ResponseStore, peers: ResponsePeers | None,
+                        response_id: str) -> StoredResponse | None:
+    """``response_id`` from this process's store, else from the peer that holds it."""
+    stored = store.get(response_id)
+    if stored is None and peers is not None:
+        stored = await peers.get(response_id)
+    return stored
+
+
+async def forget_response(store: ResponseStore, peers: ResponsePeers | None,
+                          response_id: str) -> bool:
+    if store.delete(response_id):
+        return True
+    return peers is not None and await peers.delete(response_id)
+
+
+def peer_addresses(folder: str, count: int) -> list[str]:
+    """The IPC addresses of ``count`` API servers, in a folder of the supervisor's."""
+    return [f"ipc://{folder}/responses-{i}" for i in range(count)]
+
+
+__all__ = ["ResponsePeers", "find_response", "forget_response", "peer_addresses"]

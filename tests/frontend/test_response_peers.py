@@ -1,0 +1,64 @@
+"""Stored responses across API server processes (frontend/server/response_peers.py): three
+peers in one event loop, each with its own store and IPC socket; a lookup a process cannot
+answer itself goes to the one that holds the id; deletes too; a malformed message to a peer's
+socket is dropped and the peer keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tidal.frontend.server.response_peers import (
+    ResponsePeers,
+    find_response,
+    forget_response,
+    peer_addresses,
+)
+from tidal.frontend.server.response_store import ResponseStore
+
+zmq = pytest.importorskip("zmq")
+
+
+def test_lookups_reach_the_process_that_holds_the_response(tmp_path):
+    async def main():
+        addresses = peer_addresses(str(tmp_path), 3)
+        stores = [ResponseStore() for _ in range(3)]
+        peers = [ResponsePeers(i, addresses, s) for i, s in enumerate(stores)]
+        for p in peers:
+            p.start()
+        try:
+            conversation = [{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "héllo"}]
+            assert stores[2].put("resp_a", conversation, b'{"id": "resp_a"}')
+            for i in range(3):  # the holder answers from memory, the others over IPC
+                got = await find_response(stores[i], peers[i], "resp_a")
+                assert got is not None
+                assert got.messages == conversation and got.body == b'{"id": "resp_a"}'
+            assert await find_response(stores[0], peers[0], "resp_missing") is None
+            assert await find_response(stores[0], peers[0], "x" * 10_000) is None
+            # A malformed message: dropped, the socket still answers.
+            ctx = zmq.Context()
+            raw = ctx.socket(zmq.REQ)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(addresses[2])
+            raw.send(b"\xc1 not msgpack")
+            await asyncio.sleep(0.2)
+            raw.close(0)
+            ctx.term()
+            assert (await peers[1].get("resp_a")) is not None
+            # Deleted from another process: gone everywhere.
+            assert await forget_response(stores[0], peers[0], "resp_a")
+            assert len(stores[2]) == 0
+            assert not await forget_response(stores[1], peers[1], "resp_a")
+            assert await find_response(stores[1], peers[1], "resp_a") is None
+        finally:
+            for p in peers:
+                await p.close()
+
+    asyncio.run(main())
+
+
+def test_index_must_name_one_of_the_addresses(tmp_path):
+    with pytest.raises(ValueError, match="index 2"):
+        ResponsePeers(2, peer_addresses(str(tmp_path), 2), ResponseStore())
