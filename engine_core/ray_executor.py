@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from tidal.engine_core import envs
 from tidal.engine_core.config import ConfigError, EngineConfig
@@ -45,6 +46,7 @@ from tidal.engine_core.serial import Decoder, Encoder
 from tidal.worker.worker_proc import (
     Done,
     ExecuteModel,
+    FinishSample,
     Failed,
     GetNumBlocks,
     InitKVCache,
@@ -133,14 +135,22 @@ def _iface_of(ip: str) -> str | None:
 
 
 class _RayPending:
-    __slots__ = ("_executor", "_refs")
+    __slots__ = ("_executor", "_refs", "_sample_refs")
 
     def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
         self._executor = executor
         self._refs = refs
+        self._sample_refs: list[Any] | None = None  # the `FinishSample` call of a deferred step
 
     def result(self) -> ModelRunnerOutput:
-        reply = self._executor._wait_all(self._refs)[self._executor.output_rank]
+        executor = self._executor
+        reply = executor._wait_all(self._refs)[executor.output_rank]
+        if self._sample_refs is not None:
+            # A step that sampled answers from `FinishSample`; one with nothing to sample
+            # already did from `ExecuteModel`.
+            sampled = executor._wait_all(self._sample_refs)[executor.output_rank]
+            if sampled is not None:
+                reply = sampled
         if not isinstance(reply, StepResult):
             raise WorkerError(f"output rank: expected a step result, got {type(reply).__name__}")
         return reply.output
@@ -269,9 +279,25 @@ class RayExecutor:
         for i, r in enumerate(self._call(InitKVCache(num_blocks))):
             self._expect(r, Done, i)
 
-    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
-        pending = _RayPending(self, self._submit(ExecuteModel(so)))
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False,
+                      defer_sample: bool = False) -> Any:
+        pending = _RayPending(self, self._submit(ExecuteModel(so, defer_sample)))
         return pending if non_block else pending.result()
+
+    @property
+    def supports_deferred_sample(self) -> bool:
+        """Grammar masks filled while the step runs, sent to the actors behind it
+        (`FinishSample`), as the multiprocess executor does; not with pipeline stages."""
+        return self.config.parallel.pipeline_parallel_size == 1
+
+    def finish_sample(self, pending: _RayPending, grammar_req_ids: list[str],
+                      grammar_bitmask: np.ndarray | None) -> None:
+        """Sample the step ``execute_model(..., defer_sample=True)`` launched (each actor runs
+        its calls in order: this one after the step's)."""
+        pending._sample_refs = self._submit(FinishSample(grammar_req_ids, grammar_bitmask))
+
+    def grammar_buffer(self, rows: int) -> np.ndarray:
+        return np.empty((rows, (self.config.model.vocab_size + 31) // 32), dtype=np.int32)
 
     def check_health(self) -> None:
         if self._failure is not None:

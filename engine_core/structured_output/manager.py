@@ -17,10 +17,10 @@ recompute re-feed nothing: the matcher has consumed exactly the request's output
 process compiles (not every tensor-parallel rank), and a compile never stalls a worker's step.
 The cost is that a constrained request's next mask needs its previous token: under async
 scheduling its step is launched first and sampled once the mask is filled (the worker in this
-process, or tensor-parallel workers told by a second message on the ring); on the Ray
-executor it sits out the step after each of its own (the scheduler skips it while its token is
-in flight) — unconstrained requests keep the full overlap. (With pipeline stages there is no
-async scheduling: every request waits for its step in flight.) With speculative decoding a
+process, or tensor-parallel workers told by a second message: `FinishSample`). An executor
+without that would leave it out of the step after each of its own (the scheduler skips it
+while its token is in flight); with pipeline stages there is no async scheduling, and every
+request waits for its step in flight. With speculative decoding a
 request's drafts are cut to what its grammar allows and each verify position gets its own
 mask (``valid_drafts``, ``fill_draft_bitmask``).
 """

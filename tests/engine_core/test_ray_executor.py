@@ -81,6 +81,35 @@ def test_ray_matches_single_worker(ray_cluster, tiny_models, family, tp, pp):
     assert not psutil.wait_procs(_actor_processes(), timeout=10)[1]
 
 
+def test_constrained_requests_sample_after_their_masks_on_ray(ray_cluster, tiny_smol_path):
+    """Async scheduling on Ray: a constrained request's step is sent first and sampled once
+    its mask follows (`FinishSample`); its output is the one-process engine's, token for
+    token."""
+    import re
+
+    from tidal.engine_core.sampling_params import StructuredOutputsParams
+
+    rx = r"[a-z]{2,5}-[0-9]{1,3}( [a-z]{3,8}){2,6}"
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=48,
+                             structured_outputs=StructuredOutputsParams(regex=rx))
+              for i in range(4)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    texts = {}
+    for backend in ("uni", "ray"):
+        kw = dict(distributed_executor_backend="ray", tensor_parallel_size=2,
+                  async_scheduling=True) if backend == "ray" else {}
+        llm = LLM(str(tiny_smol_path), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
+                  cpu_threads=1, dtype="float32", **kw)
+        try:
+            assert llm.engine.core.defer_masks == (backend == "ray")
+            outs = llm.generate(["Go:"] * 5, params + [plain], use_tqdm=False)
+            texts[backend] = [o.outputs[0].text for o in outs]
+        finally:
+            llm.shutdown()
+    assert texts["ray"] == texts["uni"]
+    assert all(re.fullmatch(rx, t) for t in texts["ray"][:4]), texts["ray"]
+
+
 def test_ray_rank_killed_fails_every_request(ray_cluster, tiny_models, monkeypatch):
     folder, _ = tiny_models["qwen3"]
     # The spawned EngineCore joins this cluster instead of starting its own.
