@@ -237,12 +237,11 @@ def test_async_scheduling(tiny_smol_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_async_constrained_requests_run_every_step_and_match_sync(tiny_smol_path, tp):
+def test_async_constrained_requests_run_every_step_and_match_sync(tiny_smol_path):
     """Under async scheduling a constrained request is scheduled while its last token is in
     flight (its mask is filled once that token arrives, before the step samples), so it gets a
-    token every step, and the tokens are those of a step-by-step engine. With worker
-    processes (tensor parallel) the masks follow the step on the ring (`FinishSample`)."""
+    token every step, and the tokens are those of a step-by-step engine. (With tensor-parallel
+    workers: structured_output/test_tp_deferred_masks.py.)"""
     from tidal.frontend import LLM
 
     rx = r"[a-z]{2,5}-[0-9]{1,3}( [a-z]{3,8}){2,6}"
@@ -250,8 +249,7 @@ def test_async_constrained_requests_run_every_step_and_match_sync(tiny_smol_path
     texts = {}
     for async_on in (False, True):
         llm = LLM(str(tiny_smol_path), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
-                  async_scheduling=async_on, cpu_threads=1, dtype="float32",
-                  tensor_parallel_size=tp)
+                  async_scheduling=async_on, cpu_threads=1, dtype="float32")
         try:
             core = llm.engine.core
             assert core.defer_masks == async_on
