@@ -303,3 +303,24 @@ def record_preemptions(llm) -> list[str]:
 
     scheduler._preempt = counting
     return preempted
+
+
+def generate_counting_spec(llm, prompts, params):
+    """``llm.generate`` (an in-process ``LLM``), and the speculative-decoding counts of the
+    engine steps it ran: (outputs, (drafts, draft tokens, accepted tokens))."""
+    counts = [0, 0, 0]
+    core = llm.engine.core
+    record = core.stats_logger.record
+
+    def counting(stats, *args):
+        counts[0] += stats.spec_num_drafts
+        counts[1] += stats.spec_num_draft_tokens
+        counts[2] += stats.spec_num_accepted_tokens
+        return record(stats, *args)
+
+    core.stats_logger.record = counting
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        core.stats_logger.record = record
+    return outs, tuple(counts)

@@ -419,13 +419,6 @@ class StructuredOutputManager:
                     s.matcher.rollback(n)
         return out
 
-    @staticmethod
-    def _consumed(m: Any, tokens: list[int], accepted: bool) -> str | None:
-        if not accepted:
-            return f"structured output: token(s) {tokens} rejected by the grammar: " \
-                   f"{m.get_error()}"
-        return "stop" if m.is_stopped() else None
-
     def advance(self, request_id: str, tokens: list[int]) -> str | None:
         """Feed a request's new tokens to its matcher. Returns None to go on, "stop" when the
         grammar is complete, or an error message (a token the mask did not allow)."""
@@ -439,7 +432,12 @@ class StructuredOutputManager:
         m = state.matcher
         if m is None:
             return None
-        return self._consumed(m, tokens, m.consume_tokens(tokens))
+        if not m.consume_tokens(tokens):
+            return f"structured output: token(s) {tokens} rejected by the grammar: " \
+                   f"{m.get_error()}"
+        if m.is_stopped():
+            return "stop"
+        return None
 
     def take_report(self, stats: SchedulerStats) -> None:
         """Put the compile times and request kinds since the previous call, each with its

@@ -234,20 +234,8 @@ def test_stats_fold_per_position_counts():
 
 
 def _generate(llm, prompts, params):
-    accepted = []
-    core = llm.engine.core
-    record = core.stats_logger.record
-
-    def counting(stats, *args):
-        accepted.append(stats.spec_num_accepted_tokens)
-        return record(stats, *args)
-
-    core.stats_logger.record = counting
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        core.stats_logger.record = record
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0] for o in outs], sum(accepted)
+    outs, (_, _, accepted) = reference.generate_counting_spec(llm, prompts, params)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0] for o in outs], accepted
 
 
 REPETITIVE = ("Copy the list: red, green, blue, yellow, red, green, blue, yellow, red, green, "

@@ -99,22 +99,8 @@ KW = dict(skip_tokenizer_init=True, max_num_seqs=4, max_model_len=96)
 
 def _generate(llm, params, prompts=PROMPTS):
     """Token ids per prompt, and (drafts, draft tokens, accepted tokens) over the run."""
-    counts = [0, 0, 0]
-    core = llm.engine.core
-    record = core.stats_logger.record
-
-    def counting(stats, *args):
-        counts[0] += stats.spec_num_drafts
-        counts[1] += stats.spec_num_draft_tokens
-        counts[2] += stats.spec_num_accepted_tokens
-        return record(stats, *args)
-
-    core.stats_logger.record = counting
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        core.stats_logger.record = record
-    return [o.outputs[0].token_ids for o in outs], tuple(counts)
+    outs, counts = reference.generate_counting_spec(llm, prompts, params)
+    return [o.outputs[0].token_ids for o in outs], counts
 
 
 @pytest.fixture(scope="module")

@@ -237,39 +237,6 @@ def test_async_scheduling(tiny_smol_path):
         llm.shutdown()
 
 
-def test_async_constrained_requests_run_every_step_and_match_sync(tiny_smol_path):
-    """Under async scheduling a constrained request is scheduled while its last token is in
-    flight (its mask is filled once that token arrives, before the step samples), so it gets a
-    token every step, and the tokens are those of a step-by-step engine. (With tensor-parallel
-    workers: structured_output/test_tp_deferred_masks.py.)"""
-    from tidal.frontend import LLM
-
-    rx = r"[a-z]{2,5}-[0-9]{1,3}( [a-z]{3,8}){2,6}"
-    params = [sampled(i, 48, so(regex=rx)) for i in range(4)]
-    texts = {}
-    for async_on in (False, True):
-        llm = LLM(str(tiny_smol_path), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
-                  async_scheduling=async_on, cpu_threads=1, dtype="float32")
-        try:
-            core = llm.engine.core
-            assert core.defer_masks == async_on
-            prompt = llm.get_tokenizer().encode("Go:")
-            core.add_request(EngineCoreRequest("one", prompt, params[0]))
-            steps = tokens = n = 0
-            while core.has_unfinished_requests() and n < 1000:
-                outs = core.step().outputs
-                n += 1
-                tokens += sum(len(o.new_token_ids) for o in outs if o.request_id == "one")
-                steps += tokens > 0  # counted from its first token (after compile, prefill)
-            assert tokens >= 8 and steps <= tokens + 2, (async_on, steps, tokens)
-            outs = llm.generate(["Go:"] * 4, params, use_tqdm=False)
-            texts[async_on] = [o.outputs[0].text for o in outs]
-        finally:
-            llm.shutdown()
-    assert texts[True] == texts[False]
-    assert all(re.fullmatch(rx, t) for t in texts[True]), texts[True]
-
-
 def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):
     """The engine compiles off its loop and does not re-validate: a spec the frontend would
     have refused (sent by a buggy frontend) fails that request alone."""

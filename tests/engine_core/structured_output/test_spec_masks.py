@@ -151,19 +151,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 def _run(llm, prompts, params):
-    core = llm.engine.core
-    record, stats = core.stats_logger.record, []
-
-    def counting(s, *args):
-        stats.append((s.spec_num_draft_tokens, s.spec_num_accepted_tokens))
-        return record(s, *args)
-
-    core.stats_logger.record = counting
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        core.stats_logger.record = record
-    return outs, sum(d for d, _ in stats), sum(a for _, a in stats)
+    outs, (_, drafted, accepted) = reference.generate_counting_spec(llm, prompts, params)
+    return outs, drafted, accepted
 
 
 def _cases(tok):

@@ -1,8 +1,10 @@
-"""Constrained requests with tensor-parallel worker processes under async scheduling: the step
-is sent first, the ranks compute the logits and wait, and the grammar masks follow on the ring
-(`FinishSample`), so a constrained request gets a token every step, and the tokens are those of
-a step-by-step engine. A tiny random Qwen3 with the real Qwen3 tokenizer (in the repository, so
-the test runs on a GPU machine too: two GPUs and NCCL there, gloo on a CPU)."""
+"""Constrained requests under async scheduling: the step is launched first and sampled once the
+mask, filled from the previous token meanwhile, is there (the worker in the EngineCore's
+process; with tensor-parallel worker processes the ranks compute the logits and wait for the
+masks, sent after the step as `FinishSample`), so a constrained request gets a token every step,
+and the tokens are those of a step-by-step engine. A tiny random Qwen3 with the real Qwen3
+tokenizer (in the repository, so the test runs on a GPU machine too: two GPUs and NCCL there
+for TP=2, gloo on a CPU)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,10 @@ import torch
 from tidal.engine_core.protocol import EngineCoreRequest
 from tidal.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
-pytestmark = pytest.mark.slow
 
-
-def test_tp2_constrained_requests_run_every_step_and_match_sync(tiny_qwen3):
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_constrained_requests_run_every_step_and_match_sync(tiny_qwen3, tp):
+    if tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() < tp:
         pytest.skip("tensor parallel on a GPU machine needs 2 GPUs")
     from tidal.frontend import LLM
 
@@ -30,7 +31,7 @@ def test_tp2_constrained_requests_run_every_step_and_match_sync(tiny_qwen3):
     for async_on in (False, True):
         llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
                   async_scheduling=async_on, cpu_threads=1, dtype="float32",
-                  tensor_parallel_size=2)
+                  tensor_parallel_size=tp)
         try:
             core = llm.engine.core
             assert core.defer_masks == async_on
