@@ -133,6 +133,11 @@ class EngineCore:
         self.defer_masks = (self.max_inflight > 1 and not self.speculative
                             and getattr(self.executor, "supports_deferred_sample", False))
         self.scheduler.grammar_in_flight_ok = self.defer_masks
+        # The step launched last, its constrained requests and their masks filling (a
+        # PendingFill, or None when none needs one): sampled by the next call into the engine.
+        self._deferred: tuple[Any, list[str], Any] | None = None
+        # The masks of a step handed to the executor's `sample_lazily`, until it is collected.
+        self._open_fill: Any = None
         # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
         # take it out of the garbage collector's generations, or every full collection walks it
         # (about 0.2 ms per step at batch 256 on a small CPU).
@@ -203,6 +208,7 @@ class EngineCore:
         model's work; results still arrive in order.
         """
         start = time.perf_counter()
+        self._sample_deferred(lazily=True)
         outputs: list[EngineCoreOutput] = []
         launched = False
         structured = self.structured
@@ -236,17 +242,23 @@ class EngineCore:
             result = pending.result() if self.max_inflight > 1 else pending
             # (Added to the failed compiles' outputs, if any.)
             outputs += self.scheduler.update_from_output(sched, result)
+            if self._open_fill is not None:
+                # Sampled without its masks (nothing to sample): the fill must be over before
+                # its matchers move.
+                self._open_fill.wait()
+                self._open_fill = None
             if structured.states:
                 self._advance_grammars(outputs)
                 if self.speculative:
                     self._trim_drafts()
         if mask_later:
             # Every earlier step of these requests is collected now: their matchers are current.
+            # Their masks fill on the fill thread while this step's outputs are processed; the
+            # next call samples the step before it launches anything (`_sample_deferred`).
             ids = self._needing_masks(mask_later)
-            bitmask = None
-            if ids:
-                bitmask = structured.fill_bitmask(ids, self.executor.grammar_buffer(len(ids)))
-            self.executor.finish_sample(launched_pending, ids, bitmask)
+            fill = (structured.begin_fill(ids, self.executor.grammar_buffer(len(ids)))
+                    if ids else None)
+            self._deferred = (launched_pending, ids, fill)
         if not launched and not self.batch_queue and structured.pending and not outputs:
             # Only compiles are left: wait for one rather than spin (nothing else can run).
             structured.wait_for_compiles(0.005)
@@ -259,9 +271,31 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(),
                                  scheduler_stats=stats)
 
+    def _sample_deferred(self, lazily: bool = False) -> None:
+        """Sample the step the last ``step`` launched under its grammar masks, once they are
+        filled. Before anything else reaches the executor: its next step's inputs are this
+        step's tokens, and its workers wait for this step's `FinishSample` first. ``lazily``
+        (the start of a step; a worker in this process): the worker samples it just before
+        the next step's device work, so the masks are filled while the next step is scheduled
+        and its inputs prepared, not before."""
+        deferred = self._deferred
+        if deferred is None:
+            if not lazily and self._open_fill is not None:
+                self.executor.launch_due()
+            return
+        self._deferred = None
+        pending, ids, fill = deferred
+        lazy = getattr(self.executor, "sample_lazily", None)
+        if lazily and lazy is not None and fill is not None:
+            self._open_fill = fill
+            lazy(pending, lambda: (ids, fill.wait()))
+            return
+        self.executor.finish_sample(pending, ids, None if fill is None else fill.wait())
+
     def empty_forward(self) -> None:
         """A step of no tokens through the workers, for expert parallelism across DP ranks:
         their MoE layers join the other ranks' exchange with no tokens (worker/layers/moe_ep)."""
+        self._sample_deferred()
         self.executor.execute_model(SchedulerOutput(step_id=-1))
 
     def poll_kv_transfers(self, force: bool = False) -> None:
@@ -363,9 +397,14 @@ class EngineCore:
 
     def handle_control(self, call: control.ControlCall) -> control.ControlResult:
         """Run a typed control call (``tidal.engine_core.control``) between two steps."""
+        self._sample_deferred()
         return control.execute(self, call)
 
     def shutdown(self) -> None:
+        try:
+            self._sample_deferred()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            logger.exception("sampling the last step failed at shutdown")
         self.structured.shutdown()
         self.executor.shutdown()
         self.batch_queue.clear()

@@ -4,6 +4,7 @@ the EngineCore's own process (CPU, tests, one GPU without process isolation)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from tidal.engine_core.config import EngineConfig
@@ -59,7 +60,9 @@ class Executor(Protocol):
     # Optional (the EngineCore checks with getattr): ``supports_deferred_sample = True`` with
     # ``execute_model(so, non_block, defer_sample)``, ``finish_sample(pending, ids, mask)`` and
     # ``grammar_buffer(rows)`` (host memory to fill the masks into), so grammar masks are
-    # filled while the step runs (UniprocExecutor).
+    # filled while the step runs; and, a worker in this process (UniprocExecutor),
+    # ``sample_lazily(pending, masks)`` / ``launch_due()``, so they are filled while the next
+    # step is prepared too.
 
     def check_health(self) -> None: ...
 
@@ -98,6 +101,22 @@ class UniprocExecutor:
         later = pending._value
         if isinstance(later, SampleLater):
             pending.replace(self.worker.finish_sample(later, grammar_req_ids, grammar_bitmask))
+
+    def sample_lazily(self, pending: Deferred,
+                      masks: Callable[[], tuple[list[str], Any]]) -> None:
+        """``finish_sample`` with the masks ``masks()`` returns, called once they are needed:
+        just before the next step's device work (``ModelRunner.sample_lazily``), so the next
+        step is scheduled and prepared while they are filled."""
+        from tidal.worker.model_runner import SampleLater
+
+        later = pending._value
+        if isinstance(later, SampleLater):
+            pending.replace(self.worker.sample_lazily(later, masks))
+
+    def launch_due(self) -> None:
+        """Sample now a step ``sample_lazily`` left for later (before a call that is not a
+        step reaches the worker)."""
+        self.worker.launch_due()
 
     def grammar_buffer(self, rows: int) -> Any:
         """An int32 [rows, words] host array (pinned on a GPU) for the next ``finish_sample``'s

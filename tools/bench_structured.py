@@ -48,6 +48,72 @@ def us(x: float) -> float:
     return round(x * 1e6, 1)
 
 
+class StepPhases:
+    """Host time in each part of the engine's step, by wrapping the methods the step calls
+    (instance attributes shadow them; nothing in the engine changes). ``wait`` is the time
+    spent waiting for the device's result; ``outside`` is the LLM loop's own work (output
+    processing) between steps."""
+
+    PARTS = (("step", "core", "step"), ("schedule", "scheduler", "schedule"),
+             ("launch", "executor", "execute_model"), ("update", "scheduler",
+             "update_from_output"), ("advance", "core", "_advance_grammars"),
+             ("fill", "structured", "fill_bitmask"), ("sample", "executor", "finish_sample"))
+
+    def __init__(self, llm: LLM) -> None:
+        from tidal.engine_core import executor as executor_mod
+
+        core = llm.engine.core
+        owners = {"core": core, "scheduler": core.scheduler, "executor": core.executor,
+                  "structured": core.structured}
+        self.total: dict[str, float] = {}
+        self.steps = 0
+        for label, owner, name in self.PARTS:
+            self._wrap(owners[owner], name, label, owner == "core" and name == "step")
+        # Inside launch and sample (a worker in this process): where their host time goes.
+        runner = getattr(getattr(core.executor, "worker", None), "runner", None)
+        for name in ("prepare_inputs", "_attach_grammar", "_sample", "_launch_output"):
+            if runner is not None and hasattr(runner, name):
+                self._wrap(runner, name, "runner." + name.lstrip("_"), False)
+        deferred = executor_mod.Deferred
+        result = deferred.result
+        phases = self
+
+        def timed_result(self_: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return result(self_)
+            finally:
+                phases.total["wait"] = phases.total.get("wait", 0.0) + (
+                    time.perf_counter() - start)
+
+        deferred.result = timed_result  # type: ignore[method-assign]
+
+    def _wrap(self, owner: Any, name: str, label: str, count: bool) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            if count:
+                self.steps += 1
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.total[label] = self.total.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.steps = 0
+
+    def per_step_ms(self, elapsed: float) -> dict[str, float]:
+        n = max(self.steps, 1)
+        out = {k: round(v / n * 1e3, 3) for k, v in self.total.items()}
+        out["outside"] = round((elapsed - self.total.get("step", 0.0)) / n * 1e3, 3)
+        out["steps"] = self.steps
+        return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -61,6 +127,10 @@ def main() -> None:
     p.add_argument("--corpus", type=int, default=500, help="schemas for time to first mask")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="auto", choices=("auto", "guidance", "xgrammar"))
+    p.add_argument("--phases", action="store_true",
+                   help="also report the host time per step in each part of the engine's step "
+                        "(scheduling, launch, waiting for the device, grammar advance and fill, "
+                        "sampling launch, output processing)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -85,10 +155,18 @@ def main() -> None:
     constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens,
                                  structured_outputs=StructuredOutputsParams(json=schema))
 
+    phases = StepPhases(llm) if args.phases else None
+    phase_ms: dict[str, dict[str, float]] = {}
+
     def timed(params: SamplingParams) -> tuple[float, int]:
+        if phases is not None:
+            phases.reset()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        if phases is not None:
+            kind = "unconstrained" if params.structured_outputs is None else "json_schema"
+            phase_ms[kind] = phases.per_step_ms(elapsed)
         return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
     # Warm-up: the tokenizer tables, the grammar (cached from here on), the model.
@@ -143,6 +221,8 @@ def main() -> None:
         "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
                        "p99": round(pct(compiles, 0.99) * 1e3, 3)},
     }
+    if phase_ms:
+        result["host_ms_per_step"] = phase_ms  # (the last repeat's)
     llm.shutdown()
     dump(result, args.out)
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,6 +121,9 @@ class PendingStep:
     # on its way to the host with the tokens; None: not counted.
     expert_load_host: torch.Tensor | None = None
     done: bool = False
+    # A step booked by ``ModelRunner.sample_lazily``: samples it (on first need, else before
+    # the next step's device work) and fills in the fields above; None once launched.
+    launch: Callable[[], None] | None = None
 
     def get_output(self) -> ModelRunnerOutput:
         if not self.done:
@@ -127,6 +131,8 @@ class PendingStep:
         return self.result
 
     def _resolve(self) -> None:
+        if self.launch is not None:
+            self.launch()
         if self.copied is not None:
             self.copied.synchronize()
         result = self.result
@@ -231,6 +237,7 @@ class ModelRunner:
         # schedule the next step meanwhile; otherwise a step returns its output directly.
         self.defer_output = config.scheduler.async_scheduling
         self._inflight: deque[PendingStep] = deque()  # steps whose tokens are not applied yet
+        self._due: PendingStep | None = None  # booked by sample_lazily, not sampled yet
         self._copy_stream = torch.cuda.Stream(device) if self.on_gpu else None
         # For the newest launched step: batch row -> index into its sampled ids (-1: none), and
         # the position that token takes.
@@ -513,6 +520,7 @@ class ModelRunner:
         if self.model is not None:
             self._release_kv()
         self._inflight.clear()
+        self._due = None
         self.graphs = None
         if self.compiled is not None:
             self.compiled.release()
@@ -849,7 +857,17 @@ class ModelRunner:
         stage's ``intermediate`` tensors, and stages before the last return theirs instead of
         sampling. With async scheduling the output comes back as a ``PendingStep``. With
         ``defer_sample``, a step that samples stops after its logits and returns a
-        ``SampleLater`` for ``finish_sample``."""
+        ``SampleLater`` for ``finish_sample`` (or ``sample_lazily``)."""
+        try:
+            return self._execute_model(so, intermediate, defer_sample)
+        finally:
+            # Whatever path the step took: the step before is not left unsampled behind it.
+            self.launch_due()
+
+    def _execute_model(
+        self, so: SchedulerOutput, intermediate: IntermediateTensors | None,
+        defer_sample: bool,
+    ) -> ModelRunnerOutput | PendingStep | IntermediateTensors | SampleLater:
         # Only the newest step's tokens may stay unknown on the host: its sampled ids on the
         # device fill the inputs that need them.
         while len(self._inflight) > 1:
@@ -1005,6 +1023,54 @@ class ModelRunner:
         self._resolve_through(pending)
         return pending.result
 
+    def sample_lazily(self, later: SampleLater,
+                      masks: Callable[[], tuple[list[str], np.ndarray | None]]) -> PendingStep:
+        """``finish_sample`` later: the step is booked now (its rows' placeholders, so the next
+        step's inputs can be prepared on the host) and sampled, under ``masks()``, just before
+        the next step's first device work (``prepare_inputs``), or when anything needs its
+        tokens first. The masks are filled meanwhile, side by side with the next step's host
+        work, so the device waits for them and not for that work too. One process, one rank,
+        and a step whose sampling reads no per-request host state the next step could change
+        (logits processors, per-row generators): otherwise it is sampled now."""
+        meta = later.sampling
+        if (self.tp.world_size > 1 or not self.defer_output or meta.logits_procs is not None
+                or meta.generators):
+            ids, mask = masks()
+            out = self.finish_sample(later, ids, mask)
+            assert isinstance(out, PendingStep)
+            return out
+        self.launch_due()  # (one at a time)
+        n = len(later.sample_rows)
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        pending = self._book_output(later.result, later.sample_rows, later.sampled_ids, tokens)
+
+        @torch.inference_mode()  # (also when called from a result wait, outside a step)
+        def launch() -> None:
+            pending.launch = None
+            if self._due is pending:
+                self._due = None
+            ids, mask = masks()
+            so = later.so
+            if ids:
+                so.grammar_req_ids, so.grammar_bitmask = ids, mask
+                self._attach_grammar(so, meta, later.sampled_ids)
+            out, bad = self._sample(later.logits, meta, later.sample_rows, later.sampled_ids)
+            tokens.copy_(out.token_ids)
+            for rid, why in bad.items():
+                later.failed[rid] = why
+            self._copy_output(pending, out, later.sampled_ids, bad)
+
+        pending.launch = launch
+        self._due = pending
+        return pending
+
+    def launch_due(self) -> None:
+        """Sample the step ``sample_lazily`` booked, if it is not yet."""
+        due = self._due
+        if due is not None and due.launch is not None:
+            due.launch()
+        self._due = None
+
     def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray,
                        total: int | None = None,
                        n_draft: np.ndarray | None = None) -> StepInputs:
@@ -1016,6 +1082,10 @@ class ModelRunner:
         b = self.batch
         bufs = self.bufs
         bs = self.block_size
+        if not self.on_gpu:
+            # Off a GPU the staged arrays are the step's tensors themselves: the step before,
+            # if booked unsampled, samples before they are overwritten.
+            self.launch_due()
         hs = bufs.begin()
         num_reqs = len(rows)
         computed = b.num_computed[rows]
@@ -1095,6 +1165,10 @@ class ModelRunner:
                 assert self.spec is not None
                 sampling = self.spec.verify_sampling(self.sampling_builder, b, sample_rows,
                                                      n_draft[sample_mask], put)
+        # The step before, if booked unsampled, samples now (on a GPU): the copies below
+        # overwrite the device staging its sampling reads, the placeholder fill reads its
+        # tokens.
+        self.launch_due()
         bufs.flush(total, padded_reqs)
 
         # On the device, in stream order after the copies.
@@ -1227,26 +1301,46 @@ class ModelRunner:
                        sample_rows: np.ndarray, sampled_ids: list[str],
                        bad: dict[str, str]) -> PendingStep:
         """Record the sampled tokens as placeholders and start their copy to the host."""
+        pending = self._book_output(result, sample_rows, sampled_ids, out.token_ids)
+        self._copy_output(pending, out, sampled_ids, bad)
+        return pending
+
+    def _book_output(self, result: ModelRunnerOutput, sample_rows: np.ndarray,
+                     sampled_ids: list[str], tokens: torch.Tensor) -> PendingStep:
+        """The host's side of a sampling step, which needs no token: placeholders at the
+        sampled positions, where the next step finds each row's token (``tokens``: the
+        device tensor the step's tokens are, or will be copied, in), and the step in flight."""
         b = self.batch
-        tokens = out.token_ids
         positions = b.append_placeholders(sample_rows)
         if sample_rows is not self._last_sampled_rows:  # else the indices stand as they are
             self._index_of_row[self._last_sampled_rows] = -1
             self._index_of_row[sample_rows] = np.arange(len(sample_rows), dtype=np.int64)
         self._pos_of_row[sample_rows] = positions
         self._last_sampled_rows = sample_rows
+        pending = PendingStep(
+            runner=self, result=result, req_ids=sampled_ids, rows=sample_rows,
+            positions=positions, generations=b.generation[sample_rows],
+            membership=b.membership, tokens_dev=tokens, tokens_host=None, logprobs_host=None,
+            copied=None)
+        self._inflight.append(pending)
+        return pending
+
+    def _copy_output(self, pending: PendingStep, out: SamplerOutput, sampled_ids: list[str],
+                     bad: dict[str, str]) -> None:
+        """Start copying a booked step's tokens (and logprobs, expert load) to the host; rows
+        whose sampling failed (``bad``) are left out."""
+        tokens = out.token_ids
         keep = None
         if bad:
             keep = np.array([i for i, rid in enumerate(sampled_ids) if rid not in bad],
                             dtype=np.int64)
-        kept_ids = sampled_ids if keep is None else [sampled_ids[i] for i in keep]
-        rows_k = sample_rows if keep is None else sample_rows[keep]
-        pos_k = positions if keep is None else positions[keep]
+            pending.req_ids = [sampled_ids[i] for i in keep]
+            pending.rows = pending.rows[keep]
+            pending.positions = pending.positions[keep]
+            pending.generations = pending.generations[keep]
         lp = out.logprobs
-        copied = None
         # (In stream order after this step's forward: what it routed, and nothing later.)
         load = self.expert_load.snapshot() if self.expert_load is not None else None
-        load_host = None
         if self.on_gpu:
             main = torch.cuda.current_stream(self.device)
             stream = self._copy_stream
@@ -1254,27 +1348,19 @@ class ModelRunner:
             stream.wait_stream(main)
             with torch.cuda.stream(stream):
                 sel = tokens if keep is None else tokens[torch.from_numpy(keep).to(self.device)]
-                tokens_host = _to_pinned(sel)
-                lp_host = None
+                pending.tokens_host = _to_pinned(sel)
                 if lp is not None:
-                    lp_host = self._logprobs_to_host(lp, keep)
+                    pending.logprobs_host = self._logprobs_to_host(lp, keep)
                 if load is not None:
                     load.record_stream(stream)  # (made on the main stream, read here)
-                    load_host = _to_pinned(load)
-                copied = torch.cuda.Event()
-                copied.record(stream)
+                    pending.expert_load_host = _to_pinned(load)
+                pending.copied = torch.cuda.Event()
+                pending.copied.record(stream)
         else:
-            sel = tokens if keep is None else tokens[torch.from_numpy(keep)]
-            tokens_host = sel
-            lp_host = None if lp is None else self._logprobs_to_host(lp, keep)
-            load_host = load
-        pending = PendingStep(
-            runner=self, result=result, req_ids=kept_ids, rows=rows_k, positions=pos_k,
-            generations=b.generation[rows_k], membership=b.membership, tokens_dev=tokens,
-            tokens_host=tokens_host,
-            logprobs_host=lp_host, copied=copied, expert_load_host=load_host)
-        self._inflight.append(pending)
-        return pending
+            pending.tokens_host = tokens if keep is None else tokens[torch.from_numpy(keep)]
+            if lp is not None:
+                pending.logprobs_host = self._logprobs_to_host(lp, keep)
+            pending.expert_load_host = load
 
     def _logprobs_to_host(self, lp, keep: np.ndarray | None):
         ids, vals, ranks = lp.token_ids, lp.logprobs, lp.ranks

@@ -290,6 +290,13 @@ class Worker:
         """Sample a step ``execute_model(defer_sample=True)`` launched, under these masks."""
         return self.runner.finish_sample(later, grammar_req_ids, grammar_bitmask)
 
+    def sample_lazily(self, later: Any, masks: Any) -> Any:
+        """``ModelRunner.sample_lazily``: sampled before the next step's device work."""
+        return self.runner.sample_lazily(later, masks)
+
+    def launch_due(self) -> None:
+        self.runner.launch_due()
+
     def grammar_buffer(self, rows: int) -> Any:
         """Host memory for the next ``finish_sample``'s masks (``ModelRunner.grammar_buffer``)."""
         return self.runner.grammar_buffer(rows)

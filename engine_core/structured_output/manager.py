@@ -41,6 +41,7 @@ import numpy as np
 from tidal.engine_core.config import ModelConfig, check_backend
 from tidal.engine_core.reasoning_formats import ReasoningFormat
 from tidal.engine_core.structured_output import spec
+from tidal.engine_core.structured_output.fill_thread import FillJob, FillThread
 from tidal.engine_core.structured_output.reasoning_gate import ReasoningGate, ReasoningMarkers
 
 if TYPE_CHECKING:
@@ -84,6 +85,48 @@ def _allows(gate: ReasoningGate | None, m: Any, token: int) -> bool:
         if allowed is not None:
             return allowed
     return m is None or m.validate_tokens([token]) == 1
+
+
+@dataclass(slots=True)
+class _Fill:
+    """A mask fill under way (``StructuredOutputManager._start_fill``)."""
+
+    manager: StructuredOutputManager
+    pairs: list[tuple[Any, ReasoningGate | None]]
+    rows: list[int]  # the rows the grammar fills
+    out: np.ndarray
+    part: np.ndarray | None = None  # the grammar rows' masks, when not every row is one
+    job: FillJob | None = None  # on the fill thread
+
+    def finish(self) -> list[int]:
+        """Wait for the grammar's rows, then apply the reasoning gates; returns the rows."""
+        if self.job is not None:
+            self.manager.stats.fills.append((len(self.rows), self.job.wait()))
+            self.job = None
+        out = self.out
+        if self.part is not None:
+            out[self.rows] = self.part
+        for i, (_, gate) in enumerate(self.pairs):
+            if gate is not None:
+                gate.shape_mask(out[i])
+        return self.rows
+
+
+@dataclass(slots=True)
+class PendingFill:
+    """``StructuredOutputManager.begin_fill``'s result: ``wait()`` returns the masks."""
+
+    manager: StructuredOutputManager
+    states: list[GrammarState]
+    fill: _Fill
+    done: bool = False
+
+    def wait(self) -> np.ndarray:
+        if not self.done:
+            self.done = True
+            masked = self.fill.finish()
+            self.manager._count_masks([self.states[i] for i in masked])
+        return self.fill.out
 
 
 @dataclass(slots=True)
@@ -141,6 +184,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None  # started with the first request
         self._backend: BackendRouter | None = None  # the grammar backends (router.py)
         self._backend_lock = threading.Lock()
+        self._fill_thread: FillThread | None = None  # started with the first background fill
         # Per grammar, the templates its requests copy in turn (_TEMPLATES_PER_GRAMMAR).
         self._cache: dict[tuple[str, str], _Templates] = {}
         self._templates_of: dict[str, _Templates] = {}  # pending request -> its grammar's
@@ -292,11 +336,18 @@ class StructuredOutputManager:
     def fill_bitmask(self, request_ids: list[str], out: np.ndarray | None = None) -> np.ndarray:
         """int32 [len(request_ids), words]: each request's next-token mask (written into
         ``out`` when given: the executor's host memory, from which it is copied as it is)."""
+        return self.begin_fill(request_ids, out, background=False).wait()
+
+    def begin_fill(self, request_ids: list[str], out: np.ndarray | None = None,
+                   background: bool = True) -> PendingFill:
+        """Start ``fill_bitmask``: with ``background``, the backend's native fill runs on the
+        fill thread (fill_thread.py) while the caller goes on; ``wait()`` on the result
+        finishes it. The requests' matchers must not move in between (the engine advances
+        them only when it collects a step, after the wait)."""
         states = [self.states[rid] for rid in request_ids]
         out = self._mask_array(len(states), out)
-        masked = self._fill([(s.matcher, s.gate) for s in states], out)
-        self._count_masks([states[i] for i in masked])
-        return out
+        return PendingFill(self, states, self._start_fill(
+            [(s.matcher, s.gate) for s in states], out, background))
 
     def _mask_array(self, rows: int, out: np.ndarray | None) -> np.ndarray:
         shape = (rows, (self.model.vocab_size + 31) // 32)
@@ -311,27 +362,34 @@ class StructuredOutputManager:
         """Row i of ``out`` = the next-token mask of matcher and gate ``pairs[i]`` (a matcher
         of None: no grammar; a gate of None: no reasoning parser). Returns the rows the
         grammar filled."""
+        return self._start_fill(pairs, out, background=False).finish()
+
+    def _start_fill(self, pairs: list[tuple[Any, ReasoningGate | None]], out: np.ndarray,
+                    background: bool) -> _Fill:
         # Rows under their grammar now; the others (thinking, forcing an end) start all ones.
         rows = [i for i, (m, g) in enumerate(pairs)
                 if m is not None and (g is None or g.grammar_applies)]
-        if rows:
-            backend = self._backend
-            assert backend is not None
-            start = time.perf_counter()
-            if len(rows) == len(pairs):
-                backend.fill([m for m, _ in pairs], out)
-            else:
-                out.fill(-1)
-                part = np.empty((len(rows), out.shape[1]), dtype=np.int32)
-                backend.fill([pairs[i][0] for i in rows], part)
-                out[rows] = part
-            self.stats.fills.append((len(rows), time.perf_counter() - start))
+        fill = _Fill(self, pairs, rows, out)
+        if not rows:
+            out.fill(-1)
+            return fill
+        backend = self._backend
+        assert backend is not None
+        if len(rows) == len(pairs):
+            target = out
         else:
             out.fill(-1)
-        for i, (_, gate) in enumerate(pairs):
-            if gate is not None:
-                gate.shape_mask(out[i])
-        return rows
+            target = fill.part = np.empty((len(rows), out.shape[1]), dtype=np.int32)
+        matchers = [pairs[i][0] for i in rows]
+        if background:
+            if self._fill_thread is None:
+                self._fill_thread = FillThread()
+            fill.job = self._fill_thread.submit(backend.fill, matchers, target)
+        else:
+            start = time.perf_counter()
+            backend.fill(matchers, target)
+            self.stats.fills.append((len(rows), time.perf_counter() - start))
+        return fill
 
     def _count_masks(self, states: list[GrammarState]) -> None:
         now = time.perf_counter()
@@ -456,5 +514,7 @@ class StructuredOutputManager:
         return bool(self._unreported_compiles or self._unreported_kinds)
 
     def shutdown(self) -> None:
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
