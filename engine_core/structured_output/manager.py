@@ -17,7 +17,10 @@ recompute re-feed nothing: the matcher has consumed exactly the request's output
 process compiles (not every tensor-parallel rank), and a compile never stalls a worker's step.
 The cost is that a constrained request's next mask needs its previous token: under async
 scheduling its step is launched first and sampled once the mask is filled (the worker in this
-process, or tensor-parallel workers told by a second message: `FinishSample`). An executor
+process, or tensor-parallel workers told by a second message: `FinishSample`). The fill runs
+on a fill thread (``begin_fill``, fill_thread.py) while the engine thread goes on; with the
+worker in this process the step is sampled only when the next step's device work starts
+(``ModelRunner.sample_lazily``). An executor
 without that would leave it out of the step after each of its own (the scheduler skips it
 while its token is in flight); with pipeline stages there is no async scheduling, and every
 request waits for its step in flight. With speculative decoding a

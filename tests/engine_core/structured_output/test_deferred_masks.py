@@ -56,3 +56,51 @@ def test_constrained_requests_run_every_step_and_match_sync(tiny_qwen3, tp):
             llm.shutdown()
     assert texts[True] == texts[False]
     assert all(re.fullmatch(rx, t) for t in texts[True]), texts[True]
+
+
+def test_an_abort_and_a_new_request_between_lazily_sampled_steps(tiny_qwen3):
+    """A request aborted while its step waits to be sampled (booked, its masks filling) and a
+    new request taking its row right after: every request keeps its own grammar's masks (each
+    grammar has its own alphabet, so a mask on the wrong row would show), none fails."""
+    from tidal.frontend import LLM
+
+    grammars = {"a": r"[a-f]{3,6}-[0-9]{2}( [a-f]{3,6}){3,8}",
+                "b": r"[g-k]{3,6}( [g-k]{3,6}){3,8}",
+                "c": r"[0-4]{2,5}( [0-4]{2,5}){3,8}",
+                "d": r"[p-z]{4,8}\.[5-9]{3}( [p-z]{4,8}){2,6}"}
+    llm = LLM(str(tiny_qwen3), max_num_seqs=3, num_kv_blocks=256, max_model_len=256,
+              async_scheduling=True, cpu_threads=1, dtype="float32")
+    try:
+        core = llm.engine.core
+        tok = llm.get_tokenizer()
+        prompt = tok.encode("Go:")
+
+        def add(rid: str) -> None:
+            core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(
+                temperature=1.0, seed=ord(rid), max_tokens=40,
+                structured_outputs=StructuredOutputsParams(regex=grammars[rid]))))
+
+        for rid in "abc":
+            add(rid)
+        got: dict[str, list[int]] = {rid: [] for rid in grammars}
+        finish: dict[str, str] = {}
+        n = 0
+        while core.has_unfinished_requests() and n < 2000:
+            outs = core.step().outputs
+            n += 1
+            for o in outs:
+                got[o.request_id] += o.new_token_ids
+                if o.finish_reason is not None:
+                    finish[o.request_id] = str(o.finish_reason)
+                    assert o.error is None, (o.request_id, o.error)
+            if "d" not in finish and len(got["b"]) >= 3 and "b" not in finish \
+                    and core._open_fill is None and core._deferred is not None:
+                core.abort_requests(["b"])  # its step is launched, its masks filling
+                finish["b"] = "aborted"  # (checked below: not a natural end)
+                add("d")  # takes the row "b" leaves
+        assert set(finish) == set(grammars) and finish["b"] == "aborted", finish
+        for rid in "acd":
+            text = tok.decode(got[rid], skip_special_tokens=True)  # (a final end of sequence)
+            assert re.fullmatch(grammars[rid], text), (rid, text)
+    finally:
+        llm.shutdown()
