@@ -72,15 +72,19 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["per_token", "segmented"])
+@pytest.mark.parametrize("kind", ["per_token", "per_token_split", "segmented"])
 @pytest.mark.parametrize("case", range(len(TINY)))
-def test_triton_matches_torch(case, segmented):
+def test_triton_matches_torch(case, kind):
+    """``per_token_split``: the inputs in slices summed atomically (what a small decode batch
+    runs on a GPU; the tiny shapes here would not split on their own)."""
     num_slots, rank, in_f, sizes, slots = TINY[case]
     x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
                                         seed=case, low_rank=rank // 2)
+    segmented = kind == "segmented"
     segs = segments_of(slot_t) if segmented else None
     ref_xa = lora_torch.lora_shrink(x, a, slot_t)
-    xa = triton_lora.lora_shrink(x, a, slot_t, segs)
+    xa = triton_lora.lora_shrink(x, a, slot_t, segs,
+                                 split_k=2 if kind == "per_token_split" else None)
     torch.testing.assert_close(xa, ref_xa, rtol=1e-4, atol=1e-4)
     assert not xa[slot_t < 0].any()  # base tokens: nothing
     ref_y, got_y = y.clone(), y.clone()

@@ -142,7 +142,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
 
 @lora_shrink.register_fake
 def _(x, a, slots, impl):
-    return x.new_empty((x.shape[0], a.shape[1]))
+    # (The Triton per-token kernel accumulates in, and returns, float32.)
+    dtype = torch.float32 if impl == "triton" and x.is_cuda else x.dtype
+    return x.new_empty((x.shape[0], a.shape[1]), dtype=dtype)
 
 
 @torch.library.custom_op(f"{_LIB}::lora_expand", mutates_args=("y",))

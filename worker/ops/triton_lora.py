@@ -30,21 +30,25 @@ _BLOCK_M = 16  # tokens per tile of the segmented kernels (tl.dot's minimum)
 @triton.jit
 def _shrink_per_token(x_ptr, a_ptr, slots_ptr, out_ptr, stride_xt, stride_al, stride_ar,
                       stride_ot, IN: tl.constexpr, SR: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ATOMIC: tl.constexpr):
     t = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_first = tl.program_id(2) * K_PER_SPLIT
     rmask = r < SR
     slot = tl.load(slots_ptr + t).to(tl.int64)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if slot >= 0:
-        for k0 in range(0, IN, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            k = k_first + k0 + tl.arange(0, BLOCK_K)
             kmask = k < IN
             xv = tl.load(x_ptr + t * stride_xt + k, mask=kmask, other=0.0).to(tl.float32)
             av = tl.load(a_ptr + slot * stride_al + r[:, None] * stride_ar + k[None, :],
                          mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(av * xv[None, :], axis=1)
-    tl.store(out_ptr + t * stride_ot + r, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+        if ATOMIC:  # one slice of the inputs: summed into the zeroed output
+            tl.atomic_add(out_ptr + t * stride_ot + r, acc, mask=rmask)
+    if not ATOMIC:
+        tl.store(out_ptr + t * stride_ot + r, acc, mask=rmask)
 
 
 @triton.jit
@@ -152,23 +156,47 @@ def _slice_bounds(offsets: tuple[int, ...], out_features: int) -> tuple[int, int
     return bounds[0], bounds[1]
 
 
+# Per-token shrink: programs wanted at least (a few waves of an H100's 132 SMs), and inputs
+# per program at least. One program per token reading a whole A (Llama-8B's down projection:
+# 14,336 inputs, 112 dependent loads) took ~0.17 ms, most of a batch-1 decode step's LoRA cost.
+_SHRINK_PROGRAMS = 256
+_SHRINK_MIN_K = 256
+
+
+def _shrink_splits(programs: int, in_features: int, block_k: int) -> int:
+    """Slices of the inputs the per-token shrink sums over (atomically): enough programs for a
+    small batch, none for a large one."""
+    if programs >= _SHRINK_PROGRAMS // 2:
+        return 1
+    most = max(1, in_features // max(_SHRINK_MIN_K, block_k))
+    return max(1, min(most, triton.cdiv(_SHRINK_PROGRAMS, programs)))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                segments: Any | None = None) -> torch.Tensor:
+                segments: Any | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x`` [T, in] -> [T, S*R] (rows of base-model tokens are zero). ``segments``: the
     step's runs (``start``, ``length``, ``slot`` device tensors, ``num``, ``max_len``) for the
-    segmented kernel; None: the per-token one."""
+    segmented kernel (output in ``x``'s dtype); None: the per-token one, float32 output (a
+    small batch's inputs split in slices summed atomically; ``split_k`` forces a count, for
+    tests)."""
     x = x.contiguous()
     t, in_features = x.shape
     sr = a.shape[1]
     if segments is None:
-        out = torch.empty(t, sr, dtype=x.dtype, device=x.device)
+        block_r = min(_pow2(sr, 16), 64)
+        block_k = 128 if in_features >= 256 else 32
+        splits = split_k if split_k is not None else _shrink_splits(
+            t * triton.cdiv(sr, block_r), in_features, block_k)
+        k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+        splits = triton.cdiv(in_features, k_per_split)
+        make = torch.zeros if splits > 1 else torch.empty
+        out = make(t, sr, dtype=torch.float32, device=x.device)
         if t == 0:
             return out
-        block_r = min(_pow2(sr, 16), 64)
-        grid = (t, triton.cdiv(sr, block_r))
+        grid = (t, triton.cdiv(sr, block_r), splits)
         _shrink_per_token[grid](x, a, slots, out, x.stride(0), a.stride(0), a.stride(1),
                                 out.stride(0), IN=in_features, SR=sr, BLOCK_R=block_r,
-                                BLOCK_K=128)
+                                BLOCK_K=block_k, K_PER_SPLIT=k_per_split, ATOMIC=splits > 1)
         return out
     out = torch.zeros(t, sr, dtype=x.dtype, device=x.device)
     if segments.num == 0:
