@@ -128,6 +128,7 @@ KERNEL_ENV: dict[str, str] = {
     "symm_allreduce_max_bytes": "TIDAL_SYMM_ALLREDUCE_MAX_BYTES",
     "lamport_allreduce": "TIDAL_LAMPORT_ALLREDUCE",
     "push_allreduce": "TIDAL_PUSH_ALLREDUCE",
+    "lora_grouped_min_tokens": "TIDAL_LORA_GROUPED_MIN_TOKENS",
 }
 
 

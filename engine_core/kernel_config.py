@@ -56,6 +56,9 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     symm_allreduce_max_bytes: int = 2 << 20  # largest one-shot all-reduce
     lamport_allreduce: str = "on"  # the signal-free all-reduce: on (if it wins), off, force
     push_allreduce: bool = False  # all-reduce fused into the batch-1 decode GEMVs (opt-in)
+    # LoRA (--enable-lora): decode steps of at least this many tokens group them by adapter
+    # (tiles that share each weight load; lora/grouping.py); 0: per-token kernels always.
+    lora_grouped_min_tokens: int = 0
 
 
 _FIELDS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(KernelConfig)}
@@ -101,7 +104,8 @@ def _from_env(field: str, name: str, raw: str) -> Any:
         if field == "gemv_max_mb":
             value = float(raw)
             return None if math.isinf(value) and value > 0 else value
-        if field in ("attn_split_stages", "symm_allreduce_max_bytes"):
+        if field in ("attn_split_stages", "symm_allreduce_max_bytes",
+                     "lora_grouped_min_tokens"):
             return int(raw)
     except ValueError:
         raise _error(f"{name}={raw!r}: expected a number") from None
@@ -137,6 +141,9 @@ def _check(field: str, value: Any, where: str) -> Any:
             raise _error(f"{where} must be an integer >= {low}, got {value!r}")
         if field == "attn_split_stages" and value > 4:
             raise _error(f"{where} must be at most 4, got {value}")
+    elif field == "lora_grouped_min_tokens":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _error(f"{where} must be an integer >= 0 (0: off), got {value!r}")
     elif field == "gemv_configs":
         if not isinstance(value, str):
             raise _error(f"{where} must be a string, got {value!r}")

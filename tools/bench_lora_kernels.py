@@ -1,8 +1,10 @@
 """The per-token LoRA kernels (shrink + expand, what decode steps replay in CUDA graphs) at
 Llama-3.1-8B's four LoRA'd linears, for a few batch sizes: the shrink with its inputs split in
 slices summed atomically (the default for small batches) against one program per token and
-output block reading all of A (``split_k=1``, the kernel before), each captured in a CUDA graph
-and replayed (issue 24: a batch-1 decode step with an adapter cost 2.6x the base's).
+output block reading all of A (``split_k=1``, the kernel before), and the tokens grouped by
+adapter in tiles (``grouped``: the segmented kernels through a permutation, what
+``lora_grouped_min_tokens`` turns on), each captured in a CUDA graph and replayed (issue 24: a
+batch-1 decode step with an adapter cost 2.6x the base's).
 
     python tools/bench_lora_kernels.py --out lora_kernels.json     # a GPU
 """
@@ -18,6 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import device_name, dump  # noqa: E402
+from tidal.worker.lora.grouping import TILE, group_tokens, max_tiles  # noqa: E402
+from tidal.worker.lora.layers import LoRASegments  # noqa: E402
 from tidal.worker.ops import triton_lora  # noqa: E402
 
 LLAMA8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
@@ -43,6 +47,20 @@ def time_graph(fn, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * 20)
 
 
+def grouped_segments(slots: torch.Tensor, num_slots: int) -> LoRASegments:
+    """The grouped decode layout of ``slots`` (lora/grouping.py), in fixed tables sized as a
+    CUDA graph of this batch would have them."""
+    perm, starts, lengths, tile_slots = group_tokens(slots.cpu().numpy(), TILE)
+    num = max_tiles(len(slots), num_slots, TILE)
+    table = torch.zeros(3, num, dtype=torch.int32)
+    k = len(starts)
+    table[0, :k], table[1, :k] = torch.from_numpy(starts), torch.from_numpy(lengths)
+    table[2, :k] = torch.from_numpy(tile_slots)
+    table = table.to(slots.device)
+    return LoRASegments(table[0], table[1], table[2], num, TILE,
+                        perm=torch.from_numpy(perm.astype("int32")).to(slots.device))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, default=16)
@@ -64,10 +82,12 @@ def main() -> None:
             slots = torch.arange(t, device=dev, dtype=torch.int32) % min(8, args.slots)
             offsets = tuple(sum(sizes[:i]) for i in range(s))
             row = {"batch": t, "linear": name, "in": in_f, "out": sum(sizes)}
-            for label, split in (("split", None), ("one_program", 1)):
-                def step(split=split):
-                    xa = triton_lora.lora_shrink(x, a, slots, None, split_k=split)
-                    triton_lora.lora_expand(y, xa, b, slots, offsets, r, None)
+            grouped = grouped_segments(slots, args.slots)
+            for label, split, segs in (("split", None, None), ("one_program", 1, None),
+                                       ("grouped", None, grouped)):
+                def step(split=split, segs=segs):
+                    xa = triton_lora.lora_shrink(x, a, slots, segs, split_k=split)
+                    triton_lora.lora_expand(y, xa, b, slots, offsets, r, segs)
                 row[f"{label}_us"] = round(time_graph(step, args.replays), 2)
                 # (The per-layer sum over the four linears, then x 32 layers.)
                 totals.setdefault(str(t), {}).setdefault(label, 0.0)

@@ -107,6 +107,9 @@ class KernelPolicy:
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
     triton_lora: bool = False
+    # With triton_lora: decode steps of at least this many tokens grouped by adapter (tiles
+    # through a permutation, graph-captured too; lora/grouping.py); 0: per-token always.
+    lora_grouped_min_tokens: int = 0
     # Compiled (mode 3) only: the fused ops kept in the graph as ``tidal::`` custom ops
     # (compilation_config.custom_ops), running ``custom_op_impl``: the implementation the
     # fused ops would have without compilation ("cuda" | "triton" | "torch").
@@ -254,6 +257,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         fp8_norm_quant=fp8_norm_quant,
         triton_w4a16=gpu and triton_ok,
         triton_lora=gpu and triton_ok,
+        lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         custom_ops=custom,
         # (Only where used: the policy is part of the compile cache's key.)
         custom_op_impl=native if custom else "torch",
@@ -317,7 +321,9 @@ def describe(policy: KernelPolicy) -> list[str]:
         line("w4a16_linear", "triton (GEMM; split-K GEMV for decode rows)"
              if policy.triton_w4a16 else "torch reference"),
         # Kernels.lora_shrink / lora_expand (--enable-lora only).
-        line("lora", "triton (per-token shrink / expand; segmented for eager steps)"
+        line("lora", "triton (per-token shrink / expand; segmented for eager steps"
+             + (f"; decode of {policy.lora_grouped_min_tokens}+ tokens grouped by adapter"
+                if policy.lora_grouped_min_tokens else "") + ")"
              if policy.triton_lora else "torch reference"),
         # Kernels.fused_moe / select_experts follow this rule (MoE models only).
         line("fused_moe", "triton (routing, expert alignment, grouped GEMMs)"

@@ -719,6 +719,8 @@ class ModelRunner:
         run = self.model if self.compiled is None else self.compiled
 
         def prepare(size: int) -> None:
+            if self.lora is not None:  # the LoRA kernels this size replays
+                self.lora.capture_layout(size)
             # A dummy decode batch: one context token per request, nothing written to the cache.
             bufs.meta32[: size + 1] = torch.arange(size + 1, dtype=torch.int32,
                                                    device=self.device)
@@ -733,6 +735,8 @@ class ModelRunner:
             return hidden
 
         def prepare_mixed(tokens: int) -> None:
+            if self.lora is not None:
+                self.lora.capture_layout(None)
             # A dummy mixed batch: long prompt chunks of at most max_model_len tokens (a longer
             # context would read past its block-table row: a second engine in one process met
             # stale memory there, an illegal address), then one-token requests; nothing
@@ -756,6 +760,8 @@ class ModelRunner:
             return hidden
 
         graphs.capture(prepare, forward, prepare_mixed, forward_mixed)
+        if self.lora is not None:
+            self.lora.capture_layout(None)
         self.graphs = graphs
         if self.spec is not None and self.attn_impl.name == "triton":
             # (A propose step's first pass is a mixed batch: the CUDA backend plans those on
@@ -910,7 +916,9 @@ class ModelRunner:
         num_tokens = inputs.meta.num_actual_tokens
         if self.lora is not None:
             graph = inputs.graph_size or inputs.mixed_graph_tokens
-            self.lora.prepare_step(req_ids, n_sched, graph or num_tokens, eager=graph is None)
+            self.lora.prepare_step(req_ids, n_sched, graph or num_tokens, eager=graph is None,
+                                   decode=inputs.mixed_graph_tokens is None
+                                   and inputs.meta.max_query_len == 1)
         if inputs.graph_size is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(inputs.graph_size)[:num_tokens]

@@ -65,6 +65,7 @@ def test_environment_keeps_its_historical_rules() -> None:
     assert env(gemv_max_mb="inf").gemv_max_mb is None
     assert env(gemv_max_mb="64").gemv_max_mb == 64.0
     assert env(symm_allreduce_max_bytes="4096").symm_allreduce_max_bytes == 4096
+    assert env(lora_grouped_min_tokens="16").lora_grouped_min_tokens == 16
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -73,6 +74,7 @@ def test_environment_keeps_its_historical_rules() -> None:
     ({"ops": "fastest"}, "kernel_config.ops must be one of"),
     ({"attention_backend": "flash"}, "kernel_config.attention_backend"),
     ({"attn_split_stages": 0}, "kernel_config.attn_split_stages"),
+    ({"lora_grouped_min_tokens": -1}, "kernel_config.lora_grouped_min_tokens must be an"),
     ({"attn_split_stages": True}, "kernel_config.attn_split_stages"),
     ({"gemv_max_mb": -1}, "kernel_config.gemv_max_mb"),
     ({"lamport_allreduce": "sometimes"}, "kernel_config.lamport_allreduce"),

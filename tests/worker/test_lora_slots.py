@@ -91,3 +91,55 @@ def test_prepare_step_token_slots(tiny_models):
     assert mgr.ctx.token_slots[:8].tolist() == [-1, -1, slot, slot, slot, -1, -1, -1]
     mgr.prepare_step(["r1"], np.array([1], dtype=np.int32), 1, eager=True)
     assert mgr.ctx.token_slots[:8].tolist() == [slot] + [-1] * 7  # the old tail cleared
+
+
+def test_grouped_decode_tables(tiny_models):
+    """With grouping on (``lora_grouped_min_tokens``), a decode step writes the permutation
+    and the tile table the grouped kernels read (fixed buffers: the rest of the graph's tiles
+    length 0); below the threshold, and for other steps, the per-token layout stays."""
+    import dataclasses
+
+    from tidal.engine_core.config import EngineArgs
+    from tidal.engine_core.lora_request import LoRARequest
+    from tidal.worker.attention.torch_backend import TorchAttention
+    from tidal.worker.distributed.parallel_state import single_group
+    from tidal.worker.kernel_policy import reference_policy
+    from tidal.worker.lora.grouping import TILE, group_tokens, max_tiles
+    from tidal.worker.lora.manager import LoRAManager
+    from tidal.worker.models.decoder import DecoderForCausalLM
+    from tidal.worker.ops.kernels import Kernels
+
+    folder, _ = tiny_models["llama"]
+    config = EngineArgs(model=str(folder), enable_lora=True, max_loras=2).create_config()
+    model = DecoderForCausalLM(config.model.arch, torch.float32, TorchAttention())
+    policy = dataclasses.replace(reference_policy(), triton_lora=True,
+                                 lora_grouped_min_tokens=4)
+    mgr = LoRAManager(config, model, torch.device("cpu"), torch.float32, single_group(),
+                      Kernels(policy), 32)
+    for i in (1, 2):
+        mgr.cache.put(adapter(i, in_f=64, out_f=64))
+    mgr.requests.update({"a": LoRARequest("a1", 1, "/a1"), "b": LoRARequest("a2", 2, "/a2"),
+                         "c": LoRARequest("a1", 1, "/a1"), "e": LoRARequest("a2", 2, "/a2")})
+    ids = ["a", "b", "base", "c", "e", "base2"]
+    one = np.ones(len(ids), dtype=np.int32)
+    mgr.prepare_step(ids, one, 8, eager=False, decode=True)
+    token_slots = np.array(mgr.ctx.token_slots[:len(ids)].tolist(), dtype=np.int32)
+    perm, starts, lengths, slots = group_tokens(token_slots, TILE)
+    seg = mgr.ctx.segments
+    assert seg is not None and seg.perm is mgr.ctx.perm and seg.num == max_tiles(8, 2, TILE)
+    assert mgr.ctx.perm[:len(perm)].tolist() == perm.tolist() == [0, 3, 1, 4] or \
+        mgr.ctx.perm[:len(perm)].tolist() == perm.tolist() == [1, 4, 0, 3]
+    k = len(starts)
+    assert mgr.ctx.tiles[0, :k].tolist() == starts.tolist()
+    assert mgr.ctx.tiles[1, :k].tolist() == lengths.tolist() == [2, 2]
+    assert mgr.ctx.tiles[2, :k].tolist() == slots.tolist()
+    assert not mgr.ctx.tiles[1, k:seg.num].any()  # the graph's other tiles: empty
+    # Below the threshold, and a step that is not a decode: no grouping.
+    mgr.prepare_step(ids[:3], one[:3], 3, eager=True, decode=True)
+    assert mgr.ctx.segments is None
+    mgr.prepare_step(ids, one + 1, 12, eager=False, decode=False)
+    assert mgr.ctx.segments is None
+    mgr.capture_layout(8)
+    assert mgr.ctx.segments is mgr.grouped_segments(8)
+    mgr.capture_layout(2)
+    assert mgr.ctx.segments is None

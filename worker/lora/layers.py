@@ -33,6 +33,9 @@ class LoRASegments:
     slot: torch.Tensor
     num: int
     max_len: int
+    # Rows of the runs through this permutation of the tokens (sorted by adapter), or None:
+    # the runs are of consecutive tokens.
+    perm: torch.Tensor | None = None
 
 
 class LoRAContext:
@@ -40,11 +43,15 @@ class LoRAContext:
     persistent device buffer (CUDA graphs capture its address, and replay what the step wrote
     into it), and, in eager steps, the runs for the segmented kernels."""
 
-    __slots__ = ("token_slots", "segments")
+    __slots__ = ("token_slots", "segments", "perm", "tiles")
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.segments: LoRASegments | None = None
+        # Grouped decode (lora/grouping.py): the tokens sorted by adapter and the tile table
+        # (starts, lengths, slots) [3, tiles]; None unless the manager groups.
+        self.perm: torch.Tensor | None = None
+        self.tiles: torch.Tensor | None = None
 
 
 class LoRALayer:

@@ -22,6 +22,7 @@ from tidal.engine_core.lora_request import LoRARequest
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.lora.adapter_cache import AdapterCache
 from tidal.worker.lora.gpu_slots import GPUSlots
+from tidal.worker.lora.grouping import TILE, group_tokens, max_tiles
 from tidal.worker.lora.layers import LoRAContext, LoRALayer, LoRASegments
 from tidal.worker.lora.peft_loader import AdapterKey, LoadedAdapter, adapter_key, load_adapter
 from tidal.worker.ops.kernels import Kernels
@@ -80,12 +81,27 @@ class LoRAManager:
         self.cache = AdapterCache(lora.max_cpu_loras)
         # The segmented kernels pay off only on the GPU (the torch path ignores runs).
         self.segmented = kernels.policy.triton_lora
+        # Decode steps of at least this many tokens grouped by adapter (0: never). A compiled
+        # model's trace holds the per-token ops (no per-step metadata), so not with it.
+        self.grouped_min = (kernels.policy.lora_grouped_min_tokens
+                            if self.segmented and not config.runner.compilation.enabled
+                            else 0)
+        self._tiles_cap = max_tiles(max_num_tokens, lora.max_loras, TILE)
+        self._grouped: dict[int, LoRASegments] = {}
+        if self.grouped_min:
+            # The permutation and the tile table (starts, lengths, slots) the grouped kernels
+            # read: fixed buffers, so a captured graph replays what each step writes.
+            self.ctx.perm = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+            self.ctx.tiles = torch.zeros(3, self._tiles_cap, dtype=torch.int32, device=device)
         self.requests: dict[str, LoRARequest] = {}
         # Two pinned staging buffers, used in turn; an event says when the device has read
         # one (async scheduling writes step N+1's while step N may not have copied yet).
         self.max_num_tokens = max_num_tokens
-        self._staging = [torch.empty(max_num_tokens, dtype=torch.int32,
-                                     pin_memory=self.on_gpu) for _ in range(2)]
+        # (Slot ids; with grouping, then the permutation and the tile table.)
+        staged = max_num_tokens + (max_num_tokens + 3 * self._tiles_cap if self.grouped_min
+                                   else 0)
+        self._staging = [torch.empty(staged, dtype=torch.int32, pin_memory=self.on_gpu)
+                         for _ in range(2)]
         self._events = [torch.cuda.Event() if self.on_gpu else None for _ in range(2)]
         self._turn = 0
         self._padded_last = max_num_tokens  # the buffer starts all -1
@@ -125,11 +141,31 @@ class LoRAManager:
 
     # --- one step ------------------------------------------------------------------------------
 
+    def grouped_segments(self, tokens: int) -> LoRASegments | None:
+        """The grouped kernels' view of the fixed tables for a decode step of ``tokens``
+        (padded) tokens, or None where it runs the per-token kernels."""
+        if not self.grouped_min or tokens < self.grouped_min:
+            return None
+        view = self._grouped.get(tokens)
+        if view is None:
+            tiles = self.ctx.tiles
+            view = self._grouped[tokens] = LoRASegments(
+                tiles[0], tiles[1], tiles[2], max_tiles(tokens, self.slots.num_slots, TILE),
+                TILE, perm=self.ctx.perm)
+        return view
+
+    def capture_layout(self, tokens: int | None) -> None:
+        """Before capturing a decode graph of ``tokens`` (None: a mixed step's, or done
+        capturing): the kernels its replays will need."""
+        self.ctx.segments = None if tokens is None else self.grouped_segments(tokens)
+
     def prepare_step(self, req_ids: list[str], n_sched: np.ndarray, padded: int,
-                     eager: bool) -> None:
+                     eager: bool, decode: bool = False) -> None:
         """Slots for this step's adapters, and each token's slot in ``ctx.token_slots``
         (tokens in batch order, ``n_sched`` per request; rows up to ``padded``, a CUDA
-        graph's size, are the base model's)."""
+        graph's size, are the base model's). ``decode``: one token per request, replayed
+        from a decode graph (``padded``: its size) or eager; grouped by adapter from
+        ``grouped_min`` tokens on."""
         requests = self.requests
         per_req = np.full(len(req_ids), -1, dtype=np.int32)
         if requests:
@@ -145,12 +181,14 @@ class LoRAManager:
                     per_req[rows] = slots[key]
         total = int(n_sched.sum())
         token_slots = per_req if total == len(req_ids) else np.repeat(per_req, n_sched)
-        self._write_slots(token_slots, max(padded, total))
-        self.ctx.segments = None
+        grouped = self.grouped_segments(max(padded, total)) if decode else None
+        self._write_slots(token_slots, max(padded, total), grouped)
+        self.ctx.segments = grouped
         if eager and self.segmented and total > len(req_ids) and (per_req >= 0).any():
             self.ctx.segments = self._segments(per_req, n_sched)
 
-    def _write_slots(self, token_slots: np.ndarray, padded: int) -> None:
+    def _write_slots(self, token_slots: np.ndarray, padded: int,
+                     grouped: LoRASegments | None = None) -> None:
         n = len(token_slots)
         turn = self._turn
         self._turn ^= 1
@@ -165,6 +203,21 @@ class LoRAManager:
         host[:n] = token_slots
         host[n:end] = -1
         self.ctx.token_slots[:end].copy_(staging[:end], non_blocking=True)
+        if grouped is not None:
+            # This step's tiles over the fixed table's first ``grouped.num`` entries (the
+            # rest length 0: their programs do nothing), and the permutation they index.
+            perm, starts, lengths, slots = group_tokens(token_slots, TILE)
+            cap, num, at = self._tiles_cap, grouped.num, self.max_num_tokens
+            host[at:at + len(perm)] = perm
+            table = host[2 * at:2 * at + 3 * cap].reshape(3, cap)
+            k = len(starts)
+            table[0, :k], table[1, :k], table[2, :k] = starts, lengths, slots
+            table[1, k:num] = 0
+            if len(perm):
+                self.ctx.perm[:len(perm)].copy_(staging[at:at + len(perm)], non_blocking=True)
+            tiles = staging[2 * at:2 * at + 3 * cap].view(3, cap)
+            for row in range(3):  # (contiguous rows: each one asynchronous copy)
+                self.ctx.tiles[row, :num].copy_(tiles[row, :num], non_blocking=True)
         if event is not None:
             event.record()
         self._padded_last = padded

@@ -11,7 +11,10 @@ Two variants of each product:
 - segmented: the step's tokens in runs that share an adapter (a request's prompt chunk is one
   run; the batch order needs no sorting), one program per (block of a run's tokens, block of
   outputs) with ``tl.dot`` tiles, so a prompt's tokens share each weight load. The runs come
-  from the host each step: eager (prefill) steps only.
+  from the host each step: eager (prefill) steps. With a permutation (``segments.perm``) the
+  runs are of the tokens sorted by adapter, cut in tiles of at most ``_BLOCK_M``: a decode
+  batch mixing adapters, whose tile table and permutation a CUDA graph reads from fixed
+  buffers (``lora.manager``: grouped decode).
 
 Loop bounds are compile-time constants (the feature sizes), which the Triton interpreter needs.
 """
@@ -75,10 +78,10 @@ def _expand_per_token(xa_ptr, b_ptr, slots_ptr, y_ptr, stride_xat, stride_bl, st
 
 
 @triton.jit
-def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, out_ptr,
+def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, perm_ptr, out_ptr,
                       stride_xt, stride_al, stride_ar, stride_ot, IN: tl.constexpr,
                       SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PERM: tl.constexpr):
     seg = tl.program_id(2)
     length = tl.load(seg_len_ptr + seg)
     m0 = tl.program_id(0) * BLOCK_M
@@ -87,7 +90,10 @@ def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, ou
         slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
         m = m0 + tl.arange(0, BLOCK_M)
         mmask = m < length
-        rows = start + m
+        if PERM:  # a run of the tokens sorted by adapter: its rows through the permutation
+            rows = tl.load(perm_ptr + start + m, mask=mmask, other=0).to(tl.int64)
+        else:
+            rows = start + m
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < SR
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -108,11 +114,11 @@ def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, ou
 
 
 @triton.jit
-def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, y_ptr,
+def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, perm_ptr, y_ptr,
                       stride_xat, stride_bl, stride_bn, stride_yt, OUT: tl.constexpr,
                       R: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SLICES: tl.constexpr,
                       OFF1: tl.constexpr, OFF2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PERM: tl.constexpr):
     seg = tl.program_id(2)
     length = tl.load(seg_len_ptr + seg)
     m0 = tl.program_id(0) * BLOCK_M
@@ -121,7 +127,10 @@ def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, y
         slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
         m = m0 + tl.arange(0, BLOCK_M)
         mmask = m < length
-        rows = start + m
+        if PERM:
+            rows = tl.load(perm_ptr + start + m, mask=mmask, other=0).to(tl.int64)
+        else:
+            rows = start + m
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < OUT
         s_of_n = (n >= OFF1).to(tl.int32) + (n >= OFF2).to(tl.int32)
@@ -203,10 +212,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
         return out
     block_r = min(_pow2(sr, 16), 64)
     grid = (triton.cdiv(segments.max_len, _BLOCK_M), triton.cdiv(sr, block_r), segments.num)
-    _shrink_segmented[grid](x, a, segments.start, segments.length, segments.slot, out,
+    perm = getattr(segments, "perm", None)
+    _shrink_segmented[grid](x, a, segments.start, segments.length, segments.slot,
+                            segments.start if perm is None else perm, out,
                             x.stride(0), a.stride(0), a.stride(1), out.stride(0),
                             IN=in_features, SR=sr, BLOCK_M=_BLOCK_M, BLOCK_R=block_r,
-                            BLOCK_K=32, IEEE=x.dtype == torch.float32)
+                            BLOCK_K=32, IEEE=x.dtype == torch.float32, PERM=perm is not None)
     return out
 
 
@@ -234,8 +245,11 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
     block_n = 64
     grid = (triton.cdiv(segments.max_len, _BLOCK_M), triton.cdiv(out_features, block_n),
             segments.num)
-    _expand_segmented[grid](xa, b, segments.start, segments.length, segments.slot, y,
+    perm = getattr(segments, "perm", None)
+    _expand_segmented[grid](xa, b, segments.start, segments.length, segments.slot,
+                            segments.start if perm is None else perm, y,
                             xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
                             OUT=out_features, R=rank, BLOCK_R=block_r,
                             NUM_SLICES=len(offsets), OFF1=off1, OFF2=off2, BLOCK_M=_BLOCK_M,
-                            BLOCK_N=block_n, IEEE=y.dtype == torch.float32)
+                            BLOCK_N=block_n, IEEE=y.dtype == torch.float32,
+                            PERM=perm is not None)
