@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -116,6 +117,8 @@ class AsyncLLM:
         # Since when this frontend has had requests in the engine, if none was progress since.
         self._busy_since = time.monotonic()
         self._observers: list[StatObserver] = []
+        # Called with (engine index, sequences) for what this frontend aborts in the engines.
+        self._abort_observers: list[Callable[[int, int], None]] = []
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-tokenize")
         # Running beam searches by request id (``abort`` ends them too).
         self.beam_searches: dict[str, AsyncBeamSearchRun] = {}
@@ -197,6 +200,12 @@ class AsyncLLM:
     def add_stat_observer(self, observer: StatObserver) -> None:
         """Called after every engine step with its scheduler stats and the outputs it made."""
         self._observers.append(observer)
+
+    def add_abort_observer(self, observer: Callable[[int, int], None]) -> None:
+        """Called with (engine index, sequences) whenever requests are aborted in an engine
+        (client gone, ``abort``, a drain timeout): the engine never reports those as
+        finished to this frontend."""
+        self._abort_observers.append(observer)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -410,6 +419,14 @@ class AsyncLLM:
 
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
         if engine_ids and self._dead is None:
+            if self._abort_observers:
+                # (Before the abort: a data-parallel client forgets the rank then.)
+                engine_of = getattr(self.client, "engine_of", None)
+                counts = Counter(0 if engine_of is None else engine_of(eid)
+                                 for eid in engine_ids)
+                for observer in self._abort_observers:
+                    for engine, n in counts.items():
+                        observer(engine, n)
             try:
                 self.client.abort_requests(engine_ids)
             except EngineDeadError:

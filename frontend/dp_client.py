@@ -151,6 +151,11 @@ class DPAsyncClient:
             logger.debug("DP rank %d gets %d request(s)", rank, len(group))
             self.clients[rank].add_requests(group)
 
+    def engine_of(self, request_id: str) -> int:
+        """The rank running ``request_id`` (0 if none does: it finished there already)."""
+        rank = self.coordinator.owner(request_id)
+        return 0 if rank is None else rank
+
     def abort_requests(self, request_ids: list[str]) -> None:
         if self._dead is not None:
             raise self._dead

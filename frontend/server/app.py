@@ -315,6 +315,7 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
             state.plugins.record(stats, record)
 
     engine.add_stat_observer(observe)
+    engine.add_abort_observer(state.metrics.aborted)
     return state
 
 

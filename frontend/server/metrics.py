@@ -525,11 +525,10 @@ class ServerMetrics:
 
     # --- server side ---------------------------------------------------------------------------
 
-    def request_gone(self, aborted_sequences: int) -> None:
-        """An API request is done; ``aborted_sequences`` of it never finished in the engine
-        (client gone, drain timeout) and count as aborted."""
-        if aborted_sequences:
-            self._series(0).success["abort"].inc(aborted_sequences)
+    def aborted(self, engine: int, sequences: int) -> None:
+        """``sequences`` aborted in engine ``engine`` (client gone, drain timeout): they never
+        finish there, and count as aborted, on the rank they ran on."""
+        self._series(engine).success["abort"].inc(sequences)
 
     def engine_idle(self) -> None:
         """Nothing is in flight here; with several processes others may be busy, and the

@@ -228,18 +228,15 @@ async def _run(state: ServerState, request_id: str, searches: list[BeamSearch], 
             started = True
             state.admission.started(ticket, weight)
 
-    failed = False
     try:
         await run.run(on_step)
     except (asyncio.CancelledError, APIError):
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error envelope
-        failed = True
         raise from_exception(exc, request_id) from None
     finally:
-        run.close()
-        finished = all(s.done and not s.aborted for s in searches)
-        state.release(ticket, 0 if failed or finished else n * len(searches))
+        run.close()  # (what still runs is aborted in the engine, and counted there)
+        state.release(ticket)
     return run.aborted
 
 

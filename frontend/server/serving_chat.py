@@ -225,8 +225,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return await _whole(gen, choices, view, model, request_id, echo)
     finally:
         gen.close()
-        num_open = sum(1 for c in choices if c.finish_reason is None)
-        state.release(ticket, 0 if gen.failed else num_open)
+        state.release(ticket)
         failures = sum(c.parse.failures for c in choices if c.parse is not None)
         if failures:
             state.metrics.tool_parse_failed(failures)

@@ -189,7 +189,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         return await _whole(state, gen, folded, model, request_id)
     finally:
         gen.close()
-        state.release(ticket, 0 if gen.failed else folded.num_open)
+        state.release(ticket)
 
 
 async def _whole(state: ServerState, gen: Generation, folded: _Completion, model: str,

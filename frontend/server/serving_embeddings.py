@@ -60,7 +60,7 @@ async def create_embedding(request: web.Request) -> web.Response:
         for t in tasks:
             t.cancel()  # no-op for finished ones; a cancelled encode aborts in the engine
         await asyncio.gather(*tasks, return_exceptions=True)
-        state.release(ticket, 0)
+        state.release(ticket)
     data = []
     for i, out in enumerate(outs):
         if not out.embedding:

@@ -85,7 +85,7 @@ async def _generate(state, prompts: list[list[int]], params: SamplingParams,
         raise from_exception(exc, request_id) from None
     finally:
         gen.close()
-        state.release(ticket, 0)
+        state.release(ticket)
     if gen.aborted or len(final) != len(prompts):
         raise APIError(503, "the request was aborted (the server is shutting down)",
                        code="aborted")
@@ -110,4 +110,4 @@ async def _encode(state, prompts: list[list[int]], request_id: str) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        state.release(ticket, 0)
+        state.release(ticket)

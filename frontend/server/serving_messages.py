@@ -134,7 +134,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         return await _whole(gen, out, model, request_id)
     finally:
         gen.close()
-        state.release(ticket, 0 if gen.failed or out.finish_reason is not None else 1)
+        state.release(ticket)
         if out.parse is not None and out.parse.failures:
             state.metrics.tool_parse_failed(out.parse.failures)
 

@@ -149,7 +149,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await _whole(state, gen, run)
     finally:
         gen.close()
-        state.release(ticket, 0 if gen.failed or run.finish_reason is not None else 1)
+        state.release(ticket)
         if run.parse is not None and run.parse.failures:
             state.metrics.tool_parse_failed(run.parse.failures)
 

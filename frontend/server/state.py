@@ -94,11 +94,10 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
-    def release(self, ticket: Ticket, num_aborted: int) -> None:
-        """A request's handler is done: free its admission slot, and count the sequences it
-        left unfinished (client gone, drain timeout) as aborted."""
+    def release(self, ticket: Ticket) -> None:
+        """A request's handler is done: free its admission slot. (The sequences it left
+        unfinished were aborted in the engine: ``ServerMetrics.aborted`` counted them.)"""
         self.admission.release(ticket)
-        self.metrics.request_gone(num_aborted)
         if self.admission.num_in_flight == 0:
             self.metrics.engine_idle()
 

@@ -102,29 +102,48 @@ def test_greedy_outputs_match_one_engine_and_spread_over_both_ranks(dp_server, t
 
 
 def test_an_abort_stops_the_request_on_its_rank(dp_server):
+    """Streams the client drops are aborted on their ranks (had an abort gone to the other
+    rank, its request would have run to its end) and counted as aborted there."""
     before = _metrics(dp_server)
+    streams = 4
+
+    async def one(client: openai.AsyncOpenAI) -> None:
+        stream = await client.completions.create(
+            model="", prompt="Count for a long time:", max_tokens=LONG, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True})
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                break
+        await stream.close()  # the client goes away: the server aborts the request
 
     async def main() -> None:
-        client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused")
+        # Side by side, so both ranks are likely to run some.
+        clients = [openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused")
+                   for _ in range(streams)]
         try:
-            stream = await client.completions.create(
-                model="", prompt="Count for a long time:", max_tokens=LONG, temperature=0.0,
-                stream=True, extra_body={"ignore_eos": True})
-            n = 0
-            async for _ in stream:
-                n += 1
-                if n == 3:
-                    break
-            await stream.close()  # the client goes away: the server aborts the request
+            await asyncio.gather(*(one(c) for c in clients))
         finally:
-            await client.close()
+            await asyncio.gather(*(c.close() for c in clients))
 
     asyncio.run(main())
     after = _wait_idle(dp_server)
-    generated = {e: n - _per_engine(before, "tidal:generation_tokens_total").get(e, 0.0)
-                 for e, n in _per_engine(after, "tidal:generation_tokens_total").items()}
-    # Had the abort gone to the other rank, the request would have run to its end.
-    assert 3 <= sum(generated.values()) < LONG, generated
+
+    def delta(name: str, **labels: str) -> dict[str, float]:
+        old = _per_engine(before, name, **labels)
+        return {e: n - old.get(e, 0.0) for e, n in _per_engine(after, name, **labels).items()}
+
+    generated = delta("tidal:generation_tokens_total")
+    assert 3 * streams <= sum(generated.values()) < streams * LONG, generated
+    # Each rank counts as aborted the requests it ran (the same prompt: its prompt tokens
+    # over one prompt's), not rank 0 all of them.
+    prompt = delta("tidal:prompt_tokens_total")
+    per_request = sum(prompt.values()) / streams
+    ran = {e: round(n / per_request) for e, n in prompt.items() if n}
+    aborted = {e: n for e, n in delta("tidal:request_success_total",
+                                      finished_reason="abort").items() if n}
+    assert aborted == ran and sum(ran.values()) == streams, (aborted, ran)
 
 
 def test_a_burst_at_t0_splits_evenly_over_the_ranks(dp_server):
