@@ -48,6 +48,12 @@ def grammar_fill_threads() -> int | None:
     return int(value) if value else None
 
 
+def kv_auth_key() -> str | None:
+    """``$TIDAL_KV_AUTH_KEY``: the secret a P2P KV consumer sends with every message and a
+    producer requires (both engines set it; unset: none is asked, for a loopback port)."""
+    return os.environ.get("TIDAL_KV_AUTH_KEY") or None
+
+
 def api_key() -> str | None:
     """``$TIDAL_API_KEY``: the server's bearer token when ``--api-key`` is not given."""
     return os.environ.get("TIDAL_API_KEY") or None

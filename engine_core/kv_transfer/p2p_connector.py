@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from tidal.engine_core import envs
 from tidal.engine_core.kv_transfer.connector_base import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -436,14 +437,15 @@ class P2pConnector(KVConnectorBase):
                 if side is not None:
                     side.kv_caches = kv_caches
             return
+        auth = envs.kv_auth_key()
         if self.is_producer:
             self._server = KVSendServer(kv_caches, self.address,
                                         self.transfer_config.kv_buffer_size,
-                                        self.send_timeout_s)
+                                        self.send_timeout_s, auth_key=auth)
         if self.is_consumer:
             self._client = KVPullClient(kv_caches, self.pull_timeout_s,
                                         resolve_transport(self.transport, kv_caches),
-                                        self.nccl_streams)
+                                        self.nccl_streams, auth_key=auth)
             if self.async_pull:
                 from tidal.engine_core.kv_transfer.p2p_async_pull import AsyncPuller
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
+import ipaddress
 import logging
 import math
 import threading
@@ -91,6 +93,8 @@ class KVRefused(KVTransferError):
 
 
 UNKNOWN_PAIR = "unknown pair"
+UNAUTHORIZED = ("unauthorized: this producer asks for a shared secret; set TIDAL_KV_AUTH_KEY "
+                "to the producer's on this engine")
 
 
 MAX_CONTROL_BYTES = 1 << 20  # a consumer's message to a producer (``KVSendServer``)
@@ -108,6 +112,7 @@ class KVPull(msgspec.Struct, tag="pull", **_WIRE):
     # Over a pair: the run lengths of the consumer's destination block ids (consecutive ids),
     # so runs consecutive on both sides go cache to cache (``p2p_direct_runs``); empty: none.
     runs: list[int] = []
+    auth: str = ""  # the shared secret ($TIDAL_KV_AUTH_KEY), when the producer asks one
 
 
 class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
@@ -116,6 +121,7 @@ class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
 
     backend: str
     streams: int = 1
+    auth: str = ""
 
 
 class KVPairInfo(msgspec.Struct, tag="pair", **_WIRE):
@@ -135,6 +141,7 @@ class KVDone(msgspec.Struct, tag="done", **_WIRE):
 
     request_id: str
     digest: str
+    auth: str = ""
 
 
 class KVChunk(msgspec.Struct, tag="chunk", **_WIRE):
@@ -159,6 +166,13 @@ _ToProducer = KVPull | KVDone | KVPairHello
 _to_producer = msgspec.msgpack.Decoder(_ToProducer)
 _to_consumer = msgspec.msgpack.Decoder(KVChunk | KVPairInfo)
 _encode = msgspec.msgpack.encode
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def block_axis(cache: torch.Tensor) -> int:
@@ -197,8 +211,12 @@ class KVSendServer:
     """
 
     def __init__(self, kv_caches: list[torch.Tensor], address: str, buffer_bytes: float,
-                 send_timeout_s: float, min_direct_bytes: int = DIRECT_MIN_BYTES) -> None:
+                 send_timeout_s: float, min_direct_bytes: int = DIRECT_MIN_BYTES,
+                 auth_key: str | None = None) -> None:
         self.kv_caches = kv_caches
+        # Every consumer message must carry it (compared in constant time); None: none asked.
+        self._auth = None if auth_key is None else auth_key.encode()
+        self.refused_unauthorized = 0
         self.buffer_bytes = max(1, int(buffer_bytes))
         self.send_timeout_s = send_timeout_s
         # Runs of at least this many blocks go cache to cache over a pair (not staged).
@@ -231,8 +249,12 @@ class KVSendServer:
         self._stream = None  # the serving thread's CUDA stream (a GPU cache)
         self._thread = threading.Thread(target=self._serve, name="kv-send-server", daemon=True)
         self._thread.start()
-        logger.info("P2P KV send server on %s (send buffer %d bytes)", self.address,
-                    self.buffer_bytes)
+        logger.info("P2P KV send server on %s (send buffer %d bytes%s)", self.address,
+                    self.buffer_bytes, ", shared secret required" if self._auth else "")
+        if self._auth is None and not _loopback(self._host):
+            logger.warning("P2P KV send server on %s, not a loopback address, without a shared "
+                           "secret: set TIDAL_KV_AUTH_KEY on both engines so that only they "
+                           "can pull, pair or release", self.address)
 
     # --- step thread -------------------------------------------------------------------------
 
@@ -318,6 +340,10 @@ class KVSendServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("dropping a malformed KV transfer message: %s", exc)
                 continue
+            if self._auth is not None and not hmac.compare_digest(msg.auth.encode(),
+                                                                  self._auth):
+                self._refuse_unauthorized(peer, msg)
+                continue
             if isinstance(msg, KVPairHello):
                 self._pair_with(peer, msg)
                 continue
@@ -338,6 +364,19 @@ class KVSendServer:
                 reply, tensors = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
             self._answer(peer, [_encode(reply)] + [t.numpy() for t in tensors],
                          msg.request_id)
+
+    def _refuse_unauthorized(self, peer: bytes, msg: KVPull | KVDone | KVPairHello) -> None:
+        """A message without the shared secret: a pull or hello is answered with why (the
+        consumer then recomputes), a release is dropped (the timeout frees the blocks)."""
+        self.refused_unauthorized += 1
+        if self.refused_unauthorized in (1, 10, 100) or self.refused_unauthorized % 1000 == 0:
+            logger.warning("refused %d KV transfer message(s) without the shared secret",
+                           self.refused_unauthorized)
+        if isinstance(msg, KVPairHello):
+            self._answer(peer, [_encode(KVPairInfo(error=UNAUTHORIZED))], "")
+        elif isinstance(msg, KVPull):
+            self._answer(peer, [_encode(KVChunk(msg.request_id, msg.chunk,
+                                                error=UNAUTHORIZED))], msg.request_id)
 
     def _answer(self, peer: bytes, frames: list, request_id: str) -> bool:
         try:
@@ -587,9 +626,10 @@ class KVPullClient:
     consumer's pull thread)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
-                 backend: str = "zmq", streams: int = 1) -> None:
+                 backend: str = "zmq", streams: int = 1, auth_key: str | None = None) -> None:
         self.kv_caches = kv_caches
         self.timeout_s = timeout_s
+        self._auth = auth_key or ""  # sent with every message (a producer may ask for it)
         self.backend = backend
         self.streams = max(1, min(int(streams), MAX_STREAMS))
         self._ctx = zmq.Context()
@@ -627,7 +667,7 @@ class KVPullClient:
         if known is not None:
             return known
         sock = self._socket(address)
-        sock.send(_encode(KVPairHello(self.backend, self.streams)))
+        sock.send(_encode(KVPairHello(self.backend, self.streams, self._auth)))
         info = _to_consumer.decode(self._recv(sock, deadline)[0].buffer)
         if not isinstance(info, KVPairInfo):
             raise KVTransferError("the producer answered a pair hello with something else")
@@ -667,7 +707,7 @@ class KVPullClient:
             sock = self._socket(address)
             while True:
                 sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk,
-                                         key, runs)))
+                                         key, runs, self._auth)))
                 frames = self._recv(sock, deadline)
                 reply = _to_consumer.decode(frames[0].buffer)
                 if not isinstance(reply, KVChunk):
@@ -711,7 +751,7 @@ class KVPullClient:
                 chunk += 1
             while inflight:
                 self._land(group, inflight.popleft())
-            sock.send(_encode(KVDone(request_id, digest)))
+            sock.send(_encode(KVDone(request_id, digest, self._auth)))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(address)
             raise KVTransferError(f"undecodable reply from the producer: {exc}") from None
@@ -802,7 +842,8 @@ class KVPullClient:
         """Tell the producer this consumer needs nothing of ``request_id`` (it had the blocks
         already): it may free them now rather than at its timeout. Best effort, no answer."""
         try:
-            self._socket(address).send(_encode(KVDone(request_id, digest)), zmq.NOBLOCK)
+            self._socket(address).send(_encode(KVDone(request_id, digest, self._auth)),
+                                       zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("could not release %s at %s: %s", request_id, address, exc)
 

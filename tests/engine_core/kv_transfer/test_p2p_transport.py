@@ -274,3 +274,34 @@ def test_a_gloo_pair_has_one_group_whatever_streams_were_asked() -> None:
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("backend", ["zmq", "gloo"])
+def test_a_producer_with_a_shared_secret_serves_only_consumers_that_send_it(backend) -> None:
+    """``$TIDAL_KV_AUTH_KEY``: pulls, pair hellos and releases without it (or with another)
+    are refused (a pull fails with the reason, a release is ignored); with it the pull works."""
+    src = _caches(0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=30,
+                          auth_key="s3cret")
+    server.register("r1", [7, 2], "d1", ready=True)
+    try:
+        for key in (None, "guess"):
+            stranger = KVPullClient(_caches(None), timeout_s=2.0, backend=backend, auth_key=key)
+            try:
+                with pytest.raises(KVTransferError, match="TIDAL_KV_AUTH_KEY"):
+                    stranger.pull(server.address, "r1", 0, [0, 1], "d1")
+                stranger.release(server.address, "r1", "d1")  # ignored: still served below
+            finally:
+                stranger.close()
+        assert server.refused_unauthorized >= 2
+        dst = _caches(None)
+        client = KVPullClient(dst, timeout_s=2.0, backend=backend, auth_key="s3cret")
+        try:
+            client.pull(server.address, "r1", 0, [3, 4], "d1")
+        finally:
+            client.close()
+        for s, d in zip(src, dst):
+            assert torch.equal(d[:, [3, 4]], s[:, [7, 2]])
+        assert _finished(server) == {"r1"}
+    finally:
+        server.close()
