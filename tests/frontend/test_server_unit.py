@@ -74,6 +74,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.config = _config()
         self.cancelled: list[str] = []
+        self.abort_observers: list[Any] = []  # told (engine 0, n) of what is aborted
         self.started = asyncio.Event()
         self.is_dead = False
         self.unavailable = False  # a standalone engine-core gone for now
@@ -87,6 +88,9 @@ class FakeEngine:
 
     def add_stat_observer(self, fn: Any) -> None:
         pass
+
+    def add_abort_observer(self, fn: Any) -> None:
+        self.abort_observers.append(fn)
 
     async def check_health(self) -> None:
         if self.is_dead:
@@ -130,11 +134,15 @@ class FakeEngine:
             await asyncio.sleep(0)
 
     def abort_quietly(self, request_ids: list[str]) -> None:
+        n = 0
         for rid in request_ids:
             task = self._tasks.pop(rid, None)
             if task is not None and not task.done():
                 task.cancel()
                 self.cancelled.append(rid)
+                n += 1
+        for fn in self.abort_observers if n else ():
+            fn(0, n)  # as AsyncLLM does (one engine)
 
     def shutdown(self) -> None:
         pass
