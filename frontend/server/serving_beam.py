@@ -89,7 +89,7 @@ async def create_beam_completion(state: ServerState, req: CompletionRequest,
 
     request_id = new_id("cmpl")
     searches = [_search(state, p.token_ids, params) for p in prompts]
-    aborted = await _run(state, request_id, searches, req.n, req.cache_salt)
+    aborted = await _run(state, request_id, searches, req.cache_salt)
     tokenizer = state.tokenizer
     as_ids = _as_ids(state, req)
     choices = []
@@ -149,7 +149,7 @@ async def create_beam_chat(state: ServerState, req: ChatCompletionRequest,
 
     request_id = new_id("chatcmpl")
     search = _search(state, ids, params)
-    aborted = await _run(state, request_id, [search], req.n, req.cache_salt)
+    aborted = await _run(state, request_id, [search], req.cache_salt)
     as_ids = _as_ids(state, req)
     choices = []
     completion_tokens = 0
@@ -213,7 +213,7 @@ def _search(state: ServerState, token_ids: list[int], params: BeamSearchParams) 
     return BeamSearch(token_ids, params, model.eos_token_ids, model.max_model_len)
 
 
-async def _run(state: ServerState, request_id: str, searches: list[BeamSearch], n: int,
+async def _run(state: ServerState, request_id: str, searches: list[BeamSearch],
                cache_salt: str | None) -> bool:
     """Run the searches under one admission ticket; True if the drain timeout aborted them."""
     weight = sum(s.params.beam_width for s in searches)
