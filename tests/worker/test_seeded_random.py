@@ -62,3 +62,19 @@ def test_triton_noise_matches_torch():
     # The same 23-bit uniforms; only the log may differ in its last bit.
     torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
     assert not q[1].any() and not q[4].any()
+
+
+def test_host_hash_matches_the_torch_twin():
+    """The CPU path hashes in numpy uint32: the same bits as the int64 torch emulation (which
+    the Triton kernel is checked against), so the same noise on every device."""
+    rng = np.random.default_rng(1)
+    keys = torch.from_numpy(rng.integers(1, (1 << 63) - 1, size=40, dtype=np.int64))
+    keys[:2] = torch.tensor([1, (1 << 63) - 1])
+    a, b = sr.row_states(keys)
+    cols = torch.arange(5000)
+    want = sr.column_hash(a, b, cols)
+    got = sr.column_hash_np(a.numpy(), b.numpy(), cols.numpy())
+    assert np.array_equal(got.astype(np.int64), want.numpy())
+    u_want = sr.uniform_from_hash(want)
+    q = sr.seeded_exponential(keys, 5000)
+    assert torch.equal(q, -torch.log(u_want))
