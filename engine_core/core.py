@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from tidal.engine_core import control
+from tidal.engine_core import control, envs
 from tidal.engine_core.config import EngineConfig
 from tidal.engine_core.executor import Deferred, Executor, create_executor
 from tidal.engine_core.lora_registry import LoRARegistry
@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 # How often a busy engine with nothing to run asks its workers whether held KV was sent.
 KV_POLL_INTERVAL_S = 0.01
+
+
+def _grammar_reason(verdict: str) -> FinishReason:
+    """How a request whose matcher gave ``verdict`` (``advance``: "stop" or an error) ends."""
+    return FinishReason.STOP if verdict == "stop" else FinishReason.ERROR
 
 
 class NoopExecutor:
@@ -138,6 +143,12 @@ class EngineCore:
         self._deferred: tuple[Any, list[str], Any] | None = None
         # The masks of a step handed to the executor's `sample_lazily`, until it is collected.
         self._open_fill: Any = None
+        # Whether the fill job of a deferred step also advances its requests' matchers by
+        # their previous tokens (off the engine thread; their verdicts are read when the step
+        # is collected): $TIDAL_GRAMMAR_ADVANCE_IN_FILL.
+        self.advance_in_fill = envs.grammar_advance_in_fill()
+        # Steps whose fill advanced matchers: (the step's pending result, its PendingFill).
+        self._advanced: deque[tuple[Any, Any]] = deque()
         # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
         # take it out of the garbage collector's generations, or every full collection walks it
         # (about 0.2 ms per step at batch 256 on a small CPU).
@@ -215,6 +226,7 @@ class EngineCore:
         if structured.pending:
             outputs.extend(self._admit_compiled())
         mask_later: list[str] = []  # constrained requests that sample in the step launched
+        handed: dict[str, int] = {}  # of those, requests whose fill advances their matcher
         if len(self.batch_queue) < self._inflight_limit() and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if self.scheduler.connector is not None:
@@ -240,6 +252,10 @@ class EngineCore:
         if self.batch_queue and (len(self.batch_queue) >= limit or not launched):
             sched, pending = self.batch_queue.popleft()
             result = pending.result() if self.max_inflight > 1 else pending
+            if self._advanced and self._advanced[0][0] is pending:
+                # Before this step's tokens: a request its grammar ended at the token before
+                # them drops them.
+                outputs += self._finish_by_grammar(self._advanced.popleft()[1].verdicts())
             # (Added to the failed compiles' outputs, if any.)
             outputs += self.scheduler.update_from_output(sched, result)
             if self._open_fill is not None:
@@ -248,16 +264,23 @@ class EngineCore:
                 self._open_fill.wait()
                 self._open_fill = None
             if structured.states:
-                self._advance_grammars(outputs)
+                handed = self._advance_grammars(
+                    outputs, set(mask_later) if mask_later and self.advance_in_fill else None)
                 if self.speculative:
                     self._trim_drafts()
         if mask_later:
-            # Every earlier step of these requests is collected now: their matchers are current.
+            # Every earlier step of these requests is collected now: their matchers are current
+            # (or, those in ``handed``, advanced by the fill job before it fills their masks).
             # Their masks fill on the fill thread while this step's outputs are processed; the
             # next call samples the step before it launches anything (`_sample_deferred`).
             ids = self._needing_masks(mask_later)
-            fill = (structured.begin_fill(ids, self.executor.grammar_buffer(len(ids)))
-                    if ids else None)
+            fill = None
+            if ids:
+                fill = structured.begin_fill(
+                    ids, self.executor.grammar_buffer(len(ids)),
+                    tokens=[handed.get(rid) for rid in ids] if handed else None)
+                if handed:
+                    self._advanced.append((launched_pending, fill))
             self._deferred = (launched_pending, ids, fill)
         if not launched and not self.batch_queue and structured.pending and not outputs:
             # Only compiles are left: wait for one rather than spin (nothing else can run).
@@ -375,25 +398,52 @@ class EngineCore:
             else:
                 del drafts[rid]
 
-    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+    def _advance_grammars(self, outputs: list[EngineCoreOutput],
+                          later: set[str] | None = None) -> dict[str, int]:
+        """Advance the constrained requests' matchers by their new tokens; a request whose
+        grammar is complete (or broken) ends here. Those of ``later`` (sampling in the step
+        just launched) with one new token and no reasoning gate are left to the fill job of
+        their next masks: returns them, id -> token; their verdicts come with that step
+        (``_finish_by_grammar``)."""
         structured = self.structured
+        states = structured.states
+        handed: dict[str, int] = {}
         for out in outputs:
             rid = out.request_id
-            if rid not in structured.states:
+            state = states.get(rid)
+            if state is None:
+                continue
+            if (later is not None and rid in later and not out.finished
+                    and len(out.new_token_ids) == 1 and state.gate is None
+                    and state.matcher is not None):
+                handed[rid] = out.new_token_ids[0]
                 continue
             verdict = None if out.finished else structured.advance(rid, out.new_token_ids)
             if verdict is not None:
                 # The grammar is complete (or, should a masked token slip through, broken):
                 # the request ends here rather than sampling past it.
-                error = verdict != "stop"
-                reason = FinishReason.ERROR if error else FinishReason.STOP
-                for req in self.scheduler.finish_requests([rid], reason):
-                    out.finish_reason = reason
+                for req in self.scheduler.finish_requests([rid], _grammar_reason(verdict)):
+                    out.finish_reason = _grammar_reason(verdict)
                     out.num_cached_tokens = max(req.num_cached_tokens, 0)
-                if error:
-                    out.error = verdict
+                    if verdict != "stop":
+                        out.error = verdict
             if out.finished:
                 structured.drop((rid,))
+        return handed
+
+    def _finish_by_grammar(self, verdicts: list[tuple[str, str]]) -> list[EngineCoreOutput]:
+        """End the requests whose grammar a fill job found complete (or broken) at the token
+        before the step being collected: their tokens of that step are dropped, and each
+        gets a last output of no tokens that says why it finished."""
+        outs = []
+        for rid, verdict in verdicts:
+            reason = _grammar_reason(verdict)
+            for req in self.scheduler.finish_requests([rid], reason):
+                outs.append(EngineCoreOutput(
+                    rid, finish_reason=reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+                    error=None if verdict == "stop" else verdict))
+            self.structured.drop((rid,))
+        return outs
 
     def handle_control(self, call: control.ControlCall) -> control.ControlResult:
         """Run a typed control call (``tidal.engine_core.control``) between two steps."""
@@ -408,6 +458,7 @@ class EngineCore:
         self.structured.shutdown()
         self.executor.shutdown()
         self.batch_queue.clear()
+        self._advanced.clear()
         # Start-up froze everything alive (gc.freeze above), the model's reference cycles
         # included: frozen cycles are never collected, so an engine shut down inside a
         # longer-lived process would keep its weights and KV cache until the process ends.

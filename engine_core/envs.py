@@ -48,6 +48,14 @@ def grammar_fill_threads() -> int | None:
     return int(value) if value else None
 
 
+def grammar_advance_in_fill() -> bool:
+    """``$TIDAL_GRAMMAR_ADVANCE_IN_FILL`` (default 1): a constrained step's fill job also feeds
+    each request its previous token, off the engine thread; 0 feeds them on the engine thread
+    as the step is collected (the request then ends with its last token, not one output
+    later)."""
+    return os.environ.get("TIDAL_GRAMMAR_ADVANCE_IN_FILL", "1") != "0"
+
+
 def kv_auth_key() -> str | None:
     """``$TIDAL_KV_AUTH_KEY``: the secret a P2P KV consumer sends with every message and a
     producer requires (both engines set it; unset: none is asked, for a loopback port)."""

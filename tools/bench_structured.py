@@ -178,16 +178,20 @@ def main() -> None:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     runs: dict[str, list[tuple[float, int]]] = {"unconstrained": [], "json_schema": []}
     fills: list[tuple[int, float]] = []
+    advances: list[tuple[int, float]] = []
     for _ in range(args.repeats):
         runs["unconstrained"].append(timed(plain))
         stats.fills.clear()
+        stats.advances.clear()
         runs["json_schema"].append(timed(constrained))
         fills.extend(stats.fills)
+        advances.extend(stats.advances)
     # Totals over the repeats (runs alternate, so drifting load hits both alike).
     tps = {k: sum(n for _, n in v) / sum(t for t, _ in v) for k, v in runs.items()}
     step = {k: sum(t for t, _ in v) / (len(v) * args.tokens) for k, v in runs.items()}
     per_seq = [dt / n for n, dt in fills]
     per_step = [dt for _, dt in fills]
+    advance_per_step = [dt for _, dt in advances]
 
     # Time to first mask over distinct corpus schemas (cold compile cache for each).
     stats.first_mask_s.clear()
@@ -217,6 +221,10 @@ def main() -> None:
                                  "fills": len(per_seq)},
         "mask_fill_ms_per_step": {"p50": round(pct(per_step, 0.5) * 1e3, 3),
                                   "p99": round(pct(per_step, 0.99) * 1e3, 3)},
+        # The matchers fed their previous tokens by the fill job, before it fills
+        # ($TIDAL_GRAMMAR_ADVANCE_IN_FILL; none: on the engine thread, in host_ms_per_step).
+        "advance_in_fill_ms_per_step": {"p50": round(pct(advance_per_step, 0.5) * 1e3, 3),
+                                        "steps": len(advance_per_step)},
         "time_to_first_mask_ms": {"p50": round(pct(first, 0.5) * 1e3, 2),
                                   "p99": round(pct(first, 0.99) * 1e3, 2),
                                   "max": round(max(first, default=0) * 1e3, 2),

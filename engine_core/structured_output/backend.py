@@ -42,6 +42,11 @@ class GrammarBackend(Protocol):
         does not compile with this backend."""
         ...
 
+    def advance(self, steps: list[tuple[Matcher, int]]) -> list[bool]:
+        """Each matcher consumes its token; whether each took it (``consume_tokens``)."""
+        ...
+
     def fill(self, matchers: list[Matcher], out: np.ndarray) -> None:
-        """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
+        """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask;
+        a matcher that stopped or refused a token (``advance``) gets a mask too."""
         ...

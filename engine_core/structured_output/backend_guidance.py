@@ -70,6 +70,15 @@ class GuidanceBackend:
             raise ValueError(matcher.get_error())
         return matcher
 
+    def advance(self, steps: list[tuple[Any, int]]) -> list[bool]:
+        """Each matcher of ``steps`` consumes its token, in one call (the GIL released);
+        whether each took it. A matcher that stopped or refused it still fills a mask
+        (end-of-sequence alone)."""
+        if len(steps) == 1:
+            m, token = steps[0]
+            return [m.consume_token(token)]
+        return self._executor.consume_token_par(steps)
+
     def fill(self, matchers: list[Any], out: np.ndarray) -> None:
         """Row i of ``out`` (int32 [len(matchers), words]) = matchers[i]'s next-token mask."""
         if len(matchers) == 1:

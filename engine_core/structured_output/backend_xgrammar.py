@@ -206,7 +206,24 @@ class XgrammarBackend:
             raise ValueError(f"xgrammar: {str(exc)[:500]}") from None
         return XgrammarMatcher(compiled, self._stop_ids, self.words)
 
+    def advance(self, steps: list[tuple[XgrammarMatcher, int]]) -> list[bool]:
+        """Each matcher of ``steps`` consumes its token; whether each took it."""
+        return [m.consume_tokens([token]) for m, token in steps]
+
     def fill(self, matchers: list[Any], out: np.ndarray) -> None:
+        if any(m.matcher.is_terminated() for m in matchers):
+            # A matcher advanced by a fill job may have taken end-of-sequence (ignore_eos):
+            # xgrammar fills no mask after it. Its row allows the stop tokens alone, as
+            # llguidance's does; the engine ends the request before sampling it.
+            live = [i for i, m in enumerate(matchers) if not m.matcher.is_terminated()]
+            part = np.empty((len(live), out.shape[1]), dtype=np.int32)
+            if live:
+                self.fill([matchers[i] for i in live], part)
+            out.fill(0)
+            for t in self._stop_ids.tolist():
+                out[:, t // 32] |= np.int32(1) << np.int32(t % 32)
+            out[live] = part
+            return
         if len(matchers) == 1:
             matchers[0].matcher.fill_next_token_bitmask(out, 0)
             return

@@ -10,7 +10,10 @@ one llguidance matcher fill their masks slowly side by side).
 Each step, for the scheduled requests that sample, the matchers fill one int32 bitmask (one bit
 per vocabulary id) that travels with the scheduler output; the sampler masks the logits with it
 on the device. Sampled tokens advance the matchers when the step's results come back; a request
-whose grammar is complete stops there.
+whose grammar is complete stops there. Under async scheduling the fill job of the next masks
+does the advancing instead (``begin_fill``'s ``tokens``), and the engine reads its verdicts
+when it collects that next step: a request its grammar completed then ends with an output of
+no tokens.
 
 Why the EngineCore and not the workers: the tokens are known here in order (preemption and
 recompute re-feed nothing: the matcher has consumed exactly the request's output tokens), one
@@ -80,6 +83,22 @@ class GrammarState:
         return self.gate is None or self.gate.needs_mask(self.matcher is not None)
 
 
+def _advance_and_fill(backend: Any, steps: list[tuple[Any, int]] | None, matchers: list[Any],
+                      target: np.ndarray, fill: _Fill) -> None:
+    """The fill job: the matchers of ``steps`` consume their tokens (``fill.accepted``: which
+    took them), then ``matchers`` fill ``target``. Both native calls release the GIL."""
+    start = time.perf_counter()
+    if steps:
+        fill.accepted = backend.advance(steps)
+    mid = time.perf_counter()
+    backend.fill(matchers, target)
+    fill.advance_s, fill.fill_s = mid - start, time.perf_counter() - mid
+
+
+def _refused(tokens: list[int], m: Any) -> str:
+    return f"structured output: token(s) {tokens} rejected by the grammar: {m.get_error()}"
+
+
 def _allows(gate: ReasoningGate | None, m: Any, token: int) -> bool:
     """Whether the next-token mask of matcher ``m`` (None: no grammar) and ``gate`` allows
     ``token`` (what ``StructuredOutputManager._fill`` would write, for one token)."""
@@ -100,12 +119,17 @@ class _Fill:
     out: np.ndarray
     part: np.ndarray | None = None  # the grammar rows' masks, when not every row is one
     job: FillJob | None = None  # on the fill thread
+    # With ``advance``: whether each advanced matcher took its token (written by the job).
+    accepted: list[bool] = field(default_factory=list)
+    advance_s: float = 0.0  # the job's two parts, timed apart
+    fill_s: float = 0.0
 
     def finish(self) -> list[int]:
         """Wait for the grammar's rows, then apply the reasoning gates; returns the rows."""
         if self.job is not None:
-            self.manager.stats.fills.append((len(self.rows), self.job.wait()))
+            self.job.wait()
             self.job = None
+            self.manager._record(self)
         out = self.out
         if self.part is not None:
             out[self.rows] = self.part
@@ -123,6 +147,8 @@ class PendingFill:
     states: list[GrammarState]
     fill: _Fill
     done: bool = False
+    # The requests whose matchers the fill advanced first: (id, state, token).
+    advanced: list[tuple[str, GrammarState, int]] = field(default_factory=list)
 
     def wait(self) -> np.ndarray:
         if not self.done:
@@ -130,6 +156,25 @@ class PendingFill:
             masked = self.fill.finish()
             self.manager._count_masks([self.states[i] for i in masked])
         return self.fill.out
+
+    def verdicts(self) -> list[tuple[str, str]]:
+        """``advance``'s verdicts on the tokens the fill advanced the matchers by, for the
+        requests that have one (the grammar complete: "stop"; a token refused: the error) and
+        are still the same requests (not aborted meanwhile). Waits for the fill."""
+        if not self.advanced:
+            return []
+        self.wait()
+        states = self.manager.states
+        found = []
+        for (rid, state, token), ok in zip(self.advanced, self.fill.accepted):
+            if states.get(rid) is not state:
+                continue
+            m = state.matcher
+            if not ok:
+                found.append((rid, _refused([token], m)))
+            elif m.is_stopped():
+                found.append((rid, "stop"))
+        return found
 
 
 @dataclass(slots=True)
@@ -171,6 +216,9 @@ class StructuredStats:
     first_mask_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (sequences, seconds) per bitmask fill
     fills: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
+    # (sequences, seconds) per fill job's advance of the matchers (begin_fill's ``tokens``)
+    advances: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     requests_by_kind: dict[str, int] = field(default_factory=dict)
 
 
@@ -342,15 +390,30 @@ class StructuredOutputManager:
         return self.begin_fill(request_ids, out, background=False).wait()
 
     def begin_fill(self, request_ids: list[str], out: np.ndarray | None = None,
-                   background: bool = True) -> PendingFill:
+                   background: bool = True, tokens: list[int | None] | None = None
+                   ) -> PendingFill:
         """Start ``fill_bitmask``: with ``background``, the backend's native fill runs on the
         fill thread (fill_thread.py) while the caller goes on; ``wait()`` on the result
         finishes it. The requests' matchers must not move in between (the engine advances
-        them only when it collects a step, after the wait)."""
+        them only when it collects a step, after the wait).
+
+        ``tokens[i]`` (not None): request i's newest token, which its matcher consumes first,
+        in the same job (what ``advance`` does, moved off the caller's thread), and
+        ``PendingFill.verdicts`` then says what ``advance`` would have. Only for requests
+        without a reasoning gate, whose matcher takes every token as it comes."""
         states = [self.states[rid] for rid in request_ids]
         out = self._mask_array(len(states), out)
+        advanced: list[tuple[str, GrammarState, int]] = []
+        if tokens is not None:
+            for rid, state, token in zip(request_ids, states, tokens):
+                if token is not None:
+                    if state.gate is not None or state.matcher is None:
+                        raise ValueError(f"request {rid}: only a matcher without a reasoning "
+                                         f"gate is advanced by its fill")
+                    advanced.append((rid, state, token))
+        steps = [(s.matcher, t) for _, s, t in advanced]
         return PendingFill(self, states, self._start_fill(
-            [(s.matcher, s.gate) for s in states], out, background))
+            [(s.matcher, s.gate) for s in states], out, background, steps), advanced=advanced)
 
     def _mask_array(self, rows: int, out: np.ndarray | None) -> np.ndarray:
         shape = (rows, (self.model.vocab_size + 31) // 32)
@@ -368,8 +431,9 @@ class StructuredOutputManager:
         return self._start_fill(pairs, out, background=False).finish()
 
     def _start_fill(self, pairs: list[tuple[Any, ReasoningGate | None]], out: np.ndarray,
-                    background: bool) -> _Fill:
+                    background: bool, steps: list[tuple[Any, int]] | None = None) -> _Fill:
         # Rows under their grammar now; the others (thinking, forcing an end) start all ones.
+        # (``steps``' matchers have no gate: their rows are grammar rows.)
         rows = [i for i, (m, g) in enumerate(pairs)
                 if m is not None and (g is None or g.grammar_applies)]
         fill = _Fill(self, pairs, rows, out)
@@ -387,12 +451,17 @@ class StructuredOutputManager:
         if background:
             if self._fill_thread is None:
                 self._fill_thread = FillThread()
-            fill.job = self._fill_thread.submit(backend.fill, matchers, target)
+            fill.job = self._fill_thread.submit(_advance_and_fill, backend, steps, matchers,
+                                                target, fill)
         else:
-            start = time.perf_counter()
-            backend.fill(matchers, target)
-            self.stats.fills.append((len(rows), time.perf_counter() - start))
+            _advance_and_fill(backend, steps, matchers, target, fill)
+            self._record(fill)
         return fill
+
+    def _record(self, fill: _Fill) -> None:
+        self.stats.fills.append((len(fill.rows), fill.fill_s))
+        if fill.accepted:
+            self.stats.advances.append((len(fill.accepted), fill.advance_s))
 
     def _count_masks(self, states: list[GrammarState]) -> None:
         now = time.perf_counter()
@@ -494,8 +563,7 @@ class StructuredOutputManager:
         if m is None:
             return None
         if not m.consume_tokens(tokens):
-            return f"structured output: token(s) {tokens} rejected by the grammar: " \
-                   f"{m.get_error()}"
+            return _refused(tokens, m)
         if m.is_stopped():
             return "stop"
         return None

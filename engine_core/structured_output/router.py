@@ -86,6 +86,19 @@ class BackendRouter:
         self.compiled_by[name] += 1
         return matcher
 
+    def advance(self, steps: list[tuple[Any, int]]) -> list[bool]:
+        """Each matcher consumes its token (by its own backend); whether each took it."""
+        names = [getattr(m, "backend", "guidance") for m, _ in steps]
+        first = names[0]
+        if all(n == first for n in names):
+            return self._backends[first].advance(steps)
+        accepted = [False] * len(steps)
+        for name in set(names):
+            rows = [i for i, n in enumerate(names) if n == name]
+            for i, ok in zip(rows, self._backends[name].advance([steps[i] for i in rows])):
+                accepted[i] = ok
+        return accepted
+
     def fill(self, matchers: list[Any], out: np.ndarray) -> None:
         """Row i of ``out`` = matchers[i]'s mask; each backend fills its own rows."""
         # llguidance's matchers are its own objects; the others name their backend.
