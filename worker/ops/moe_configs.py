@@ -9,6 +9,12 @@ SiLU-and-mul epilogue, N = I, K = H; ``w2``: down, N = H, K = I).
 ``TUNED`` maps ``(E, H, I, M bucket)`` to measured configs; shapes without an entry take the
 default of their M bucket. ``tools/bench_moe.py --tune`` prints entries in this format, to be
 pasted below once measured (Qwen3-30B-A3B's are; other shapes take the untuned defaults).
+
+A few tokens take the direct path instead (``triton_moe_gemv``: two GEMV-style kernels, no
+alignment, no tensor cores); ``use_direct`` is the rule that picks it, ``DirectConfig`` its two
+launch shapes (``direct_config``: ``TUNED_DIRECT``, else ``default_direct_config``), and
+``configure_direct`` the hook that overrides either. ``tools/bench_moe.py --tune-direct`` prints
+``TUNED_DIRECT`` entries.
 """
 
 from __future__ import annotations
@@ -88,3 +94,144 @@ def get_config(m: int, num_experts: int, hidden: int, intermediate: int,
     if tuned is not None:
         return MoeConfig.from_dict(tuned)
     return default_config(m, num_experts, top_k)
+
+
+# --- the direct small-batch path (triton_moe_gemv) ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GemvShape:
+    """One direct-path kernel's launch shape: ``block_n`` output rows per program, ``block_k``
+    elements of K per chunk (the loop over K is unrolled: every chunk's loads can be in flight
+    at once), ``num_warps``."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.block_n, self.block_k, self.num_warps)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectConfig:
+    """The direct path's two launch shapes: ``w13`` (gate/up with SiLU-and-mul: N = I, each
+    output row reading a gate and an up row, K = H) and ``w2`` (down, router weights and the
+    top-k sum: N = H, K = I per slot)."""
+
+    w13: GemvShape
+    w2: GemvShape
+
+    def as_tuple(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        return (self.w13.as_tuple(), self.w2.as_tuple())
+
+    @staticmethod
+    def from_tuple(t: tuple[tuple[int, ...], tuple[int, ...]]) -> DirectConfig:
+        return DirectConfig(GemvShape(*t[0]), GemvShape(*t[1]))
+
+
+# Direct when a batch has at most this many (token, slot) pairs. Each pair's program reads its
+# expert's rows once; the grouped path's fixed costs (alignment, padding to block_m, the
+# float32 partial rows and their sum: ~8 launches) only pay off once tokens share experts.
+DIRECT_MAX_PAIRS = 16
+# ... and while at most this fraction of its pairs are expected (uniform routing) to read an
+# expert that another pair of the batch reads too: the direct path reads such an expert once
+# per pair, the grouped path once. (Qwen3-30B-A3B at T = 2: 3%; Mixtral at T = 2: 12.5%.)
+DIRECT_MAX_DUPLICATE = 0.1
+
+# (H, I, top_k, T, weight element bytes) -> DirectConfig.as_tuple(), measured by
+# tools/bench_moe.py --tune-direct. Shapes without an entry take default_direct_config.
+TUNED_DIRECT: dict[tuple[int, int, int, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+_MEASURED_DIRECT = dict(TUNED_DIRECT)
+_RULE_DEFAULTS = (DIRECT_MAX_PAIRS, DIRECT_MAX_DUPLICATE)
+
+
+def configure_direct(*, max_pairs: int | None = None, max_duplicate: float | None = None,
+                     configs: dict[tuple[int, int, int, int, int],
+                                   tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+                     reset: bool = False) -> None:
+    """Override the direct path's selection rule (``max_pairs`` 0: never direct) and add to or
+    replace its measured launch shapes (``configs``, ``TUNED_DIRECT``'s format); ``reset``
+    first restores the shipped values. Set before a CUDA graph is captured: a captured graph
+    keeps the path and shapes it was captured with."""
+    global DIRECT_MAX_PAIRS, DIRECT_MAX_DUPLICATE
+    if reset:
+        DIRECT_MAX_PAIRS, DIRECT_MAX_DUPLICATE = _RULE_DEFAULTS
+        TUNED_DIRECT.clear()
+        TUNED_DIRECT.update(_MEASURED_DIRECT)
+    if max_pairs is not None:
+        DIRECT_MAX_PAIRS = max_pairs
+    if max_duplicate is not None:
+        DIRECT_MAX_DUPLICATE = max_duplicate
+    if configs:
+        for key, value in configs.items():
+            DirectConfig.from_tuple(value)  # refuse a malformed entry now, not at launch
+            TUNED_DIRECT[key] = value
+
+
+def expected_duplicate(tokens: int, num_experts: int, top_k: int) -> float:
+    """The fraction of a batch's ``tokens * top_k`` pairs expected to name an expert that
+    another pair names too, under uniform routing (each token picks ``top_k`` distinct
+    experts): ``1 - E (1 - (1 - k/E)^T) / (T k)``; 0 for one token."""
+    pairs = tokens * top_k
+    if pairs == 0 or tokens == 1:
+        return 0.0
+    frac = min(1.0, top_k / num_experts)
+    distinct = num_experts * (1.0 - (1.0 - frac) ** tokens)
+    return max(0.0, 1.0 - distinct / pairs)
+
+
+def use_direct(tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether ``tokens`` tokens take the direct path (``DIRECT_MAX_PAIRS``,
+    ``DIRECT_MAX_DUPLICATE``). Depends on the shapes alone: a CUDA graph captured for a batch
+    size keeps its path."""
+    return (0 < tokens * top_k <= DIRECT_MAX_PAIRS
+            and expected_duplicate(tokens, num_experts, top_k) <= DIRECT_MAX_DUPLICATE)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def direct_block_k(k: int, elem: int, max_bytes: int, min_elems: int) -> int:
+    """A power-of-two K chunk of at most ``max_bytes`` of a row (at least ``min_elems``): the
+    one that pads K least (masked lanes load nothing but still occupy threads), the longer of
+    equals. I = 768 gives 256 (three whole chunks) rather than one 1024 chunk a quarter empty."""
+    next_pow2 = 1 << max(0, k - 1).bit_length()
+    hi = max(min_elems, min(_pow2_floor(max_bytes // elem), next_pow2))
+    best, best_pad = hi, -(-k // hi) * hi - k
+    bk = hi // 2
+    while bk >= min_elems:
+        pad = -(-k // bk) * bk - k
+        if pad < best_pad:
+            best, best_pad = bk, pad
+        bk //= 2
+    return best
+
+
+def default_direct_config(tokens: int, hidden: int, intermediate: int, top_k: int,
+                          elem: int) -> DirectConfig:
+    """The untuned direct-path shapes, after ``triton_decode.gemv_config``'s measured pattern
+    for batch-1 GEMVs (few rows per program, long K chunks, 4 warps): gate/up 4 rows (8 weight
+    rows with the up half) x up to 2 KiB of each row per chunk; down 4 rows x up to 4 KiB,
+    the token's k slots in one program. A chunk spans at least one 16-byte load per thread of
+    the 4 warps (smaller tiles would repeat loads across warps)."""
+    warps = 4
+    vec = max(1, 16 // elem)  # elements per 16-byte load
+
+    def shape(k: int, rows: int, max_bytes: int) -> GemvShape:
+        min_elems = max(16, warps * 32 * vec // rows)
+        return GemvShape(rows, direct_block_k(k, elem, max_bytes, min_elems), warps)
+
+    return DirectConfig(shape(hidden, 4, 2048), shape(intermediate, 4, 4096))
+
+
+def direct_config(tokens: int, hidden: int, intermediate: int, top_k: int,
+                  elem: int) -> DirectConfig:
+    """The direct path's launch shapes for ``tokens`` tokens of a layer ``(H, I)`` with
+    ``top_k`` experts per token and weights of ``elem`` bytes per element."""
+    tuned = TUNED_DIRECT.get((hidden, intermediate, top_k, tokens, elem))
+    if tuned is not None:
+        return DirectConfig.from_tuple(tuned)
+    return default_direct_config(tokens, hidden, intermediate, top_k, elem)

@@ -16,6 +16,10 @@ tokens T (so a CUDA graph captures them):
    (batch-1 decode reads k experts, not E).
 3. The sum over the k slots (a reshape and a float32 sum), cast to the input's dtype.
 
+A few tokens (``moe_configs.use_direct``: batch-1 and -2 decode) take the direct path instead,
+``triton_moe_gemv``: two GEMV-style launches with no alignment, no padding and no float32
+buffer. ``fused_moe(path=...)`` forces either.
+
 Importing this module imports triton.
 """
 
@@ -28,10 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.moe_configs import GemmConfig, MoeConfig, get_config
+from tidal.worker.ops import triton_moe_gemv
+from tidal.worker.ops.moe_configs import (DirectConfig, GemmConfig, MoeConfig, get_config,
+                                          use_direct)
 from tidal.worker.ops.moe_torch import check_moe_args, check_moe_scales
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PATHS = ("direct", "grouped")
 
 
 def padded_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -421,11 +428,20 @@ def _fp32_config(cfg: MoeConfig) -> MoeConfig:
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               config: MoeConfig | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
-    """``moe_torch.fused_moe`` on the GPU (``config``: a launch config instead of the
-    table's, for tuning and tests). FP8 weights come with their scales (``moe_torch``).
-    ``partial``: some ids are E, experts of another expert-parallel rank, whose pairs add
-    nothing (their rows are zeroed, as no GEMM writes them)."""
+              w2_scale: torch.Tensor | None = None, partial: bool = False, *,
+              path: str | None = None,
+              direct_config: DirectConfig | None = None) -> torch.Tensor:
+    """``moe_torch.fused_moe`` on the GPU (``config``: the grouped path's launch config
+    instead of the table's, for tuning and tests). FP8 weights come with their scales
+    (``moe_torch``). ``partial``: some ids are E, experts of another expert-parallel rank,
+    whose pairs add nothing (their rows are zeroed, as no GEMM writes them).
+
+    ``path``: ``"direct"`` (``triton_moe_gemv``, launch shapes ``direct_config`` or the
+    table's), ``"grouped"`` (align + grouped GEMMs), or None: ``moe_configs.use_direct``
+    decides from T, E and k alone, so a CUDA graph captured for a batch size keeps its path.
+    """
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS} or None, got {path!r}")
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     check_moe_scales(w13, w2, w13_scale, w2_scale)
     fp8 = w13_scale is not None
@@ -441,6 +457,11 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if path == "direct" or (path is None and use_direct(t, e, top_k)):
+        # (Direct pairs of another rank's expert are skipped in the kernels: nothing to zero.)
+        return triton_moe_gemv.fused_moe_direct(
+            x, w13, w2, topk_weights, topk_ids, direct_config, _contiguous(w13_scale),
+            _contiguous(w2_scale))
     cfg = config or get_config(t, e, h, i, top_k)
     if hidden.dtype == torch.float32:
         cfg = _fp32_config(cfg)
