@@ -72,19 +72,20 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["per_token", "per_token_split", "segmented"])
+@pytest.mark.parametrize("kind", ["per_token", "per_token_split", "segmented",
+                                  "segmented_split"])
 @pytest.mark.parametrize("case", range(len(TINY)))
 def test_triton_matches_torch(case, kind):
-    """``per_token_split``: the inputs in slices summed atomically (what a small decode batch
-    runs on a GPU; the tiny shapes here would not split on their own)."""
+    """``*_split``: the inputs in slices summed atomically (what a small decode batch runs on
+    a GPU; the tiny shapes here would not split on their own)."""
     num_slots, rank, in_f, sizes, slots = TINY[case]
     x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
                                         seed=case, low_rank=rank // 2)
-    segmented = kind == "segmented"
+    segmented = kind.startswith("segmented")
     segs = segments_of(slot_t) if segmented else None
     ref_xa = lora_torch.lora_shrink(x, a, slot_t)
     xa = triton_lora.lora_shrink(x, a, slot_t, segs,
-                                 split_k=2 if kind == "per_token_split" else None)
+                                 split_k=2 if kind.endswith("split") else None)
     torch.testing.assert_close(xa, ref_xa, rtol=1e-4, atol=1e-4)
     assert not xa[slot_t < 0].any()  # base tokens: nothing
     ref_y, got_y = y.clone(), y.clone()
@@ -94,10 +95,12 @@ def test_triton_matches_torch(case, kind):
     torch.testing.assert_close(got_y[slot_t < 0], y[slot_t < 0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("split_k", [None, 2])
 @pytest.mark.parametrize("case", range(len(TINY)))
-def test_grouped_tiles_match_torch(case):
+def test_grouped_tiles_match_torch(case, split_k):
     """Tokens sorted by adapter and cut in tiles (``lora.grouping``), the kernels reading them
-    through the permutation, as a grouped decode graph does: the per-token results."""
+    through the permutation, as a grouped decode graph does: the per-token results (with the
+    inputs split in slices, as a GPU's grouped decode batch of a few tiles has them, too)."""
     from tidal.worker.lora.grouping import group_tokens
 
     num_slots, rank, in_f, sizes, slots = TINY[case]
@@ -114,7 +117,7 @@ def test_grouped_tiles_match_torch(case):
     segs = LoRASegments(table(starts), table(lengths), table(tile_slots), len(starts) + pad, 4,
                         perm=torch.tensor(perm.tolist(), **dev))
     ref_xa = lora_torch.lora_shrink(x, a, slot_t)
-    xa = triton_lora.lora_shrink(x, a, slot_t, segs)
+    xa = triton_lora.lora_shrink(x, a, slot_t, segs, split_k=split_k)
     torch.testing.assert_close(xa, ref_xa, rtol=1e-4, atol=1e-4)
     ref_y, got_y = y.clone(), y.clone()
     lora_torch.lora_expand(ref_y, ref_xa, b, slot_t, offsets, rank)
@@ -150,16 +153,28 @@ LLAMA8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("layer", list(LLAMA8B))
-@pytest.mark.parametrize("tokens,segmented", [(64, False), (1, False), (600, True)])
-def test_gpu_llama8b_shapes(layer, tokens, segmented):
+@pytest.mark.parametrize("tokens,mode", [(64, "per_token"), (1, "per_token"),
+                                         (600, "segmented"), (64, "grouped"), (256, "grouped")])
+def test_gpu_llama8b_shapes(layer, tokens, mode):
+    """``grouped``: a decode batch sorted by adapter in tiles, as ``lora_grouped_min_tokens``
+    runs it (its few tiles split the shrink's inputs)."""
+    from tidal.worker.lora.grouping import group_tokens
+
     in_f, sizes = LLAMA8B[layer]
     rng = np.random.default_rng(0)
-    if segmented:  # prompts of a few adapters and the base model, in runs
+    if mode == "segmented":  # prompts of a few adapters and the base model, in runs
         slots = np.repeat(rng.integers(-1, 8, 6), rng.multinomial(tokens, [1 / 6] * 6))
     else:
         slots = rng.integers(-1, 8, tokens)
     x, a, b, y, slot_t, offsets = _case(8, 16, in_f, sizes, slots.tolist(), torch.bfloat16)
-    segs = segments_of(slot_t) if segmented else None
+    segs = segments_of(slot_t) if mode == "segmented" else None
+    if mode == "grouped":
+        perm, starts, lengths, tile_slots = group_tokens(slots.astype(np.int32), 16)
+        dev = dict(dtype=torch.int32, device=DEVICE)
+        segs = LoRASegments(torch.tensor(starts.tolist(), **dev),
+                            torch.tensor(lengths.tolist(), **dev),
+                            torch.tensor(tile_slots.tolist(), **dev), len(starts), 16,
+                            perm=torch.tensor(perm.tolist(), **dev))
     ref_xa = lora_torch.lora_shrink(x.float(), a.float(), slot_t)
     xa = triton_lora.lora_shrink(x, a, slot_t, segs)
     torch.testing.assert_close(xa.float(), ref_xa, rtol=2e-2, atol=2e-1)

@@ -81,8 +81,11 @@ def _expand_per_token(xa_ptr, b_ptr, slots_ptr, y_ptr, stride_xat, stride_bl, st
 def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, perm_ptr, out_ptr,
                       stride_xt, stride_al, stride_ar, stride_ot, IN: tl.constexpr,
                       SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PERM: tl.constexpr):
-    seg = tl.program_id(2)
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PERM: tl.constexpr,
+                      K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr):
+    # The grid's third axis: segment * SPLITS + slice of the inputs (summed atomically).
+    seg = tl.program_id(2) // SPLITS
+    k_first = (tl.program_id(2) % SPLITS) * K_PER_SPLIT
     length = tl.load(seg_len_ptr + seg)
     m0 = tl.program_id(0) * BLOCK_M
     if m0 < length:
@@ -97,8 +100,8 @@ def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, pe
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < SR
         acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, IN, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            k = k_first + k0 + tl.arange(0, BLOCK_K)
             kmask = k < IN
             xv = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :],
                          mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -109,8 +112,12 @@ def _shrink_segmented(x_ptr, a_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, pe
                 acc += tl.dot(xv, av, input_precision="ieee")
             else:
                 acc += tl.dot(xv, av)
-        tl.store(out_ptr + rows[:, None] * stride_ot + r[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+        optrs = out_ptr + rows[:, None] * stride_ot + r[None, :]
+        omask = mmask[:, None] & rmask[None, :]
+        if SPLITS > 1:  # one slice of the inputs: summed into the zeroed float32 output
+            tl.atomic_add(optrs, acc, mask=omask)
+        else:
+            tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -144,6 +151,8 @@ def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, p
             bmask = rmask[:, None] & (nmask & (s_of_n == s))[None, :]
             bv = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None],
                          mask=bmask, other=0.0)
+            # (A split shrink's float32 sums: rounded as an unsplit shrink's output is.)
+            xs = xs.to(bv.dtype)
             if IEEE:
                 acc += tl.dot(xs, bv, input_precision="ieee")
             else:
@@ -185,9 +194,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                 segments: Any | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x`` [T, in] -> [T, S*R] (rows of base-model tokens are zero). ``segments``: the
     step's runs (``start``, ``length``, ``slot`` device tensors, ``num``, ``max_len``) for the
-    segmented kernel (output in ``x``'s dtype); None: the per-token one, float32 output (a
-    small batch's inputs split in slices summed atomically; ``split_k`` forces a count, for
-    tests)."""
+    segmented kernel (output in ``x``'s dtype, float32 when split); None: the per-token one,
+    float32 output. A grid of few programs gets the inputs split in slices summed atomically
+    (``split_k`` forces a count, for tests)."""
     x = x.contiguous()
     t, in_features = x.shape
     sr = a.shape[1]
@@ -207,17 +216,26 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                                 out.stride(0), IN=in_features, SR=sr, BLOCK_R=block_r,
                                 BLOCK_K=block_k, K_PER_SPLIT=k_per_split, ATOMIC=splits > 1)
         return out
-    out = torch.zeros(t, sr, dtype=x.dtype, device=x.device)
+    block_r = min(_pow2(sr, 16), 64)
+    block_k = 64 if in_features >= 256 else 32
+    tiles = triton.cdiv(segments.max_len, _BLOCK_M)
+    # A decode batch grouped by adapter is a few tiles: split their inputs as the per-token
+    # shrink does (Llama-8B, batch 64 in 8 adapters: ~12 programs each reading all of A).
+    splits = split_k if split_k is not None else _shrink_splits(
+        tiles * triton.cdiv(sr, block_r) * segments.num, in_features, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+    splits = triton.cdiv(in_features, k_per_split)
+    out = torch.zeros(t, sr, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     if segments.num == 0:
         return out
-    block_r = min(_pow2(sr, 16), 64)
-    grid = (triton.cdiv(segments.max_len, _BLOCK_M), triton.cdiv(sr, block_r), segments.num)
+    grid = (tiles, triton.cdiv(sr, block_r), segments.num * splits)
     perm = getattr(segments, "perm", None)
     _shrink_segmented[grid](x, a, segments.start, segments.length, segments.slot,
                             segments.start if perm is None else perm, out,
                             x.stride(0), a.stride(0), a.stride(1), out.stride(0),
                             IN=in_features, SR=sr, BLOCK_M=_BLOCK_M, BLOCK_R=block_r,
-                            BLOCK_K=32, IEEE=x.dtype == torch.float32, PERM=perm is not None)
+                            BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                            PERM=perm is not None, K_PER_SPLIT=k_per_split, SPLITS=splits)
     return out
 
 
