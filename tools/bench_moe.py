@@ -136,6 +136,12 @@ def bench_point(layers: list[FusedMoE], t: int, reps: int, loop: bool) -> dict[s
         "tflops": 2 * t * k * 3 * h * i / ms / 1e9,
         "config": get_config(t, e, h, i, k).as_dict(),
     }
+    if moe_configs.use_direct(t, e, k):  # the layer took the direct path, not that config
+        row["path"] = "direct"
+        row["config"] = {"direct": moe_configs.direct_config(
+            t, h, i, k, layer.w13.element_size()).as_tuple()}
+    else:
+        row["path"] = "grouped"
     if loop:
         ref = [lambda lay=lay: moe_torch.fused_moe(x, lay.w13, lay.w2, weights, ids)
                for lay in layers]
@@ -422,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="shard the intermediate size as one of this many ranks would")
     ap.add_argument("--paths", nargs="+", choices=PATH_CHOICES, default=None,
-                    help="time the expert op down each of these paths per T (see above)")
+                    help="time the expert op down each of these paths per T (this file's "
+                         "docstring says what each is)")
     ap.add_argument("--tune-direct", action="store_true",
                     help="sweep the direct path's launch shapes; print TUNED_DIRECT entries")
     ap.add_argument("--tune-direct-grid", choices=("small", "full"), default="small")
@@ -457,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in ns.tokens if not ns.skip_layer else ():
             row = bench_point(layers, t, ns.reps, not ns.no_loop)
             shape_out["points"].append(row)
-            print(f"  T={t:5d}: triton {row['triton_ms'] * 1e3:9.1f} us"
+            print(f"  T={t:5d}: triton {row['triton_ms'] * 1e3:9.1f} us ({row['path']})"
                   + (f"  torch loop {row['torch_loop_ms'] * 1e3:9.1f} us  "
                      f"x{row['speedup']:.2f}  err {row['rel_err']:.1e}" if "speedup" in row
                      else "")

@@ -238,6 +238,22 @@ def test_direct_even_shapes(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_long_k_loops(dtype, monkeypatch):
+    """K chunks past ``UNROLL_MAX_CHUNKS`` loop rather than unroll (long rows, e.g. Mixtral's
+    down projection): the same sums, masked last chunk included."""
+    from tidal.worker.ops import triton_moe_gemv
+
+    monkeypatch.setattr(triton_moe_gemv, "UNROLL_MAX_CHUNKS", 1)
+    e, h, i = DIRECT_SHAPE
+    w13, w2 = _weights(e, h, i, dtype, 15)
+    x, weights, ids = _routed("softmax_plain", 2, e, h, dtype, 16)
+    ids[0, 1] = e  # another rank's expert
+    want = moe_torch.fused_moe(x, w13, w2, weights, ids)
+    _check(triton_moe.fused_moe(x, w13, w2, weights, ids, path="direct", partial=True,
+                                direct_config=SMALL_DIRECT), want, dtype, DIRECT_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_direct_equals_grouped(dtype):
     e, h, i = DIRECT_SHAPE
     w13, w2 = _weights(e, h, i, dtype, 21)
@@ -361,7 +377,8 @@ def test_direct_selection_rule(monkeypatch):
         return lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, config=SMALL,
                                             direct_config=SMALL_DIRECT, **kw)
 
-    # top-2 of 16 experts: 1 token (2 pairs) direct; 9 tokens (18 pairs) grouped.
+    # top-2 of 16 experts: 1 token (2 pairs) direct; 9 tokens (18 pairs, over a third of them
+    # expected to share an expert with another) grouped.
     assert moe_configs.use_direct(1, e, 2) and not moe_configs.use_direct(9, e, 2)
     assert spy.took(run(1)) == "direct"
     assert spy.took(run(9)) == "grouped"
@@ -381,22 +398,28 @@ def test_direct_selection_rule(monkeypatch):
 
 def test_direct_rule_and_shapes_for_released_models():
     use = moe_configs.use_direct
-    # Qwen3-30B-A3B (128 experts, top-8): 1 and 2 tokens direct (8 / 16 pairs, 3% of the
-    # second's pairs expected to share an expert), 3 grouped (24 pairs).
-    assert [use(t, 128, 8) for t in (1, 2, 3, 64)] == [True, True, False, False]
+    # Qwen3-30B-A3B (128 experts, top-8): up to 4 tokens direct (32 pairs, 9% of them expected
+    # to share an expert), 5 grouped (40 pairs).
+    assert [use(t, 128, 8) for t in (1, 2, 4, 5, 64)] == [True, True, True, False, False]
     # Mixtral (8 experts, top-2): one token direct; at two, 12.5% of the pairs would read an
     # expert twice (at 352 MB an expert).
     assert [use(t, 8, 2) for t in (1, 2, 8)] == [True, False, False]
     assert moe_configs.expected_duplicate(1, 8, 2) == 0.0
     assert moe_configs.expected_duplicate(2, 8, 2) == pytest.approx(0.125)
-    # Default shapes: gate/up 4 rows x 1024 of H = 2048 (2 KiB of each row, both halves: 16
-    # KiB a chunk); down 4 rows x 256 of I = 768 (three whole chunks, no masked lanes).
+    # Default shapes: gate/up 4 rows x all 2048 of H (4 KiB of each row, both halves: 32 KiB
+    # a chunk); down 4 rows of the 8 slots x 256 of I = 768 (three whole chunks).
     cfg = moe_configs.direct_config(1, 2048, 768, 8, 2)
-    assert cfg.as_tuple() == ((4, 1024, 4), (4, 256, 4))
+    assert cfg.as_tuple() == ((4, 2048, 4), (4, 256, 4))
     assert DirectConfig.from_tuple(cfg.as_tuple()) == cfg
-    assert moe_configs.direct_config(1, 2048, 768, 8, 1).w13.block_k == 2048  # FP8: 2 KiB too
-    assert moe_configs.direct_config(1, 2048, 768, 8, 4).w13.block_k == 512  # float32
-    assert moe_configs.direct_config(1, 4096, 14336, 2, 2).w2.block_k == 2048  # 7 chunks
+    fp8 = moe_configs.default_direct_config(1, 2048, 768, 8, 1)
+    assert fp8.w13.block_k == 2048 and fp8.w2.block_k == 256  # (not one 1024 chunk of 768)
+    # ... but FP8 at one token has a measured entry.
+    assert moe_configs.direct_config(1, 2048, 768, 8, 1) == DirectConfig.from_tuple(
+        moe_configs.TUNED_DIRECT[(2048, 768, 8, 1, 1)])
+    assert moe_configs.direct_config(1, 2048, 768, 8, 4).w13.block_k == 1024  # float32: 4 KiB
+    # Mixtral: gate/up chunks of 2048 (the accumulators' cap), down 2 slots x 4 rows x 1024.
+    assert moe_configs.direct_config(1, 4096, 14336, 2, 1).as_tuple() == \
+        ((4, 2048, 4), (4, 1024, 4))
     # A tuned entry takes over for its (H, I, k, T, element size), and only there.
     try:
         moe_configs.configure_direct(configs={(2048, 768, 8, 1, 2): ((2, 2048, 8), (2, 256, 4))})
@@ -478,8 +501,7 @@ def test_gpu_direct_qwen3_shape_and_graph(pdl, dtype):
 
 
 @gpu
-@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() < (8, 9),
-                    reason="FP8 (e4m3) in Triton needs compute capability >= 8.9")
+@fp8_ok
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_gpu_direct_fp8_qwen3_shape(tokens):
     e, h, i, k = 128, 2048, 768, 8

@@ -102,8 +102,8 @@ def get_config(m: int, num_experts: int, hidden: int, intermediate: int,
 @dataclass(frozen=True, slots=True)
 class GemvShape:
     """One direct-path kernel's launch shape: ``block_n`` output rows per program, ``block_k``
-    elements of K per chunk (the loop over K is unrolled: every chunk's loads can be in flight
-    at once), ``num_warps``."""
+    elements of K per chunk (a few chunks are unrolled, so that all their loads can be in
+    flight at once: ``triton_moe_gemv.UNROLL_MAX_CHUNKS``), ``num_warps``."""
 
     block_n: int
     block_k: int
@@ -133,15 +133,27 @@ class DirectConfig:
 # Direct when a batch has at most this many (token, slot) pairs. Each pair's program reads its
 # expert's rows once; the grouped path's fixed costs (alignment, padding to block_m, the
 # float32 partial rows and their sum: ~8 launches) only pay off once tokens share experts.
-DIRECT_MAX_PAIRS = 16
+# Qwen3-30B-A3B on an H100 (tools/bench_moe.py --paths, the op alone, three runs): direct 29-31
+# / 54-58 / 96-104 us against grouped 45-47 / 71-73 / 113-120 us at 1 / 2 / 4 tokens (8 / 16 /
+# 32 pairs); at 8 tokens still 164-168 against 176, but there the duplicate rule below says
+# grouped (19% of the pairs share an expert: the margin depends on the routing).
+DIRECT_MAX_PAIRS = 32
 # ... and while at most this fraction of its pairs are expected (uniform routing) to read an
 # expert that another pair of the batch reads too: the direct path reads such an expert once
-# per pair, the grouped path once. (Qwen3-30B-A3B at T = 2: 3%; Mixtral at T = 2: 12.5%.)
+# per pair, the grouped path once (though the gate/up kernel runs the pairs of one row block
+# together, so a shared expert's rows mostly come from L2 the second time). Qwen3-30B-A3B at
+# T = 4: 9%; Mixtral at T = 2: 12.5%, where the H100 measured direct 461 against grouped 487 us
+# on a draw without a shared expert (and 236 against 262 at T = 1): no measurement yet of
+# where duplicates make the direct path lose.
 DIRECT_MAX_DUPLICATE = 0.1
 
 # (H, I, top_k, T, weight element bytes) -> DirectConfig.as_tuple(), measured by
 # tools/bench_moe.py --tune-direct. Shapes without an entry take default_direct_config.
-TUNED_DIRECT: dict[tuple[int, int, int, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+TUNED_DIRECT: dict[tuple[int, int, int, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {
+    # Qwen3-30B-A3B, FP8 (e4m3) experts, one token, one H100 80GB HBM3: the op 24.3 -> 20.3 us.
+    # (Its bf16 shapes, and FP8 at 2 tokens, came within 1 us of the default rule's.)
+    (2048, 768, 8, 1, 1): ((8, 512, 4), (2, 256, 8)),
+}
 
 _MEASURED_DIRECT = dict(TUNED_DIRECT)
 _RULE_DEFAULTS = (DIRECT_MAX_PAIRS, DIRECT_MAX_DUPLICATE)
@@ -212,19 +224,29 @@ def direct_block_k(k: int, elem: int, max_bytes: int, min_elems: int) -> int:
 
 def default_direct_config(tokens: int, hidden: int, intermediate: int, top_k: int,
                           elem: int) -> DirectConfig:
-    """The untuned direct-path shapes, after ``triton_decode.gemv_config``'s measured pattern
-    for batch-1 GEMVs (few rows per program, long K chunks, 4 warps): gate/up 4 rows (8 weight
-    rows with the up half) x up to 2 KiB of each row per chunk; down 4 rows x up to 4 KiB,
-    the token's k slots in one program. A chunk spans at least one 16-byte load per thread of
-    the 4 warps (smaller tiles would repeat loads across warps)."""
+    """The untuned direct-path shapes, after ``triton_decode.gemv_config``'s pattern for
+    batch-1 GEMVs (few rows per program, long K chunks, 4 warps). At Qwen3-30B-A3B's shape on
+    an H100 they came within 1 us of a sweep's best in bf16 (T = 1, 2, 4) and FP8 at T = 2;
+    FP8 at T = 1 has a ``TUNED_DIRECT`` entry. Gate/up: 4 rows (8 weight rows with the up
+    half) x up to 4 KiB (and 2048 elements) of each row per chunk. Down: 4 rows (fewer past 8
+    slots) of all k slots' experts, one chunk's tile kept to 8192 elements (its float32
+    accumulator: 64 registers a thread), which at I = 768 gives 256: three whole chunks, where
+    one 1024 chunk a quarter empty ran 30% slower in FP8. A chunk spans at least one 16-byte
+    load per thread of the 4 warps."""
     warps = 4
     vec = max(1, 16 // elem)  # elements per 16-byte load
-
-    def shape(k: int, rows: int, max_bytes: int) -> GemvShape:
-        min_elems = max(16, warps * 32 * vec // rows)
-        return GemvShape(rows, direct_block_k(k, elem, max_bytes, min_elems), warps)
-
-    return DirectConfig(shape(hidden, 4, 2048), shape(intermediate, 4, 4096))
+    slots = 1 << max(0, top_k - 1).bit_length()
+    up_rows = 4
+    # Each of the gate and up accumulators: at most 8192 float32 (64 registers a thread).
+    gate_up = GemvShape(up_rows, direct_block_k(
+        hidden, elem, min(4096, 8192 // up_rows * elem), max(16, warps * 32 * vec // up_rows)),
+        warps)
+    rows = max(1, min(4, 32 // slots))
+    tile = max(16, 8192 // (slots * rows))  # elements of K per chunk, at most
+    min_elems = min(tile, max(16, warps * 32 * vec // (slots * rows)))
+    down = GemvShape(rows, direct_block_k(intermediate, elem, min(4096, tile * elem),
+                                          min_elems), warps)
+    return DirectConfig(gate_up, down)
 
 
 def direct_config(tokens: int, hidden: int, intermediate: int, top_k: int,

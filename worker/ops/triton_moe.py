@@ -16,7 +16,8 @@ tokens T (so a CUDA graph captures them):
    (batch-1 decode reads k experts, not E).
 3. The sum over the k slots (a reshape and a float32 sum), cast to the input's dtype.
 
-A few tokens (``moe_configs.use_direct``: batch-1 and -2 decode) take the direct path instead,
+A few tokens (``moe_configs.use_direct``: at most 32 (token, slot) pairs, few of them sharing
+an expert; Qwen3-30B-A3B's decode up to batch 4) take the direct path instead,
 ``triton_moe_gemv``: two GEMV-style launches with no alignment, no padding and no float32
 buffer. ``fused_moe(path=...)`` forces either.
 
