@@ -58,7 +58,9 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     push_allreduce: bool = False  # all-reduce fused into the batch-1 decode GEMVs (opt-in)
     # LoRA (--enable-lora): decode steps of at least this many tokens group them by adapter
     # (tiles that share each weight load; lora/grouping.py); 0: per-token kernels always.
-    lora_grouped_min_tokens: int = 0
+    # (H100, Llama-8B's four LoRA'd linears x 32 layers, 8 adapters: grouped 1.04 / 1.45 /
+    # 2.09 ms against per-token 0.88 / 2.46 / 8.33 at 8 / 64 / 256 tokens; even near 16.)
+    lora_grouped_min_tokens: int = 16
 
 
 _FIELDS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(KernelConfig)}

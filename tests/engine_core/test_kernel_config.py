@@ -65,7 +65,8 @@ def test_environment_keeps_its_historical_rules() -> None:
     assert env(gemv_max_mb="inf").gemv_max_mb is None
     assert env(gemv_max_mb="64").gemv_max_mb == 64.0
     assert env(symm_allreduce_max_bytes="4096").symm_allreduce_max_bytes == 4096
-    assert env(lora_grouped_min_tokens="16").lora_grouped_min_tokens == 16
+    assert env(lora_grouped_min_tokens="48").lora_grouped_min_tokens == 48
+    assert env(lora_grouped_min_tokens="0").lora_grouped_min_tokens == 0
 
 
 @pytest.mark.parametrize("overrides, match", [
