@@ -7,6 +7,15 @@ adapter in tiles (``grouped``: the segmented kernels through a permutation, what
 batch-1 decode step with an adapter cost 2.6x the base's).
 
     python tools/bench_lora_kernels.py --out lora_kernels.json     # a GPU
+
+``--one-row``: instead, batch-1 decode's four linears of every layer (32 by default, each its
+own weights, the whole chain captured in one graph): (a) the base model's fused norm + GEMV
+paths, (b) with an adapter, the shrink / expand kernels after each linear (the norm apart,
+SiLU-and-mul apart), (c) the one-row LoRA path (the shrink of partial sums, norming the row,
+then the GEMV adding the expand before its epilogue); the per-step overhead of (b) and (c) over
+(a), and each variant's kernels per layer.
+
+    python tools/bench_lora_kernels.py --one-row --out lora_one_row.json
 """
 
 from __future__ import annotations
@@ -28,13 +37,13 @@ LLAMA8B = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
            "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
 
 
-def time_graph(fn, replays: int) -> float:
-    """µs per call of ``fn``, 20 calls captured in one CUDA graph, replayed."""
+def time_graph(fn, replays: int, calls: int = 20) -> float:
+    """µs per call of ``fn``, ``calls`` calls captured in one CUDA graph, replayed."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(20):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -44,7 +53,7 @@ def time_graph(fn, replays: int) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * 20)
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def grouped_segments(slots: torch.Tensor, num_slots: int) -> LoRASegments:
@@ -61,14 +70,101 @@ def grouped_segments(slots: torch.Tensor, num_slots: int) -> LoRASegments:
                         perm=torch.from_numpy(perm.astype("int32")).to(slots.device))
 
 
+def kernels_launched(fn) -> int:
+    """GPU kernels (and copies) one eager call of ``fn`` runs."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def one_row(args: argparse.Namespace) -> dict:
+    """Batch-1 decode's linears over ``args.layers`` layers: base, old LoRA path, new one."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import kernels_for
+    from tidal.worker.lora.layers import LoRAContext, LoRALayer
+
+    dev, dt, eps, r = torch.device("cuda"), torch.bfloat16, 1e-5, args.rank
+    kernels = kernels_for(dev, KernelConfig(ops="triton"))  # (no CUDA extension build)
+    ctx = LoRAContext(8, dev)
+    ctx.token_slots[0] = 0  # the token runs the adapter in slot 0
+    hidden, q = LLAMA8B["o"][0], LLAMA8B["qkv"][1][0]
+    layers = []
+    for _ in range(args.layers):
+        layer = {"nw1": torch.ones(hidden, device=dev, dtype=dt),
+                 "nw2": torch.ones(hidden, device=dev, dtype=dt)}
+        for name, (in_f, sizes) in LLAMA8B.items():
+            layer[name] = torch.randn(sum(sizes), in_f, device=dev, dtype=dt) * in_f ** -0.5
+            lora = LoRALayer(("p",) * len(sizes), sizes, in_f, args.slots, r, dt, dev, ctx,
+                             kernels)
+            lora.a.normal_(0, in_f ** -0.5)
+            lora.b.normal_(0, 0.02)
+            layer[f"{name}_lora"] = lora
+        layers.append(layer)
+    x0 = torch.randn(1, hidden, device=dev, dtype=dt)
+    r0 = torch.randn(1, hidden, device=dev, dtype=dt)
+
+    def base(layers=layers):
+        x, res = x0, r0
+        for L in layers:
+            qkv, res = kernels.rms_norm_linear(x, res, L["nw1"], eps, L["qkv"])
+            o = kernels.linear(qkv[:, :q], L["o"])
+            act, res = kernels.rms_norm_linear(o, res, L["nw2"], eps, L["gate_up"], silu=True)
+            x = kernels.linear(act, L["down"])
+
+    def lora_old(layers=layers):  # NormLinear._norm_then_linear and LoRALayer.add
+        x, res = x0, r0
+        for L in layers:
+            h, res = kernels.fused_add_rms_norm(x, res, L["nw1"], eps)
+            qkv = L["qkv_lora"].add(h, kernels.linear(h, L["qkv"]))
+            a = qkv[:, :q].contiguous()
+            o = L["o_lora"].add(a, kernels.linear(a, L["o"]))
+            h, res = kernels.fused_add_rms_norm(o, res, L["nw2"], eps)
+            act = kernels.silu_and_mul(L["gate_up_lora"].add(h, kernels.linear(h, L["gate_up"])))
+            x = L["down_lora"].add(act, kernels.linear(act, L["down"]))
+
+    def lora_fused(layers=layers):  # LoRALayer.gemv, as the layers call it for one row
+        x, res = x0, r0
+        for L in layers:
+            qkv, res = L["qkv_lora"].gemv(x, L["qkv"], norm_weight=L["nw1"], residual=res,
+                                          eps=eps)
+            o, _ = L["o_lora"].gemv(qkv[:, :q], L["o"])
+            act, res = L["gate_up_lora"].gemv(o, L["gate_up"], norm_weight=L["nw2"],
+                                              residual=res, eps=eps, act="silu")
+            x, _ = L["down_lora"].gemv(act, L["down"])
+
+    variants = {"base": base, "lora_old": lora_old, "lora_fused": lora_fused}
+    per_layer = {k: kernels_launched(lambda fn=fn: fn(layers[:1])) for k, fn in variants.items()}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for order in (list(variants), list(variants)[::-1]):  # each twice, order swapped
+        for k in order:
+            times[k].append(time_graph(variants[k], args.replays, calls=1) / 1e3)
+    step = {k: round(min(v), 4) for k, v in times.items()}
+    return {"device": device_name(), "rank": r, "slots": args.slots, "layers": args.layers,
+            "step_ms": step, "step_ms_each_run": {k: [round(t, 4) for t in v]
+                                                  for k, v in times.items()},
+            "overhead_ms": {k: round(step[k] - step["base"], 4)
+                            for k in ("lora_old", "lora_fused")},
+            "kernels_per_layer": per_layer}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--one-row", action="store_true",
+                   help="time batch-1 decode's linears over --layers layers: base, the "
+                        "shrink / expand after the linears, the one-row LoRA path")
+    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.one_row:
+        dump(one_row(args), args.out)
+        return
     dev = torch.device("cuda")
     rows = []
     totals: dict[str, dict[str, float]] = {}

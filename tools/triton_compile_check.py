@@ -7,7 +7,9 @@ Triton's compiler passes run on the CPU, so a kernel that crashes the compiler (
 on a spin loop whose loaded tensor was carried and then left unused) shows up here in seconds,
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
-the GeGLU one), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce
+the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
+LoRA's one-row shrink of partial sums (norming its row or not), the INT4 (W4A16) GEMV, the
+partial-sum kernel, the signal-free all-reduce
 (also with the residual add and sums of squares, and as an all-gather), the one-row add +
 norm, and the attention chain of a decode step (rotary + K/V write, also with Gemma's q/k
 norms; split attention, merge; with and without time stamps). Exits non-zero if any fails.
@@ -92,23 +94,53 @@ def main() -> int:
                   "res_out_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
                   "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32",
                   "parts_bits_ptr": "*i16", "rearm_ptr": "*i16", "rearm_n": "i32",
-                  "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32", "ws_ptr": "*fp32"}
-    for name, parts, push, silu, prefetch, ss, gelu in (
-            ("gemv", 0, 0, False, 1, 0, False), ("gemv producer", 0, 2, False, 1, 0, False),
-            ("gemv consumer", 2, 0, False, 1, 0, False),
-            ("gemv consumer + SiLU", 2, 0, True, 1, 0, False),
-            ("gemv two chunks prefetched", 0, 0, False, 2, 0, False),
+                  "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32", "ws_ptr": "*fp32",
+                  "lora_xa_ptr": "*fp32", "lora_b_ptr": "*bf16", "lora_slot_ptr": "*i32",
+                  "stride_bl": "i32", "stride_bn": "i32"}
+    no_lora = dict(LORA=False, LORA_R=1, LORA_SR=1, LORA_SR_P=1, LORA_SPLITS=1, LORA_SPLITS_P=1,
+                   LORA_OFF1=0, LORA_OFF2=0)
+    # The LoRA term at Llama-3.1-8B's rank-16 shapes: (S*R, slices of the shrink's inputs,
+    # slice bounds): one slice (o / down), q/k/v, gate/up.
+    lora_o = dict(no_lora, LORA=True, LORA_R=16, LORA_SR=16, LORA_SR_P=16, LORA_SPLITS=56,
+                  LORA_SPLITS_P=64, LORA_OFF1=4096, LORA_OFF2=4096)
+    lora_qkv = dict(lora_o, LORA_SR=48, LORA_SR_P=64, LORA_SPLITS=16, LORA_SPLITS_P=16,
+                    LORA_OFF1=4096, LORA_OFF2=5120)
+    lora_gu = dict(lora_o, LORA_SR=32, LORA_SR_P=32, LORA_SPLITS=16, LORA_SPLITS_P=16,
+                   LORA_OFF1=14336, LORA_OFF2=28672)
+    for name, parts, push, silu, prefetch, ss, gelu, norm, lora in (
+            ("gemv", 0, 0, False, 1, 0, False, False, no_lora),
+            ("gemv producer", 0, 2, False, 1, 0, False, False, no_lora),
+            ("gemv consumer", 2, 0, False, 1, 0, False, False, no_lora),
+            ("gemv consumer + SiLU", 2, 0, True, 1, 0, False, False, no_lora),
+            ("gemv two chunks prefetched", 0, 0, False, 2, 0, False, False, no_lora),
             ("gemv + SiLU, norm from sums of squares, two chunks prefetched", 0, 0, True, 2, 8,
-             False),
-            ("gemv + GeGLU", 0, 0, True, 1, 0, True)):
-        consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0, ADD=parts > 0,
-                      SILU=silu, GELU=gelu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True,
-                      ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
+             False, False, no_lora),
+            ("gemv + GeGLU", 0, 0, True, 1, 0, True, False, no_lora),
+            ("gemv + LoRA", 0, 0, False, 2, 0, False, False, lora_o),
+            ("gemv + LoRA q/k/v slices", 0, 0, False, 2, 0, False, False, lora_qkv),
+            ("gemv + LoRA + SiLU", 0, 0, True, 2, 0, False, False, lora_gu),
+            ("gemv + norm prologue + LoRA + SiLU", 0, 0, True, 1, 0, False, True, lora_gu),
+            ("gemv + LoRA + GeGLU", 0, 0, True, 1, 0, True, False, lora_gu)):
+        consts = dict(BLOCK_N=4, BLOCK_K=1024, NORM=parts > 0 or ss > 0 or norm, ADD=parts > 0
+                      or norm, SILU=silu, GELU=gelu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True,
+                      PDL=True, ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
                       PUSH_WORLD=push, SENT=td.SENTINEL, EVICT="evict_first" if push else "",
-                      W_SCALE=False)
+                      W_SCALE=False, **lora)
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))
+    from tidal.worker.ops import triton_lora as tlo
+
+    for label, in_f, sr, norm in (("LoRA one-row shrink, partial sums (down)", 14336, 16, False),
+                                  ("LoRA one-row shrink + add + norm (q/k/v)", 4096, 48, True)):
+        consts = dict(IN=in_f, SR=sr, BLOCK_R=16, BLOCK_K=256, K_PER_SPLIT=256, NORM=norm,
+                      ADD=norm,
+                      ROW_CHUNK=4096 if norm else 16, PDL=True)
+        ptrs = {"a_ptr": "*bf16", "slots_ptr": "*i32", "out_ptr": "*fp32", "eps": "fp32"}
+        sig = {a: "constexpr" if a in consts else ptrs.get(a, "*bf16" if a.endswith("_ptr")
+                                                            else "i32")
+               for a in tlo._shrink_partials.arg_names}
+        cases.append((label, tlo._shrink_partials, sig, consts))
     for add_ss in (False, True):
         consts = dict(PARTS=2, BLOCK=512, SENT=td.SENTINEL, PDL=True, ADD_SS=add_ss)
         sig = {"out_ptr": "*bf16", "parts_ptr": "*bf16", "bits_ptr": "*i16", "rearm_ptr": "*i16",
@@ -140,6 +172,9 @@ def main() -> int:
         cases.append(("INT4 GEMV over whole rows" + (" + bias" if bias else ""),
                       w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
+    from tidal.worker.ops import triton_moe_gemv
+
+    cases += triton_moe_gemv.compile_check_cases()  # the direct small-batch MoE kernels
     failed = 0
     for name, fn, sig, consts in cases:
         error = _compile(fn, sig, consts)

@@ -1,7 +1,8 @@
 """The Triton LoRA kernels (``triton_lora``) against the torch reference (``lora_torch``):
 shrink and expand, per-token and segmented, with one, two and three output slices (o / down,
 gate / up, q / k / v), ranks below the slot rank (zero-padded), base-model tokens (-1) left
-untouched; on a GPU also at Llama-3.1-8B shapes in bfloat16, through the kernel policy, and
+untouched; the one-row path's shrink of partial sums, norming its row or not
+(``test_lora_gemv.py`` has the GEMV that reads them); on a GPU also at Llama-3.1-8B shapes in bfloat16, through the kernel policy, and
 under CUDA-graph capture.
 
 Runs on a CUDA GPU, or on CPU under the Triton interpreter with tiny shapes::
@@ -125,6 +126,46 @@ def test_grouped_tiles_match_torch(case, split_k):
     torch.testing.assert_close(got_y, ref_y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("norm", ["none", "norm", "add_norm"])
+@pytest.mark.parametrize("split_k", [None, 3])
+@pytest.mark.parametrize("case", range(len(TINY)))
+def test_shrink_partials_match_torch(case, split_k, norm):
+    """The one-row path's shrink (``lora_shrink_partials``): its slices' partial sums, summed,
+    are the reference's shrink of the row it normed (``norm``: ``rms_norm(x)``; ``add_norm``:
+    ``rms_norm(x + residual)``), which it returns (with the new residual) as torch_ops has
+    them; base-model tokens get zeros in every slice. Several tokens, though the engine calls
+    it for one."""
+    from tidal.worker.ops import torch_ops
+
+    num_slots, rank, in_f, sizes, slots = TINY[case]
+    x, a, _, _, slot_t, _ = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
+                                  seed=case, low_rank=rank // 2)
+    gen = torch.Generator().manual_seed(case + 10)
+    nw = torch.randn(in_f, generator=gen).to(DEVICE)
+    res = torch.randn(x.shape, generator=gen).to(DEVICE)
+    kw = {} if norm == "none" else dict(norm_weight=nw, eps=1e-6)
+    if norm == "add_norm":
+        kw["residual"] = res
+    parts, h, new_res = triton_lora.lora_shrink_partials(x, a, slot_t, split_k=split_k, **kw)
+    if norm == "none":
+        ref_h, ref_res = x, None
+    elif norm == "norm":
+        ref_h, ref_res = torch_ops.rms_norm(x, nw, 1e-6), x
+    else:
+        ref_h, ref_res = torch_ops.fused_add_rms_norm(x, res, nw, 1e-6)
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+    if ref_res is None:
+        assert new_res is None
+    else:
+        torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (len(slots), len(sizes) * rank)
+    if split_k is not None and in_f > 32:  # (32 inputs are one block: one slice)
+        assert parts.shape[0] > 1
+    torch.testing.assert_close(parts.sum(0), lora_torch.lora_shrink(ref_h, a, slot_t),
+                               rtol=1e-4, atol=1e-4)
+    assert not parts[:, slot_t < 0].any()
+
+
 def test_torch_reference_matches_per_token_math():
     """The reference itself against the definition, token by token."""
     num_slots, rank, in_f, sizes, slots = TINY[2]
@@ -183,6 +224,31 @@ def test_gpu_llama8b_shapes(layer, tokens, mode):
     got = y.clone()
     triton_lora.lora_expand(got, xa, b, slot_t, offsets, 16, segs)
     torch.testing.assert_close(got.float(), ref_y, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layer", list(LLAMA8B))
+def test_gpu_llama8b_shrink_partials(layer):
+    """The one-row path's shrink at batch 1, Llama-3.1-8B shapes (its default slices of the
+    inputs), norming the row before q/k/v and gate/up as the engine runs it: the per-token
+    shrink's sums of the same row."""
+    from tidal.worker.ops import torch_ops
+
+    in_f, sizes = LLAMA8B[layer]
+    x, a, _, _, slot_t, _ = _case(8, 16, in_f, sizes, [3], torch.bfloat16)
+    kw = {}
+    if layer in ("qkv", "gate_up"):
+        nw = torch.ones(in_f, device=DEVICE, dtype=torch.bfloat16)
+        kw = dict(norm_weight=nw, residual=torch.randn_like(x), eps=1e-5)
+    parts, h, res = triton_lora.lora_shrink_partials(x, a, slot_t, **kw)
+    assert parts.shape[0] > 1
+    if kw:
+        ref_h, ref_res = torch_ops.fused_add_rms_norm(x, kw["residual"], nw, 1e-5)
+        torch.testing.assert_close(res, ref_res, rtol=0, atol=0)
+        torch.testing.assert_close(h, ref_h, rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(parts.sum(0), triton_lora.lora_shrink(h, a, slot_t),
+                               rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu

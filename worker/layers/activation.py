@@ -21,10 +21,14 @@ class GatedActivation(nn.Module):
 
     def project(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``self(linear(x))`` for a fused ``[gate | up]`` linear layer, as one op where the
-        layer's weight is a plain one (no bias, FP8 / INT4 weights or LoRA adapters): for one
-        row on the GPU, the GEMV with this activation as its epilogue."""
-        if (linear.lora is None and linear.bias is None and linear.weight_scale is None
-                and linear.w4a16 is None):
+        layer's weight is a plain one (no bias, FP8 / INT4 weights): for one row on the GPU,
+        the GEMV with this activation as its epilogue; with LoRA adapters, the shrink, then
+        that GEMV adding their products before the activation (``LoRALayer.gemv``)."""
+        if linear.lora is not None:
+            if linear.bias is None and linear.lora_gemv_applies(x, act=self.act):
+                return linear.lora.gemv(x, linear.weight, act=self.act)[0]
+            return self(linear(x))
+        if linear.bias is None and linear.weight_scale is None and linear.w4a16 is None:
             return self.kernels.gated_linear(x, linear.weight, self.act)
         return self(linear(x))
 

@@ -123,10 +123,27 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``base_matmul``, plus the LoRA adapters' products where ``--enable-lora`` hung a
         ``worker.lora.layers.LoRALayer`` here (a row-parallel layer adds its partial product
-        before the all-reduce, which sums it with the base's)."""
+        before the all-reduce, which sums it with the base's). One row on the GPU: the GEMV
+        adds them itself (``lora_gemv_applies``)."""
         if self.lora is not None:
+            if self.lora_gemv_applies(x, bias):
+                return self.lora.gemv(x, self.weight, bias)[0]
             return self.lora.add(x, self.base_matmul(x, bias))
         return self.base_matmul(x, bias)
+
+    def lora_gemv_applies(self, x: Any, bias: torch.Tensor | None = None,
+                          norm_weight: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None, act: str | None = None) -> bool:
+        """Whether this layer's adapters fold into its one-row GEMV (``LoRALayer.gemv``) for
+        ``x``, with this norm before and gated activation after: a LoRA'd plain 16/32-bit
+        weight (FP8 and INT4 ones keep their own kernels), one rank (the GEMVs that fuse the
+        tensor-parallel all-reduce add no adapter term), and where
+        ``Kernels.lora_gemv_applies``."""
+        lora = self.lora
+        return (lora is not None and self.tp.world_size == 1 and self.w4a16 is None
+                and self.weight_scale is None and isinstance(x, torch.Tensor)
+                and lora.kernels.lora_gemv_applies(x, self.weight, bias, norm_weight,
+                                                   residual, act))
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` times this rank's weight (plus ``bias``), FP8, INT4 or not."""

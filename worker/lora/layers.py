@@ -1,8 +1,11 @@
 """LoRA on the base model's linears, by composition: a ``LoRALayer`` hangs on a linear
 (``LinearBase.lora``) and adds its product inside ``LinearBase.matmul``, after the base GEMM
 and before a row-parallel layer's all-reduce (each rank adds its partial product; the reduce
-sums them with the base's). Linears of an engine without ``--enable-lora`` carry None and run
-exactly as before.
+sums them with the base's). One row on the GPU (batch-1 decode, one rank) takes ``gemv``
+instead: a shrink that also applies the norm before the linear, then the GEMV that adds the
+expand to its rows before its epilogue; two kernels where ``add`` after a fused norm + GEMV
+runs up to six. Linears of an engine without ``--enable-lora`` carry None and run exactly as
+before.
 
 Each layer owns its slot buffers, allocated once at start-up: ``a`` [max_loras, S*R, in] and
 ``b`` [max_loras, out, R] (S output slices: q/k/v, gate/up, or one), zero-padded to the
@@ -104,3 +107,14 @@ class LoRALayer:
         xa = self.kernels.lora_shrink(x2, self.a, slots, segments)
         self.kernels.lora_expand(y2, xa, self.b, slots, self.offsets, self.rank, segments)
         return y
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+             eps: float = 0.0, act: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One row through the linear of ``weight`` with this layer's adapters, norm before
+        and gated activation after it included (``Kernels.lora_gemv``, where
+        ``LinearBase.lora_gemv_applies``): two kernels, the token's slot read on the device."""
+        return self.kernels.lora_gemv(x, weight, bias, self.a, self.b, self.ctx.token_slots[:1],
+                                      self.offsets, self.rank, norm_weight=norm_weight,
+                                      residual=residual, eps=eps, act=act)

@@ -201,9 +201,17 @@ class NormLinear:
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         norm, linear = self._norm, self._linear
-        # (LoRA, hung on the linear after the model is built: the fused GEMV paths would skip
-        # its product, so the plain norm, then the linear with its adapters.)
-        if self._int4 or linear.lora is not None:
+        # LoRA, hung on the linear after the model is built: one row on the GPU takes the
+        # shrink (which norms the row) and the GEMV that adds the adapters' products; other
+        # rows the plain norm, then the linear with its adapters (the other fused GEMV paths
+        # would skip their products).
+        if linear.lora is not None:
+            act = "silu" if self._silu else None
+            if linear.lora_gemv_applies(x, linear.bias, norm.weight, residual, act):
+                return linear.lora.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight,
+                                        residual=residual, eps=norm.eps, act=act)
+            return self._norm_then_linear(x, residual)
+        if self._int4:
             return self._norm_then_linear(x, residual)
         if not self._fp8:
             return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,

@@ -289,6 +289,44 @@ class Kernels:
             return
         lora_torch.lora_expand(y, xa, b, slots, offsets, rank)
 
+    def lora_gemv_applies(self, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None,
+                          norm_weight: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None, act: str | None = None) -> bool:
+        """Whether ``lora_gemv`` takes these arguments: one row on the GPU where the GEMV
+        applies (weights of ``x``'s dtype: no FP8), the LoRA kernels on Triton, and no
+        torch.compile trace (whose LoRA products are the custom ops)."""
+        if self._lora is None or torch.compiler.is_compiling():
+            return False
+        return (self.gemv_applies(x, weight) and weight.dtype == x.dtype
+                and (bias is None or (bias.dtype == x.dtype and act is None))
+                and (norm_weight is None or norm_weight.dtype == x.dtype)
+                and (residual is None or (norm_weight is not None and residual.dtype == x.dtype
+                                          and residual.shape == x.shape))
+                and (act is None or (act in GATED_ACTS and weight.shape[0] % 2 == 0)))
+
+    def lora_gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                  offsets: tuple[int, ...], rank: int, *,
+                  norm_weight: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, eps: float = 0.0,
+                  act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(act(linear(h) + h @ A^T @ B^T), new_residual)`` for one row, ``h`` being ``x``
+        or with ``norm_weight`` ``rms_norm(x + residual)`` (``new_residual``: ``x + residual``,
+        or ``x``; None without a norm), the adapter of the token's slot (``slots[0]``, read on
+        the device; -1: the base product alone) from the slot buffers ``a`` / ``b``
+        (``lora_torch``), ``act`` a gated activation of ``GATED_ACTS`` or None. Two kernels
+        where ``lora_gemv_applies``: the shrink, which norms the row itself and stores its
+        per-slice partial sums, and the GEMV, which adds the expand to its rows' sums before
+        its epilogue. (``LoRALayer.add`` after a linear runs a norm, the GEMV, a zeroing, the
+        shrink, the expand and, gated, the activation: up to six.)"""
+        parts, h, new_residual = self._lora.lora_shrink_partials(
+            x, a, slots, norm_weight=norm_weight, residual=residual, eps=eps)
+        y, _ = self._td.gemv(h, weight, bias, silu=act == "silu", gelu=act == "gelu_tanh",
+                             lora=self._td.LoRAArgs(parts, b, slots, offsets, rank))
+        n = weight.shape[0] // 2 if act is not None else weight.shape[0]
+        return y.view(*x.shape[:-1], n), new_residual
+
     def _lora_impl(self, x: torch.Tensor) -> str:
         return "triton" if self._lora is not None and x.is_cuda else "torch"
 

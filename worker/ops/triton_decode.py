@@ -7,7 +7,9 @@
   program from the ``K``-wide input (a few KiB, L2-resident), replacing the separate norm kernel;
   program 0 writes the new residual. Optional epilogue: SiLU(gate) * up (SwiGLU) or
   tanh-GELU(gate) * up (Gemma's GeGLU) over a fused ``[gate | up]`` weight, replacing the
-  split-K reduction and the activation kernel.
+  split-K reduction and the activation kernel. Optional LoRA term (``LoRAArgs``): each row adds
+  its adapter's expand product, from the shrink's partial sums, before that epilogue, replacing
+  the expand kernel (and the zeroing of the shrink's output).
 - ``qk_norm_rope_write_kv``: per token, the per-head q/k RMSNorm (Qwen3's, or Gemma 3's
   ``(1 + w)`` one), neox rotary on q and k, and the K/V write into the paged cache, in one
   kernel (four launches before).
@@ -189,6 +191,19 @@ def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr, EVICT: tl.constexpr)
     return w
 
 
+@triton.jit
+def _lora_b_rows(b_ptr, rows, row_ok, j, stride_bn, R: tl.constexpr, OFF1: tl.constexpr,
+                 OFF2: tl.constexpr):
+    """B's ``rows`` (one slot) laid over the shrink's S*R outputs ``j``: row n holds its R
+    values in the columns of its own output slice (q/k/v, gate/up: rows from ``OFF1``, from
+    ``OFF2``) and zeros elsewhere, so one product with the whole shrink output gives every row
+    its slice's term, wherever the block of rows starts."""
+    s = (rows >= OFF1).to(tl.int32) + (rows >= OFF2).to(tl.int32)
+    r = j[None, :] - s[:, None] * R
+    m = row_ok[:, None] & (r >= 0) & (r < R)
+    return tl.load(b_ptr + rows.to(tl.int64)[:, None] * stride_bn + r, mask=m, other=0.0)
+
+
 @triton.jit(do_not_specialize=["push_off"])  # one compile for every slot
 def _gemv_kernel(
     out_ptr,
@@ -238,6 +253,22 @@ def _gemv_kernel(
     # by the weight bytes alone, so quantizing x would cost a pass and precision for nothing.
     ws_ptr,
     W_SCALE: tl.constexpr,
+    # LoRA (``LoRAArgs``): each row's float32 sum gets its adapter term before the epilogue,
+    # B's row of the token's slot (lora_slot_ptr[0]; -1: none, the base result exactly) times
+    # the shrink's output, read as LORA_SPLITS partial sums of LORA_SR floats (lora_xa_ptr).
+    lora_xa_ptr,
+    lora_b_ptr,
+    lora_slot_ptr,
+    stride_bl,
+    stride_bn,
+    LORA: tl.constexpr,
+    LORA_R: tl.constexpr,
+    LORA_SR: tl.constexpr,
+    LORA_SR_P: tl.constexpr,
+    LORA_SPLITS: tl.constexpr,
+    LORA_SPLITS_P: tl.constexpr,
+    LORA_OFF1: tl.constexpr,
+    LORA_OFF2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,6 +291,17 @@ def _gemv_kernel(
         w1 = _w_chunk(w_rows, kk1, row_ok, km1, even, EVICT)
         if SILU:
             wu1 = _w_chunk(wu_rows, kk1, row_ok, km1, even, EVICT)
+    if LORA:
+        # The slot is step metadata and B a weight: both load while the previous kernel runs.
+        lslot = tl.load(lora_slot_ptr).to(tl.int64)
+        lhas = lslot >= 0
+        lb = lora_b_ptr + tl.maximum(lslot, 0) * stride_bl
+        lj = tl.arange(0, LORA_SR_P)
+        lb_rows = _lora_b_rows(lb, rows, row_ok & lhas, lj, stride_bn, LORA_R, LORA_OFF1,
+                               LORA_OFF2)
+        if SILU:
+            lb_up = _lora_b_rows(lb, rows + N, row_ok & lhas, lj, stride_bn, LORA_R,
+                                 LORA_OFF1, LORA_OFF2)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # x and the residual come from the previous kernel; our outputs may reuse memory it
@@ -271,6 +313,11 @@ def _gemv_kernel(
         rc = tl.arange(0, ROW_CHUNK)
         _wait_parts(parts_bits_ptr, K, rc, rc < K, PARTS, SENT)
         _rearm(rearm_ptr, rearm_n, SENT, 256)
+    if LORA:  # (the previous kernel wrote them: after the wait; summed after the K loop)
+        lsp = tl.arange(0, LORA_SPLITS_P)
+        lxa_parts = tl.load(lora_xa_ptr + lsp[:, None] * LORA_SR + lj[None, :],
+                            mask=((lsp < LORA_SPLITS)[:, None] & (lj < LORA_SR)[None, :]
+                                  & lhas), other=0.0)
     inv = 1.0
     if SS_PARTS > 0:
         sp = tl.arange(0, SS_PARTS)
@@ -312,12 +359,18 @@ def _gemv_kernel(
         y *= tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if LORA:
+        lxa = tl.sum(lxa_parts, axis=0)[None, :]
+        # (Not even a zero added without an adapter: the base bits, -0.0 included.)
+        y = tl.where(lhas, y + tl.sum(lb_rows.to(tl.float32) * lxa, axis=1), y)
     if SILU:
         # As torch: the projection rounds to the dtype, then act(g) rounds, then the product.
         g = y.to(dt).to(tl.float32)
         u = tl.sum(acc_up, axis=1)
         if W_SCALE:
             u *= tl.load(ws_ptr + rows + N, mask=row_ok, other=0.0)
+        if LORA:
+            u = tl.where(lhas, u + tl.sum(lb_up.to(tl.float32) * lxa, axis=1), u)
         u = u.to(dt).to(tl.float32)
         if GELU:
             s = gelu_tanh(g).to(dt).to(tl.float32)
@@ -492,6 +545,46 @@ class PartsArgs:
         return self.data.shape[0]
 
 
+@dataclass(frozen=True, slots=True)
+class LoRAArgs:
+    """A LoRA adapter's product for ``gemv`` to add to its rows before the epilogue
+    (``lora_torch`` for the layout): ``partials`` [splits, 1, S*R] float32, the shrink's
+    output as slices of its inputs to sum (``triton_lora.lora_shrink_partials``); ``b``
+    [slots, N, R], B's rows in the weight's row order (both halves with a gated epilogue);
+    ``slots``: the token's slot at ``slots[0]`` (int32 on the device, -1: none); ``offsets``:
+    the output slices' first rows (at most 3)."""
+
+    partials: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+    offsets: tuple[int, ...]
+    rank: int
+
+
+def _lora_kernel_args(lora: LoRAArgs | None, n_total: int, dummy: torch.Tensor) -> dict:
+    if lora is None:  # (fixed constants: one compile of the plain kernel)
+        return dict(lora_xa_ptr=dummy, lora_b_ptr=dummy, lora_slot_ptr=dummy, stride_bl=0,
+                    stride_bn=0, LORA=False, LORA_R=1, LORA_SR=1, LORA_SR_P=1, LORA_SPLITS=1,
+                    LORA_SPLITS_P=1, LORA_OFF1=0, LORA_OFF2=0)
+    parts, b, rank = lora.partials, lora.b, lora.rank
+    sr = len(lora.offsets) * rank
+    if not 0 < len(lora.offsets) <= 3:
+        raise ValueError(f"1 to 3 LoRA output slices, got {len(lora.offsets)}")
+    if b.dim() != 3 or b.shape[1] != n_total or b.shape[2] != rank or b.stride(2) != 1:
+        raise ValueError(f"LoRA B {tuple(b.shape)} does not fit [slots, {n_total}, {rank}] "
+                         "with contiguous rows")
+    if (parts.dtype != torch.float32 or not parts.is_contiguous()
+            or parts.numel() != parts.shape[0] * sr):
+        raise ValueError(f"LoRA partial sums {tuple(parts.shape)} {parts.dtype}: want "
+                         f"contiguous float32 [splits, 1, {sr}]")
+    bounds = list(lora.offsets[1:]) + [n_total] * (3 - len(lora.offsets))
+    return dict(lora_xa_ptr=parts, lora_b_ptr=b, lora_slot_ptr=lora.slots,
+                stride_bl=b.stride(0), stride_bn=b.stride(1), LORA=True, LORA_R=rank,
+                LORA_SR=sr, LORA_SR_P=next_pow2(sr), LORA_SPLITS=parts.shape[0],
+                LORA_SPLITS_P=next_pow2(parts.shape[0]), LORA_OFF1=bounds[0],
+                LORA_OFF2=bounds[1])
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -508,6 +601,7 @@ def gemv(
     prefetch: int | None = None,
     norm_ss: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    lora: LoRAArgs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row ``x [1, K]`` times ``weight [N, K]``; see the module docstring for the fusions.
 
@@ -532,6 +626,11 @@ def gemv(
     It takes ``norm_weight`` and no ``residual``. ``config``: (BLOCK_N, BLOCK_K, num_warps[,
     PREFETCH]); ``prefetch=2`` (default: the config's) loads two chunks of weights before
     waiting for the previous kernel instead of one (where ``K`` has two).
+
+    ``lora``: every output row (each half's with a gated epilogue) gets the adapter's term of
+    the token's slot added to its float32 sum, after the weight scale and bias and before the
+    activation; the partial sums must come from a kernel before this one (read past the
+    dependent-launch wait). Not with ``parts`` or ``push``.
     """
     if silu and gelu:
         raise ValueError("one gated activation: silu or gelu, not both")
@@ -543,6 +642,8 @@ def gemv(
         raise ValueError("an FP8 weight takes a weight_scale, and only an FP8 weight does")
     if weight_scale is not None and weight_scale.numel() != n_total:
         raise ValueError(f"weight_scale has {weight_scale.numel()} values for {n_total} rows")
+    if lora is not None and (parts is not None or push is not None):
+        raise ValueError("a LoRA term is not added to pushed or summed partial rows")
     if parts is not None:
         if k > PARTS_MAX_K:
             raise ValueError(f"pushed rows of {k} > {PARTS_MAX_K} elements are not supported")
@@ -584,7 +685,7 @@ def gemv(
              PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL,
              EVICT="evict_first" if STREAM_WEIGHTS else "",
              ws_ptr=weight_scale if weight_scale is not None else xr,
-             W_SCALE=weight_scale is not None),
+             W_SCALE=weight_scale is not None, **_lora_kernel_args(lora, n_total, xr)),
         pdl,
     )  # fmt: skip
     if add:

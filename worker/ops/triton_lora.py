@@ -16,6 +16,11 @@ Two variants of each product:
   batch mixing adapters, whose tile table and permutation a CUDA graph reads from fixed
   buffers (``lora.manager``: grouped decode).
 
+A third shrink serves the one-row (batch-1 decode) path, where kernel count sets the time: it
+stores each slice of the inputs' partial sums apart (no zeroed output, no atomics) for the
+GEMV that adds the adapter's product in its epilogue (``triton_decode.gemv(lora=...)``), and can
+apply the RMSNorm before the linear itself (writing the normed row the GEMV then reads).
+
 Loop bounds are compile-time constants (the feature sizes), which the Triton interpreter needs.
 """
 
@@ -26,6 +31,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from tidal.worker.ops.triton_decode import _x_chunk, launch, pdl_enabled
 
 _BLOCK_M = 16  # tokens per tile of the segmented kernels (tl.dot's minimum)
 
@@ -75,6 +82,76 @@ def _expand_per_token(xa_ptr, b_ptr, slots_ptr, y_ptr, stride_xat, stride_bl, st
         yp = y_ptr + t * stride_yt + n
         yv = tl.load(yp, mask=nmask, other=0.0).to(tl.float32)
         tl.store(yp, (yv + acc).to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _shrink_chunk(av, x_row, res_row, nw_ptr, h_row, k, kmask, inv, rb, IN: tl.constexpr,
+                  NORM: tl.constexpr, ADD: tl.constexpr):
+    xv = _x_chunk(x_row, res_row, nw_ptr, k, kmask, inv, IN, NORM, ADD, False, 0)
+    if NORM:  # (exact: _x_chunk rounded the normed row to the dtype already)
+        tl.store(h_row + k, xv.to(h_row.dtype.element_ty), mask=kmask & (rb == 0))
+    return tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+
+
+@triton.jit
+def _shrink_partials(x_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr, a_ptr, slots_ptr, out_ptr,
+                     stride_xt, stride_al, stride_ar, stride_os, stride_ot, eps,
+                     IN: tl.constexpr, SR: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, NORM: tl.constexpr,
+                     ADD: tl.constexpr, ROW_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (token, block of outputs, slice of the inputs) stores its partial sums at
+    ``out[slice, token]``: the reader sums the slices. With ``NORM`` the input is
+    ``rms_norm(x (+ res))``, rounded as ``triton_decode``'s GEMV rounds it (``_x_chunk``);
+    the first block of outputs stores its slice of that row to ``h`` (and of ``x + res`` to
+    ``res_out``), so the GEMV after reads the very row this product used."""
+    t = tl.program_id(0)
+    rb = tl.program_id(1)
+    split = tl.program_id(2)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_first = split * K_PER_SPLIT
+    cols = tl.arange(0, BLOCK_K)
+    # The slot is step metadata and A a weight: both load while the previous kernel finishes.
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    has = slot >= 0
+    a_rows = a_ptr + tl.maximum(slot, 0) * stride_al + r[:, None] * stride_ar
+    amask = (r < SR)[:, None] & has
+    k = k_first + cols
+    kmask = k < IN
+    av = tl.load(a_rows + k[None, :], mask=amask & kmask[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # x comes from the previous kernel, and the outputs may reuse memory it still reads.
+        tl.extra.cuda.gdc_wait()
+    x_row = x_ptr + t * stride_xt
+    res_row = res_ptr + t * stride_xt
+    h_row = h_ptr + t * IN
+    inv = 1.0
+    if NORM:
+        # Every program needs the whole row's RMS (a few KiB, L2-resident).
+        rc = tl.arange(0, ROW_CHUNK)
+        ss = tl.zeros([ROW_CHUNK], tl.float32)
+        for k0 in range(0, IN, ROW_CHUNK):
+            kk = k0 + rc
+            km = kk < IN
+            xv = tl.load(x_row + kk, mask=km, other=0.0)
+            if ADD:
+                rv = tl.load(res_row + kk, mask=km, other=0.0)
+                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                mine = (kk >= k_first) & (kk < k_first + K_PER_SPLIT) & (rb == 0)
+                tl.store(res_out_ptr + t * IN + kk, xv, mask=km & mine)
+            xf = xv.to(tl.float32)
+            ss += xf * xf
+        inv = tl.rsqrt(tl.sum(ss, axis=0) / IN + eps)
+    acc = _shrink_chunk(av, x_row, res_row, nw_ptr, h_row, k, kmask, inv, rb, IN, NORM, ADD)
+    for k0 in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):
+        k = k_first + k0 + cols
+        kmask = k < IN
+        av = tl.load(a_rows + k[None, :], mask=amask & kmask[None, :], other=0.0)
+        acc += _shrink_chunk(av, x_row, res_row, nw_ptr, h_row, k, kmask, inv, rb, IN, NORM,
+                             ADD)
+    # (A base-model token: zeros, whatever its row holds.)
+    tl.store(out_ptr + split * stride_os + t * stride_ot + r, tl.where(has, acc, 0.0),
+             mask=r < SR)
 
 
 @triton.jit
@@ -151,8 +228,9 @@ def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, p
             bmask = rmask[:, None] & (nmask & (s_of_n == s))[None, :]
             bv = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None],
                          mask=bmask, other=0.0)
-            # (A split shrink's float32 sums: rounded as an unsplit shrink's output is.)
-            xs = xs.to(bv.dtype)
+            # A split shrink's sums stay float32 (as the per-token expand reads them): B is
+            # widened to meet them, not they rounded to B's dtype.
+            bv = bv.to(xs.dtype)
             if IEEE:
                 acc += tl.dot(xs, bv, input_precision="ieee")
             else:
@@ -179,6 +257,9 @@ def _slice_bounds(offsets: tuple[int, ...], out_features: int) -> tuple[int, int
 # 14,336 inputs, 112 dependent loads) took ~0.17 ms, most of a batch-1 decode step's LoRA cost.
 _SHRINK_PROGRAMS = 256
 _SHRINK_MIN_K = 256
+
+
+_ROW_CHUNK = 4096  # elements of the row the normed shrink sums squares over at a time
 
 
 def _shrink_splits(programs: int, in_features: int, block_k: int) -> int:
@@ -239,6 +320,59 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     return out
 
 
+def lora_shrink_partials(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, *,
+                         norm_weight: torch.Tensor | None = None,
+                         residual: torch.Tensor | None = None, eps: float = 0.0,
+                         split_k: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The per-token shrink for the one-row path, in one kernel: ``(partials, h,
+    new_residual)``. ``partials`` [SPLITS, T, S*R] float32 holds each slice of the inputs'
+    share of ``h @ a[slot]^T`` (summed over the first axis: ``lora_shrink``'s output; zeros
+    for base-model tokens), every element stored, so nothing is zeroed first; the consumer
+    (``triton_decode.gemv(lora=...)``) sums the slices as it reads them.
+
+    ``h`` is ``x``, or with ``norm_weight`` ``rms_norm(x + residual)`` (``residual`` None:
+    ``rms_norm(x)``), rounded as ``torch_ops`` and the GEMV's norm prologue round it, and
+    written by this kernel for the linear after; ``new_residual`` is then ``x + residual``
+    (``residual`` given) or ``x``, else None, as ``gemv`` returns them. ``split_k`` forces the
+    slice count (tests)."""
+    shape = x.shape
+    in_features = shape[-1]
+    x2 = x.reshape(-1, in_features).contiguous()
+    t = x2.shape[0]
+    sr = a.shape[1]
+    if a.stride(2) != 1:
+        raise ValueError("lora_shrink_partials needs A's rows contiguous")
+    norm = norm_weight is not None
+    add = norm and residual is not None
+    # One row: narrow blocks of outputs (more programs) and one chunk of inputs per slice,
+    # so a program's whole share of A loads before the wait for the previous kernel, and
+    # what is left after it is one read of x and a short sum. (Llama-3.1-8B, batch 1: slices
+    # of 256 inputs, 16 x 256 tiles; 48 programs before q/k/v, 56 before down.)
+    block_r = min(_pow2(sr, 16), 16 if t == 1 else 64)
+    splits = split_k if split_k is not None else _shrink_splits(
+        t * triton.cdiv(sr, block_r), in_features, _SHRINK_MIN_K)
+    block_k = min(256 if t == 1 else 128, _pow2(triton.cdiv(in_features, splits), 16))
+    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+    splits = triton.cdiv(in_features, k_per_split)
+    out = torch.empty(splits, t, sr, dtype=torch.float32, device=x.device)
+    h = torch.empty_like(x2) if norm else x2
+    res_in = residual.reshape(t, in_features).contiguous() if add else x2
+    res_out = torch.empty_like(x2) if add else x2
+    new_residual = res_out.view(shape) if add else (x if norm else None)
+    if t == 0:
+        return out, h.view(shape), new_residual
+    launch(_shrink_partials, (t, triton.cdiv(sr, block_r), splits),
+           (x2, res_in, norm_weight if norm else x2, h, res_out, a, slots, out, x2.stride(0),
+            a.stride(0), a.stride(1), out.stride(0), out.stride(1), float(eps)),
+           dict(IN=in_features, SR=sr, BLOCK_R=block_r, BLOCK_K=block_k,
+                K_PER_SPLIT=k_per_split, NORM=norm, ADD=add,
+                ROW_CHUNK=min(_pow2(in_features, 16), _ROW_CHUNK) if norm else 16,
+                num_warps=4),
+           pdl_enabled(x.device))
+    return out, h.view(shape), new_residual
+
+
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
                 offsets: tuple[int, ...], rank: int, segments: Any | None = None) -> None:
     """``y`` [T, out] += each token's slice products (in place); see ``lora_torch``."""
@@ -269,5 +403,8 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
                             xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
                             OUT=out_features, R=rank, BLOCK_R=block_r,
                             NUM_SLICES=len(offsets), OFF1=off1, OFF2=off2, BLOCK_M=_BLOCK_M,
-                            BLOCK_N=block_n, IEEE=y.dtype == torch.float32,
+                            BLOCK_N=block_n,
+                            # (float32 sums of a split shrink: a TF32 product would lose what
+                            # the per-token expand keeps.)
+                            IEEE=y.dtype == torch.float32 or xa.dtype == torch.float32,
                             PERM=perm is not None)
