@@ -143,6 +143,7 @@ KERNEL_ENV: dict[str, str] = {
     "lamport_allreduce": "TIDAL_LAMPORT_ALLREDUCE",
     "push_allreduce": "TIDAL_PUSH_ALLREDUCE",
     "lora_grouped_min_tokens": "TIDAL_LORA_GROUPED_MIN_TOKENS",
+    "moe_direct_max_pairs": "TIDAL_MOE_DIRECT_MAX_PAIRS",
 }
 
 

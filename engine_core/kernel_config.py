@@ -61,6 +61,10 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (H100, Llama-8B's four LoRA'd linears x 32 layers, 8 adapters: grouped 1.04 / 1.45 /
     # 2.09 ms against per-token 0.88 / 2.46 / 8.33 at 8 / 64 / 256 tokens; even near 16.)
     lora_grouped_min_tokens: int = 16
+    # MoE layers: calls of at most this many (token, expert) pairs take the direct GEMV path
+    # (worker/ops/triton_moe_gemv.py) where its rule allows; 0: the grouped GEMMs always.
+    # (32 is worker/ops/moe_configs.DIRECT_MAX_PAIRS.)
+    moe_direct_max_pairs: int = 32
 
 
 _FIELDS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(KernelConfig)}
@@ -107,7 +111,7 @@ def _from_env(field: str, name: str, raw: str) -> Any:
             value = float(raw)
             return None if math.isinf(value) and value > 0 else value
         if field in ("attn_split_stages", "symm_allreduce_max_bytes",
-                     "lora_grouped_min_tokens"):
+                     "lora_grouped_min_tokens", "moe_direct_max_pairs"):
             return int(raw)
     except ValueError:
         raise _error(f"{name}={raw!r}: expected a number") from None
@@ -143,7 +147,7 @@ def _check(field: str, value: Any, where: str) -> Any:
             raise _error(f"{where} must be an integer >= {low}, got {value!r}")
         if field == "attn_split_stages" and value > 4:
             raise _error(f"{where} must be at most 4, got {value}")
-    elif field == "lora_grouped_min_tokens":
+    elif field in ("lora_grouped_min_tokens", "moe_direct_max_pairs"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise _error(f"{where} must be an integer >= 0 (0: off), got {value!r}")
     elif field == "gemv_configs":

@@ -110,6 +110,9 @@ class KernelPolicy:
     # With triton_lora: decode steps of at least this many tokens grouped by adapter (tiles
     # through a permutation, graph-captured too; lora/grouping.py); 0: per-token always.
     lora_grouped_min_tokens: int = 0
+    # MoE calls of at most this many (token, expert) pairs may take the direct GEMV path
+    # (moe_configs.use_direct); 0: never.
+    moe_direct_max_pairs: int = 0
     # Compiled (mode 3) only: the fused ops kept in the graph as ``tidal::`` custom ops
     # (compilation_config.custom_ops), running ``custom_op_impl``: the implementation the
     # fused ops would have without compilation ("cuda" | "triton" | "torch").
@@ -258,6 +261,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         triton_w4a16=gpu and triton_ok,
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
+        moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
         custom_ops=custom,
         # (Only where used: the policy is part of the compile cache's key.)
         custom_op_impl=native if custom else "torch",
@@ -326,7 +330,9 @@ def describe(policy: KernelPolicy) -> list[str]:
                 if policy.lora_grouped_min_tokens else "") + ")"
              if policy.triton_lora else "torch reference"),
         # Kernels.fused_moe / select_experts follow this rule (MoE models only).
-        line("fused_moe", "triton (routing, expert alignment, grouped GEMMs)"
+        line("fused_moe", "triton (routing, expert alignment, grouped GEMMs"
+             + (f"; direct GEMVs up to {policy.moe_direct_max_pairs} (token, expert) pairs"
+                if policy.moe_direct_max_pairs else "") + ")"
              if policy.triton and policy.device == "cuda" and policy.ops != "torch"
              else "torch"),
     ]
@@ -351,7 +357,10 @@ def apply_tuning(policy: KernelPolicy) -> None:
     constants). Nothing to do, and nothing imported, where Triton cannot run."""
     if not policy.triton:
         return
-    from tidal.worker.ops import attention_plan, triton_attention_kernels, triton_decode
+    from tidal.worker.ops import (attention_plan, moe_configs, triton_attention_kernels,
+                                  triton_decode)
+
+    moe_configs.configure_direct(max_pairs=policy.moe_direct_max_pairs)
 
     triton_decode.configure(pdl=policy.pdl, stream_weights=policy.gemv_stream,
                             gemv_configs=policy.gemv_configs)

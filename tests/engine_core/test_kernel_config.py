@@ -67,6 +67,7 @@ def test_environment_keeps_its_historical_rules() -> None:
     assert env(symm_allreduce_max_bytes="4096").symm_allreduce_max_bytes == 4096
     assert env(lora_grouped_min_tokens="48").lora_grouped_min_tokens == 48
     assert env(lora_grouped_min_tokens="0").lora_grouped_min_tokens == 0
+    assert env(moe_direct_max_pairs="0").moe_direct_max_pairs == 0
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -76,6 +77,7 @@ def test_environment_keeps_its_historical_rules() -> None:
     ({"attention_backend": "flash"}, "kernel_config.attention_backend"),
     ({"attn_split_stages": 0}, "kernel_config.attn_split_stages"),
     ({"lora_grouped_min_tokens": -1}, "kernel_config.lora_grouped_min_tokens must be an"),
+    ({"moe_direct_max_pairs": 1.5}, "kernel_config.moe_direct_max_pairs must be an"),
     ({"attn_split_stages": True}, "kernel_config.attn_split_stages"),
     ({"gemv_max_mb": -1}, "kernel_config.gemv_max_mb"),
     ({"lamport_allreduce": "sometimes"}, "kernel_config.lamport_allreduce"),

@@ -22,6 +22,7 @@ from tidal.worker.attention.torch_backend import TorchAttention
 from tidal.worker.kernel_policy import (
     DeviceInfo,
     KernelPolicy,
+    apply_tuning,
     building,
     current_kernels,
     describe,
@@ -102,6 +103,32 @@ def test_config_switches_turn_fusions_off(arch) -> None:
     limited = resolve(KernelConfig(gemv_max_mb=8, gemv_configs="64x64=4,64,4,1"), GPU, arch)
     assert limited.gemv_max_bytes == 8 * 2**20
     assert limited.gemv_configs == {(64, 64, False, 2): (4, 64, 4, 1)}
+
+
+def test_moe_direct_path_limit_follows_the_config(arch, monkeypatch) -> None:
+    from tidal.worker.ops import moe_configs
+
+    assert resolve(KernelConfig(), GPU, arch).moe_direct_max_pairs == 32
+    assert resolve(KernelConfig(), CPU, arch).moe_direct_max_pairs == 0
+    off = resolve(KernelConfig(moe_direct_max_pairs=0), GPU, arch)
+    assert off.moe_direct_max_pairs == 0 and "direct GEMVs" not in " ".join(describe(off))
+    assert "direct GEMVs up to 32" in " ".join(describe(resolve(KernelConfig(), GPU, arch)))
+    # A worker hands it to the MoE op's selection rule (the Triton modules it also configures
+    # are stubbed: this machine may have no Triton).
+    import sys
+    import types
+
+    for name in ("attention_plan", "triton_attention_kernels", "triton_decode"):
+        stub = types.SimpleNamespace(configure=lambda **_: None)
+        monkeypatch.setitem(sys.modules, f"tidal.worker.ops.{name}", stub)
+        monkeypatch.setattr(sys.modules["tidal.worker.ops"], name, stub, raising=False)
+    try:
+        apply_tuning(off)
+        assert not moe_configs.use_direct(1, 128, 8)
+        apply_tuning(resolve(KernelConfig(), GPU, arch))
+        assert moe_configs.use_direct(1, 128, 8)
+    finally:
+        moe_configs.configure_direct(reset=True)
 
 
 @pytest.mark.parametrize("overrides, what", [
