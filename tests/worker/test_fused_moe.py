@@ -349,8 +349,10 @@ def test_policy_picks_the_moe_kernels_by_device():
     from tidal.worker.kernel_policy import DeviceInfo, describe, reference_kernels, resolve
 
     gpu = DeviceInfo("cuda", triton=True)
+    assert ("fused_moe: triton (routing, expert alignment, grouped GEMMs; direct GEMVs up to "
+            "32 (token, expert) pairs)") in describe(resolve(KernelConfig(), gpu))
     assert "fused_moe: triton (routing, expert alignment, grouped GEMMs)" in \
-        describe(resolve(KernelConfig(), gpu))
+        describe(resolve(KernelConfig(moe_direct_max_pairs=0), gpu))
     assert "fused_moe: torch" in describe(resolve(KernelConfig(ops="torch"), gpu))
     assert "fused_moe: torch" in describe(resolve(KernelConfig(), DeviceInfo("cpu")))
     assert reference_kernels()._moe is None  # CPU tensors: the torch ops
