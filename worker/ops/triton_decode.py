@@ -115,6 +115,29 @@ def _load_x(x_ptr, kk, km, K, PARTS: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, K, eps, keep_lo, keep_hi, ADD: tl.constexpr,
+                 PARTS: tl.constexpr, ROW_CHUNK: tl.constexpr):
+    """1/RMS of the input row (``x``, or with ``ADD`` ``x + res`` rounded to the dtype), for a
+    norm every program needs whole: the row is a few KiB and sits in L2, read in chunks of
+    ``ROW_CHUNK`` (up to 8192 elements: one round trip). With ``ADD`` the sum's columns in
+    ``[keep_lo, keep_hi)`` are stored to ``res_out_ptr``: this program's share of the new
+    residual."""
+    rc = tl.arange(0, ROW_CHUNK)
+    ss = tl.zeros([ROW_CHUNK], tl.float32)
+    for k0 in range(0, K, ROW_CHUNK):
+        kk = k0 + rc
+        km = kk < K
+        xv = _load_x(x_ptr, kk, km, K, PARTS, False)
+        if ADD:
+            rv = tl.load(res_ptr + kk, mask=km, other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + kk, xv, mask=km & (kk >= keep_lo) & (kk < keep_hi))
+        xf = xv.to(tl.float32)
+        ss += xf * xf
+    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
 def _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM: tl.constexpr, ADD: tl.constexpr,
              EVEN_K: tl.constexpr, PARTS: tl.constexpr):
     """Columns ``kk`` of the GEMV input in float32: ``x``, or ``rms_norm(x (+ res))`` rounded
@@ -322,22 +345,9 @@ def _gemv_kernel(
     if SS_PARTS > 0:
         sp = tl.arange(0, SS_PARTS)
         inv = tl.rsqrt(tl.sum(tl.load(ss_ptr + sp), axis=0) / K + eps)
-    elif NORM:
-        # Every program needs the whole row's RMS; the row is a few KiB and sits in L2. Read
-        # in chunks of ROW_CHUNK (the whole row, up to 8192 elements: one round trip).
-        rc = tl.arange(0, ROW_CHUNK)
-        ss = tl.zeros([ROW_CHUNK], tl.float32)
-        for k0 in range(0, K, ROW_CHUNK):
-            kk = k0 + rc
-            km = kk < K
-            xv = _load_x(x_ptr, kk, km, K, PARTS, False)
-            if ADD:
-                rv = tl.load(res_ptr + kk, mask=km, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
-                tl.store(res_out_ptr + kk, xv, mask=km & (pid == 0))
-            xf = xv.to(tl.float32)
-            ss += xf * xf
-        inv = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    elif NORM:  # (program 0 writes the new residual)
+        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, K, eps, 0, (pid == 0).to(tl.int32) * K,
+                           ADD, PARTS, ROW_CHUNK)
     xf = _x_chunk(x_ptr, res_ptr, nw_ptr, cols, km0, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
     acc = w0.to(tl.float32) * xf
     if SILU:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import _x_chunk, launch, pdl_enabled
+from tidal.worker.ops.triton_decode import _row_inv_rms, _x_chunk, launch, pdl_enabled
 
 _BLOCK_M = 16  # tokens per tile of the segmented kernels (tl.dot's minimum)
 
@@ -126,22 +126,9 @@ def _shrink_partials(x_ptr, res_ptr, nw_ptr, h_ptr, res_out_ptr, a_ptr, slots_pt
     res_row = res_ptr + t * stride_xt
     h_row = h_ptr + t * IN
     inv = 1.0
-    if NORM:
-        # Every program needs the whole row's RMS (a few KiB, L2-resident).
-        rc = tl.arange(0, ROW_CHUNK)
-        ss = tl.zeros([ROW_CHUNK], tl.float32)
-        for k0 in range(0, IN, ROW_CHUNK):
-            kk = k0 + rc
-            km = kk < IN
-            xv = tl.load(x_row + kk, mask=km, other=0.0)
-            if ADD:
-                rv = tl.load(res_row + kk, mask=km, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                mine = (kk >= k_first) & (kk < k_first + K_PER_SPLIT) & (rb == 0)
-                tl.store(res_out_ptr + t * IN + kk, xv, mask=km & mine)
-            xf = xv.to(tl.float32)
-            ss += xf * xf
-        inv = tl.rsqrt(tl.sum(ss, axis=0) / IN + eps)
+    if NORM:  # (the first block of outputs writes its slice of the new residual)
+        inv = _row_inv_rms(x_row, res_row, res_out_ptr + t * IN, IN, eps, k_first,
+                           k_first + (rb == 0).to(tl.int32) * K_PER_SPLIT, ADD, 0, ROW_CHUNK)
     acc = _shrink_chunk(av, x_row, res_row, nw_ptr, h_row, k, kmask, inv, rb, IN, NORM, ADD)
     for k0 in range(BLOCK_K, K_PER_SPLIT, BLOCK_K):
         k = k_first + k0 + cols
