@@ -33,22 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.worker.ops import triton_decode
 from tidal.worker.ops.moe_configs import DirectConfig, GemvShape, direct_config
-
-# Weight loads use the evict-first L2 policy (each expert row is read once per step, so the
-# activations and what the next kernels read stay in L2), as ``triton_decode``'s GEMV does.
-STREAM_WEIGHTS = True
-
-
-@triton.jit
-def _rows_chunk(rows_ptr, kk, row_ok, km, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    """A ``[BLOCK_N, BLOCK_K]`` tile of weight rows, in their dtype."""
-    if EVEN:
-        w = tl.load(rows_ptr + kk[None, :], eviction_policy=EVICT)
-    else:
-        w = tl.load(rows_ptr + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
-                    eviction_policy=EVICT)
-    return w
+from tidal.worker.ops.triton_decode import _w_chunk
 
 
 @triton.jit
@@ -60,8 +47,8 @@ def _gate_up_chunk(acc_g, acc_u, x_row, g_rows, u_rows, kk, row_ok, K: tl.conste
     else:
         xf = tl.load(x_row + kk, mask=km, other=0.0).to(tl.float32)[None, :]
     even = EVEN_N and EVEN_K
-    acc_g += _rows_chunk(g_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
-    acc_u += _rows_chunk(u_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
+    acc_g += _w_chunk(g_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
+    acc_u += _w_chunk(u_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
     return acc_g, acc_u
 
 
@@ -322,8 +309,6 @@ def down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.
                   UNROLL=_unroll(i, shape), num_warps=shape.num_warps)
     grid = (triton.cdiv(h, shape.block_n) * t,)
     if pdl:
-        from tidal.worker.ops import triton_decode
-
         triton_decode.launch(_down_kernel, grid, args, kwargs, True)
     else:
         _down_kernel[grid](*args, **kwargs, PDL=False)
@@ -339,7 +324,9 @@ def _unroll(k: int, shape: GemvShape) -> bool:
 
 
 def _evict() -> str:
-    return "evict_first" if STREAM_WEIGHTS else ""
+    # The GEMV's L2 policy (``gemv_stream``): each expert row is read once per step, so
+    # evict-first keeps the activations and what the next kernels read in L2.
+    return "evict_first" if triton_decode.STREAM_WEIGHTS else ""
 
 
 def _check_shape(s: GemvShape) -> None:
@@ -351,8 +338,6 @@ def _check_shape(s: GemvShape) -> None:
 def _pdl_default(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    from tidal.worker.ops import triton_decode  # (imports triton too; GPU-only callers)
-
     return triton_decode.pdl_enabled(device)
 
 
