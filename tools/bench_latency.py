@@ -19,6 +19,7 @@ batch (and for one prefill), written next to ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -32,11 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (  # noqa: E402
+    SHAPES,
+    config_facts,
     device_name,
     dump,
     measure_ceilings,
     now,
-    shape_facts,
     summary,
     write_model_dir,
 )
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default="auto", help="fused ops: auto | triton | cuda | torch")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the shape with this many decoder layers (num_hidden_layers) instead of "
+                         "its own: a proxy of a shape too big for the GPU; bytes and FLOPs follow")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-out", default=None,
                     help="append the profiler tables here (default: next to --out)")
@@ -235,7 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = {} if ns.no_ceilings else measure_ceilings()
     bw, peak = ceilings.get("hbm_GBps"), ceilings.get("matmul_TFLOPs")
     batches = [int(x) for x in ns.batches.split(",") if x]
-    facts = shape_facts(ns.shape)
+    config = dict(SHAPES[ns.shape])
+    if ns.num_layers is not None:
+        if ns.num_layers < 1 or any(config.get(k) for k in ("layer_types",
+                                                                "mlp_only_layers")):
+            raise SystemExit(f"--num-layers: not for {ns.shape} (>= 1 layer, no per-layer lists)")
+        config["num_hidden_layers"] = ns.num_layers
+    facts = config_facts(config, ns.shape)
     rng = random.Random(0)
     profile_path = None
     if ns.profile:
@@ -250,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                     ns.context)
     with tempfile.TemporaryDirectory(prefix="tidal-lat-") as tmp:
         model = write_model_dir(ns.shape, Path(tmp) / ns.shape)
+        if ns.num_layers is not None:
+            (Path(model) / "config.json").write_text(json.dumps(config))
         kv_bytes = int(ns.kv_gib * 2**30) if ns.kv_gib else None
         args = EngineArgs(model=model, load_format="dummy", dtype=ns.dtype, device=ns.device,
                           max_model_len=max_model_len,
@@ -268,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "benchmark": "latency", "device": device_name(), "torch": torch.__version__,
             "shape": ns.shape, "dtype": ns.dtype, "ceilings": ceilings,
+            "num_layers": facts.num_layers,
+            "layers_override": ns.num_layers is not None,
             "weights_bytes_per_step": facts.weight_bytes_per_step,
             "kv_bytes_per_token": facts.kv_bytes_per_token,
             "active_params_per_token": facts.linear_params,

@@ -123,10 +123,32 @@ def decode_leg(core: EngineCore, batch: int, ns: argparse.Namespace, vocab: int,
             core.step()
         _sync()
         windows.append((now() - t0) / ns.steps * 1e3)
+    if ns.profile and batch == ns.batch:
+        _profile_steps(core, ns, batch)
     core.abort_requests(ids)
     _drain(core)
     ms = statistics.median(windows)
     return {"batch": batch, "ms_per_step": round(ms, 4), "tokens_per_s": round(batch / ms * 1e3, 1)}
+
+
+def _profile_steps(core: EngineCore, ns: argparse.Namespace, batch: int, steps: int = 8
+                   ) -> None:
+    """The GPU kernels of ``steps`` decode steps, summed by name, to
+    ``--profile``/<engine>_b<batch>.txt (an engine with --enable-lora is ``lora``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    name = "lora" if core.config.lora is not None else "base"
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        _sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                      max_name_column_width=90)
+    path = Path(ns.profile) / f"{name}_b{batch}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} decode steps of batch {batch}\n{table}\n")
+    logger.info("profile of %d %s steps: %s", steps, name, path)
 
 
 def first_token_ms(core: EngineCore, vocab: int, context: int, lora: LoRARequest | None,
@@ -176,6 +198,8 @@ def run_lora_engine(model: str, ns: argparse.Namespace, max_model_len: int, path
             core.lora_registry.add(lora)
         out["decode_b1"] = decode_leg(core, 1, ns, vocab, mixed[:1], rng)
         out["decode_batch"] = decode_leg(core, ns.batch, ns, vocab, mixed, rng)
+        if ns.decode_only:
+            return out
         # Hot load: the worker's own two calls, on an adapter it has never seen.
         runner = core.executor.worker.runner
         mgr = runner.lora
@@ -259,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="the decode legs only (no hot load, no cold adapter)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also write each engine's GPU kernels over 8 steps of the batch leg")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
     if ns.smoke:

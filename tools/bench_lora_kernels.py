@@ -3,8 +3,9 @@ Llama-3.1-8B's four LoRA'd linears, for a few batch sizes: the shrink with its i
 slices summed atomically (the default for small batches) against one program per token and
 output block reading all of A (``split_k=1``, the kernel before), and the tokens grouped by
 adapter in tiles (``grouped``: the segmented kernels through a permutation, what
-``lora_grouped_min_tokens`` turns on), each captured in a CUDA graph and replayed (issue 24: a
-batch-1 decode step with an adapter cost 2.6x the base's).
+``lora_grouped_min_tokens`` turns on), and both with their outputs in a scratch buffer zeroed
+once per step (``*_scratch``: what engine steps run), each captured in a CUDA graph and
+replayed (issue 24: a batch-1 decode step with an adapter cost 2.6x the base's).
 
     python tools/bench_lora_kernels.py --out lora_kernels.json     # a GPU
 
@@ -179,10 +180,15 @@ def main() -> None:
             offsets = tuple(sum(sizes[:i]) for i in range(s))
             row = {"batch": t, "linear": name, "in": in_f, "out": sum(sizes)}
             grouped = grouped_segments(slots, args.slots)
-            for label, split, segs in (("split", None, None), ("one_program", 1, None),
-                                       ("grouped", None, grouped)):
-                def step(split=split, segs=segs):
-                    xa = triton_lora.lora_shrink(x, a, slots, segs, split_k=split)
+            # (``*_scratch``: the shrink sums into a block of the step's scratch, zeroed once
+            # per step for every layer, as LoRAContext hands it: no zeroing of its own.)
+            scratch = torch.zeros(t, s * r, device=dev, dtype=torch.float32)
+            for label, split, segs, out in (
+                    ("split", None, None, None), ("one_program", 1, None, None),
+                    ("grouped", None, grouped, None), ("split_scratch", None, None, scratch),
+                    ("grouped_scratch", None, grouped, scratch)):
+                def step(split=split, segs=segs, out=out):
+                    xa = triton_lora.lora_shrink(x, a, slots, segs, split_k=split, out=out)
                     triton_lora.lora_expand(y, xa, b, slots, offsets, r, segs)
                 row[f"{label}_us"] = round(time_graph(step, args.replays), 2)
                 # (The per-layer sum over the four linears, then x 32 layers.)

@@ -8,11 +8,11 @@ on a spin loop whose loaded tensor was carried and then left unused) shows up he
 not after a device call. Covers the batch-1 GEMV in each of its roles (plain, producer that
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
 the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
-LoRA's one-row shrink of partial sums (norming its row or not), the INT4 (W4A16) GEMV, the
-partial-sum kernel, the signal-free all-reduce
-(also with the residual add and sums of squares, and as an all-gather), the one-row add +
-norm, and the attention chain of a decode step (rotary + K/V write, also with Gemma's q/k
-norms; split attention, merge; with and without time stamps). Exits non-zero if any fails.
+LoRA's one-row shrink of partial sums (norming its row or not) and its grouped decode kernels,
+the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
+residual add and sums of squares, and as an all-gather), the one-row add + norm, and the
+attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
+attention, merge; with and without time stamps). Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -82,6 +82,33 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
                for a in tak._merge_splits_kernel.arg_names}
         cases.append((f"split merge{name}", tak._merge_splits_kernel,
                       sig, consts))
+    return cases
+
+
+def _lora_grouped_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    """LoRA's segmented shrink (split, through the permutation) and expand (Llama-8B's
+    q/k/v and gate/up slices, float32 sums into bf16 by three TF32 products) of a grouped
+    decode batch."""
+    from tidal.worker.ops import triton_lora as tl_
+
+    seg = {"seg_start_ptr": "*i32", "seg_len_ptr": "*i32", "seg_slot_ptr": "*i32",
+           "perm_ptr": "*i32"}
+    consts = dict(IN=4096, SR=48, BLOCK_M=16, BLOCK_R=64, BLOCK_K=64, IEEE=False, PERM=True,
+                  K_PER_SPLIT=256, SPLITS=16)
+    sig = {"x_ptr": "*bf16", "a_ptr": "*bf16", **seg, "out_ptr": "*fp32", "stride_xt": "i32",
+           "stride_al": "i32", "stride_ar": "i32", "stride_ot": "i32",
+           **{k: "constexpr" for k in consts}}
+    cases = [("LoRA grouped shrink (split, atomics)", tl_._shrink_segmented, sig, consts)]
+    for label, out, slices, off1, off2 in (("q/k/v", 6144, 3, 4096, 5120),
+                                           ("gate/up", 28672, 2, 14336, 28672)):
+        consts = dict(OUT=out, R=16, BLOCK_R=16, NUM_SLICES=slices, OFF1=off1, OFF2=off2,
+                      BLOCK_M=16, BLOCK_N=tl_._expand_block_n(out, 16), PRECISION="tf32x3",
+                      PERM=True)
+        sig = {"xa_ptr": "*fp32", "b_ptr": "*bf16", **seg, "y_ptr": "*bf16",
+               "stride_xat": "i32", "stride_bl": "i32", "stride_bn": "i32", "stride_yt": "i32",
+               **{k: "constexpr" for k in consts}}
+        cases.append((f"LoRA grouped expand ({label}, tf32x3)", tl_._expand_segmented, sig,
+                      consts))
     return cases
 
 
@@ -172,6 +199,7 @@ def main() -> int:
         cases.append(("INT4 GEMV over whole rows" + (" + bias" if bias else ""),
                       w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
+    cases += _lora_grouped_cases()
     from tidal.worker.ops import triton_moe_gemv
 
     cases += triton_moe_gemv.compile_check_cases()  # the direct small-batch MoE kernels

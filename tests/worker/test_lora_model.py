@@ -195,16 +195,23 @@ def test_tp2_matches_tp1(lora_setup):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("eager", [False, True], ids=["cuda_graphs", "eager"])
-def test_gpu_mixed_batch_matches_peft(lora_setup, eager):
+@pytest.mark.parametrize("eager,grouped", [(False, 0), (True, 0), (False, 2)],
+                         ids=["cuda_graphs", "eager", "grouped_graphs"])
+def test_gpu_mixed_batch_matches_peft(lora_setup, eager, grouped):
     """On the GPU: the Triton kernels, decode CUDA graphs (slot ids as graph inputs) and
-    async scheduling, against the same PEFT reference."""
+    async scheduling, against the same PEFT reference; ``grouped``: decode batches of 2+
+    sorted by adapter in tiles. Every pass takes its shrinks' outputs from the context's
+    scratch (zeroed once per pass: inside the captured graphs too)."""
     folder, _, per_prompt = lora_setup
     llm = LLM(str(folder), skip_tokenizer_init=True, num_kv_blocks=128, max_num_seqs=8,
               dtype="float32", device="cuda", enable_lora=True, max_loras=2,
-              enforce_eager=eager)
+              enforce_eager=eager,
+              kernel_config={"lora_grouped_min_tokens": grouped} if grouped else {})
     try:
-        assert _runner(llm).kernels.policy.triton_lora
+        runner = _runner(llm)
+        assert runner.kernels.policy.triton_lora
+        assert runner.lora.ctx.scratch is not None
+        assert not grouped or runner.lora.grouped_min == grouped
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False,
                             lora_request=[lora for lora, _, _ in per_prompt])
         for out, (lora, tokens, logprobs) in zip(outs, per_prompt):

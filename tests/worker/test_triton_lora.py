@@ -1,9 +1,10 @@
 """The Triton LoRA kernels (``triton_lora``) against the torch reference (``lora_torch``):
 shrink and expand, per-token and segmented, with one, two and three output slices (o / down,
 gate / up, q / k / v), ranks below the slot rank (zero-padded), base-model tokens (-1) left
-untouched; the one-row path's shrink of partial sums, norming its row or not
-(``test_lora_gemv.py`` has the GEMV that reads them); on a GPU also at Llama-3.1-8B shapes in bfloat16, through the kernel policy, and
-under CUDA-graph capture.
+untouched; a shrink into a zeroed block of the step's scratch; float32 sums expanded into a
+bfloat16 output; the one-row path's shrink of partial sums, norming its row or not
+(``test_lora_gemv.py`` has the GEMV that reads them); on a GPU also at Llama-3.1-8B shapes in
+bfloat16, through the kernel policy, and under CUDA-graph capture.
 
 Runs on a CUDA GPU, or on CPU under the Triton interpreter with tiny shapes::
 
@@ -70,23 +71,36 @@ TINY = [
     (2, 8, 48, (40,), [0, -1, 1, 1, 0]),
     (3, 16, 32, (24, 24), [2, 2, 2, -1, 0, 1]),
     (4, 8, 64, (32, 16, 16), [0] * 17 + [-1] * 3 + [3] * 18 + [1]),
+    # Slices wider than the expand's blocks of outputs: most blocks meet one slice.
+    (2, 8, 32, (96, 64, 64), [1, 1, 0, -1, 1]),
 ]
 
 
 @pytest.mark.parametrize("kind", ["per_token", "per_token_split", "segmented",
-                                  "segmented_split"])
+                                  "segmented_split", "per_token_split_out",
+                                  "segmented_out", "segmented_split_out"])
 @pytest.mark.parametrize("case", range(len(TINY)))
 def test_triton_matches_torch(case, kind):
     """``*_split``: the inputs in slices summed atomically (what a small decode batch runs on
-    a GPU; the tiny shapes here would not split on their own)."""
+    a GPU; the tiny shapes here would not split on their own). ``*_out``: into a zeroed block
+    of a larger buffer (the LoRA context's scratch), not an output of its own."""
     num_slots, rank, in_f, sizes, slots = TINY[case]
     x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
                                         seed=case, low_rank=rank // 2)
     segmented = kind.startswith("segmented")
     segs = segments_of(slot_t) if segmented else None
     ref_xa = lora_torch.lora_shrink(x, a, slot_t)
+    out = None
+    if kind.endswith("_out"):
+        t, sr = x.shape[0], a.shape[1]
+        scratch = torch.full((3 * t * sr,), float("nan"), device=DEVICE)
+        scratch[t * sr:2 * t * sr] = 0.0
+        out = scratch[t * sr:2 * t * sr].view(t, sr)
     xa = triton_lora.lora_shrink(x, a, slot_t, segs,
-                                 split_k=2 if kind.endswith("split") else None)
+                                 split_k=2 if "split" in kind else None, out=out)
+    if out is not None:
+        assert xa.data_ptr() == out.data_ptr() and xa.dtype == torch.float32
+        assert scratch[:t * sr].isnan().all() and scratch[2 * t * sr:].isnan().all()
     torch.testing.assert_close(xa, ref_xa, rtol=1e-4, atol=1e-4)
     assert not xa[slot_t < 0].any()  # base tokens: nothing
     ref_y, got_y = y.clone(), y.clone()
@@ -124,6 +138,31 @@ def test_grouped_tiles_match_torch(case, split_k):
     lora_torch.lora_expand(ref_y, ref_xa, b, slot_t, offsets, rank)
     triton_lora.lora_expand(got_y, xa, b, slot_t, offsets, rank, segs)
     torch.testing.assert_close(got_y, ref_y, rtol=1e-4, atol=1e-4)
+
+
+def test_shrink_rejects_an_unfit_out():
+    x, a, _, _, slot_t, _ = _case(2, 8, 48, (40,), [0, 1], torch.float32)
+    for bad in (torch.zeros(2, 9, device=DEVICE), torch.zeros(2, 8, dtype=torch.float16,
+                                                               device=DEVICE)):
+        with pytest.raises(ValueError, match="lora_shrink: out"):
+            triton_lora.lora_shrink(x, a, slot_t, out=bad)
+
+
+@pytest.mark.parametrize("case", range(len(TINY)))
+def test_segmented_expand_of_float32_sums_into_bf16(case):
+    """A split shrink's float32 sums expanded into a bfloat16 output (a GPU's grouped decode
+    batch): within the output's rounding of the float32 reference."""
+    num_slots, rank, in_f, sizes, slots = TINY[case]
+    x, a, b, y, slot_t, offsets = _case(num_slots, rank, in_f, sizes, slots, torch.float32,
+                                        seed=case)
+    b16, y16 = b.to(torch.bfloat16), y.to(torch.bfloat16)
+    xa = lora_torch.lora_shrink(x, a, slot_t)
+    ref = y16.float()
+    lora_torch.lora_expand(ref, xa, b16.float(), slot_t, offsets, rank)
+    got = y16.clone()
+    triton_lora.lora_expand(got, xa, b16, slot_t, offsets, rank, segments_of(slot_t))
+    torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=1e-2)
+    assert torch.equal(got[slot_t < 0], y16[slot_t < 0])
 
 
 @pytest.mark.parametrize("norm", ["none", "norm", "add_norm"])

@@ -44,9 +44,15 @@ class LoRASegments:
 class LoRAContext:
     """Per-step metadata every LoRA layer reads: each token's slot (-1: the base model) in a
     persistent device buffer (CUDA graphs capture its address, and replay what the step wrote
-    into it), and, in eager steps, the runs for the segmented kernels."""
+    into it), and, in eager steps, the runs for the segmented kernels.
 
-    __slots__ = ("token_slots", "segments", "perm", "tiles")
+    The shrink kernels of small batches sum slices of their inputs atomically into a zeroed
+    float32 output; a forward pass of up to ``scratch_rows`` tokens takes those outputs from
+    one scratch buffer (every layer's [T, S*R] block side by side), zeroed once by its first
+    user, instead of one zeroing kernel per LoRA'd linear (128 in a Llama-8B step)."""
+
+    __slots__ = ("token_slots", "segments", "perm", "tiles", "scratch", "scratch_rows",
+                 "scratch_width", "_forward", "_rows")
 
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
@@ -55,10 +61,46 @@ class LoRAContext:
         # (starts, lengths, slots) [3, tiles]; None unless the manager groups.
         self.perm: torch.Tensor | None = None
         self.tiles: torch.Tensor | None = None
+        self.scratch: torch.Tensor | None = None  # float32 [scratch_rows * scratch_width]
+        self.scratch_rows = 0
+        self.scratch_width = 0  # S*R summed over the layers
+        self._forward = 0  # forward passes begun (``begin_forward``)
+        self._rows = 0  # the tokens this pass zeroed the scratch for (0: not yet)
+
+    def use_scratch(self, width: int, max_rows: int) -> None:
+        """Give the shrinks of passes of up to ``max_rows`` tokens (0: none) the scratch
+        buffer, for layers of ``width`` summed S*R."""
+        self.scratch_rows, self.scratch_width = max_rows, width
+        self.scratch = (torch.empty(max_rows * width, dtype=torch.float32,
+                                    device=self.token_slots.device) if max_rows else None)
+
+    def begin_forward(self) -> None:
+        """A forward pass starts (the model's pre-hook): its first shrink zeroes the scratch."""
+        self._forward += 1
+        self._rows = 0
+
+    def zeroed(self, layer: LoRALayer, rows: int) -> torch.Tensor | None:
+        """``layer``'s zeroed float32 [rows, S*R] block of the scratch for this pass, or None
+        (no scratch, too many rows, or not the pass's shape or first use: a block is written
+        once per zeroing, so a pass without ``begin_forward`` falls back to zeroing its own)."""
+        if self.scratch is None or not 0 < rows <= self.scratch_rows or \
+                layer.scratch_pass == self._forward or torch.compiler.is_compiling():
+            return None
+        if not self._rows:
+            # (Inside a CUDA graph capture this zeroing is captured too: each replay zeroes.)
+            self.scratch[:rows * self.scratch_width].zero_()
+            self._rows = rows
+        elif rows != self._rows:
+            return None
+        layer.scratch_pass = self._forward
+        width = layer.a.shape[1]
+        start = rows * layer.scratch_at
+        return self.scratch[start:start + rows * width].view(rows, width)
 
 
 class LoRALayer:
-    __slots__ = ("a", "b", "offsets", "sizes", "projs", "rank", "ctx", "kernels")
+    __slots__ = ("a", "b", "offsets", "sizes", "projs", "rank", "ctx", "kernels",
+                 "scratch_at", "scratch_pass")
 
     def __init__(self, projs: tuple[str, ...], sizes: tuple[int, ...], in_features: int,
                  num_slots: int, rank: int, dtype: torch.dtype, device: torch.device,
@@ -73,6 +115,9 @@ class LoRALayer:
                              device=device)
         self.b = torch.zeros(num_slots, at, rank, dtype=dtype, device=device)
         self.ctx, self.kernels = ctx, kernels
+        # Its block of ``ctx.scratch``: this many S*R columns of the layers before it, per row.
+        self.scratch_at = 0
+        self.scratch_pass = 0  # the forward pass that last took its block
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +149,8 @@ class LoRALayer:
         slots = ctx.token_slots[:x2.shape[0]]
         # (A compiled graph takes no per-step host metadata: per-token kernels there.)
         segments = None if torch.compiler.is_compiling() else ctx.segments
-        xa = self.kernels.lora_shrink(x2, self.a, slots, segments)
+        xa = self.kernels.lora_shrink(x2, self.a, slots, segments,
+                                      out=ctx.zeroed(self, x2.shape[0]))
         self.kernels.lora_expand(y2, xa, self.b, slots, self.offsets, self.rank, segments)
         return y
 

@@ -29,6 +29,12 @@ from tidal.worker.ops.kernels import Kernels
 
 logger = logging.getLogger(__name__)
 
+# Passes of up to this many tokens take their shrink outputs from one scratch buffer zeroed
+# once, in at most this many bytes (Llama-8B, rank 16: 256 rows are 3.5 MiB); a larger pass
+# zeroes each output apart, a cost its GEMMs dwarf.
+_SCRATCH_ROWS = 256
+_SCRATCH_BYTES = 64 << 20
+
 
 def attach_lora_layers(model: nn.Module, num_slots: int, rank: int, dtype: torch.dtype,
                        device: torch.device, ctx: LoRAContext, kernels: Kernels
@@ -93,6 +99,16 @@ class LoRAManager:
             # read: fixed buffers, so a captured graph replays what each step writes.
             self.ctx.perm = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
             self.ctx.tiles = torch.zeros(3, self._tiles_cap, dtype=torch.int32, device=device)
+        if self.segmented and not config.runner.compilation.enabled:
+            # One scratch buffer for the small passes' shrink outputs (``LoRAContext``), each
+            # layer a block in model order; the model's pre-hook marks each pass's start.
+            width = 0
+            for layer in self.slots.layers:
+                layer.scratch_at = width
+                width += layer.a.shape[1]
+            self.ctx.use_scratch(width, min(max_num_tokens, _SCRATCH_ROWS,
+                                            _SCRATCH_BYTES // (4 * max(width, 1))))
+            model.register_forward_pre_hook(lambda module, args: self.ctx.begin_forward())
         self.requests: dict[str, LoRARequest] = {}
         # Two pinned staging buffers, used in turn; an event says when the device has read
         # one (async scheduling writes step N+1's while step N may not have copied yet).

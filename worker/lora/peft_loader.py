@@ -71,16 +71,33 @@ def load_adapter(lora: LoRARequest, arch: ArchSpec, max_rank: int, dtype: torch.
     try:
         with safe_open(spec.weights_file, framework="pt") as f:
             for m in spec.modules:
-                a = f.get_tensor(m.a_name).to(torch.float32)
+                a = f.get_tensor(m.a_name)
+                # (The scaling folded in float32: B rounded to the dtype once.)
                 b = f.get_tensor(m.b_name).to(torch.float32) * m.scaling
                 if m.proj in ROW_PARALLEL:
                     a = _shard_cols(a, tp_rank, tp_size)
                 else:
                     b = _shard_rows(b, m.proj, arch, tp_rank, tp_size)
-                a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
-                if pin:
-                    a, b = a.pin_memory(), b.pin_memory()
-                out.weights[(m.layer, m.proj)] = (a, b)
+                out.weights[(m.layer, m.proj)] = (a.to(dtype).contiguous(),
+                                                  b.to(dtype).contiguous())
     except (OSError, SafetensorError) as exc:
         raise LoRAAdapterError(f"cannot read {spec.weights_file}: {exc}") from None
+    if pin:
+        _pin(out, dtype)
     return out
+
+
+def _pin(adapter: LoadedAdapter, dtype: torch.dtype) -> None:
+    """Move the adapter's matrices into one pinned buffer: one page-locked allocation, not one
+    per matrix (448 for Llama-8B at rank 16)."""
+    tensors = [t for ab in adapter.weights.values() for t in ab]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=True)
+    at = 0
+    for key, (a, b) in adapter.weights.items():
+        views = []
+        for t in (a, b):
+            view = flat[at:at + t.numel()].view(t.shape)
+            view.copy_(t)
+            views.append(view)
+            at += t.numel()
+        adapter.weights[key] = (views[0], views[1])

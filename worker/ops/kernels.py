@@ -265,15 +265,17 @@ class Kernels:
         return F.linear(x, weight, bias)
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                    segments: object | None = None) -> torch.Tensor:
+                    segments: object | None = None, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """LoRA's first product over a batch mixing adapters (``ops/lora_torch.py`` for the
         layout): x [T, in] -> [T, S*R]. ``segments`` (the step's runs of tokens sharing an
-        adapter; eager steps only) picks the segmented Triton kernel, else per-token."""
+        adapter; eager steps only) picks the segmented Triton kernel, else per-token. ``out``:
+        a zeroed float32 [T, S*R] the Triton kernels may sum into (``LoRAContext.zeroed``)."""
         if torch.compiler.is_compiling():
             # (One opaque op in a compiled graph: ``compilation/custom_ops``, per token.)
             return torch.ops.tidal.lora_shrink(x, a, slots, self._lora_impl(x))
         if self._lora is not None and x.is_cuda:
-            return self._lora.lora_shrink(x, a, slots, segments)
+            return self._lora.lora_shrink(x, a, slots, segments, out=out)
         return lora_torch.lora_shrink(x, a, slots)
 
     def lora_expand(self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,

@@ -189,7 +189,7 @@ def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, p
                       stride_xat, stride_bl, stride_bn, stride_yt, OUT: tl.constexpr,
                       R: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SLICES: tl.constexpr,
                       OFF1: tl.constexpr, OFF2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PERM: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PERM: tl.constexpr):
     seg = tl.program_id(2)
     length = tl.load(seg_len_ptr + seg)
     m0 = tl.program_id(0) * BLOCK_M
@@ -208,24 +208,35 @@ def _expand_segmented(xa_ptr, b_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, p
         r = tl.arange(0, BLOCK_R)
         rmask = r < R
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # A tile may straddle two slices: each slice's product keeps only its own columns.
+        # A tile may straddle two slices: each slice's product keeps only its own columns,
+        # and a slice with none of the tile's columns is skipped (most tiles meet one).
+        s_first = tl.min(tl.where(nmask, s_of_n, NUM_SLICES))
+        s_last = tl.max(tl.where(nmask, s_of_n, 0))
         for s in tl.static_range(NUM_SLICES):
-            xs = tl.load(xa_ptr + rows[:, None] * stride_xat + s * R + r[None, :],
-                         mask=mmask[:, None] & rmask[None, :], other=0.0)
-            bmask = rmask[:, None] & (nmask & (s_of_n == s))[None, :]
-            bv = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None],
-                         mask=bmask, other=0.0)
-            # A split shrink's sums stay float32 (as the per-token expand reads them): B is
-            # widened to meet them, not they rounded to B's dtype.
-            bv = bv.to(xs.dtype)
-            if IEEE:
-                acc += tl.dot(xs, bv, input_precision="ieee")
-            else:
-                acc += tl.dot(xs, bv)
+            if (s >= s_first) & (s <= s_last):
+                xs = tl.load(xa_ptr + rows[:, None] * stride_xat + s * R + r[None, :],
+                             mask=mmask[:, None] & rmask[None, :], other=0.0)
+                bmask = rmask[:, None] & (nmask & (s_of_n == s))[None, :]
+                bv = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None],
+                             mask=bmask, other=0.0)
+                # A split shrink's sums stay float32 (as the per-token expand reads them): B
+                # is widened to meet them, not they rounded to B's dtype.
+                bv = bv.to(xs.dtype)
+                acc += tl.dot(xs, bv, input_precision=PRECISION)
         yp = y_ptr + rows[:, None] * stride_yt + n[None, :]
         ymask = mmask[:, None] & nmask[None, :]
         yv = tl.load(yp, mask=ymask, other=0.0).to(tl.float32)
         tl.store(yp, (yv + acc).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def _expand_precision(xa: torch.Tensor, y: torch.Tensor) -> str:
+    """The segmented expand's ``tl.dot`` precision. A float32 model: exact. Float32 sums of a
+    split shrink into a 16-bit output: three TF32 products (B, a 16-bit weight, is exact in
+    TF32; the sums keep ~21 bits, as the per-token expand's do), on the tensor cores where
+    "ieee" would run them on the CUDA cores. 16-bit operands: any (the dot is exact)."""
+    if y.dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if xa.dtype == torch.float32 else "tf32"
 
 
 def _pow2(n: int, at_least: int) -> int:
@@ -244,27 +255,46 @@ def _slice_bounds(offsets: tuple[int, ...], out_features: int) -> tuple[int, int
 # 14,336 inputs, 112 dependent loads) took ~0.17 ms, most of a batch-1 decode step's LoRA cost.
 _SHRINK_PROGRAMS = 256
 _SHRINK_MIN_K = 256
+# The grouped (segmented) shrink of a decode batch wants more: its tiles read A once per 16
+# tokens, not per token. With the expand's wider blocks of outputs below, Llama-8B's LoRA
+# kernels of a batch of 64 in 8 adapters took 1.14 ms a step against 1.45 at 256 programs and
+# 64 outputs (tools/results/lora_grouped_sweep_h100.json; 32 and 128 tokens alike).
+_GROUPED_SHRINK_PROGRAMS = 1024
+
+
+def _expand_block_n(out_features: int, block_r: int) -> int:
+    """Outputs per program of the segmented expand: wide blocks (gate/up's 28,672 outputs at
+    64 a program were 3,584 programs of one load each, 19 µs; 12 µs at 256), narrower for
+    large ranks (B's [BLOCK_R, BLOCK_N] tile sits in registers)."""
+    return max(16, min(256 if out_features >= 16384 else 128, 16384 // block_r))
 
 
 _ROW_CHUNK = 4096  # elements of the row the normed shrink sums squares over at a time
 
 
-def _shrink_splits(programs: int, in_features: int, block_k: int) -> int:
-    """Slices of the inputs the per-token shrink sums over (atomically): enough programs for a
-    small batch, none for a large one."""
-    if programs >= _SHRINK_PROGRAMS // 2:
+def _shrink_splits(programs: int, in_features: int, block_k: int,
+                   wanted: int = _SHRINK_PROGRAMS) -> int:
+    """Slices of the inputs a shrink sums over (atomically): about ``wanted`` programs for a
+    small batch, no split for a large one."""
+    if programs >= wanted // 2:
         return 1
     most = max(1, in_features // max(_SHRINK_MIN_K, block_k))
-    return max(1, min(most, triton.cdiv(_SHRINK_PROGRAMS, programs)))
+    return max(1, min(most, triton.cdiv(wanted, programs)))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                segments: Any | None = None, split_k: int | None = None) -> torch.Tensor:
+                segments: Any | None = None, split_k: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [T, in] -> [T, S*R] (rows of base-model tokens are zero). ``segments``: the
     step's runs (``start``, ``length``, ``slot`` device tensors, ``num``, ``max_len``) for the
     segmented kernel (output in ``x``'s dtype, float32 when split); None: the per-token one,
     float32 output. A grid of few programs gets the inputs split in slices summed atomically
-    (``split_k`` forces a count, for tests)."""
+    (``split_k`` forces a count, for tests). ``out``: a zeroed float32 [T, S*R] to write
+    instead of allocating (and zeroing) one; the result is then float32 in both variants."""
+    if out is not None and (out.shape != (x.shape[0], a.shape[1]) or
+                            out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"lora_shrink: out {tuple(out.shape)} {out.dtype} is not a "
+                         f"float32 [{x.shape[0]}, {a.shape[1]}] with contiguous rows")
     x = x.contiguous()
     t, in_features = x.shape
     sr = a.shape[1]
@@ -275,8 +305,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
             t * triton.cdiv(sr, block_r), in_features, block_k)
         k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
         splits = triton.cdiv(in_features, k_per_split)
-        make = torch.zeros if splits > 1 else torch.empty
-        out = make(t, sr, dtype=torch.float32, device=x.device)
+        if out is None:
+            make = torch.zeros if splits > 1 else torch.empty
+            out = make(t, sr, dtype=torch.float32, device=x.device)
         if t == 0:
             return out
         grid = (t, triton.cdiv(sr, block_r), splits)
@@ -290,10 +321,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
     # A decode batch grouped by adapter is a few tiles: split their inputs as the per-token
     # shrink does (Llama-8B, batch 64 in 8 adapters: ~12 programs each reading all of A).
     splits = split_k if split_k is not None else _shrink_splits(
-        tiles * triton.cdiv(sr, block_r) * segments.num, in_features, block_k)
+        tiles * triton.cdiv(sr, block_r) * segments.num, in_features, block_k,
+        _GROUPED_SHRINK_PROGRAMS)
     k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
     splits = triton.cdiv(in_features, k_per_split)
-    out = torch.zeros(t, sr, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    if out is None:
+        out = torch.zeros(t, sr, dtype=torch.float32 if splits > 1 else x.dtype,
+                          device=x.device)
     if segments.num == 0:
         return out
     grid = (tiles, triton.cdiv(sr, block_r), segments.num * splits)
@@ -381,7 +415,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
         return
     if segments.num == 0:
         return
-    block_n = 64
+    block_n = _expand_block_n(out_features, block_r)
     grid = (triton.cdiv(segments.max_len, _BLOCK_M), triton.cdiv(out_features, block_n),
             segments.num)
     perm = getattr(segments, "perm", None)
@@ -390,8 +424,5 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
                             xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
                             OUT=out_features, R=rank, BLOCK_R=block_r,
                             NUM_SLICES=len(offsets), OFF1=off1, OFF2=off2, BLOCK_M=_BLOCK_M,
-                            BLOCK_N=block_n,
-                            # (float32 sums of a split shrink: a TF32 product would lose what
-                            # the per-token expand keeps.)
-                            IEEE=y.dtype == torch.float32 or xa.dtype == torch.float32,
+                            BLOCK_N=block_n, PRECISION=_expand_precision(xa, y),
                             PERM=perm is not None)
