@@ -200,6 +200,22 @@ def main() -> int:
                       w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
     cases += _lora_grouped_cases()
+    from tidal.worker.ops import triton_moe
+
+    for label, consts in (
+            ("MoE routing + PDL (Qwen3: softmax top-8 of 128, renormalised, counted)",
+             dict(TOP_K=8, TOPK_P2=8, SIGMOID=False, HAS_BIAS=False, RENORM=True, GROUPS=1,
+                  TOPK_GROUPS=1, EXPERTS=128, ROWS=8, COUNT=True, HAS_VALID=True, PDL=True)),
+            ("MoE routing + PDL (DeepSeek-V3: sigmoid + bias, 8 groups)",
+             dict(TOP_K=8, TOPK_P2=8, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPS=8,
+                  TOPK_GROUPS=4, EXPERTS=256, ROWS=4, COUNT=False, HAS_VALID=False,
+                  PDL=True))):
+        types = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                 "ids_ptr": "*i32", "counts_ptr": "*i32", "valid_ptr": "*i32",
+                 "scale": "fp32"}
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32")
+               for n in triton_moe._route_kernel.arg_names}
+        cases.append((label, triton_moe._route_kernel, sig, consts))
     from tidal.worker.ops import triton_moe_gemv
 
     cases += triton_moe_gemv.compile_check_cases()  # the direct small-batch MoE kernels

@@ -681,6 +681,23 @@ def test_add_rms_norm_row(dtype: torch.dtype) -> None:
         td.add_rms_norm_row(torch.ones(2, 8, device=DEVICE, dtype=dtype), None, w[:8], 1e-5)
 
 
+def test_kernels_add_rms_norm_row_dispatch() -> None:
+    """``Kernels.add_rms_norm_row`` (a MoE layer's norm before its router): one 16-bit row in
+    the one-row kernel (new tensors, the inputs untouched), anything else the fused add + norm,
+    both ``torch_ops.fused_add_rms_norm``'s result."""
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    for rows, dtype in ((1, torch.bfloat16), (1, torch.float32), (3, torch.bfloat16)):
+        x, r = (torch.randn(2, rows, 2048, generator=gen, device=DEVICE) * 3).to(dtype)
+        w = torch.randn(2048, generator=gen, device=DEVICE).to(dtype)
+        want_y, want_res = torch_ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+        x0, r0 = x.clone(), r.clone()
+        y, res = K.add_rms_norm_row(x, r, w, 1e-6)
+        assert torch.equal(res, want_res), (rows, dtype)
+        _close(y, want_y, f"{rows} rows of {dtype}")
+        if rows == 1 and dtype == torch.bfloat16:
+            assert torch.equal(x, x0) and torch.equal(r, r0)
+
+
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_apart_from_large_gemvs(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
     """``Kernels.rms_norm_linear`` before a weight of ``NORM_APART_MIN_BYTES`` or more: the one-row

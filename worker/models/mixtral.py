@@ -94,7 +94,8 @@ class MoEDecoderLayer(nn.Module):
         # experts both read the normed hidden state, so no one kernel can finish the sum.
         qkv, residual = self.norm_qkv(hidden, residual)
         hidden = self.self_attn.attend_qkv(positions, qkv, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        norm = self.post_attention_layernorm
+        hidden, residual = norm.kernels.add_rms_norm_row(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual
 
 

@@ -127,6 +127,18 @@ class Kernels:
                                                       self._custom_impl)
         return self.impl_for(x).fused_add_rms_norm(x, residual, weight, eps)
 
+    def add_rms_norm_row(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fused_add_rms_norm``; one 16-bit row on the GPU (the GEMV policy) in the
+        one-program Triton kernel, launched as a programmatic dependent, so a GEMV after it
+        (a MoE router's) overlaps its launch, as it cannot after the CUDA kernel."""
+        if (self._gemv and x.is_cuda and x.numel() == x.shape[-1]
+                and x.dtype in (torch.bfloat16, torch.float16) and residual.dtype == x.dtype
+                and residual.shape == x.shape and weight.dtype == x.dtype
+                and x.shape[-1] <= self._td.ADD_NORM_MAX and not torch.compiler.is_compiling()):
+            return self._td.add_rms_norm_row(x, residual, weight, eps)
+        return self.fused_add_rms_norm(x, residual, weight, eps)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         if "silu_and_mul" in self._custom:
             return torch.ops.tidal.silu_and_mul(x, self._custom_impl)

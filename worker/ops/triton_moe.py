@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops import triton_moe_gemv
+from tidal.worker.ops import triton_decode, triton_moe_gemv
 from tidal.worker.ops.moe_configs import (DirectConfig, GemmConfig, MoeConfig, get_config,
                                           use_direct)
 from tidal.worker.ops.moe_torch import check_moe_args, check_moe_scales
@@ -86,11 +86,16 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, counts_ptr, valid_
                   TOPK_P2: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
                   EXPERTS: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr,
-                  HAS_VALID: tl.constexpr):
+                  HAS_VALID: tl.constexpr, PDL: tl.constexpr):
     """``select_experts`` for ROWS tokens: scores, group mask, top-k by repeated argmax (the
     lowest index wins a tie), renormalisation and scaling, in one pass over the logits.
     ``COUNT``: also add each real token's picks to ``counts_ptr`` (int32 per expert; rows
-    from ``*valid_ptr`` on are padding when ``HAS_VALID``: ``layers.expert_load``)."""
+    from ``*valid_ptr`` on are padding when ``HAS_VALID``: ``layers.expert_load``). ``PDL``:
+    launched while the router's kernel drains, and letting the experts' kernel launch while
+    this one runs (a batch-1 step has two such launches per MoE layer to hide)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the logits: everything here reads them
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, EXPERTS)
     rm = rows < num_tokens
@@ -171,14 +176,17 @@ def select_experts(router_logits: torch.Tensor, cfg: Any,
     experts_p2 = triton.next_power_of_2(num_experts)
     rows = max(1, min(16, 1024 // experts_p2))
     counts, valid = count if count is not None else (ids, None)
-    _route_kernel[(triton.cdiv(t, rows),)](
-        logits, correction_bias if correction_bias is not None else logits, weights, ids,
-        counts, valid if valid is not None else ids, t, num_experts, logits.stride(0),
-        float(cfg.routed_scaling_factor), TOP_K=cfg.top_k,
-        TOPK_P2=triton.next_power_of_2(cfg.top_k), SIGMOID=cfg.scoring == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORM=cfg.renormalize, GROUPS=cfg.num_groups,
-        TOPK_GROUPS=cfg.topk_groups, EXPERTS=experts_p2, ROWS=rows, COUNT=count is not None,
-        HAS_VALID=valid is not None)
+    triton_decode.launch(
+        _route_kernel, (triton.cdiv(t, rows),),
+        (logits, correction_bias if correction_bias is not None else logits, weights, ids,
+         counts, valid if valid is not None else ids, t, num_experts, logits.stride(0),
+         float(cfg.routed_scaling_factor)),
+        dict(TOP_K=cfg.top_k, TOPK_P2=triton.next_power_of_2(cfg.top_k),
+             SIGMOID=cfg.scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
+             RENORM=cfg.renormalize, GROUPS=cfg.num_groups, TOPK_GROUPS=cfg.topk_groups,
+             EXPERTS=experts_p2, ROWS=rows, COUNT=count is not None,
+             HAS_VALID=valid is not None),
+        triton_decode.pdl_enabled(logits.device))
     return weights, ids
 
 

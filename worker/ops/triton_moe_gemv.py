@@ -76,9 +76,14 @@ def _gate_up_kernel(
     W_SCALE: tl.constexpr,
     TRIGGER: tl.constexpr,  # let the (PDL-launched) down kernel start as this one drains
     UNROLL: tl.constexpr,  # unroll the loop over K chunks (few of them)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the router's kernel
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        # Everything here needs the routing (the expert picks the rows): wait at once. The
+        # launch itself is what overlaps the router's tail.
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     # The pairs of one row block run next to each other: two tokens routed to one expert read
     # its rows at about the same time, the second mostly from L2.
@@ -252,7 +257,7 @@ def fused_moe_direct(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if pdl is None:
         pdl = _pdl_default(hidden.device)
-    gate_up(hidden, w13, ids, act, cfg.w13, w13_scale, trigger=pdl)
+    gate_up(hidden, w13, ids, act, cfg.w13, w13_scale, trigger=pdl, pdl=pdl)
     down(act, w2, ids, weights, out, cfg.w2, w2_scale, pdl=pdl)
     return out
 
@@ -272,22 +277,28 @@ def flat_routing(topk_ids: torch.Tensor,
 
 def gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, act: torch.Tensor,
             shape: GemvShape, w13_scale: torch.Tensor | None = None,
-            trigger: bool = False) -> None:
+            trigger: bool = False, pdl: bool = False) -> None:
     """``act [T*k, I] = silu(x W_gate^T) * (x W_up^T)`` per pair, of its token's row of
     ``hidden`` and its expert ``ids[pair]`` (pairs of no expert here: left unwritten).
-    ``trigger``: let a PDL-launched successor start as this kernel drains."""
+    ``trigger``: let a PDL-launched successor start as this kernel drains; ``pdl``: launched
+    as a programmatic dependent of the kernel before (the routing's)."""
     _check_shape(shape)
     h = hidden.shape[1]
     e, i = w13.shape[0], w13.shape[1] // 2
     pairs = ids.numel()
     top_k = pairs // hidden.shape[0]
     fp8 = w13_scale is not None
-    _gate_up_kernel[(triton.cdiv(i, shape.block_n) * pairs,)](
-        hidden, w13, ids, act, w13_scale if fp8 else act, e, pairs, hidden.stride(0),
-        w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
-        TOP_K=top_k, H=h, I=i, BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
-        EVEN_N=i % shape.block_n == 0, EVEN_K=h % shape.block_k == 0, EVICT=_evict(),
-        W_SCALE=fp8, TRIGGER=trigger, UNROLL=_unroll(h, shape), num_warps=shape.num_warps)
+    args = (hidden, w13, ids, act, w13_scale if fp8 else act, e, pairs, hidden.stride(0),
+            w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0)
+    kwargs = dict(TOP_K=top_k, H=h, I=i, BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
+                  EVEN_N=i % shape.block_n == 0, EVEN_K=h % shape.block_k == 0, EVICT=_evict(),
+                  W_SCALE=fp8, TRIGGER=trigger, UNROLL=_unroll(h, shape),
+                  num_warps=shape.num_warps)
+    grid = (triton.cdiv(i, shape.block_n) * pairs,)
+    if pdl:
+        triton_decode.launch(_gate_up_kernel, grid, args, kwargs, True)
+    else:
+        _gate_up_kernel[grid](*args, **kwargs, PDL=False)
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -360,7 +371,7 @@ def compile_check_cases() -> list[tuple[str, object, dict[str, str], dict[str, o
         common = dict(TOP_K=k, H=hh, I=ii, EVICT="evict_first", W_SCALE=fp8)
         a, b = cfg.w13, cfg.w2
         consts = dict(common, BLOCK_N=a.block_n, BLOCK_K=a.block_k, EVEN_N=ii % a.block_n == 0,
-                      EVEN_K=hh % a.block_k == 0, TRIGGER=pdl, UNROLL=_unroll(hh, a))
+                      EVEN_K=hh % a.block_k == 0, TRIGGER=pdl, UNROLL=_unroll(hh, a), PDL=pdl)
         types = {"x_ptr": "*bf16", "w_ptr": w, "ids_ptr": "*i32", "act_ptr": "*bf16",
                  "scale_ptr": "*fp32"}
         sig = {n: "constexpr" if n in consts else types.get(n, "i32")
