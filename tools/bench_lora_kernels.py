@@ -181,7 +181,9 @@ def main() -> None:
             row = {"batch": t, "linear": name, "in": in_f, "out": sum(sizes)}
             grouped = grouped_segments(slots, args.slots)
             # (``*_scratch``: the shrink sums into a block of the step's scratch, zeroed once
-            # per step for every layer, as LoRAContext hands it: no zeroing of its own.)
+            # per step for every layer, as LoRAContext hands it: no zeroing of its own, that
+            # one zeroing left out. Never zeroed here: the sums grow over the replays, which
+            # changes no timing.)
             scratch = torch.zeros(t, s * r, device=dev, dtype=torch.float32)
             for label, split, segs, out in (
                     ("split", None, None, None), ("one_program", 1, None, None),

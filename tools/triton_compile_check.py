@@ -99,10 +99,12 @@ def _lora_grouped_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
            "stride_al": "i32", "stride_ar": "i32", "stride_ot": "i32",
            **{k: "constexpr" for k in consts}}
     cases = [("LoRA grouped shrink (split, atomics)", tl_._shrink_segmented, sig, consts)]
-    for label, out, slices, off1, off2 in (("q/k/v", 6144, 3, 4096, 5120),
-                                           ("gate/up", 28672, 2, 14336, 28672)):
-        consts = dict(OUT=out, R=16, BLOCK_R=16, NUM_SLICES=slices, OFF1=off1, OFF2=off2,
-                      BLOCK_M=16, BLOCK_N=tl_._expand_block_n(out, 16), PRECISION="tf32x3",
+    for label, out, slices, off1, off2, r in (("q/k/v", 6144, 3, 4096, 5120, 16),
+                                              ("gate/up", 28672, 2, 14336, 28672, 16),
+                                              ("gate/up, rank 64", 28672, 2, 14336, 28672, 64),
+                                              ("q/k/v, rank 256", 6144, 3, 4096, 5120, 256)):
+        consts = dict(OUT=out, R=r, BLOCK_R=r, NUM_SLICES=slices, OFF1=off1, OFF2=off2,
+                      BLOCK_M=16, BLOCK_N=tl_._expand_block_n(out, r), PRECISION="tf32x3",
                       PERM=True)
         sig = {"xa_ptr": "*fp32", "b_ptr": "*bf16", **seg, "y_ptr": "*bf16",
                "stride_xat": "i32", "stride_bl": "i32", "stride_bn": "i32", "stride_yt": "i32",
@@ -206,7 +208,7 @@ def main() -> int:
             ("MoE routing + PDL (Qwen3: softmax top-8 of 128, renormalised, counted)",
              dict(TOP_K=8, TOPK_P2=8, SIGMOID=False, HAS_BIAS=False, RENORM=True, GROUPS=1,
                   TOPK_GROUPS=1, EXPERTS=128, ROWS=8, COUNT=True, HAS_VALID=True, PDL=True)),
-            ("MoE routing + PDL (DeepSeek-V3: sigmoid + bias, 8 groups)",
+            ("MoE routing + PDL (sigmoid + bias, 8 groups ranked by their best expert)",
              dict(TOP_K=8, TOPK_P2=8, SIGMOID=True, HAS_BIAS=True, RENORM=True, GROUPS=8,
                   TOPK_GROUPS=4, EXPERTS=256, ROWS=4, COUNT=False, HAS_VALID=False,
                   PDL=True))):

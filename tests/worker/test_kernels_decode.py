@@ -681,10 +681,14 @@ def test_add_rms_norm_row(dtype: torch.dtype) -> None:
         td.add_rms_norm_row(torch.ones(2, 8, device=DEVICE, dtype=dtype), None, w[:8], 1e-5)
 
 
-def test_kernels_add_rms_norm_row_dispatch() -> None:
+def test_kernels_add_rms_norm_row_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Kernels.add_rms_norm_row`` (a MoE layer's norm before its router): one 16-bit row in
     the one-row kernel (new tensors, the inputs untouched), anything else the fused add + norm,
     both ``torch_ops.fused_add_rms_norm``'s result."""
+    taken = []
+    one_row = td.add_rms_norm_row
+    monkeypatch.setattr(td, "add_rms_norm_row",
+                        lambda *a: taken.append(a[0].dtype) or one_row(*a))
     gen = torch.Generator(device=DEVICE).manual_seed(9)
     for rows, dtype in ((1, torch.bfloat16), (1, torch.float32), (3, torch.bfloat16)):
         x, r = (torch.randn(2, rows, 2048, generator=gen, device=DEVICE) * 3).to(dtype)
@@ -696,6 +700,7 @@ def test_kernels_add_rms_norm_row_dispatch() -> None:
         _close(y, want_y, f"{rows} rows of {dtype}")
         if rows == 1 and dtype == torch.bfloat16:
             assert torch.equal(x, x0) and torch.equal(r, r0)
+    assert taken == [torch.bfloat16]  # the one-row kernel for the one 16-bit row only
 
 
 @pytest.mark.parametrize("silu", [False, True])

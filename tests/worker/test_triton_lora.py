@@ -140,6 +140,15 @@ def test_grouped_tiles_match_torch(case, split_k):
     torch.testing.assert_close(got_y, ref_y, rtol=1e-4, atol=1e-4)
 
 
+def test_expand_precision():
+    """Exact products for a float32 model; float32 sums into 16-bit outputs in three TF32
+    products (one would drop ~13 of the sums' bits); 16-bit sums need nothing more."""
+    f32, b16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert triton_lora._expand_precision(f32, f32) == "ieee"
+    assert triton_lora._expand_precision(f32, b16) == "tf32x3"
+    assert triton_lora._expand_precision(b16, b16) == "tf32"
+
+
 def test_shrink_rejects_an_unfit_out():
     x, a, _, _, slot_t, _ = _case(2, 8, 48, (40,), [0, 1], torch.float32)
     for bad in (torch.zeros(2, 9, device=DEVICE), torch.zeros(2, 8, dtype=torch.float16,

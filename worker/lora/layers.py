@@ -65,25 +65,39 @@ class LoRAContext:
         self.scratch_rows = 0
         self.scratch_width = 0  # S*R summed over the layers
         self._forward = 0  # forward passes begun (``begin_forward``)
-        self._rows = 0  # the tokens this pass zeroed the scratch for (0: not yet)
+        # The tokens this pass zeroed the scratch for (0: not yet; -1: no pass open, the model's
+        # forward hooks bracket each: a block is only ever handed out inside one).
+        self._rows = -1
 
-    def use_scratch(self, width: int, max_rows: int) -> None:
-        """Give the shrinks of passes of up to ``max_rows`` tokens (0: none) the scratch
-        buffer, for layers of ``width`` summed S*R."""
-        self.scratch_rows, self.scratch_width = max_rows, width
-        self.scratch = (torch.empty(max_rows * width, dtype=torch.float32,
-                                    device=self.token_slots.device) if max_rows else None)
+    def use_scratch(self, layers: list[LoRALayer], max_rows: int, max_bytes: int) -> None:
+        """Give the shrinks of ``layers`` (in model order) blocks of one scratch buffer for
+        passes of up to ``max_rows`` tokens, in at most ``max_bytes`` (fewer rows if need
+        be; none fit: no scratch)."""
+        width = 0
+        for layer in layers:
+            layer.scratch_at = width
+            # (Each block 16-byte aligned whatever the row count: vector loads and stores.)
+            width += -(-layer.a.shape[1] // 4) * 4
+        rows = min(max_rows, max_bytes // (torch.float32.itemsize * max(width, 1)))
+        self.scratch_rows, self.scratch_width = rows, width
+        self.scratch = (torch.empty(rows * width, dtype=torch.float32,
+                                    device=self.token_slots.device) if rows > 0 else None)
 
     def begin_forward(self) -> None:
         """A forward pass starts (the model's pre-hook): its first shrink zeroes the scratch."""
         self._forward += 1
         self._rows = 0
 
+    def end_forward(self) -> None:
+        """The pass is over (the model's forward hook): no blocks until the next begins."""
+        self._rows = -1
+
     def zeroed(self, layer: LoRALayer, rows: int) -> torch.Tensor | None:
-        """``layer``'s zeroed float32 [rows, S*R] block of the scratch for this pass, or None
-        (no scratch, too many rows, or not the pass's shape or first use: a block is written
-        once per zeroing, so a pass without ``begin_forward`` falls back to zeroing its own)."""
-        if self.scratch is None or not 0 < rows <= self.scratch_rows or \
+        """``layer``'s zeroed float32 [rows, S*R] block of the scratch for this pass, or None:
+        no scratch or no pass open, too many rows, or not the pass's row count or the layer's
+        first use in it (a block is written once per zeroing); the shrink then zeroes an
+        output of its own."""
+        if self.scratch is None or self._rows < 0 or not 0 < rows <= self.scratch_rows or \
                 layer.scratch_pass == self._forward or torch.compiler.is_compiling():
             return None
         if not self._rows:

@@ -101,14 +101,12 @@ class LoRAManager:
             self.ctx.tiles = torch.zeros(3, self._tiles_cap, dtype=torch.int32, device=device)
         if self.segmented and not config.runner.compilation.enabled:
             # One scratch buffer for the small passes' shrink outputs (``LoRAContext``), each
-            # layer a block in model order; the model's pre-hook marks each pass's start.
-            width = 0
-            for layer in self.slots.layers:
-                layer.scratch_at = width
-                width += layer.a.shape[1]
-            self.ctx.use_scratch(width, min(max_num_tokens, _SCRATCH_ROWS,
-                                            _SCRATCH_BYTES // (4 * max(width, 1))))
-            model.register_forward_pre_hook(lambda module, args: self.ctx.begin_forward())
+            # layer a block in model order; the model's hooks open and close each pass.
+            ctx = self.ctx
+            ctx.use_scratch(self.slots.layers, min(max_num_tokens, _SCRATCH_ROWS),
+                            _SCRATCH_BYTES)
+            model.register_forward_pre_hook(lambda _module, _args: ctx.begin_forward())
+            model.register_forward_hook(lambda _module, _args, _out: ctx.end_forward())
         self.requests: dict[str, LoRARequest] = {}
         # Two pinned staging buffers, used in turn; an event says when the device has read
         # one (async scheduling writes step N+1's while step N may not have copied yet).

@@ -83,21 +83,40 @@ def load_adapter(lora: LoRARequest, arch: ArchSpec, max_rank: int, dtype: torch.
     except (OSError, SafetensorError) as exc:
         raise LoRAAdapterError(f"cannot read {spec.weights_file}: {exc}") from None
     if pin:
-        _pin(out, dtype)
+        pack(out, dtype, pin_memory=True)
     return out
 
 
-def _pin(adapter: LoadedAdapter, dtype: torch.dtype) -> None:
-    """Move the adapter's matrices into one pinned buffer: one page-locked allocation, not one
-    per matrix (448 for Llama-8B at rank 16)."""
-    tensors = [t for ab in adapter.weights.values() for t in ab]
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=True)
-    at = 0
-    for key, (a, b) in adapter.weights.items():
-        views = []
-        for t in (a, b):
+# Bytes per pinned host buffer an adapter's matrices are packed into (``pack``). The
+# pinned-memory allocator rounds each allocation up to a power of two: one buffer for a whole
+# Llama-8B rank-16 adapter (80 MiB) would pin 128 MiB; one per matrix is 448 allocations.
+_PIN_BUFFER_BYTES = 16 << 20
+
+
+def pack(adapter: LoadedAdapter, dtype: torch.dtype, pin_memory: bool,
+         buffer_bytes: int = _PIN_BUFFER_BYTES) -> int:
+    """Move the adapter's matrices (all of ``dtype``) into a few buffers of about
+    ``buffer_bytes`` each, pinned with ``pin_memory`` (page-locked allocations are slow to
+    make: one per matrix made most of a hot load); returns how many buffers."""
+    items = [(key, i, t) for key, ab in adapter.weights.items() for i, t in enumerate(ab)]
+    cap = max([buffer_bytes // dtype.itemsize] + [t.numel() for *_, t in items])
+    bins: list[list[tuple[tuple[int, str], int, torch.Tensor]]] = [[]]
+    used = 0
+    for item in items:
+        if used + item[2].numel() > cap:
+            bins.append([])
+            used = 0
+        bins[-1].append(item)
+        used += item[2].numel()
+    moved = {key: list(ab) for key, ab in adapter.weights.items()}
+    for group in bins:
+        flat = torch.empty(sum(t.numel() for *_, t in group), dtype=dtype,
+                           pin_memory=pin_memory)
+        at = 0
+        for key, i, t in group:
             view = flat[at:at + t.numel()].view(t.shape)
             view.copy_(t)
-            views.append(view)
+            moved[key][i] = view
             at += t.numel()
-        adapter.weights[key] = (views[0], views[1])
+    adapter.weights = {key: (a, b) for key, (a, b) in moved.items()}
+    return len(bins)

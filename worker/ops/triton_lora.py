@@ -264,9 +264,11 @@ _GROUPED_SHRINK_PROGRAMS = 1024
 
 def _expand_block_n(out_features: int, block_r: int) -> int:
     """Outputs per program of the segmented expand: wide blocks (gate/up's 28,672 outputs at
-    64 a program were 3,584 programs of one load each, 19 µs; 12 µs at 256), narrower for
-    large ranks (B's [BLOCK_R, BLOCK_N] tile sits in registers)."""
-    return max(16, min(256 if out_features >= 16384 else 128, 16384 // block_r))
+    64 a program were 3,584 programs of one load each, 19 µs; 12 µs at 256; measured at rank
+    16), narrower for large ranks: B's [BLOCK_R, BLOCK_N] tile sits in registers, widened to
+    float32 (and split in two for tf32x3) when the shrink's sums are float32, so at most 8,192
+    elements (rank 64: 128 outputs, rank 256: 32)."""
+    return max(16, min(256 if out_features >= 16384 else 128, 8192 // block_r))
 
 
 _ROW_CHUNK = 4096  # elements of the row the normed shrink sums squares over at a time

@@ -258,7 +258,8 @@ def fused_moe_direct(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if pdl is None:
         pdl = _pdl_default(hidden.device)
     gate_up(hidden, w13, ids, act, cfg.w13, w13_scale, trigger=pdl, pdl=pdl)
-    down(act, w2, ids, weights, out, cfg.w2, w2_scale, pdl=pdl)
+    # (A PDL launch that failed just now switched PDL off for the process: not tried again.)
+    down(act, w2, ids, weights, out, cfg.w2, w2_scale, pdl=pdl and _pdl_default(hidden.device))
     return out
 
 
@@ -294,11 +295,8 @@ def gate_up(hidden: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, act: tor
                   EVEN_N=i % shape.block_n == 0, EVEN_K=h % shape.block_k == 0, EVICT=_evict(),
                   W_SCALE=fp8, TRIGGER=trigger, UNROLL=_unroll(h, shape),
                   num_warps=shape.num_warps)
-    grid = (triton.cdiv(i, shape.block_n) * pairs,)
-    if pdl:
-        triton_decode.launch(_gate_up_kernel, grid, args, kwargs, True)
-    else:
-        _gate_up_kernel[grid](*args, **kwargs, PDL=False)
+    triton_decode.launch(_gate_up_kernel, (triton.cdiv(i, shape.block_n) * pairs,), args,
+                         kwargs, pdl)
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -318,11 +316,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.
                   BLOCK_N=shape.block_n, BLOCK_K=shape.block_k, EVEN_N=h % shape.block_n == 0,
                   EVEN_K=i % shape.block_k == 0, EVICT=_evict(), W_SCALE=fp8,
                   UNROLL=_unroll(i, shape), num_warps=shape.num_warps)
-    grid = (triton.cdiv(h, shape.block_n) * t,)
-    if pdl:
-        triton_decode.launch(_down_kernel, grid, args, kwargs, True)
-    else:
-        _down_kernel[grid](*args, **kwargs, PDL=False)
+    triton_decode.launch(_down_kernel, (triton.cdiv(h, shape.block_n) * t,), args, kwargs, pdl)
 
 
 # K chunks a kernel unrolls at most (Qwen3-30B-A3B's have 1 and 3; Mixtral's down, 14, spilled
