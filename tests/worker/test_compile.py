@@ -98,6 +98,10 @@ def test_compiled_tokens_match_eager_with_one_trace(compiled, eager_out):
     _assert_same(got, eager_out)
     assert got[-1][2] >= 32, "the last prompt should have hit the prefix cache"
     stats = _runner(compiled).compiled.stats
+    # Dynamo and Inductor were imported on a side thread while the model loaded, joined
+    # before the compile phase.
+    worker = compiled.engine.core.executor.worker
+    assert worker._compiler_import is None and "compiler imports" in worker.startup.phases
     # One trace served every step: the start-up's, prefill chunks, mixed steps, decode
     # batches of 3, 2 and 1, a prefix hit (async scheduling on throughout).
     assert stats.dynamo_traces == 1
