@@ -11,10 +11,13 @@
 #   qwen3-nano     Qwen3-30B-A3B: nano-vllm's workload, output tok/s and its roofline ratio
 #   deepseek-lat   DeepSeek-V2-Lite: decode batch 1 and 256 at context 4096 (MBU target 70 %),
 #                  the latent KV bytes per token against MHA (target >= 7x smaller)
-#   mixtral-lat    Mixtral-8x7B: decode batch 1 (MBU target 75 %); 94 GB of weights, so only on
-#                  a GPU of >= 100 GB (H200); skipped with a message otherwise
-# MOE_BENCH_RUNS picks runs (default: all four, in that order); each run has a time limit so the
-# whole script stays under ~8 minutes. JSON, logs and a summary in $OUT.
+#   mixtral-lat    Mixtral-8x7B: decode batch 1 (MBU target 75 %); 94 GB of weights, so whole
+#                  only on a GPU of >= 100 GB (H200); on a smaller one a PROXY with 16 of its 32
+#                  layers (bench_latency --num-layers 16, labelled so in its JSON)
+#   qwen3-profile  (not in the default list) Qwen3-30B-A3B decode batch 1 with the profiler's
+#                  kernel table: where a batch-1 step's time goes
+# MOE_BENCH_RUNS picks runs (default: the first four, in that order); each run has a time limit
+# so the whole script stays under ~8 minutes. JSON, logs and a summary in $OUT.
 set -uo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/gpu_imports.sh"
 OUT="${OUT:-$REPO/gpu_moe_bench_out}"
@@ -55,14 +58,20 @@ for r in $RUNS; do
         --batches 1,256 --context 4096 --repeats 3 --prefill "" \
         --gpu-memory-utilization 0.95 --out "$OUT/deepseek-lat.json" ;;
     mixtral-lat)
+      layers=()
       if [ "$GPU_GIB" -lt 100 ]; then
-        echo "== mixtral-lat skipped: Mixtral-8x7B's 94 GB of bf16 weights need a GPU of >= 100 GB" \
-          "(this one has ${GPU_GIB} GiB; run it on an H200)"
-      else
-        run mixtral-lat 170 python3 tools/bench_latency.py --shape mixtral-8x7b --batches 1 \
-          --context 1024 --repeats 3 --prefill "" --out "$OUT/mixtral-lat.json"
-      fi ;;
-    *) echo "== unknown run $r (qwen3-lat qwen3-nano deepseek-lat mixtral-lat)"; status=1 ;;
+        echo "== mixtral-lat: Mixtral-8x7B's 94 GB of bf16 weights need a GPU of >= 100 GB" \
+          "(this one has ${GPU_GIB} GiB; whole on an H200): a PROXY of 16 layers instead"
+        layers=(--num-layers 16)
+      fi
+      run mixtral-lat 170 python3 tools/bench_latency.py --shape mixtral-8x7b "${layers[@]}" \
+        --batches 1 --context 1024 --repeats 3 --prefill "" --out "$OUT/mixtral-lat.json" ;;
+    qwen3-profile)
+      run qwen3-profile 170 python3 tools/bench_latency.py --shape qwen3-30b-a3b --batches 1 \
+        --context 1024 --repeats 3 --prefill "" --gpu-memory-utilization 0.95 --profile \
+        --profile-out "$OUT/qwen3-profile.txt" --out "$OUT/qwen3-profile.json" ;;
+    *) echo "== unknown run $r (qwen3-lat qwen3-nano deepseek-lat mixtral-lat qwen3-profile)"
+       status=1 ;;
   esac
 done
 
@@ -78,6 +87,8 @@ for f in sorted(out.glob("*.json")):
     r = json.loads(f.read_text())
     dev = r.get("device")
     if r.get("benchmark") == "latency":
+        if r.get("layers_override"):
+            print(f"{r['shape']}: a PROXY with {r['num_layers']} layers")
         for d in r["decode"]:
             t = targets.get((r["shape"], d["batch"]))
             print(f"{r['shape']} decode batch {d['batch']} context {d['context']}: "
