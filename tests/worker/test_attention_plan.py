@@ -37,3 +37,15 @@ def test_split_stages_setting_reaches_the_plan(monkeypatch) -> None:
     # Prefill plans are not split decodes: their stages do not follow the setting.
     prefill = ap.plan_triton_attention(512, 1, 512, 32, 8, 128, torch.bfloat16, DEVICE)
     assert not prefill.decode_only and prefill.num_stages == 2
+
+
+def test_batch_one_gets_one_tile_per_split_up_to_2k_positions() -> None:
+    """A batch-1 decode of 4 KV heads (Qwen3-30B-A3B) on 132 SMs splits its context 32 ways,
+    so a 1.1k context's 18 tiles of 64 go one to a split (at 16 splits, 9 of them ran 2 tiles
+    each and 7 idled); the cap is per caller: the CUDA kernel and MLA keep their 16."""
+    assert ap.MAX_SPLITS == 32
+    plan = _decode_plan(1, 4)
+    assert plan.num_splits == 32 and plan.tile_n == 64
+    assert ap.decode_num_splits(1, 4, DEVICE, max_splits=16) == 16
+    assert ap.decode_num_splits(2, 8, DEVICE) == 17  # 2 x 132 / 16 programs: below the cap
+    assert ap.decode_num_splits(64, 4, DEVICE) == 1  # 256 programs fill the SMs unsplit

@@ -123,8 +123,10 @@ class CudaAttention:
         out: torch.Tensor,
     ) -> None:
         num_tokens, num_heads, head_dim = query.shape
+        # (16 at most: the split count measured for this kernel; the Triton one takes 32.)
         splits = decode_num_splits(
-            num_decodes, kv_cache.shape[3], query.device, programs_per_sm=CUDA_PROGRAMS_PER_SM
+            num_decodes, kv_cache.shape[3], query.device, programs_per_sm=CUDA_PROGRAMS_PER_SM,
+            max_splits=16,
         )
         part_out = part_max = part_sum = None
         if splits > 1:

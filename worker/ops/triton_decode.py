@@ -63,8 +63,10 @@ def pdl_enabled(device: torch.device) -> bool:
 def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
     """``kernel[grid](*args, **kwargs, PDL=pdl)``, with the programmatic-dependent-launch
     attribute when ``pdl``. Should that launch fail outside a graph capture (an old driver, a
-    compiler without griddepcontrol), PDL is switched off for the process and the kernel runs
-    without it."""
+    compiler without griddepcontrol) and the same launch without PDL succeed, PDL is switched
+    off for the process. A launch that fails either way is the kernel's own error (bad
+    arguments, out of resources): it is raised as the plain launch raised it, and PDL stays on
+    for every other kernel."""
     global _PDL
     if pdl:
         try:
@@ -73,9 +75,13 @@ def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
         except Exception as exc:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
-            logger.warning("programmatic dependent launch failed (%s: %s); launching without it "
-                           "from now on", type(exc).__name__, exc)
-            _PDL = False
+            pdl_error = exc
+        kernel[grid](*args, **kwargs, PDL=False)
+        logger.warning("programmatic dependent launch failed (%s: %s) where the plain launch "
+                       "works; launching without it from now on", type(pdl_error).__name__,
+                       pdl_error)
+        _PDL = False
+        return
     kernel[grid](*args, **kwargs, PDL=False)
 
 

@@ -20,7 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.attention_plan import MAX_SPLITS, decode_num_splits, next_pow2
+from tidal.worker.ops.attention_plan import decode_num_splits, next_pow2
+
+# The latent cache's splits at most: the setting its measurements were taken with (the
+# dense attention's MAX_SPLITS went to 32 on measurements of its own kernel).
+MLA_MAX_SPLITS = 16
 
 _LOG2E = 1.4426950408889634
 BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are masked)
@@ -119,7 +123,7 @@ def _mla_decode_kernel(
 def _splits(batch: int, head_groups: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter (tests): exercise the merge
-    return min(MAX_SPLITS, decode_num_splits(batch, head_groups, device))
+    return decode_num_splits(batch, head_groups, device, max_splits=MLA_MAX_SPLITS)
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -78,12 +78,16 @@ def _gate_up_kernel(
     UNROLL: tl.constexpr,  # unroll the loop over K chunks (few of them)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the router's kernel
 ):
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     if PDL:
         # Everything here needs the routing (the expert picks the rows): wait at once. The
         # launch itself is what overlaps the router's tail.
         tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        # Only after the wait: the down kernel reads the routing kernel's ids and weights
+        # before its own wait, and it launches once every program here has triggered. A
+        # trigger before this wait would let it start while the routing kernel, which this
+        # one waits for, still runs.
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # The pairs of one row block run next to each other: two tokens routed to one expert read
     # its rows at about the same time, the second mostly from L2.
@@ -207,8 +211,9 @@ def _down_kernel(
         w_ok = ok[:, None, None] & row_ok[None, :, None]
     w_pre = _slot_rows(w_rows, cols, w_ok, I, EVEN_K, EVICT)
     if PDL:
-        # Ids and router weights come from the routing kernel, complete before the gate/up
-        # kernel started: the first chunk of every slot's rows streams in while it drains.
+        # Ids and router weights come from the routing kernel, complete before any gate/up
+        # program triggered this launch: the first chunk of every slot's rows streams in
+        # while the gate/up kernel drains.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # act is written; out may reuse memory it read
     # The first chunk, then the others: unrolled when few, as in _gate_up_kernel.
