@@ -37,6 +37,7 @@ def _compile(fn: Any, signature: dict[str, str], constants: dict[str, Any]) -> s
 def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     """The rotary + K/V write, split-decode attention and merge kernels, with the time stamps of
     ``tools/bench_decode_chain.py`` on and off."""
+    from tidal.worker.ops import attention_plan as ap
     from tidal.worker.ops import triton_attention_kernels as tak
     from tidal.worker.ops import triton_decode as td
 
@@ -63,7 +64,8 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
             continue
         consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
-                      IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=16, EARLY_V=True, PDL=True,
+                      IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=ap.MAX_SPLITS, EARLY_V=True,
+                      PDL=True,
                       QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False, SOFT_CAP=False,
                       KV_FP8=fp8)
         ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": cache,
@@ -76,8 +78,8 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
                for a in tak._paged_attention_kernel.arg_names}
         cases.append((f"split-decode attention{name}",
                       tak._paged_attention_kernel, sig, consts))
-        consts = dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_P=128, SPLITS_P=16, PDL=True,
-                      TIMES=times)
+        consts = dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_P=128, SPLITS_P=ap.MAX_SPLITS,
+                      PDL=True, TIMES=times)
         sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
                for a in tak._merge_splits_kernel.arg_names}
         cases.append((f"split merge{name}", tak._merge_splits_kernel,

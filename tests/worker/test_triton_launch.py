@@ -17,11 +17,14 @@ class _Kernel:
     def __init__(self, fail_pdl: bool, fail_plain: bool) -> None:
         self.fail_pdl, self.fail_plain = fail_pdl, fail_plain
         self.launches: list[tuple[bool, bool]] = []
+        self.triggers: list[bool] = []
 
     def __getitem__(self, grid):
         def run(*args, PDL: bool, launch_pdl: bool = False, **kwargs):
             self.launches.append((PDL, launch_pdl))
-            if PDL and self.fail_pdl:
+            self.triggers.append(kwargs.get("TRIGGER", False))
+            # (A compiler without griddepcontrol fails on the wait and on the trigger alike.)
+            if (PDL or kwargs.get("TRIGGER")) and self.fail_pdl:
                 raise RuntimeError("griddepcontrol is not supported")
             if self.fail_plain:
                 raise ValueError("bad argument")
@@ -56,3 +59,19 @@ def test_a_kernel_error_is_raised_and_pdl_stays_on():
     with pytest.raises(ValueError):
         triton_decode.launch(plain, (1,), (), {}, False)
     assert plain.launches == [(False, False)] and triton_decode._PDL is True
+
+
+def test_the_fallback_also_drops_the_trigger_of_dependents():
+    """A kernel that lets its dependent launch early (``TRIGGER``) compiles griddepcontrol too:
+    the plain launch goes without it, so an unsupported PDL still falls back."""
+    k = _Kernel(fail_pdl=True, fail_plain=False)
+    triton_decode.launch(k, (1,), (), {"TRIGGER": True}, True)
+    assert k.launches == [(True, True), (False, False)] and k.triggers == [True, False]
+    assert triton_decode._PDL is False
+
+
+def test_the_kernel_error_keeps_the_pdl_error_as_its_cause():
+    k = _Kernel(fail_pdl=True, fail_plain=True)
+    with pytest.raises(ValueError) as info:
+        triton_decode.launch(k, (1,), (), {}, True)
+    assert isinstance(info.value.__cause__, RuntimeError)

@@ -17,7 +17,8 @@ import torch
 
 from tidal.worker.attention.backend import AttentionMetadata
 from tidal.worker.attention.torch_backend import paged_attention_reference, write_kv_reference
-from tidal.worker.ops.attention_plan import CUDA_PROGRAMS_PER_SM, decode_num_splits
+from tidal.worker.ops.attention_plan import (CUDA_MAX_SPLITS, CUDA_PROGRAMS_PER_SM,
+                                             decode_num_splits)
 from tidal.worker.ops.cuda_ext import require_extension
 from tidal.worker.ops.gpu_info import triton_available
 
@@ -123,10 +124,9 @@ class CudaAttention:
         out: torch.Tensor,
     ) -> None:
         num_tokens, num_heads, head_dim = query.shape
-        # (16 at most: the split count measured for this kernel; the Triton one takes 32.)
         splits = decode_num_splits(
             num_decodes, kv_cache.shape[3], query.device, programs_per_sm=CUDA_PROGRAMS_PER_SM,
-            max_splits=16,
+            max_splits=CUDA_MAX_SPLITS,
         )
         part_out = part_max = part_sum = None
         if splits > 1:

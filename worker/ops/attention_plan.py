@@ -24,11 +24,13 @@ MAX_SPLITS = 32
 # split 47 us), the Triton kernel peaks near 2 (its programs already keep more loads in flight).
 TRITON_PROGRAMS_PER_SM = 2
 CUDA_PROGRAMS_PER_SM = 4
+# The CUDA decode kernel's split cap (the setting it was measured at; its reduce takes 64).
+CUDA_MAX_SPLITS = 16
 # Software-pipeline stages of split-decode attention (KernelConfig.attn_split_stages, set by
 # ``kernel_policy.apply_tuning``; TIDAL_ATTN_SPLIT_STAGES). Batch-1 chain
 # of Llama-3.1-8B heads on H100 (tools/bench_decode_chain.py, context 128): 1 stage took a
 # layer from 22.3 to 20.6 us at TP2's heads and from 35.8 to 34.0 at TP1's; at context 4096
-# (four tiles per split) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
+# (four tiles per split, at 16 splits) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
 # 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
 SPLIT_STAGES = 1
 
@@ -68,8 +70,9 @@ class TritonAttentionPlan:
     num_warps: int
     num_stages: int
     grid0: int  # programs along the query axis
-    # Split decodes: issue each tile's V load with its K load (a split program owns one or two
-    # tiles, so there is no loop to pipeline the second round trip behind).
+    # Split decodes: issue each tile's V load with its K load (a split program owns one tile up
+    # to 2k positions, a few beyond, so there is no loop to pipeline the second round trip
+    # behind).
     early_v: bool = True
 
 
@@ -91,7 +94,7 @@ def plan_triton_attention(
         splits = decode_num_splits(num_reqs, num_kv_heads, device)
         # H100 sweep (batch 64/256 x 1024): tile 64, 4 warps, 2 stages reads KV at 93-100% of
         # the device-to-device copy rate; 3-4 stages lost 15-20% at batch 64. Split programs
-        # (few requests) own one tile up to 16 x 64 positions, and the pipelined loop's
+        # (few requests) own one tile up to 32 x 64 positions, and the pipelined loop's
         # set-up then costs more than it hides (see SPLIT_STAGES).
         return TritonAttentionPlan(
             decode_only=True,

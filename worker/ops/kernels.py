@@ -34,7 +34,9 @@ ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-blo
 # row): measured on H200 for Llama-3.1-8B's q/k/v (50 MB) 12.2 + 1.2 us against 15.5, and
 # 3.32 against 3.58 ms for a whole TP=1 step's GEMVs. Qwen3-0.6B's weights (8-12 MB) keep the
 # prologue, and so do Qwen3-30B-A3B's q/k/v (21 MB, a 2048-wide row): on an H100 its batch-1
-# step took 3.035 ms with the prologue against 3.059 with the norm apart (same call).
+# step took 3.035 ms with the prologue against 3.059 with the norm apart (same call, both
+# with a MoE routing variant since reverted, measured level). Weights of 16-32 MB with wider
+# rows (3072-3584: Llama-3.2-3B's, Qwen2.5-7B's q/k/v) are not measured either way.
 # Under tensor parallelism the signal-free all-reduce before the norm computes its
 # statistics instead, for weights of any size. KernelConfig.norm_apart off: always the prologue.
 NORM_APART_MIN_BYTES = 32 << 20

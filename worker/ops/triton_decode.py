@@ -63,10 +63,11 @@ def pdl_enabled(device: torch.device) -> bool:
 def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
     """``kernel[grid](*args, **kwargs, PDL=pdl)``, with the programmatic-dependent-launch
     attribute when ``pdl``. Should that launch fail outside a graph capture (an old driver, a
-    compiler without griddepcontrol) and the same launch without PDL succeed, PDL is switched
-    off for the process. A launch that fails either way is the kernel's own error (bad
-    arguments, out of resources): it is raised as the plain launch raised it, and PDL stays on
-    for every other kernel."""
+    compiler without griddepcontrol) and the same launch without any griddepcontrol (PDL and
+    a ``TRIGGER`` of its dependents off) succeed, PDL is switched off for the process. A
+    launch that fails either way is the kernel's own error (bad arguments, out of resources):
+    the plain launch's error is raised (the PDL one its cause), and PDL stays on for every
+    other kernel."""
     global _PDL
     if pdl:
         try:
@@ -76,7 +77,11 @@ def launch(kernel, grid, args: tuple, kwargs: dict, pdl: bool) -> None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
             pdl_error = exc
-        kernel[grid](*args, **kwargs, PDL=False)
+        plain = dict(kwargs, TRIGGER=False) if "TRIGGER" in kwargs else kwargs
+        try:
+            kernel[grid](*args, **plain, PDL=False)
+        except Exception as exc:
+            raise exc from pdl_error
         logger.warning("programmatic dependent launch failed (%s: %s) where the plain launch "
                        "works; launching without it from now on", type(pdl_error).__name__,
                        pdl_error)
