@@ -65,9 +65,8 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
         consts = dict(NUM_HEADS=16, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=64, DECODE_ONLY=True, SPLIT_KV=True,
                       IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=ap.MAX_SPLITS, EARLY_V=True,
-                      PDL=True,
-                      QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False, SOFT_CAP=False,
-                      KV_FP8=fp8)
+                      PDL=True, QPK_P=4, PRELOAD=True, TIMES=times, WINDOW=False,
+                      SOFT_CAP=False, KV_FP8=fp8)
         ptrs = {"out_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": cache,
                 "v_cache_ptr": cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                 "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",

@@ -30,8 +30,8 @@ CUDA_MAX_SPLITS = 16
 # ``kernel_policy.apply_tuning``; TIDAL_ATTN_SPLIT_STAGES). Batch-1 chain
 # of Llama-3.1-8B heads on H100 (tools/bench_decode_chain.py, context 128): 1 stage took a
 # layer from 22.3 to 20.6 us at TP2's heads and from 35.8 to 34.0 at TP1's; at context 4096
-# (four tiles per split, at 16 splits) the two were level. Whole decode steps on 2xH200: attention 5.8 ->
-# 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
+# (four tiles per split, at 16 splits) the two were level. Whole decode steps on 2xH200:
+# attention 5.8 -> 3.9 us a layer, TP1 3.881 -> 3.825 ms, TP2 2.340 -> 2.280 ms.
 SPLIT_STAGES = 1
 
 
