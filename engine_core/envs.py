@@ -48,6 +48,19 @@ def grammar_fill_threads() -> int | None:
     return int(value) if value else None
 
 
+def grammar_switch_interval() -> float:
+    """``$TIDAL_GRAMMAR_SWITCH_INTERVAL_US`` (default 100): once a mask fill thread runs,
+    the process's GIL switch interval (``sys.setswitchinterval``) is lowered to this (if
+    larger), so the fill job gets the GIL back soon after each native call; 0 leaves it."""
+    return float(os.environ.get("TIDAL_GRAMMAR_SWITCH_INTERVAL_US", "100")) / 1e6
+
+
+def grammar_advance_parallel() -> bool:
+    """``$TIDAL_GRAMMAR_ADVANCE_PARALLEL`` (default 1): llguidance advances a step's matchers
+    on the fill's threads; 0: on one thread of its own (the GIL released either way)."""
+    return os.environ.get("TIDAL_GRAMMAR_ADVANCE_PARALLEL", "1") != "0"
+
+
 def grammar_advance_in_fill() -> bool:
     """``$TIDAL_GRAMMAR_ADVANCE_IN_FILL`` (default 1): a constrained step's fill job also feeds
     each request its previous token, off the engine thread; 0 feeds them on the engine thread

@@ -134,8 +134,15 @@ def main() -> None:
                    help="also report the host time per step in each part of the engine's step "
                         "(scheduling, launch, waiting for the device, grammar advance and fill, "
                         "sampling launch, output processing)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the EngineCore in its own process, as `tidal serve` does (the "
+                        "outputs are processed in this one, beside the engine loop): only the "
+                        "throughputs are measured, not the mask times or time to first mask")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.engine_process and args.phases:
+        p.error("--phases times the engine's methods in this process: not with "
+                "--engine-process")
 
     folder = Path(tempfile.mkdtemp(prefix="bench-structured-"))
     write_model_dir(args.shape, folder, str(TOKENIZER))
@@ -147,9 +154,10 @@ def main() -> None:
         overrides[key] = int(value)
     llm = LLM(str(folder), load_format="dummy", hf_overrides=overrides,
               max_num_seqs=args.batch, max_model_len=args.prompt_len + args.tokens + 16,
-              enable_prefix_caching=False, structured_outputs_backend=args.backend)
-    core = llm.engine.core
-    stats = core.structured.stats
+              enable_prefix_caching=False, structured_outputs_backend=args.backend,
+              multiprocess=args.engine_process)
+    core = None if args.engine_process else llm.engine.core
+    stats = None if core is None else core.structured.stats
     prompts = [[100 + (i * 7 + j) % 5000 for j in range(args.prompt_len)]
                for i in range(args.batch)]
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -181,17 +189,33 @@ def main() -> None:
     advances: list[tuple[int, float]] = []
     for _ in range(args.repeats):
         runs["unconstrained"].append(timed(plain))
-        stats.fills.clear()
-        stats.advances.clear()
+        if stats is not None:
+            stats.fills.clear()
+            stats.advances.clear()
         runs["json_schema"].append(timed(constrained))
-        fills.extend(stats.fills)
-        advances.extend(stats.advances)
+        if stats is not None:
+            fills.extend(stats.fills)
+            advances.extend(stats.advances)
     # Totals over the repeats (runs alternate, so drifting load hits both alike).
     tps = {k: sum(n for _, n in v) / sum(t for t, _ in v) for k, v in runs.items()}
     step = {k: sum(t for t, _ in v) / (len(v) * args.tokens) for k, v in runs.items()}
     per_seq = [dt / n for n, dt in fills]
     per_step = [dt for _, dt in fills]
     advance_per_step = [dt for _, dt in advances]
+
+    result = {
+        "device": device_name(), "shape": args.shape, "layers": args.layers,
+        "backend": args.backend, "engine": "own process" if core is None else "this process",
+        "batch": args.batch, "tokens": args.tokens,
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "throughput_ratio": round(tps["json_schema"] / tps["unconstrained"], 3),
+        "step_ms": {k: round(v * 1e3, 3) for k, v in step.items()},
+        "added_time_per_step": round(step["json_schema"] / step["unconstrained"] - 1, 4),
+    }
+    if stats is None:
+        llm.shutdown()
+        dump(result, args.out)
+        return
 
     # Time to first mask over distinct corpus schemas (cold compile cache for each).
     stats.first_mask_s.clear()
@@ -208,15 +232,9 @@ def main() -> None:
                      use_tqdm=False)
     first = list(stats.first_mask_s)
     compiles = list(stats.compile_s)
-    result = {
-        "device": device_name(), "shape": args.shape, "layers": args.layers,
-        "backend": args.backend,
+    result.update({
         "compiled_by": dict(core.structured._backend.compiled_by),
-        "vocab": core.config.model.vocab_size, "batch": args.batch, "tokens": args.tokens,
-        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-        "throughput_ratio": round(tps["json_schema"] / tps["unconstrained"], 3),
-        "step_ms": {k: round(v * 1e3, 3) for k, v in step.items()},
-        "added_time_per_step": round(step["json_schema"] / step["unconstrained"] - 1, 4),
+        "vocab": core.config.model.vocab_size,
         "mask_fill_us_per_seq": {"p50": us(pct(per_seq, 0.5)), "p99": us(pct(per_seq, 0.99)),
                                  "fills": len(per_seq)},
         "mask_fill_ms_per_step": {"p50": round(pct(per_step, 0.5) * 1e3, 3),
@@ -231,7 +249,7 @@ def main() -> None:
                                   "schemas": len(first), "refused": refused},
         "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
                        "p99": round(pct(compiles, 0.99) * 1e3, 3)},
-    }
+    })
     if phase_ms:
         result["host_ms_per_step"] = phase_ms  # (the last repeat's)
     llm.shutdown()

@@ -33,6 +33,9 @@ class BackendRouter:
         self.words = (model.vocab_size + 31) // 32
         self._num_threads = num_threads
         self._backends: dict[str, GrammarBackend] = {}
+        # The backend while it is the only one built: every matcher is then its own, and a
+        # step's fill skips sorting them out (Python on the fill thread, under the GIL).
+        self._only: GrammarBackend | None = None
         self._hf: Any = None
         self._lock = threading.Lock()
         self.compiled_by = Counter[str]()  # backend -> specs compiled (the benchmark, tests)
@@ -55,6 +58,7 @@ class BackendRouter:
 
                 made = GuidanceBackend(self.model, self._hf)
             self._backends[name] = made
+            self._only = made if len(self._backends) == 1 else None
             return made
 
     def hf_tokenizer(self) -> Any:
@@ -88,6 +92,9 @@ class BackendRouter:
 
     def advance(self, steps: list[tuple[Any, int]]) -> list[bool]:
         """Each matcher consumes its token (by its own backend); whether each took it."""
+        only = self._only
+        if only is not None:
+            return only.advance(steps)
         names = [getattr(m, "backend", "guidance") for m, _ in steps]
         first = names[0]
         if all(n == first for n in names):
@@ -101,6 +108,10 @@ class BackendRouter:
 
     def fill(self, matchers: list[Any], out: np.ndarray) -> None:
         """Row i of ``out`` = matchers[i]'s mask; each backend fills its own rows."""
+        only = self._only
+        if only is not None:
+            only.fill(matchers, out)
+            return
         # llguidance's matchers are its own objects; the others name their backend.
         names = [getattr(m, "backend", "guidance") for m in matchers]
         first = names[0]

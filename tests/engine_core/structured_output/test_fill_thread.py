@@ -76,3 +76,23 @@ def test_background_fill_equals_the_engine_threads(manager, qwen3_tokenizer, adm
         assert (manager.fill_bitmask(["th"]) == -1).all()
     finally:
         manager.drop(["rx", "js", "th"])
+
+
+@pytest.mark.parametrize("setting,expect", [("100", 100e-6), ("0", None), ("1e9", None)])
+def test_fill_thread_lowers_the_switch_interval(monkeypatch, setting, expect):
+    """The first fill thread lowers the process's GIL switch interval to
+    $TIDAL_GRAMMAR_SWITCH_INTERVAL_US (never raises it; 0 leaves it), so a job gets the GIL
+    back soon after each native call while the engine thread runs Python."""
+    import sys
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("TIDAL_GRAMMAR_SWITCH_INTERVAL_US", setting)
+    pool = FillThread()
+    try:
+        sys.setswitchinterval(0.005)
+        pool.submit(lambda: None).wait()
+        now = sys.getswitchinterval()
+        assert now == pytest.approx(0.005 if expect is None else expect, rel=0.01)
+    finally:
+        pool.shutdown()
+        sys.setswitchinterval(before)
