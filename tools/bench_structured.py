@@ -5,6 +5,7 @@ the schema corpus (tools/schema_corpus.py).
     python tools/bench_structured.py --shape qwen3-0.6b --batch 256 --tokens 256     # a GPU
     python tools/bench_structured.py --layers 2 --batch 32 --tokens 64 --corpus 200  # a CPU
     python tools/bench_structured.py --backend xgrammar ...       # auto | guidance | xgrammar
+    python tools/bench_structured.py --engine-process ...  # the EngineCore in its own process
 
 Dummy weights on a shape from bench_common, with the real Qwen3 tokenizer (tests/data/qwen3,
 152k-entry vocabulary) so masks have a realistic size. The constrained workload's schema is an
@@ -15,7 +16,9 @@ sequence per step (each fill's time over its sequences: p50/p99), and the time f
 request's arrival to its first mask (compile included: distinct schemas, cold cache) with the
 compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
 the corpus schemas it would not enforce in full (a pattern next to a length bound) are left out
-of the time to first mask and counted as ``refused``.
+of the time to first mask and counted as ``refused``. ``--engine-process`` runs the EngineCore
+in its own process, as ``tidal serve`` does, while this one processes the outputs (the default
+does both on one thread, as ``LLM`` does): throughputs only.
 """
 
 from __future__ import annotations

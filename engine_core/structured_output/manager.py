@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tidal.engine_core import envs
 from tidal.engine_core.config import ModelConfig, check_backend
 from tidal.engine_core.reasoning_formats import ReasoningFormat
 from tidal.engine_core.structured_output import spec
@@ -223,15 +224,16 @@ class StructuredStats:
 
 
 class StructuredOutputManager:
-    def __init__(self, model: ModelConfig, backend: str = "auto", num_threads: int = 2,
+    def __init__(self, model: ModelConfig, backend: str = "auto", num_threads: int | None = None,
                  reasoning: ReasoningFormat | None = None) -> None:
+        """``num_threads``: the compile pool's (None: ``envs.grammar_compile_threads``)."""
         self.backend_name = check_backend(backend)
         self.model = model
         # --reasoning-parser: grammars wait for the thinking to end; budgets force its end.
         self.reasoning = reasoning
         self._markers: Future[ReasoningMarkers] | None = None  # tokenized on first use
         self._gated: set[str] = set()  # pending requests that get a gate
-        self._num_threads = num_threads
+        self._num_threads = num_threads or envs.grammar_compile_threads()
         self._pool: ThreadPoolExecutor | None = None  # started with the first request
         self._backend: BackendRouter | None = None  # the grammar backends (router.py)
         self._backend_lock = threading.Lock()
