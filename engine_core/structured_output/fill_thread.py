@@ -89,8 +89,8 @@ class FillThread:
 def _lower_switch_interval() -> None:
     # Measured on an H100 host (16 cores), batch 256 under a JSON schema: at the default 5 ms
     # the advance part of the job took 1.45 ms a step against 0.42-0.92 ms of native time: the
-    # rest was the wait for the GIL, and the masks were late by as much. (Once per process:
-    # never raised again, nor put back, as other threads may rely on the lower value.)
+    # rest was the wait for the GIL, and the masks were late by as much. (Only ever lowered,
+    # never put back: other threads of the process may rely on the lower value by then.)
     target = envs.grammar_switch_interval()
     current = sys.getswitchinterval()
     if 0 < target < current:
