@@ -273,12 +273,14 @@ class EngineCore:
             # (or, those in ``handed``, advanced by the fill job before it fills their masks).
             # Their masks fill on the fill thread while this step's outputs are processed; the
             # next call samples the step before it launches anything (`_sample_deferred`).
-            ids = self._needing_masks(mask_later)
+            ids = self.structured.needing_masks(mask_later)
             fill = None
             if ids:
+                buffer = self.executor.grammar_buffer(len(ids))
+                uploader = getattr(self.executor, "grammar_uploader", None)
                 fill = structured.begin_fill(
-                    ids, self.executor.grammar_buffer(len(ids)),
-                    tokens=[handed.get(rid) for rid in ids] if handed else None)
+                    ids, buffer, tokens=[handed.get(rid) for rid in ids] if handed else None,
+                    upload=None if uploader is None else uploader())
                 if handed:
                     self._advanced.append((launched_pending, fill))
             self._deferred = (launched_pending, ids, fill)
@@ -358,12 +360,6 @@ class EngineCore:
         return [rid for rid in sched.req_ids
                 if rid in states and requests[rid].num_placeholders > 0]
 
-    def _needing_masks(self, request_ids: list[str]) -> list[str]:
-        """Those of ``request_ids`` still constrained and under their grammar now (not while
-        thinking freely, not finished by their previous token)."""
-        states = self.structured.states
-        return [rid for rid in request_ids if rid in states and states[rid].needs_mask]
-
     def _attach_grammar_masks(self, sched: SchedulerOutput) -> None:
         """The next-token masks of the constrained requests that sample this step (their
         previous tokens are all collected: without deferred sampling, a constrained request
@@ -378,7 +374,7 @@ class EngineCore:
             sched.grammar_req_ids = ids
             sched.grammar_bitmask = self.structured.fill_draft_bitmask(ids, spec)
             return
-        ids = self._needing_masks(sampling)
+        ids = self.structured.needing_masks(sampling)
         if ids:
             sched.grammar_req_ids = ids
             sched.grammar_bitmask = self.structured.fill_bitmask(ids)

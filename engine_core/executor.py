@@ -62,7 +62,8 @@ class Executor(Protocol):
     # ``grammar_buffer(rows)`` (host memory to fill the masks into), so grammar masks are
     # filled while the step runs; and, a worker in this process (UniprocExecutor),
     # ``sample_lazily(pending, masks)`` / ``launch_due()``, so they are filled while the next
-    # step is prepared too.
+    # step is prepared too, and ``grammar_uploader()``, so they are copied to the device as
+    # soon as they are filled.
 
     def check_health(self) -> None: ...
 
@@ -122,6 +123,12 @@ class UniprocExecutor:
         """An int32 [rows, words] host array (pinned on a GPU) for the next ``finish_sample``'s
         masks: filled in place, it is copied to the device with no host copy first."""
         return self.worker.grammar_buffer(rows)
+
+    def grammar_uploader(self) -> Any:
+        """A function that starts the copy of the buffer ``grammar_buffer`` just handed out
+        to the device, for the filler to call once it is filled (None: the copy is made when
+        the step is sampled)."""
+        return self.worker.grammar_uploader()
 
     def compile_stats(self) -> CompileStats:
         return self.worker.compile_stats()

@@ -54,8 +54,9 @@ def us(x: float) -> float:
 class StepPhases:
     """Host time in each part of the engine's step, by wrapping the methods the step calls
     (instance attributes shadow them; nothing in the engine changes). ``wait`` is the time
-    spent waiting for the device's result; ``outside`` is the LLM loop's own work (output
-    processing) between steps."""
+    spent waiting for the device's result, ``fill_wait`` for a mask fill to end (inside
+    ``runner.prepare_inputs``, where a deferred step is sampled); ``outside`` is the LLM
+    loop's own work (output processing) between steps."""
 
     PARTS = (("step", "core", "step"), ("schedule", "scheduler", "schedule"),
              ("launch", "executor", "execute_model"), ("update", "scheduler",
@@ -63,10 +64,11 @@ class StepPhases:
              ("fill", "structured", "fill_bitmask"), ("sample", "executor", "finish_sample"),
              ("begin_fill", "structured", "begin_fill"),
              ("pick_constrained", "core", "_sampling_constrained"),
-             ("pick_masked", "core", "_needing_masks"), ("stats", "scheduler", "make_stats"))
+             ("pick_masked", "structured", "needing_masks"), ("stats", "scheduler", "make_stats"))
 
     def __init__(self, llm: LLM) -> None:
         from tidal.engine_core import executor as executor_mod
+        from tidal.engine_core.structured_output import fill_thread
 
         core = llm.engine.core
         owners = {"core": core, "scheduler": core.scheduler, "executor": core.executor,
@@ -80,19 +82,23 @@ class StepPhases:
         for name in ("prepare_inputs", "_attach_grammar", "_sample", "_launch_output"):
             if runner is not None and hasattr(runner, name):
                 self._wrap(runner, name, "runner." + name.lstrip("_"), False)
-        deferred = executor_mod.Deferred
-        result = deferred.result
+        # Waits: for the device's result, and for a mask fill to end.
+        self._wrap_class(executor_mod.Deferred, "result", "wait")
+        self._wrap_class(fill_thread.FillJob, "wait", "fill_wait")
+
+    def _wrap_class(self, cls: Any, name: str, label: str) -> None:
+        fn = getattr(cls, name)
         phases = self
 
-        def timed_result(self_: Any) -> Any:
+        def timed(self_: Any) -> Any:
             start = time.perf_counter()
             try:
-                return result(self_)
+                return fn(self_)
             finally:
-                phases.total["wait"] = phases.total.get("wait", 0.0) + (
+                phases.total[label] = phases.total.get(label, 0.0) + (
                     time.perf_counter() - start)
 
-        deferred.result = timed_result  # type: ignore[method-assign]
+        setattr(cls, name, timed)
 
     def _wrap(self, owner: Any, name: str, label: str, count: bool) -> None:
         fn = getattr(owner, name)

@@ -988,6 +988,7 @@ class ModelRunner:
             self.batch, later.logits, later.sampling, self.sampling_builder, later.sample_rows,
             later.sampled_ids, later.so.scheduled_spec_decode_tokens,
             propose=later.so.propose_drafts)
+        self._mask_staging.consumed()
         result = later.result
         result.logprobs = logprobs  # one row per emitted token, in order
         result.failed = later.failed
@@ -1017,6 +1018,7 @@ class ModelRunner:
             self._attach_grammar(so, later.sampling, later.sampled_ids)
         out, bad = self._sample(later.logits, later.sampling, later.sample_rows,
                                 later.sampled_ids)
+        self._mask_staging.consumed()
         if self.config.parallel.tp_devices and self.tp.world_size > 1:
             # Ranks on different devices draw different random numbers: every rank takes the
             # output rank's tokens (its next inputs must agree with the others').
@@ -1063,6 +1065,7 @@ class ModelRunner:
                 so.grammar_req_ids, so.grammar_bitmask = ids, mask
                 self._attach_grammar(so, meta, later.sampled_ids)
             out, bad = self._sample(later.logits, meta, later.sample_rows, later.sampled_ids)
+            self._mask_staging.consumed()
             tokens.copy_(out.token_ids)
             for rid, why in bad.items():
                 later.failed[rid] = why
@@ -1261,6 +1264,11 @@ class ModelRunner:
         """Host memory (pinned on a GPU) for the EngineCore to fill the next step's masks into:
         ``finish_sample`` copies them from there without another host copy."""
         return self._mask_staging.buffer(rows)
+
+    def grammar_uploader(self) -> Callable[[], None] | None:
+        """On a GPU: copies the buffer ``grammar_buffer`` just handed out to the device on a
+        side stream, for the filler to call once it is filled (``MaskStaging.uploader``)."""
+        return self._mask_staging.uploader()
 
     def _attach_grammar(self, so: SchedulerOutput, meta: SamplingMetadata,
                         sampled_ids: list[str], drafts: dict[str, list[int]] | None = None

@@ -25,7 +25,9 @@ What runs:
    where nothing samples); a batch with every sampling feature (greedy,
    temperature with top-k/top-p/min-p, seeded, logprobs with the most top-logprobs, prompt
    logprobs, penalties, logit_bias, min_tokens bans, a chunked prompt finishing next to decodes,
-   a prefix hit); a temperature-only batch (the all-random path).
+   a prefix hit); a temperature-only batch (the all-random path: the one-pass draw), its
+   decodes under grammar masks that allow every token (the same draw reading masks: every
+   row's, then all rows' but the first).
 2. wide sampling (GPU): the largest decode batch, greedy and then with truncation and
    logprobs, so the allocator holds the sampler's peak and the wide kernels are loaded.
 3. attention launches (GPU, Triton or CUDA attention): one mixed step per distinct launch of the
@@ -50,6 +52,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tidal.engine_core.protocol import (
@@ -211,8 +214,14 @@ class _Driver:
         self.pending: Any = None
         self.steps = 0
 
-    def run(self, sched: list[tuple[_Dummy, int]]) -> None:
-        self.launch(self.toy.step(sched))
+    def run(self, sched: list[tuple[_Dummy, int]], mask_from: int | None = None) -> None:
+        so = self.toy.step(sched)
+        if mask_from is not None:  # requests under a grammar mask allowing every token
+            ids = (list(so.cached_reqs.req_ids) + [r.req_id for r in so.new_reqs])[mask_from:]
+            so.grammar_req_ids = ids
+            so.grammar_bitmask = np.full((len(ids), (self.toy.vocab_size + 31) // 32), -1,
+                                         dtype=np.int32)
+        self.launch(so)
 
     def launch(self, so: SchedulerOutput) -> None:
         out = self.worker.execute_model(so)
@@ -313,10 +322,12 @@ class Warmup:
     # --- 1. sampling rounds -------------------------------------------------------------------
 
     def _round(self, reqs: list[tuple[int, int, SamplingParams]], decodes: int,
-               chunked: bool) -> int:
+               chunked: bool, masked: bool = False) -> int:
         """Requests ``(prompt length, prefix hit, params)`` computed in one step (the first one,
         if ``chunked``, only halfway: it finishes its prompt next to the others' first decode),
-        then ``decodes`` decode steps, then finished. Returns the steps run (0: did not fit)."""
+        then ``decodes`` decode steps (``masked``: under grammar masks, every row's on the
+        first, all but the first row's after), then finished. Returns the steps run (0: did
+        not fit)."""
         room = self.max_len - decodes - 2
         reqs = [(min(n, room), min(c, max(0, min(n, room) - 1)), p) for n, c, p in reqs]
         while reqs:
@@ -335,9 +346,10 @@ class Warmup:
         steps = 0
         self.driver.run([(d, todo[d.req_id]) for d in dummies])
         steps += 1
-        for _ in range(decodes):
+        for i in range(decodes):
             # Each request computes what it lacks: a decode (1 token) or the rest of its prompt.
-            self.driver.run([(d, d.tokens - d.computed) for d in dummies])
+            self.driver.run([(d, d.tokens - d.computed) for d in dummies],
+                            min(i, 1) if masked else None)
             steps += 1
         self.toy.finish(dummies)
         return steps
@@ -359,7 +371,7 @@ class Warmup:
         # some rows (next to a prompt's last chunk), then every row in the same order.
         plain = SamplingParams(temperature=1.0)
         n += self._round([(17, 0, plain), (5, 0, plain), (11, 0, plain)], decodes=2,
-                         chunked=True)
+                         chunked=True, masked=True)
         self.report.sampling_steps = n
 
     def _every_feature(self, tiny: bool) -> list[tuple[int, int, SamplingParams]]:

@@ -324,6 +324,10 @@ class Worker:
         """Host memory for the next ``finish_sample``'s masks (``ModelRunner.grammar_buffer``)."""
         return self.runner.grammar_buffer(rows)
 
+    def grammar_uploader(self) -> Any:
+        """``ModelRunner.grammar_uploader``."""
+        return self.runner.grammar_uploader()
+
     def shutdown(self) -> None:
         if self.ready and self._jit_on:
             JIT_WATCH.release()

@@ -6,12 +6,13 @@ thread, that call is host time on every constrained step; run here, it overlaps 
 thread does next (the previous step's output processing, the next step's scheduling) and the
 step's sampling waits only for what is left of it.
 
-Handing over is explicit: ``submit`` waits until this thread has started the job. A thread
-merely woken would otherwise wait for the engine thread to give up the GIL, which a busy Python
-thread does only every ``sys.getswitchinterval()`` (5 ms by default). The job itself needs the
-GIL back after each native call (between advancing the matchers and filling their masks, and
+A woken thread waits for the engine thread to give up the GIL, which a busy Python thread
+does only every ``sys.getswitchinterval()`` (5 ms by default). The job needs the GIL to start
+and again after each native call (between advancing the matchers and filling their masks, and
 to say it is done) while the engine thread runs Python, so the first fill thread lowers the
-switch interval of the process ($TIDAL_GRAMMAR_SWITCH_INTERVAL_US).
+switch interval of the process ($TIDAL_GRAMMAR_SWITCH_INTERVAL_US). With ``handoff``
+($TIDAL_GRAMMAR_FILL_HANDOFF) ``submit`` also waits until this thread has started the job: the
+job starts at once, but the engine thread pays two thread wake-ups for it.
 """
 
 from __future__ import annotations
@@ -30,49 +31,62 @@ logger = logging.getLogger(__name__)
 
 
 class FillJob:
-    __slots__ = ("fn", "args", "started", "done", "error", "seconds")
+    # (Bare locks, not Events: a job is made every step, and an Event is a Condition and a
+    # lock, several times the cost to make, set and wait on.)
+    __slots__ = ("fn", "args", "started", "_running", "error", "seconds")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...],
+                 handoff: bool = False) -> None:
         self.fn = fn
         self.args = args
-        self.started = threading.Event()
-        self.done = threading.Event()
+        self.started = threading.Event() if handoff else None
+        self._running = threading.Lock()  # held until the job has run
+        self._running.acquire()
         self.error: BaseException | None = None
         self.seconds = 0.0
 
     def run(self) -> None:
-        self.started.set()
+        if self.started is not None:
+            self.started.set()
         start = time.perf_counter()
         try:
             self.fn(*self.args)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the engine thread by wait()
             self.error = exc
         self.seconds = time.perf_counter() - start
-        self.done.set()
+        self._running.release()
+
+    @property
+    def done(self) -> bool:
+        return not self._running.locked()
 
     def wait(self) -> float:
         """Block until the job ran; re-raises its error. Returns its run time (seconds)."""
-        self.done.wait()
+        if self._running.locked():
+            with self._running:
+                pass
         if self.error is not None:
             raise self.error
         return self.seconds
 
 
 class FillThread:
-    def __init__(self) -> None:
+    def __init__(self, handoff: bool | None = None) -> None:
         self._jobs: queue.SimpleQueue[FillJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.handoff = envs.grammar_fill_handoff() if handoff is None else handoff
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> FillJob:
-        """Run ``fn(*args)`` on the fill thread; returns once it has started."""
+        """Run ``fn(*args)`` on the fill thread; with ``handoff``, returns once it started."""
         if self._thread is None or not self._thread.is_alive():
             _lower_switch_interval()
             self._thread = threading.Thread(target=self._loop, name="tidal-mask-fill",
                                             daemon=True)
             self._thread.start()
-        job = FillJob(fn, args)
+        job = FillJob(fn, args, self.handoff)
         self._jobs.put(job)
-        job.started.wait()
+        if job.started is not None:
+            job.started.wait()
         return job
 
     def _loop(self) -> None:

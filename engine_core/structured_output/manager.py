@@ -34,10 +34,12 @@ mask (``valid_drafts``, ``fill_draft_bitmask``).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,7 +77,7 @@ class GrammarState:
     matcher: Any  # backend.Matcher: this sequence's own; None: a thinking budget alone
     kind: str
     submitted: float  # perf_counter when the request arrived (time to first mask)
-    masks: int = 0
+    first_due: bool = True  # no mask filled yet (StructuredOutputManager._count_masks)
     # With --reasoning-parser: where the request is in its thinking (reasoning_gate.py).
     gate: ReasoningGate | None = None
 
@@ -85,15 +87,19 @@ class GrammarState:
 
 
 def _advance_and_fill(backend: Any, steps: list[tuple[Any, int]] | None, matchers: list[Any],
-                      target: np.ndarray, fill: _Fill) -> None:
+                      target: np.ndarray, fill: _Fill,
+                      upload: Callable[[], None] | None = None) -> None:
     """The fill job: the matchers of ``steps`` consume their tokens (``fill.accepted``: which
-    took them), then ``matchers`` fill ``target``. Both native calls release the GIL."""
+    took them), then ``matchers`` fill ``target``, then ``upload`` starts its copy to the
+    device. Both native calls release the GIL."""
     start = time.perf_counter()
     if steps:
         fill.accepted = backend.advance(steps)
     mid = time.perf_counter()
     backend.fill(matchers, target)
     fill.advance_s, fill.fill_s = mid - start, time.perf_counter() - mid
+    if upload is not None:
+        upload()
 
 
 def _refused(tokens: list[int], m: Any) -> str:
@@ -115,7 +121,7 @@ class _Fill:
     """A mask fill under way (``StructuredOutputManager._start_fill``)."""
 
     manager: StructuredOutputManager
-    pairs: list[tuple[Any, ReasoningGate | None]]
+    gates: list[ReasoningGate | None] | None  # each row's (None: no row has one)
     rows: list[int]  # the rows the grammar fills
     out: np.ndarray
     part: np.ndarray | None = None  # the grammar rows' masks, when not every row is one
@@ -134,9 +140,10 @@ class _Fill:
         out = self.out
         if self.part is not None:
             out[self.rows] = self.part
-        for i, (_, gate) in enumerate(self.pairs):
-            if gate is not None:
-                gate.shape_mask(out[i])
+        if self.gates is not None:
+            for i, gate in enumerate(self.gates):
+                if gate is not None:
+                    gate.shape_mask(out[i])
         return self.rows
 
 
@@ -145,37 +152,55 @@ class PendingFill:
     """``StructuredOutputManager.begin_fill``'s result: ``wait()`` returns the masks."""
 
     manager: StructuredOutputManager
+    request_ids: list[str]
     states: list[GrammarState]
     fill: _Fill
     done: bool = False
-    # The requests whose matchers the fill advanced first: (id, state, token).
-    advanced: list[tuple[str, GrammarState, int]] = field(default_factory=list)
+    # The matchers the fill advanced first and their tokens; their rows (None: every row).
+    adv_matchers: list[Any] = field(default_factory=list)
+    adv_tokens: list[int] = field(default_factory=list)
+    adv_rows: list[int] | None = None
 
     def wait(self) -> np.ndarray:
         if not self.done:
             self.done = True
             masked = self.fill.finish()
-            self.manager._count_masks([self.states[i] for i in masked])
+            if self.manager._first_due:
+                states = self.states
+                self.manager._count_masks(
+                    states if len(masked) == len(states) else [states[i] for i in masked])
         return self.fill.out
 
     def verdicts(self) -> list[tuple[str, str]]:
         """``advance``'s verdicts on the tokens the fill advanced the matchers by, for the
         requests that have one (the grammar complete: "stop"; a token refused: the error) and
         are still the same requests (not aborted meanwhile). Waits for the fill."""
-        if not self.advanced:
+        if not self.adv_matchers:
             return []
         self.wait()
+        accepted = self.fill.accepted
+        # (This runs for every row of every step: the calls go through C loops.)
+        stopped = list(map(_IS_STOPPED, self.adv_matchers))
+        if all(accepted) and not any(stopped):
+            return []
+        flagged = [k for k, (ok, done) in enumerate(zip(accepted, stopped)) if done or not ok]
+        rows = self.adv_rows
         states = self.manager.states
         found = []
-        for (rid, state, token), ok in zip(self.advanced, self.fill.accepted):
+        for k in flagged:
+            i = k if rows is None else rows[k]
+            rid, state = self.request_ids[i], self.states[i]
             if states.get(rid) is not state:
                 continue
             m = state.matcher
-            if not ok:
-                found.append((rid, _refused([token], m)))
-            elif m.is_stopped():
+            if not accepted[k]:
+                found.append((rid, _refused([self.adv_tokens[k]], m)))
+            else:
                 found.append((rid, "stop"))
         return found
+
+
+_IS_STOPPED = operator.methodcaller("is_stopped")
 
 
 @dataclass(slots=True)
@@ -245,6 +270,10 @@ class StructuredOutputManager:
         self.pending: dict[str, tuple[Request, Future[Any]]] = {}
         # Requests in the scheduler with a grammar: id -> state.
         self.states: dict[str, GrammarState] = {}
+        # Of ``states``: how many have a reasoning gate, and how many no mask yet (each step's
+        # work over every row skips what these say none needs).
+        self._gated_states = 0
+        self._first_due = 0
         self.stats = StructuredStats()
         self._submitted: dict[str, float] = {}
         # Not yet reported (SchedulerStats): (backend, compile seconds) appended by pool threads,
@@ -329,9 +358,12 @@ class StructuredOutputManager:
             if markers is not None:
                 gate = ReasoningGate.start(markers.result(), req.prompt_token_ids,
                                            req.sampling_params.thinking_token_budget)
+            self._drop_state(rid)
             self.states[rid] = GrammarState(matcher, "none" if params is None else params.kind,
                                             self._submitted.pop(rid, time.perf_counter()),
                                             gate=gate)
+            self._first_due += 1
+            self._gated_states += gate is not None
             ready.append(req)
         return ready, failed
 
@@ -355,9 +387,25 @@ class StructuredOutputManager:
         for rid in request_ids:
             self.pending.pop(rid, None)
             self._templates_of.pop(rid, None)
-            self.states.pop(rid, None)
+            self._drop_state(rid)
             self._submitted.pop(rid, None)
             self._gated.discard(rid)
+
+    def _drop_state(self, rid: str) -> None:
+        state = self.states.pop(rid, None)
+        if state is not None:
+            self._gated_states -= state.gate is not None
+            if state.first_due:
+                state.first_due = False
+                self._first_due -= 1
+
+    def needing_masks(self, request_ids: list[str]) -> list[str]:
+        """Those of ``request_ids`` still constrained and under their grammar now (not while
+        thinking freely, not finished by their previous token)."""
+        states = self.states
+        if not self._gated_states:
+            return [rid for rid in request_ids if rid in states]
+        return [rid for rid in request_ids if rid in states and states[rid].needs_mask]
 
     # --- compile (pool threads) ---------------------------------------------------------------
 
@@ -392,8 +440,8 @@ class StructuredOutputManager:
         return self.begin_fill(request_ids, out, background=False).wait()
 
     def begin_fill(self, request_ids: list[str], out: np.ndarray | None = None,
-                   background: bool = True, tokens: list[int | None] | None = None
-                   ) -> PendingFill:
+                   background: bool = True, tokens: list[int | None] | None = None,
+                   upload: Callable[[], None] | None = None) -> PendingFill:
         """Start ``fill_bitmask``: with ``background``, the backend's native fill runs on the
         fill thread (fill_thread.py) while the caller goes on; ``wait()`` on the result
         finishes it. The requests' matchers must not move in between (the engine advances
@@ -402,20 +450,39 @@ class StructuredOutputManager:
         ``tokens[i]`` (not None): request i's newest token, which its matcher consumes first,
         in the same job (what ``advance`` does, moved off the caller's thread), and
         ``PendingFill.verdicts`` then says what ``advance`` would have. Only for requests
-        without a reasoning gate, whose matcher takes every token as it comes."""
-        states = [self.states[rid] for rid in request_ids]
+        without a reasoning gate, whose matcher takes every token as it comes.
+
+        ``upload`` (the executor's ``grammar_uploader()`` for ``out``): called by the job once
+        the masks are filled, when nothing is left to write into ``out`` after it (no row
+        under a reasoning gate or outside its grammar)."""
+        states_of = self.states
+        states = [states_of[rid] for rid in request_ids]
         out = self._mask_array(len(states), out)
-        advanced: list[tuple[str, GrammarState, int]] = []
+        pending = PendingFill(self, request_ids, states, None)  # type: ignore[arg-type]
+        all_matchers = [s.matcher for s in states]
+        steps = None
         if tokens is not None:
-            for rid, state, token in zip(request_ids, states, tokens):
-                if token is not None:
-                    if state.gate is not None or state.matcher is None:
-                        raise ValueError(f"request {rid}: only a matcher without a reasoning "
-                                         f"gate is advanced by its fill")
-                    advanced.append((rid, state, token))
-        steps = [(s.matcher, t) for _, s, t in advanced]
-        return PendingFill(self, states, self._start_fill(
-            [(s.matcher, s.gate) for s in states], out, background, steps), advanced=advanced)
+            if None in tokens:
+                rows = [i for i, t in enumerate(tokens) if t is not None]
+                pending.adv_rows = rows
+                matchers = [all_matchers[i] for i in rows]
+                toks = [tokens[i] for i in rows]
+            else:  # (the common case: every row)
+                rows = None
+                matchers = all_matchers
+                toks = tokens  # type: ignore[assignment]
+            if self._gated_states or None in matchers:
+                for k, m in enumerate(matchers):
+                    i = k if rows is None else rows[k]
+                    if states[i].gate is not None or m is None:
+                        raise ValueError(f"request {request_ids[i]}: only a matcher without a "
+                                         f"reasoning gate is advanced by its fill")
+            pending.adv_matchers, pending.adv_tokens = matchers, toks
+            steps = list(zip(matchers, toks))
+        pending.fill = self._start_fill(
+            all_matchers, [s.gate for s in states] if self._gated_states else None, out,
+            background, steps, upload)
+        return pending
 
     def _mask_array(self, rows: int, out: np.ndarray | None) -> np.ndarray:
         shape = (rows, (self.model.vocab_size + 31) // 32)
@@ -425,38 +492,47 @@ class StructuredOutputManager:
             raise ValueError(f"mask buffer {out.shape} {out.dtype}, expected {shape} int32")
         return out
 
-    def _fill(self, pairs: list[tuple[Any, ReasoningGate | None]], out: np.ndarray
-              ) -> list[int]:
-        """Row i of ``out`` = the next-token mask of matcher and gate ``pairs[i]`` (a matcher
-        of None: no grammar; a gate of None: no reasoning parser). Returns the rows the
-        grammar filled."""
-        return self._start_fill(pairs, out, background=False).finish()
+    def _fill(self, matchers: list[Any], gates: list[ReasoningGate | None] | None,
+              out: np.ndarray) -> list[int]:
+        """Row i of ``out`` = the next-token mask of ``matchers[i]`` (None: no grammar) under
+        ``gates[i]`` (None: no reasoning parser; ``gates`` None: none has one). Returns the
+        rows the grammar filled."""
+        return self._start_fill(matchers, gates, out, background=False).finish()
 
-    def _start_fill(self, pairs: list[tuple[Any, ReasoningGate | None]], out: np.ndarray,
-                    background: bool, steps: list[tuple[Any, int]] | None = None) -> _Fill:
+    def _start_fill(self, matchers: list[Any], gates: list[ReasoningGate | None] | None,
+                    out: np.ndarray, background: bool,
+                    steps: list[tuple[Any, int]] | None = None,
+                    upload: Callable[[], None] | None = None) -> _Fill:
         # Rows under their grammar now; the others (thinking, forcing an end) start all ones.
         # (``steps``' matchers have no gate: their rows are grammar rows.)
-        rows = [i for i, (m, g) in enumerate(pairs)
-                if m is not None and (g is None or g.grammar_applies)]
-        fill = _Fill(self, pairs, rows, out)
+        if gates is None:
+            rows = (list(range(len(matchers))) if None not in matchers
+                    else [i for i, m in enumerate(matchers) if m is not None])
+        else:
+            rows = [i for i, (m, g) in enumerate(zip(matchers, gates))
+                    if m is not None and (g is None or g.grammar_applies)]
+        fill = _Fill(self, gates, rows, out)
         if not rows:
             out.fill(-1)
             return fill
         backend = self._backend
         assert backend is not None
-        if len(rows) == len(pairs):
+        if len(rows) == len(matchers):
             target = out
+            if gates is not None:
+                upload = None  # (the gates write into ``out`` after the job)
         else:
+            upload = None
             out.fill(-1)
             target = fill.part = np.empty((len(rows), out.shape[1]), dtype=np.int32)
-        matchers = [pairs[i][0] for i in rows]
+            matchers = [matchers[i] for i in rows]
         if background:
             if self._fill_thread is None:
                 self._fill_thread = FillThread()
             fill.job = self._fill_thread.submit(_advance_and_fill, backend, steps, matchers,
-                                                target, fill)
+                                                target, fill, upload)
         else:
-            _advance_and_fill(backend, steps, matchers, target, fill)
+            _advance_and_fill(backend, steps, matchers, target, fill, upload)
             self._record(fill)
         return fill
 
@@ -466,11 +542,15 @@ class StructuredOutputManager:
             self.stats.advances.append((len(fill.accepted), fill.advance_s))
 
     def _count_masks(self, states: list[GrammarState]) -> None:
+        """The time to first mask of those of ``states`` that had none yet."""
+        if not self._first_due:
+            return
         now = time.perf_counter()
         for s in states:
-            if not s.masks:
+            if s.first_due:
+                s.first_due = False
+                self._first_due -= 1
                 self.stats.first_mask_s.append(now - s.submitted)
-            s.masks += 1
 
     # --- speculative decoding (engine loop) ---------------------------------------------------
 
@@ -524,7 +604,8 @@ class StructuredOutputManager:
                     break
                 rows = first[active] + j
                 target = np.empty((len(active), out.shape[1]), dtype=np.int32)
-                masked = self._fill([(states[i].matcher, gates[i]) for i in active], target)
+                masked = self._fill([states[i].matcher for i in active],
+                                    [gates[i] for i in active], target)
                 out[rows] = target
                 if j == 0:
                     self._count_masks([states[active[k]] for k in masked])

@@ -111,10 +111,37 @@ def test_sampler_respects_the_mask_greedy_and_random():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
 def test_mask_staging_copies_from_pinned_slots():
     staging = MaskStaging(words=5, device=torch.device("cuda"), slots=2)
-    for step in range(5):  # slots reused: each waits for its previous copy
-        buf = staging.buffer(3)
+    # Slots reused (each waits for its previous copy); the device buffer reused, grown, and
+    # only its first rows handed out.
+    for step, rows in enumerate((3, 3, 6, 2, 4)):
+        buf = staging.buffer(rows)
         buf[:] = step
         dev = staging.to_device(buf)
-        assert torch.equal(dev.cpu(), torch.full((3, 5), step, dtype=torch.int32))
+        assert torch.equal(dev.cpu(), torch.full((rows, 5), step, dtype=torch.int32))
     other = np.arange(10, dtype=np.int32).reshape(2, 5)  # not a staging buffer: pinned copy
     assert torch.equal(staging.to_device(other).cpu(), torch.from_numpy(other))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream upload needs a GPU")
+def test_mask_staging_uploads_on_a_side_stream_and_waits_for_the_last_reader():
+    """The fill thread's upload: the sampling stream waits for it, and an upload into a slot
+    waits for the sampling that read that slot's device buffer last (the main stream kept
+    busy, so a missing wait would read the next step's masks)."""
+    import threading
+
+    staging = MaskStaging(words=4096, device=torch.device("cuda"), slots=2)
+    read = []
+    for step in range(6):
+        buf = staging.buffer(64)
+        buf[:] = step
+        upload = staging.uploader()
+        assert upload is not None
+        worker = threading.Thread(target=upload)  # (as the fill thread calls it)
+        worker.start()
+        worker.join()
+        dev = staging.to_device(buf)
+        torch.cuda._sleep(2_000_000)  # the forward pass and sampling ahead on the stream
+        read.append(dev.sum(dtype=torch.int64))  # the sampling's read
+        staging.consumed()
+    torch.cuda.synchronize()
+    assert [int(r) for r in read] == [step * 64 * 4096 for step in range(6)]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.ops import fp8_scaled_mm, fp8_torch, int4_torch, lora_torch, torch_ops
-from tidal.worker.sample import grammar_mask, seeded_random
+from tidal.worker.sample import grammar_mask, gumbel_sample, seeded_random
 
 if TYPE_CHECKING:
     from tidal.worker.kernel_policy import KernelPolicy
@@ -555,6 +555,17 @@ class Kernels:
             self._sampling.apply_token_bitmask_(logits, bitmask, rows)
         else:
             grammar_mask.apply_token_bitmask_(logits, bitmask, rows)
+
+    def gumbel_sample(self, logits: torch.Tensor, temperature: torch.Tensor,
+                      keys: torch.Tensor, bitmask: torch.Tensor | None = None,
+                      grammar_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row: temperature, the keys' noise and the grammar masks in one pass
+        over the logits (one launch on the GPU). Semantics:
+        ``sample/gumbel_sample.gumbel_sample``."""
+        if self._sampling is not None and logits.is_cuda:
+            return self._sampling.gumbel_sample(logits, temperature, keys, bitmask,
+                                                grammar_rows)
+        return gumbel_sample.gumbel_sample(logits, temperature, keys, bitmask, grammar_rows)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of ``[rows, n]``; few rows on the GPU: a two-stage kernel that

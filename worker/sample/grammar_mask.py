@@ -5,6 +5,7 @@ place (``ops/triton_sampling.py`` holds the GPU kernel)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -94,50 +95,116 @@ class MaskStaging:
     """Host memory the EngineCore fills a step's masks straight into, so they cross to the
     device in one copy with no host-side copy first. On a GPU the slots are pinned: the copy
     queues behind the step's forward pass without holding the host (from pageable memory it
-    would wait for the forward pass with the host blocked). Slots are used in turn, and one is
-    reused only once the copy out of it has completed."""
+    would wait for the forward pass with the host blocked). Slots are used in turn, each with a
+    device buffer of its own, and one is reused only once the copy out of it has completed.
+
+    ``uploader()``: the copy, started by the fill thread as soon as the masks are filled, on a
+    stream of its own, so it runs beside the forward pass instead of between the forward pass
+    and the sampling (5 MB at batch 256 on a 152k vocabulary: about 0.2 ms on an H100). It
+    first waits for the sampling that last read the slot's device buffer (``consumed``)."""
 
     def __init__(self, words: int, device: torch.device, slots: int = 2) -> None:
         self.words = words
         self.device = device
         self._pinned = device.type == "cuda"
         self._slots: list[torch.Tensor | None] = [None] * slots
+        self._on_device: list[torch.Tensor | None] = [None] * slots
         self._copied: list[torch.cuda.Event | None] = [None] * slots
+        self._pending: list[bool] = [False] * slots  # a copy out of the slot was queued
+        self._uploaded: list[bool] = [False] * slots  # ... by the uploader, on its stream
+        self._read: list[torch.cuda.Event | None] = [None] * slots  # last sampling's read
         self._next = 0
         self._current: tuple[int, np.ndarray] | None = None
+        self._last: int | None = None  # the slot ``to_device`` handed out last
+        self._stream: torch.cuda.Stream | None = None
 
     def buffer(self, rows: int) -> np.ndarray:
         """An int32 [rows, words] array to fill; valid until the next call."""
         i = self._next
         self._next = (i + 1) % len(self._slots)
-        event = self._copied[i]
-        if event is not None:
+        if self._pending[i]:
+            event = self._copied[i]
+            assert event is not None
             event.synchronize()  # long done: two steps have been collected since
-            self._copied[i] = None
+            self._pending[i] = False
+        self._uploaded[i] = False
         slot = self._slots[i]
         if slot is None or slot.shape[0] < rows:
             slot = torch.empty((max(rows, 1), self.words), dtype=torch.int32,
                                pin_memory=self._pinned)
             self._slots[i] = slot
+            if self._pinned:  # (allocated here, on the engine's stream, not by the uploader)
+                self._on_device[i] = torch.empty_like(slot, device=self.device)
         view = slot.numpy()[:rows]
         self._current = (i, view)
         return view
 
+    def uploader(self) -> Callable[[], None] | None:
+        """For a GPU: a function that copies the buffer just handed out to the device on a
+        side stream; call it once the buffer is filled (from any thread) and not before."""
+        if not self._pinned or self._current is None:
+            return None
+        i, view = self._current
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
+        if self._copied[i] is None:
+            self._copied[i] = torch.cuda.Event()
+
+        def upload() -> None:
+            read = self._read[i]
+            dev = self._on_device[i]
+            event = self._copied[i]
+            assert dev is not None and event is not None
+            with torch.cuda.stream(stream):
+                if read is not None:
+                    stream.wait_event(read)
+                dev[:view.shape[0]].copy_(torch.from_numpy(view), non_blocking=True)
+                event.record(stream)
+            self._pending[i] = True  # (the slot's next user waits for this copy)
+            self._uploaded[i] = True
+
+        return upload
+
     def to_device(self, bitmask: np.ndarray) -> torch.Tensor:
         """``bitmask`` on the device: straight from its slot if it is the last buffer handed
-        out, else through a pinned copy (a mask packed elsewhere, e.g. by a remote scheduler)."""
+        out (already there if its uploader ran), else through a pinned copy (a mask packed
+        elsewhere, e.g. by a remote scheduler)."""
         host = torch.from_numpy(bitmask)
         if not self._pinned:
             return host
         cur = self._current
         if cur is not None and cur[1] is bitmask:
-            dev = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[cur[0]] = event
+            i = cur[0]
+            dev = self._on_device[i]
+            assert dev is not None
+            dev = dev[:host.shape[0]]
+            event = self._copied[i]
+            if event is None:
+                event = self._copied[i] = torch.cuda.Event()
+            main = torch.cuda.current_stream(self.device)
+            if self._uploaded[i]:
+                main.wait_event(event)
+            else:
+                dev.copy_(host, non_blocking=True)
+                event.record(main)
+            self._pending[i] = True
             self._current = None
+            self._last = i
             return dev
         pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         pinned.copy_(host)
         # The caching host allocator keeps the block until the copy has completed.
         return pinned.to(self.device, non_blocking=True)
+
+    def consumed(self) -> None:
+        """The sampling that reads the masks ``to_device`` handed out last is queued: an
+        uploader of that slot waits for it before overwriting them."""
+        i = self._last
+        if i is None:
+            return
+        self._last = None
+        event = self._read[i]
+        if event is None:
+            event = self._read[i] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))

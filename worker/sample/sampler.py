@@ -6,7 +6,9 @@ min_tokens bans, penalties, temperature; log-probabilities are taken here (the "
 distribution); then top-k, top-p and min-p truncate, and tokens are drawn with the
 exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs one random number per
 vocabulary entry; a seeded row's numbers are a hash of its seed, position and the column
-(``seeded_random.py``), so all seeded rows draw in one launch.
+(``seeded_random.py``), so all seeded rows draw in one launch. A batch that only scales the
+distribution by a temperature (no truncation, penalty, bias or log-probabilities) draws the
+same race in one pass over the logits, grammar masks included (``gumbel_sample.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.worker.ops.kernels import Kernels
-from tidal.worker.sample import seeded_random
+from tidal.worker.sample import gumbel_sample, seeded_random
 from tidal.worker.sample.logits_processors import apply_processors
 from tidal.worker.sample.metadata import SamplingMetadata
 
@@ -125,6 +127,15 @@ def compute_logprobs(
     return LogprobsTensors(ids, vals, ranks)
 
 
+def _plain_random(meta: SamplingMetadata) -> bool:
+    """Some rows random, and nothing but a temperature between the logits and the draw."""
+    return (not meta.all_greedy and meta.top_k is None and meta.top_p is None
+            and meta.min_p is None and meta.max_num_logprobs is None
+            and meta.bias_rows is None and meta.ban_rows is None
+            and meta.output_counts is None and meta.allowed_rows is None
+            and meta.logits_procs is None)
+
+
 def _plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row greedy, and nothing that changes or reports the distribution."""
     return (meta.all_greedy and meta.max_num_logprobs is None and meta.bias_rows is None
@@ -142,7 +153,11 @@ class Sampler:
         self._kernels = kernels
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row. The grammar masks are applied to ``logits`` in place."""
+        """Sample one token per row. The grammar masks are applied to ``logits`` in place,
+        except by the one-pass draw, which reads them as it goes (and applies them when it
+        raises: a caller sampling the rows apart afterwards finds them)."""
+        if logits.is_cuda and _plain_random(meta):
+            return self._gumbel(logits, meta)
         if meta.grammar_bitmask is not None:
             self._kernels.apply_token_bitmask_(logits, meta.grammar_bitmask, meta.grammar_rows)
         if _plain_greedy(meta):
@@ -192,3 +207,17 @@ class Sampler:
         if logprobs is not None:
             lp = compute_logprobs(logprobs, sampled, meta.max_num_logprobs or 0)
         return SamplerOutput(sampled, lp)
+
+    def _gumbel(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The one-pass draw (``gumbel_sample.py``); the masks reach ``logits`` only here."""
+        try:
+            keys = gumbel_sample.row_keys(logits.shape[0], meta.seeded_rows, meta.seeded_keys,
+                                          logits.device)
+            tokens = self._kernels.gumbel_sample(logits, meta.temperature, keys,
+                                                 meta.grammar_bitmask, meta.grammar_rows)
+        except Exception:
+            if meta.grammar_bitmask is not None:
+                self._kernels.apply_token_bitmask_(logits, meta.grammar_bitmask,
+                                                   meta.grammar_rows)
+            raise
+        return SamplerOutput(tokens, None)

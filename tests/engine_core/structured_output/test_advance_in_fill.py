@@ -119,9 +119,9 @@ def test_engine_tokens_and_finishes_match_the_engine_threads_advance(
             handed = []
             begin = core.structured.begin_fill
 
-            def spy(ids, out=None, background=True, tokens=None):
+            def spy(ids, out=None, background=True, tokens=None, upload=None):
                 handed.append(sum(t is not None for t in tokens or ()))
-                return begin(ids, out, background, tokens)
+                return begin(ids, out, background, tokens, upload)
 
             core.structured.begin_fill = spy
             prompt = llm.get_tokenizer().encode("Go:")

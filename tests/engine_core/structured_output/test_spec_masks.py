@@ -45,7 +45,7 @@ def _reference_rows(mgr: StructuredOutputManager, rid: str, drafts: list[int]) -
     gate = None if state.gate is None else state.gate.fork()
     rows = np.empty((len(drafts) + 1, (mgr.model.vocab_size + 31) // 32), dtype=np.int32)
     for j in range(len(drafts) + 1):
-        mgr._fill([(m, gate)], rows[j:j + 1])
+        mgr._fill([m], [gate], rows[j:j + 1])
         if j < len(drafts):
             answer = [drafts[j]] if gate is None else gate.feed([drafts[j]])
             if answer and m is not None:
