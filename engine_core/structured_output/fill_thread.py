@@ -63,7 +63,7 @@ class FillJob:
     def wait(self) -> float:
         """Block until the job ran; re-raises its error. Returns its run time (seconds)."""
         if self._running.locked():
-            with self._running:
+            with self._running:  # (acquired once run() releases it)
                 pass
         if self.error is not None:
             raise self.error

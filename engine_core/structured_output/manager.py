@@ -165,10 +165,7 @@ class PendingFill:
         if not self.done:
             self.done = True
             masked = self.fill.finish()
-            if self.manager._first_due:
-                states = self.states
-                self.manager._count_masks(
-                    states if len(masked) == len(states) else [states[i] for i in masked])
+            self.manager._count_masks(self.states, masked)
         return self.fill.out
 
     def verdicts(self) -> list[tuple[str, str]]:
@@ -541,10 +538,13 @@ class StructuredOutputManager:
         if fill.accepted:
             self.stats.advances.append((len(fill.accepted), fill.advance_s))
 
-    def _count_masks(self, states: list[GrammarState]) -> None:
-        """The time to first mask of those of ``states`` that had none yet."""
-        if not self._first_due:
+    def _count_masks(self, states: list[GrammarState], rows: list[int] | None = None) -> None:
+        """The time to first mask of those of ``states`` (of its ``rows``, if given) that had
+        none yet."""
+        if not self._first_due:  # (the common case: every step of every request but its first)
             return
+        if rows is not None and len(rows) < len(states):
+            states = [states[i] for i in rows]
         now = time.perf_counter()
         for s in states:
             if s.first_due:
