@@ -6,6 +6,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
+    # A fresh environment takes about 1.8 GB (CPU torch, transformers, the test models); pip's
+    # own "No space left on device" comes late and names no remedy.
+    python3 - "$(pwd)" "${TMPDIR:-/tmp}" <<'PY'
+import shutil, sys
+need = 2.5e9
+for path in sys.argv[1:]:
+    free = shutil.disk_usage(path).free
+    if free < need:
+        sys.exit(f"tools/test.sh: only {free / 1e9:.1f} GB free under {path}; setting up the "
+                 f"test environment needs about {need / 1e9:.1f} GB. Free some space (old "
+                 "virtual environments, clones, caches under /tmp) or set VENV to an existing "
+                 "environment, then run again.")
+PY
     python3 -m venv "$VENV"
 fi
 . "$VENV/bin/activate"
