@@ -96,6 +96,12 @@ class IncrementalDetokenizer(abc.ABC):
         """Returns the text still held at the end of the request (an incomplete character decodes
         to U+FFFD, as in the full decode). Call once, after the last :meth:`update`."""
 
+    def decode_all(self, token_ids: list[int]) -> str:
+        """``update(token_ids) + flush()``, for a consumer that needs the text only once the
+        request is over (it then skips the per-token work of the stream). Call once, instead
+        of any :meth:`update`."""
+        return self.update(token_ids) + self.flush()
+
 
 def create_detokenizer(
     tokenizer: Any,
@@ -200,6 +206,22 @@ class DecodeStreamDetokenizer(IncrementalDetokenizer):
         if not self._pending_ids:
             return ""
         return self._resync()
+
+    def decode_all(self, token_ids: list[int]) -> str:
+        # One decode of context + output (and one of the context) instead of a stream step per
+        # token: the same text wherever it has no U+FFFD, as the stream emits each piece as
+        # that decode's continuation of the piece before. Where it has one (invalid UTF-8,
+        # which the stream may cut into pieces after MAX_PENDING_TOKENS), the stream decides.
+        if self._pending_ids:
+            return self.update(token_ids) + self.flush()
+        skip = self.skip_special_tokens
+        context = self._prev_ids
+        decode = self.backend.decode
+        prev_text = decode(context, skip_special_tokens=skip) if context else ""
+        text = decode(context + token_ids, skip_special_tokens=skip)
+        if text.startswith(prev_text) and REPLACEMENT_CHAR not in text[len(prev_text):]:
+            return text[len(prev_text):]
+        return self.update(token_ids) + self.flush()
 
     def _resync(self) -> str:
         """Emits the pending ids' text as it decodes now and restarts the stream after them."""

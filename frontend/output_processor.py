@@ -66,6 +66,9 @@ class SeqState:
     stop_reason: int | str | None = None
     error: str | None = None
     sent_tokens: int = 0  # what DELTA outputs have delivered
+    # No one reads the text before the sequence ends (FINAL_ONLY, no stop strings): it is
+    # decoded once then (``IncrementalDetokenizer.decode_all``), not token by token.
+    text_at_end: bool = False
     finish_sent: bool = False
     # For metrics: on the engine's clock (its ``OutputBatch.timestamp``), when this sequence
     # was queued and first scheduled there (0: not told) and the steps that brought its first
@@ -321,6 +324,7 @@ class OutputProcessor:
                 if params.stop else None,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                text_at_end=params.output_kind == _KIND_FINAL and not params.stop,
             )
             state.seqs.append(seq)
             self._by_engine_id[engine_id] = (state, seq)
@@ -357,6 +361,7 @@ class OutputProcessor:
         engine_ids = self.abort_request(request_id)
         for seq in state.seqs:
             if not seq.finished:
+                _decode_at_end(seq)
                 seq.finish_reason = str(FinishReason.ABORT)
         state.num_open = 0
         if state.collector is not None:
@@ -375,6 +380,7 @@ class OutputProcessor:
                 continue
             for seq in state.seqs:
                 if not seq.finished:
+                    _decode_at_end(seq)
                     seq.finish_reason, seq.error = "error", message
             state.num_open = 0
             if (out := state.take_output()) is not None and isinstance(out, RequestOutput):
@@ -505,7 +511,10 @@ class OutputProcessor:
                     and seq.logprobs is not None:
                 self._add_logprobs(seq, detail.new_logprobs, len(new_ids))
         text = ""
-        if seq.detok is not None:
+        if seq.text_at_end:
+            if finished:
+                _decode_at_end(seq)
+        elif seq.detok is not None:
             text = seq.detok.update(new_ids) if new_ids else ""
             if finished:
                 text += seq.detok.flush()
@@ -557,6 +566,15 @@ class OutputProcessor:
             if 0 < pos < len(state.prompt_logprobs):
                 state.prompt_logprobs[pos] = self._position_logprobs(
                     arrays.token_ids[i], arrays.logprobs[i], int(arrays.ranks[i]), width)
+
+
+def _decode_at_end(seq: SeqState) -> None:
+    """The whole text of a ``text_at_end`` sequence, as it ends (once)."""
+    if seq.text_at_end and seq.detok is not None:
+        seq.text_at_end = False
+        text = seq.detok.decode_all(seq.token_ids)
+        if text:
+            seq.text_parts.append(text)
 
 
 def _finished_record(state: RequestState, now: float) -> FinishedRequest:

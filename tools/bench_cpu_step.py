@@ -2,6 +2,7 @@
 
     python tools/bench_cpu_step.py [--batch 256] [--steps 300] [--tokenizer .bench_assets/qwen3]
     python tools/bench_cpu_step.py --modes sync --steps 300 --repeats 1 --profile 40
+    python tools/bench_cpu_step.py --modes async --tokenizer QWEN3 --structured  # grammar work
 
 An in-process EngineCore with the real scheduler, KV cache manager and model runner on the CPU,
 whose model forward, LM head and sampler are replaced by stubs returning preallocated tensors:
@@ -68,8 +69,10 @@ class StubModel(torch.nn.Module):
 
 
 class StubSampler:
-    def __init__(self, vocab: int, n: int) -> None:
-        self._tokens = torch.randint(1, vocab - 1, (n,), dtype=torch.int64)
+    def __init__(self, vocab: int, n: int, token: int | None = None) -> None:
+        """``token``: every row samples it (a grammar that always allows it: ``--structured``)."""
+        self._tokens = (torch.randint(1, vocab - 1, (n,), dtype=torch.int64) if token is None
+                        else torch.full((n,), token, dtype=torch.int64))
 
     def __call__(self, logits, meta) -> SamplerOutput:
         return SamplerOutput(self._tokens[: logits.shape[0]], None)
@@ -178,16 +181,31 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
                   + ns.batch * ns.prompt // budget)
     args = EngineArgs(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                       max_model_len=4096, max_num_seqs=ns.batch, max_num_batched_tokens=budget,
-                      num_kv_blocks=ns.batch * (ns.prompt + new_tokens + 32) // 16,
+                      num_kv_blocks=max(ns.batch * (ns.prompt + new_tokens + 32) // 16,
+                                        4096 // 16),
                       async_scheduling=async_scheduling,
                       enable_prefix_caching=not ns.no_prefix_caching)
     core = EngineCore(args.create_config())
     runner = core.executor.worker.runner
     cfg = core.config
-    runner.model = StubModel(runner.model, runner.max_num_tokens, cfg.model.arch.hidden_size)
-    runner.sampler = StubSampler(cfg.model.arch.vocab_size, runner.max_num_tokens)
-
     timers = Timers()
+    runner.model = StubModel(runner.model, runner.max_num_tokens, cfg.model.arch.hidden_size)
+    token = None
+    structured = None
+    if ns.structured:
+        # Every request under the grammar "a*", every row sampling "a": the engine thread's
+        # grammar work (picking the constrained rows, advancing, handing the fill over, the
+        # lazy sample's masks) without a grammar the stub's tokens could break.
+        from tidal.engine_core.sampling_params import StructuredOutputsParams
+        from tidal.frontend.tokenizer import load_tokenizer
+
+        token = load_tokenizer(cfg.model).convert_tokens_to_ids("a")
+        structured = StructuredOutputsParams(regex="a*")
+        timers.wrap(core.structured, "begin_fill", "grammar: begin_fill")
+        timers.wrap(core, "_advance_grammars", "grammar: advance")
+        timers.wrap(core, "_sample_deferred", "grammar: sample_deferred")
+    runner.sampler = StubSampler(cfg.model.arch.vocab_size, runner.max_num_tokens, token)
+
     timers.wrap(core.scheduler, "schedule", "schedule")
     timers.wrap(core.scheduler, "update_from_output", "update_from_output")
     timers.wrap(runner, "execute_model", "runner.execute_model")
@@ -205,7 +223,8 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
     for i in range(ns.batch):
         prompt = [rng.randrange(vocab) for _ in range(ns.prompt)]
         params = SamplingParams(temperature=0.6, max_tokens=new_tokens, ignore_eos=True,
-                                output_kind=OutputKind.DELTA)
+                                output_kind=OutputKind[ns.output_kind.upper()],
+                                structured_outputs=structured)
         req = EngineCoreRequest(f"r{i}", prompt, params)
         if processor is not None:
             for r in processor.add_request(f"r{i}", None, prompt, params):
@@ -217,6 +236,8 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
         seen.update(o.request_id for o in core.step().outputs)
     for _ in range(20):
         core.step()
+    if structured is not None:
+        assert len(core.structured.states) == ns.batch, "a request left its grammar"
     if ns.gc_freeze:
         gc.collect()
         gc.freeze()  # what a long-running engine process does after start-up
@@ -256,6 +277,8 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
         "gc_ms_per_step": {k: round(v / total_steps * 1e3, 4) for k, v in gct.seconds.items()},
         "gc_frozen": ns.gc_freeze,
         "prefix_caching": not ns.no_prefix_caching,
+        "structured": ns.structured,
+        "output_kind": ns.output_kind,
     }
     gct.close()
     if ns.gc_freeze:
@@ -285,8 +308,18 @@ def main(argv: list[str] | None = None) -> int:
                          "they went (cProfile: the top N functions by own time)")
     ap.add_argument("--profiler", choices=("cprofile", "pyinstrument"), default="cprofile",
                     help="pyinstrument prints a call tree (pip install pyinstrument)")
+    ap.add_argument("--structured", action="store_true",
+                    help="every request under a grammar (regex a*, the stub sampling 'a'): "
+                         "the engine thread's structured-output work per step (needs "
+                         "--tokenizer)")
+    ap.add_argument("--output-kind", choices=("delta", "final_only"), default="delta",
+                    help="the requests' output kind: delta (a stream, as the server asks) or "
+                         "final_only (as LLM.generate: the text decoded once, at the end, "
+                         "which the timed steps do not reach)")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
+    if ns.structured and not ns.tokenizer:
+        ap.error("--structured needs --tokenizer (the grammar compiles against it)")
     torch.set_num_threads(ns.threads)
     # The tokenizer's thread pool would compete for the same few cores.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -374,6 +374,58 @@ def test_property_random_token_ids_equal_decode(byte_level: dict[str, Any], name
     assert "".join(stream(detok, ids, chunk_sizes)) == tok.decode(ids, skip_special_tokens=skip)
 
 
+# --- decode_all: the whole output at once (a consumer of the final text only) ---------------
+
+@pytest.mark.parametrize("name", ["smol", "qwen3"])
+@PROPERTY
+@given(data=st.data(), skip=st.booleans(), texty=st.booleans(), prompted=st.booleans())
+def test_property_decode_all_equals_the_stream(byte_level: dict[str, Any], name: str,
+                                               data: st.DataObject, skip: bool, texty: bool,
+                                               prompted: bool) -> None:
+    # Real text (one decode, no U+FFFD) and arbitrary ids (invalid UTF-8: the stream decides),
+    # after a prompt or none: the same text as the token-by-token stream.
+    tok = byte_level[name]
+    ids = (encode(tok, data.draw(TEXT)) if texty
+           else data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=40)))
+    prompt = encode(tok, data.draw(TEXT)) if prompted else []
+    one = create_detokenizer(tok, prompt, skip_special_tokens=skip).decode_all(ids)
+    assert one == "".join(stream(create_detokenizer(tok, prompt, skip_special_tokens=skip), ids))
+
+
+def _byte_token(tok: Any, b: int) -> int:
+    """The byte-level BPE token of one byte (GPT-2's byte-to-character table)."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [x for x in range(256) if x not in shown]
+    return tok.convert_tokens_to_ids(chr(b) if b in shown else chr(256 + hidden.index(b)))
+
+
+def test_decode_all_falls_back_to_the_stream_past_max_pending(qwen3: Any) -> None:
+    # Lone continuation bytes, then a character's bytes: the stream gives up on the run after
+    # MAX_PENDING_TOKENS and emits it with the character's first byte, so the character comes
+    # out broken where one decode would have it whole. decode_all returns the stream's text.
+    ids = (encode(qwen3, "ok ") + [_byte_token(qwen3, 0x80)] * MAX_PENDING_TOKENS
+           + [_byte_token(qwen3, b) for b in "中".encode()] + encode(qwen3, " fine"))
+    streamed = "".join(stream(create_detokenizer(qwen3, encode(qwen3, "hi")), ids))
+    assert streamed != qwen3.decode(ids) and "中" in qwen3.decode(ids)
+    assert create_detokenizer(qwen3, encode(qwen3, "hi")).decode_all(ids) == streamed
+
+
+def test_decode_all_other_decoders(minilm: Any, llama_like: Any, bert_python: Any) -> None:
+    v = llama_like.get_vocab()
+    ids = [v["▁Hello"], v["▁world"], v["▁"], *(v[f"<0x{b:02X}>"] for b in "你好".encode()),
+           v["ing"], v["</s>"]]
+    for tok, prompt, out in [
+            (llama_like, [], ids), (llama_like, [v["<s>"], v["▁play"]], ids),
+            (minilm, [], encode(minilm, "The detokenizer was streaming, weren't they?")),
+            (minilm, encode(minilm, "stream"), encode(minilm, "ing emojis")),
+            (bert_python, [], encode(bert_python, "Unbelievable children!"))]:
+        want = "".join(stream(create_detokenizer(tok, prompt), out))
+        assert create_detokenizer(tok, prompt).decode_all(out) == want
+    assert create_detokenizer(llama_like, [v["<s>"], v["▁play"]]).decode_all(ids) == (
+        " Hello world 你好ing")
+
+
 # --- other decoder kinds ----------------------------------------------------------------------
 
 def test_wordpiece_stream_and_prompt_context(minilm: Any) -> None:

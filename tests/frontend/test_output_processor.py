@@ -12,6 +12,7 @@ import pytest
 from tidal.engine_core.protocol import EngineCoreOutput, FinishReason, OutputBatch
 from tidal.engine_core.sampling_params import OutputKind, SamplingParams
 from tidal.frontend.async_llm import EngineDeadError
+from tidal.frontend.detokenizer import create_detokenizer
 from tidal.frontend.output_processor import OutputCollector, OutputProcessor
 
 PROMPT = [1, 2, 3]
@@ -111,6 +112,61 @@ def test_final_only_waits_for_every_sample():
     (out,) = collector.take()
     assert out.finished and [c.token_ids for c in out.outputs] == [[1, 3], [2, 4]]
     assert [c.finish_reason for c in out.outputs] == ["stop", "length"]
+
+
+def test_final_only_text_is_decoded_once_at_the_end_and_equals_the_stream(
+        smollm2_tokenizer, monkeypatch):
+    tok = smollm2_tokenizer
+    ids = tok.encode(" Streams 👍🏽 and 你好, decoded once.", add_special_tokens=False)
+    other = tok.encode(" plain words" * len(ids), add_special_tokens=False)[:len(ids)]
+    steps = [(ids[i:i + 2], other[i:i + 2]) for i in range(0, len(ids), 2)]
+
+    def run(kind: OutputKind, **kw) -> list:
+        proc = OutputProcessor(tok)
+        proc.add_request("a", None, PROMPT, _params(kind, n=2, **kw))
+        proc.add_request("b", None, PROMPT, _params(kind, **kw))
+        outs = []
+        for k, (chunk, chunk2) in enumerate(steps):
+            end = FinishReason.LENGTH if k == len(steps) - 1 else None
+            rows = [("a#0", chunk), ("a#1", chunk2), ("b", chunk)]
+            outs += proc.process_outputs(_step(*rows, finished={r: end for r, _ in rows}
+                                               if end else None)).request_outputs
+        assert len(proc) == 0
+        return outs
+
+    streamed: dict[tuple[str, int], str] = {}
+    for out in run(OutputKind.DELTA):
+        for c in out.outputs:
+            key = (out.request_id, c.index)
+            streamed[key] = streamed.get(key, "") + c.text
+    stepped = []
+    real_update = type(create_detokenizer(tok)).update
+    monkeypatch.setattr(type(create_detokenizer(tok)), "update",
+                        lambda self, new: stepped.append(1) or real_update(self, new))
+    finals = run(OutputKind.FINAL_ONLY)
+    assert stepped == []  # not once per token: one decode as each sequence ends
+    assert {(o.request_id, c.index): c.text for o in finals for c in o.outputs} == streamed
+    assert streamed[("b", 0)] == tok.decode(ids)
+    # With a stop string the text is needed as it comes: stepped, and cut at the stop.
+    (stopped, _) = run(OutputKind.FINAL_ONLY, stop=["你好"])
+    assert stepped and stopped.outputs[0].text == " Streams 👍🏽 and "
+    assert stopped.outputs[0].finish_reason == "stop"
+
+
+def test_final_only_text_at_abort_and_engine_death(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(" Cut short 👍🏽", add_special_tokens=False)
+    proc = OutputProcessor(tok)
+    collector = OutputCollector()
+    proc.add_request("r", None, PROMPT, _params(OutputKind.FINAL_ONLY), collector=collector)
+    proc.add_request("s", None, PROMPT, _params(OutputKind.FINAL_ONLY))
+    proc.process_outputs(_step(("r", ids), ("s", ids[:2])))
+    assert collector.take() == []
+    proc.finish_aborted("r")
+    (out,) = collector.take()
+    assert out.outputs[0].text == tok.decode(ids) and out.outputs[0].finish_reason == "abort"
+    (dead,) = proc.fail_all(EngineDeadError("engine dead: test"))
+    assert dead.outputs[0].text == tok.decode(ids[:2]) and dead.outputs[0].error
 
 
 def test_abort_ends_the_stream_with_a_last_output():
