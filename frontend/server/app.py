@@ -57,9 +57,11 @@ from tidal.frontend.server.serving_chat import create_chat_completion
 from tidal.frontend.server.serving_completions import create_completion
 from tidal.frontend.server.serving_embeddings import create_embedding
 from tidal.frontend.server.serving_responses import (
+    cancel_response,
     create_response,
     delete_response,
     get_response,
+    list_input_items,
 )
 from tidal.frontend.server.serving_messages import count_message_tokens, create_message
 from tidal.frontend.server.serving_io_processor import io_processor
@@ -330,12 +332,14 @@ def build_app(state: ServerState) -> web.Application:
     get_routes: list[tuple[str, Handler]] = [
         ("/health", health), ("/ping", health), ("/version", version), ("/metrics", metrics),
         ("/load", load), ("/v1/models", models),
-        ("/v1/responses/{response_id}", get_response)]
+        ("/v1/responses/{response_id}", get_response),
+        ("/v1/responses/{response_id}/input_items", list_input_items)]
     # (path, handler, counted in /load: the generation endpoints, as vLLM counts them)
     post_routes: list[tuple[str, Handler, bool]] = [
         ("/v1/completions", create_completion, True),
         ("/v1/chat/completions", create_chat_completion, True),
         ("/v1/responses", create_response, True),
+        ("/v1/responses/{response_id}/cancel", cancel_response, False),
         ("/v1/messages", create_message, True),
         ("/v1/messages/count_tokens", count_message_tokens, False),
         ("/v1/embeddings", create_embedding, True),
@@ -437,7 +441,8 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
             raise
     if response_peers is not None:
         index, addresses = response_peers
-        state.response_peers = ResponsePeers(index, addresses, state.responses)
+        state.response_peers = ResponsePeers(index, addresses, state.responses,
+                                             state.background.cancel)
         state.response_peers.start()
     app = build_app(state)
     limits = connection_limits(settings, raise_fd_limit())
@@ -491,6 +496,7 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
         watchdog.cancel()
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
+        await state.background.close()
         await runner.cleanup()
         if state.response_peers is not None:
             await state.response_peers.close()

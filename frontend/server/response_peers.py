@@ -3,7 +3,8 @@
 
 Each API server keeps the responses it answered (``response_store``); the kernel spreads
 connections over the processes, so a follow-up (``previous_response_id``, ``GET`` / ``DELETE
-/v1/responses/{id}``) may land on another one. A process that does not hold the id asks its
+/v1/responses/{id}``, its ``input_items``, cancelling a background response) may land on
+another one. A process that does not hold the id asks its
 peers: every API server answers lookups on an IPC socket of its own (a ZMQ ROUTER in a folder
 only this server's user can enter, created by the supervisor), and the asking one sends the
 question to every peer at once and takes the answer of the one that holds it. Messages are
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -30,7 +32,7 @@ _MAX_ID_BYTES = 256  # ids this server makes are ~30 characters
 
 
 class PeerAsk(msgspec.Struct, frozen=True):
-    op: str  # "get" | "delete"
+    op: str  # "get" | "delete" | "cancel"
     response_id: str
 
 
@@ -38,6 +40,8 @@ class PeerAnswer(msgspec.Struct, frozen=True):
     found: bool
     messages: bytes = b""  # the stored conversation, JSON
     body: bytes = b""  # the response object, JSON
+    input_items: bytes = b"[]"  # the request's input items, JSON
+    status: str = "completed"
 
 
 _ask_decoder = msgspec.msgpack.Decoder(PeerAsk)
@@ -49,7 +53,10 @@ class ResponsePeers:
     """This API server's side: answers its peers from ``store`` on ``addresses[index]`` and
     asks the other addresses for ids it does not hold."""
 
-    def __init__(self, index: int, addresses: list[str], store: ResponseStore) -> None:
+    def __init__(self, index: int, addresses: list[str], store: ResponseStore,
+                 cancel: Callable[[str], Awaitable[bool]] | None = None) -> None:
+        """``cancel``: ends this process's background response of that id, if it runs one
+        (True once it is over and stored as cancelled)."""
         import zmq
         import zmq.asyncio
 
@@ -58,11 +65,13 @@ class ResponsePeers:
         self.index = index
         self.addresses = list(addresses)
         self.store = store
+        self.cancel_local = cancel
         self._ctx = zmq.asyncio.Context()
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
         self._server.bind(addresses[index])
         self._task: asyncio.Task[None] | None = None
+        self._cancels: set[asyncio.Task[None]] = set()
 
     @property
     def peers(self) -> list[str]:
@@ -73,6 +82,8 @@ class ResponsePeers:
                                                             name="tidal-response-peers")
 
     async def close(self) -> None:
+        for task in list(self._cancels):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -97,6 +108,12 @@ class ResponsePeers:
             except msgspec.DecodeError as exc:
                 logger.warning("response peers: dropped an undecodable lookup: %s", exc)
                 continue
+            if ask.op == "cancel":
+                # Answered once the response is over (other lookups go on meanwhile).
+                task = asyncio.get_running_loop().create_task(self._answer_cancel(ident, ask))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
+                continue
             await self._server.send_multipart([ident, empty, _encoder.encode(self._answer(ask))])
 
     def _answer(self, ask: PeerAsk) -> PeerAnswer:
@@ -105,18 +122,24 @@ class ResponsePeers:
         stored = self.store.get(ask.response_id) if ask.op == "get" else None
         if stored is None:
             return PeerAnswer(False)
-        return PeerAnswer(True, msgspec.json.encode(stored.messages), stored.body)
+        return PeerAnswer(True, msgspec.json.encode(stored.messages), stored.body,
+                          msgspec.json.encode(stored.input_items), stored.status)
+
+    async def _answer_cancel(self, ident: bytes, ask: PeerAsk) -> None:
+        found = self.cancel_local is not None and await self.cancel_local(ask.response_id)
+        answer = self._answer(PeerAsk("get", ask.response_id)) if found else PeerAnswer(False)
+        await self._server.send_multipart([ident, b"", _encoder.encode(answer)])
 
     # --- asking ----------------------------------------------------------------------------
 
     async def get(self, response_id: str) -> StoredResponse | None:
         """The response as the peer that holds it stored it, or None."""
-        for answer in await self._ask_all(PeerAsk("get", response_id)):
-            if answer.found:
-                messages = msgspec.json.decode(answer.messages)
-                return StoredResponse(messages, answer.body, len(answer.body)
-                                      + len(answer.messages))
-        return None
+        return _found(await self._ask_all(PeerAsk("get", response_id)))
+
+    async def cancel(self, response_id: str) -> StoredResponse | None:
+        """The background response, once the peer that runs it has cancelled it; None if no
+        peer runs it."""
+        return _found(await self._ask_all(PeerAsk("cancel", response_id)))
 
     async def delete(self, response_id: str) -> bool:
         """Whether a peer held (and now dropped) the response."""
@@ -146,6 +169,15 @@ class ResponsePeers:
             return PeerAnswer(False)
         finally:
             sock.close(0)
+
+
+def _found(answers: list[PeerAnswer]) -> StoredResponse | None:
+    for answer in answers:
+        if answer.found:
+            return StoredResponse(msgspec.json.decode(answer.messages), answer.body,
+                                  len(answer.body) + len(answer.messages),
+                                  msgspec.json.decode(answer.input_items), answer.status)
+    return None
 
 
 async def find_response(store: ResponseStore, peers: ResponsePeers | None,

@@ -1,6 +1,6 @@
-"""Stored responses of ``/v1/responses``, for ``previous_response_id`` and ``GET`` / ``DELETE
-/v1/responses/{id}``: in memory, per API server process, bounded in entries and in bytes, the
-least recently used evicted first.
+"""Stored responses of ``/v1/responses``, for ``previous_response_id``, ``GET`` / ``DELETE
+/v1/responses/{id}``, its ``input_items`` and background responses' progress: in memory, per
+API server process, bounded in entries and in bytes, the least recently used evicted first.
 
 Each entry keeps the whole conversation up to and including its output (as chat-template
 messages), so a follow-up needs one lookup and no chain of ancestors that may have been evicted
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -22,11 +22,18 @@ DEFAULT_MAX_ENTRIES = 1000
 DEFAULT_MAX_BYTES = 64 << 20
 
 
+# A follow-up (previous_response_id) may continue a response of these statuses.
+CONTINUABLE = frozenset({"completed", "incomplete"})
+
+
 @dataclass(slots=True, frozen=True)
 class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation, without the request's instructions
     body: bytes  # the response object as JSON, for GET
     size: int  # bytes charged against the store's bound
+    # The request's own input items (ids given), for GET /v1/responses/{id}/input_items.
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "completed"  # the body's: a background response is stored while it runs
 
 
 class ResponseStore:
@@ -46,10 +53,13 @@ class ResponseStore:
     def num_bytes(self) -> int:
         return self._bytes
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], body: bytes) -> bool:
-        """Keep the response (evicting the least recently used to make room); False if it
-        alone is over the byte bound or storing is off (a bound of 0)."""
-        size = len(body) + len(msgspec.json.encode(messages))
+    def put(self, response_id: str, messages: list[dict[str, Any]], body: bytes,
+            input_items: list[dict[str, Any]] | None = None, status: str = "completed") -> bool:
+        """Keep the response (in place of an earlier entry of that id, evicting the least
+        recently used to make room); False if it alone is over the byte bound or storing is
+        off (a bound of 0)."""
+        items = input_items or []
+        size = len(body) + len(msgspec.json.encode(messages)) + len(msgspec.json.encode(items))
         if self.max_entries == 0 or size > self.max_bytes:
             logger.debug("response %s not stored (%d bytes; store bound %d bytes)", response_id,
                          size, self.max_bytes)
@@ -60,7 +70,7 @@ class ResponseStore:
             old_id, old = self._entries.popitem(last=False)
             self._bytes -= old.size
             logger.debug("response store full: evicted %s", old_id)
-        self._entries[response_id] = StoredResponse(messages, body, size)
+        self._entries[response_id] = StoredResponse(messages, body, size, items, status)
         self._bytes += size
         return True
 

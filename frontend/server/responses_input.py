@@ -19,6 +19,7 @@ from tidal.frontend.server.openai_protocol import (
     ChatTool,
     FunctionDefinition,
 )
+from tidal.frontend.server.responses_output import item_id
 from tidal.frontend.server.responses_protocol import ResponsesRequest
 
 MAX_INPUT_ITEMS = 1024
@@ -95,6 +96,34 @@ def input_messages(value: str | list[Any] | None, have_history: bool) -> list[di
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported; use "
                               "message, function_call, function_call_output or reasoning",
                               f"{param}.type")
+    return out
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                   "reasoning": "rs"}
+_MAX_ITEM_ID = 256
+
+
+def input_items(value: str | list[Any] | None) -> list[dict[str, Any]]:
+    """``input`` (checked by ``input_messages``) as ``GET /v1/responses/{id}/input_items``
+    lists it: each item with its own id or a new one, a status, and a message's string
+    content as one text part."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    out = []
+    for item in value or []:
+        entry = dict(item)
+        kind = entry.setdefault("type", "message")
+        own = entry.get("id")
+        if not (isinstance(own, str) and 0 < len(own) <= _MAX_ITEM_ID):
+            entry["id"] = item_id(_ITEM_ID_PREFIX[kind])
+        entry.setdefault("status", "completed")
+        if kind == "message" and isinstance(entry.get("content"), str):
+            entry["content"] = [
+                {"type": "output_text", "text": entry["content"], "annotations": []}
+                if entry.get("role") == "assistant"
+                else {"type": "input_text", "text": entry["content"]}]
+        out.append(entry)
     return out
 
 

@@ -18,7 +18,6 @@ from tidal.frontend.server.unsupported import (
     GENERATION,
     Unsupported,
     _empty,
-    _false,
     _zero,
 )
 
@@ -37,8 +36,6 @@ _SAMPLING = "this sampling control is not part of the Responses API here; use " 
 # Fields of the Responses API (and vLLM's extensions of it) that would change the result and
 # are not implemented: a 400 naming the field unless set to the value that asks for nothing.
 RESPONSES_UNSUPPORTED: Mapping[str, Unsupported] = {
-    "background": Unsupported("background responses are not supported; omit it or send "
-                              "false", _false),
     "conversation": Unsupported("conversations are not supported; chain responses with "
                                 "previous_response_id"),
     "prompt": Unsupported("prompt templates are not supported; send input"),
@@ -87,6 +84,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: bool = True
+    background: bool = False  # answered at once, generated in a task (response_background)
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
     # Known and without effect here (built-in tools are rejected, so their call limit is moot;
@@ -208,6 +206,16 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None
     completed_at: int | None = None
+
+
+class InputItemList(msgspec.Struct, kw_only=True):
+    """A page of ``GET /v1/responses/{id}/input_items``."""
+
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
 
 
 class DeletedResponse(msgspec.Struct):

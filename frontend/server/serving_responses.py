@@ -1,10 +1,13 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (whole, or streamed as typed SSE events),
-``GET`` and ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses`` (whole, streamed as typed SSE events, or in
+the background), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel``.
 
 A request is turned into chat terms (``responses_input``) and runs through the chat machinery:
 the chat template, the sampling bounds, tools and the server's tool / reasoning parsers,
 structured outputs. ``previous_response_id`` continues a stored conversation
 (``response_store``: in memory, bounded, per API server process); ``store: false`` keeps none.
+``background: true`` answers at once and generates in a task of this process
+(``response_background``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +24,7 @@ import msgspec
 from aiohttp import web
 
 from tidal.frontend.reasoning import DeltaMessage
+from tidal.frontend.server.admission import Ticket
 from tidal.frontend.server.chat_parsing import (
     OutputParse,
     ParsedMessage,
@@ -38,6 +43,7 @@ from tidal.frontend.server.responses_input import (
     chat_request,
     check_metadata,
     check_reasoning,
+    input_items,
     input_messages,
     rename_params,
     tools_of,
@@ -52,6 +58,7 @@ from tidal.frontend.server.responses_protocol import (
     RESPONSES_UNSUPPORTED,
     DeletedResponse,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     OutputItem,
     OutputTokensDetails,
@@ -61,6 +68,7 @@ from tidal.frontend.server.responses_protocol import (
     ResponseUsage,
 )
 from tidal.frontend.server.response_peers import find_response, forget_response
+from tidal.frontend.server.response_store import CONTINUABLE
 from tidal.frontend.server.serving_chat import render_chat
 from tidal.frontend.server.sampling import chat_params
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
@@ -79,6 +87,7 @@ class _Run:
     conversation: list[dict[str, Any]]  # input turns, for the store
     parse: OutputParse | None
     prompt_tokens: int
+    items: list[dict[str, Any]]  # the request's input items, for GET .../input_items
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -90,6 +99,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                          RESPONSES_UNSUPPORTED)
     model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/responses")
+    if req.background and req.stream:
+        raise bad_request("streaming a background response is not supported; send stream: "
+                          "false and poll GET /v1/responses/{id}", "stream",
+                          code="unsupported_field")
+    if req.background and not req.store:
+        raise bad_request("a background response must be stored (store: true): it is read "
+                          "back with GET /v1/responses/{id}", "store")
     check_reasoning(req.reasoning)
     metadata = check_metadata(req.metadata)
     tools, echo_tools = tools_of(req)
@@ -116,6 +132,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                            "recently used evicted first, and only with store: true)",
                            param="previous_response_id",
                            code="previous_response_not_found")
+        if stored.status not in CONTINUABLE:
+            raise APIError(400, f"previous response {req.previous_response_id[:_ID_CHARS]!r} "
+                           f"is {stored.status}; only a completed or incomplete response can "
+                           "be continued", param="previous_response_id")
         history = stored.messages
     conversation = history + input_messages(req.input, bool(history))
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
@@ -137,21 +157,62 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
         text={"format": req.text["format"]} if req.text and req.text.get("format")
         else {"format": {"type": "text"}},
-        reasoning=req.reasoning, metadata=metadata, store=req.store, user=req.user)
+        reasoning=req.reasoning, metadata=metadata, store=req.store, user=req.user,
+        background=req.background)
     run = _Run(obj, conversation, new_output_parse(parsers, chat_tools.parse, True,
-                                                   req.parallel_tool_calls, enforced), len(ids))
+                                                   req.parallel_tool_calls, enforced), len(ids),
+               input_items(req.input))
     ticket = state.admission.admit(1)
     gen = Generation(state.engine, state.admission, ticket, response_id, [ids], params,
                      lora_request=lora)
+    if req.background:
+        obj.status = "queued"
+        body = encode(obj)
+        state.responses.put(obj.id, [], body, run.items, "queued")
+        state.background.start(obj.id, _in_background(state, gen, run, ticket), gen.abort)
+        return web.Response(body=body, content_type="application/json")
     try:
         if req.stream:
             return await _stream(request, state, gen, run)
         return await _whole(state, gen, run)
     finally:
-        gen.close()
-        state.release(ticket)
-        if run.parse is not None and run.parse.failures:
-            state.metrics.tool_parse_failed(run.parse.failures)
+        _done(state, gen, run, ticket)
+
+
+def _done(state: ServerState, gen: Generation, run: _Run, ticket: Ticket) -> None:
+    gen.close()
+    state.release(ticket)
+    if run.parse is not None and run.parse.failures:
+        state.metrics.tool_parse_failed(run.parse.failures)
+
+
+async def _in_background(state: ServerState, gen: Generation, run: _Run,
+                         ticket: Ticket) -> None:
+    """A background response's generation: the stored response follows it."""
+    obj = run.obj
+
+    def started() -> None:
+        obj.status = "in_progress"
+        state.responses.put(obj.id, [], encode(obj), run.items, "in_progress")
+
+    try:
+        await _whole(state, gen, run, started)
+    except asyncio.CancelledError:
+        _fail(state, run, "cancelled", None)
+        raise
+    except APIError as err:
+        state.metrics.error(err.status)
+        info = err.info()  # a server error's message without file paths
+        _fail(state, run, "failed", ResponseError(code=err.code or "server_error",
+                                                  message=info.message))
+    finally:
+        _done(state, gen, run, ticket)
+
+
+def _fail(state: ServerState, run: _Run, status: str, error: ResponseError | None) -> None:
+    obj = run.obj
+    obj.status, obj.error = status, error
+    state.responses.put(obj.id, [], encode(obj), run.items, status)
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -174,6 +235,68 @@ async def delete_response(request: web.Request) -> web.Response:
     return json_response(DeletedResponse(id=rid))
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    """The input items of a stored response, a page at a time (``after``, ``limit`` 1-100,
+    default 20, ``order`` ``desc`` by default, as OpenAI's)."""
+    state = get_state(request)
+    rid = request.match_info["response_id"]
+    query = request.query
+    if any(key.startswith("include") for key in query):
+        raise bad_request("no extra input item data is available; omit include", "include",
+                          code="unsupported_field")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {order[:20]!r}", "order")
+    raw_limit = query.get("limit", "20")
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be an integer from 1 to 100, got {raw_limit[:20]!r}",
+                          "limit")
+    stored = await find_response(state.responses, state.response_peers, rid)
+    if stored is None:
+        raise _not_found(rid)
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    start = 0
+    after = query.get("after")
+    if after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), -1)
+        if start < 0:
+            raise bad_request(f"no input item with id {after[:_ID_CHARS]!r} in response "
+                              f"{rid[:_ID_CHARS]!r}", "after")
+    page = items[start:start + limit]
+    return json_response(InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                                       last_id=page[-1]["id"] if page else None,
+                                       has_more=start + limit < len(items)))
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """End a background response early (status ``cancelled``); one already over is returned
+    as it is."""
+    state = get_state(request)
+    rid = request.match_info["response_id"]
+    peers = state.response_peers
+    if await state.background.cancel(rid):
+        stored = state.responses.get(rid)
+    else:
+        stored = state.responses.get(rid)
+        if stored is None and peers is not None:
+            # The peer that runs it cancels it; else one may hold it, over.
+            stored = await peers.cancel(rid) or await peers.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    if not msgspec.json.decode(stored.body, type=_Background).background:
+        raise bad_request(f"response {rid[:_ID_CHARS]!r} was not created in the background; "
+                          "only background responses can be cancelled", "response_id")
+    return web.Response(body=stored.body, content_type="application/json")
+
+
+class _Background(msgspec.Struct):
+    background: bool = False
+
+
 def _not_found(rid: str) -> APIError:
     return APIError(404, f"no response with id {rid[:_ID_CHARS]!r} is stored on this server",
                     param="response_id", code="not_found")
@@ -182,10 +305,15 @@ def _not_found(rid: str) -> APIError:
 # --- whole ---------------------------------------------------------------------------------------
 
 
-async def _whole(state: ServerState, gen: Generation, run: _Run) -> web.Response:
+async def _whole(state: ServerState, gen: Generation, run: _Run,
+                 started: Callable[[], None] | None = None) -> web.Response:
+    """``started``: called with the first tokens."""
     try:
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
+                if started is not None:
+                    started()
+                    started = None
                 for _, out in batch:
                     for c in out.outputs:
                         _apply(run, c.text, len(c.token_ids), c.finish_reason)
@@ -217,7 +345,8 @@ def _status(run: _Run, gen: Generation) -> str:
 
 def _finish(state: ServerState, gen: Generation, run: _Run, status: str,
             items: list[OutputItem], reasoning_tokens: int) -> bytes:
-    """The final response object, stored unless ``store: false`` or it did not complete."""
+    """The final response object, stored unless ``store: false`` or it did not complete (a
+    background response is stored however it ended, for its GET)."""
     obj = run.obj
     obj.status = status
     obj.output = items
@@ -230,9 +359,12 @@ def _finish(state: ServerState, gen: Generation, run: _Run, status: str,
         input_tokens_details=InputTokensDetails(gen.num_cached_tokens),
         output_tokens_details=OutputTokensDetails(min(run.num_tokens, reasoning_tokens)))
     body = encode(obj)
-    if obj.store and status in ("completed", "incomplete"):
+    if obj.store and status in CONTINUABLE:
         turn = history_message(items)
-        state.responses.put(obj.id, run.conversation + ([turn] if turn else []), body)
+        state.responses.put(obj.id, run.conversation + ([turn] if turn else []), body,
+                            run.items, status)
+    elif obj.background:
+        state.responses.put(obj.id, [], body, run.items, status)
     return body
 
 

@@ -12,6 +12,7 @@ from tidal.engine_core.lora_request import LoRARequest
 from tidal.frontend.server.admission import Admission, Ticket
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.metrics import ServerMetrics
+from tidal.frontend.server.response_background import BackgroundResponses
 from tidal.frontend.server.response_store import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRIES,
@@ -81,6 +82,7 @@ class ServerState:
     task: str  # "generate" | "embed"
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponseStore = field(default_factory=ResponseStore)  # of /v1/responses
+    background: BackgroundResponses = field(default_factory=BackgroundResponses)  # running
     # The other API server processes' stores (--api-server-count > 1; response_peers.py).
     response_peers: ResponsePeers | None = None
     plugins: ServerPlugins = field(default_factory=ServerPlugins)

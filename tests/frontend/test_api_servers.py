@@ -177,6 +177,33 @@ def test_two_api_servers_act_as_one():
 
         assert len(set(asyncio.run(chain()))) == 8
 
+        # A background response: polled, listed and cancelled from fresh connections (the
+        # cancel reaches the process that runs it, whichever process takes it).
+        async def background():
+            async def call(fn):
+                c = client_for(server)
+                try:
+                    return await fn(c)
+                finally:
+                    await c.close()
+
+            queued = await call(lambda c: c.responses.create(
+                model="", input="Write a very long story about the sea.", temperature=0.0,
+                max_output_tokens=512, background=True))
+            polled = [await call(lambda c: c.responses.retrieve(queued.id)) for _ in range(3)]
+            items = await call(lambda c: c.responses.input_items.list(queued.id))
+            cancelled = await call(lambda c: c.responses.cancel(queued.id))
+            after = [await call(lambda c: c.responses.retrieve(queued.id)) for _ in range(4)]
+            return queued, polled, items, cancelled, after
+
+        queued, polled, items, cancelled, after = asyncio.run(background())
+        assert queued.status == "queued" and queued.background
+        assert all(p.id == queued.id for p in polled) and items.data[0].content[0].text.startswith(
+            "Write a very long story")
+        # (512 tokens take the CPU several seconds: the cancel comes first.)
+        assert cancelled.status == "cancelled", cancelled.status
+        assert {a.status for a in after} == {"cancelled"}
+
         # SIGTERM to the server's whole process group (as Ctrl-C or ``timeout`` send it)
         # drains both API servers once while a request runs: it completes; exit code 0.
         async def drain():

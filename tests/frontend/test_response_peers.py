@@ -62,3 +62,41 @@ def test_lookups_reach_the_process_that_holds_the_response(tmp_path):
 def test_index_must_name_one_of_the_addresses(tmp_path):
     with pytest.raises(ValueError, match="index 2"):
         ResponsePeers(2, peer_addresses(str(tmp_path), 2), ResponseStore())
+
+
+def test_a_cancel_reaches_the_process_that_runs_the_background_response(tmp_path):
+    async def main():
+        addresses = peer_addresses(str(tmp_path), 3)
+        stores = [ResponseStore() for _ in range(3)]
+        asked: list[str] = []
+
+        async def cancel_on_2(rid: str) -> bool:
+            asked.append(rid)
+            if rid != "resp_bg":
+                return False
+            await asyncio.sleep(0.05)  # the generation winds down meanwhile
+            stores[2].put(rid, [], b'{"status": "cancelled"}', [{"id": "msg_1"}], "cancelled")
+            return True
+
+        peers = [ResponsePeers(i, addresses, s, cancel_on_2 if i == 2 else None)
+                 for i, s in enumerate(stores)]
+        for p in peers:
+            p.start()
+        try:
+            stores[2].put("resp_bg", [], b'{"status": "in_progress"}', [{"id": "msg_1"}],
+                          "in_progress")
+            # Other lookups are answered while a cancel winds down.
+            cancel = asyncio.create_task(peers[0].cancel("resp_bg"))
+            await asyncio.sleep(0.01)
+            during = await peers[1].get("resp_bg")
+            got = await cancel
+            assert during is not None and during.status == "in_progress"
+            assert got is not None and got.status == "cancelled"
+            assert got.body == b'{"status": "cancelled"}' and got.input_items == [{"id": "msg_1"}]
+            assert await peers[0].cancel("resp_other") is None
+            assert asked == ["resp_bg", "resp_other"]
+        finally:
+            for p in peers:
+                await p.close()
+
+    asyncio.run(main())

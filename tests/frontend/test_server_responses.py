@@ -312,6 +312,125 @@ def test_input_items_reach_the_template():
     assert engine.rendered[0]["kwargs"] == {"enable_thinking": False}
 
 
+def test_input_items_are_listed_back_a_page_at_a_time():
+    items = [{"role": "developer", "content": "Answer in English."},
+             {"type": "message", "role": "user", "id": "msg_mine",
+              "content": [{"type": "input_text", "text": "What is the weather?"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"role": "assistant", "content": "Let me see."},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather",
+              "arguments": "{\"city\": \"Paris\"}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+             {"role": "user", "content": "thanks"}]
+
+    async def body(api, client):
+        resp = await api.responses.create(model="fake", input=items, tools=TOOLS,
+                                          tool_choice="none")
+        every = [i async for i in api.responses.input_items.list(resp.id, limit=2)]
+        first = await api.responses.input_items.list(resp.id, limit=3, order="asc")
+        rest = await api.responses.input_items.list(resp.id, order="asc",
+                                                    after=first.data[-1].id)
+        one = await api.responses.create(model="fake", input="thanks")
+        single = await api.responses.input_items.list(one.id)
+        errors = []
+        for query in ("limit=0", "limit=x", "order=up", "after=msg_nope",
+                      "include=message.input_image.image_url"):
+            r = await client.get(f"/v1/responses/{resp.id}/input_items?{query}")
+            errors.append((r.status, (await r.json())["error"]["param"]))
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.input_items.list("resp_nope")
+        return every, first, rest, single, errors
+
+    every, first, rest, single, errors = _run(ScriptedEngine(), body, **PARSING)
+    # Newest first by default, across pages of two.
+    assert [i.type for i in every] == ["message", "function_call_output", "function_call",
+                                       "message", "reasoning", "message", "message"]
+    assert first.has_more and not rest.has_more
+    asc = first.data + rest.data
+    assert [i.id for i in asc] == [i.id for i in reversed(every)]
+    assert len({i.id for i in asc}) == len(items)
+    assert asc[1].id == "msg_mine" and asc[2].id == "rs_1"
+    assert asc[0].role == "developer" and asc[0].content[0].text == "Answer in English."
+    assert asc[3].role == "assistant" and asc[3].content[0].type == "output_text"
+    assert asc[4].call_id == "c1" and asc[5].output == "rain"
+    assert all(i.status == "completed" for i in asc)
+    (msg,) = single.data
+    assert msg.type == "message" and msg.role == "user" and msg.content[0].text == "thanks"
+    assert errors == [(400, "limit"), (400, "limit"), (400, "order"), (400, "after"),
+                      (400, "include")]
+
+
+async def _until(api: openai.AsyncOpenAI, rid: str, *statuses: str) -> Any:
+    for _ in range(500):
+        got = await api.responses.retrieve(rid)
+        if got.status in statuses:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{rid} stayed {got.status}")
+
+
+def test_background_response_is_polled_until_done_and_can_be_continued():
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        state = client.server.app[STATE_KEY]
+        queued = await api.responses.create(model="fake", input="weather", tools=TOOLS,
+                                            background=True)
+        done = await _until(api, queued.id, "completed")
+        assert len(state.background) == 0 and state.admission.num_in_flight == 0
+        call = next(i for i in done.output if i.type == "function_call")
+        follow = await api.responses.create(
+            model="fake", previous_response_id=queued.id, tools=TOOLS, background=True,
+            input=[{"type": "function_call_output", "call_id": call.call_id,
+                    "output": "thanks"}])
+        follow = await _until(api, follow.id, "completed")
+        again = await api.responses.cancel(queued.id)  # over already: returned as it is
+        items = await api.responses.input_items.list(follow.id)
+        failed = await api.responses.create(model="fake", input="fail", background=True)
+        return queued, done, follow, again, items, await _until(api, failed.id, "failed")
+
+    queued, done, follow, again, items, failed = _run(engine, body, **PARSING)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    assert done.background and [i.type for i in done.output] == [
+        "reasoning", "function_call", "function_call"]
+    assert done.usage.output_tokens > 0
+    assert follow.output_text == SCRIPTS["thanks"]
+    assert again.status == "completed" and again.id == done.id
+    assert [i.type for i in items.data] == ["function_call_output"]
+    assert failed.error.code and "/work" not in failed.error.message
+
+
+def test_background_response_is_cancelled():
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        state = client.server.app[STATE_KEY]
+        queued = await api.responses.create(model="fake", input="hang", background=True)
+        running = await _until(api, queued.id, "in_progress")
+        cancelled = await api.responses.cancel(queued.id)
+        stored = await api.responses.retrieve(queued.id)
+        twice = await api.responses.cancel(queued.id)
+        with pytest.raises(openai.BadRequestError) as follow:
+            await api.responses.create(model="fake", input="x",
+                                       previous_response_id=queued.id)
+        plain = await api.responses.create(model="fake", input="thanks")
+        with pytest.raises(openai.BadRequestError) as not_background:
+            await api.responses.cancel(plain.id)
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.cancel("resp_nope")
+        return (running, cancelled, stored, twice, follow.value, not_background.value,
+                len(state.background), state.admission.num_in_flight)
+
+    (running, cancelled, stored, twice, follow, not_background, left,
+     in_flight) = _run(engine, body)
+    assert running.status == "in_progress"
+    assert cancelled.status == stored.status == twice.status == "cancelled"
+    assert engine.cancelled  # the generation was aborted in the engine
+    assert left == 0 and in_flight == 0
+    assert "cancelled" in follow.body["message"]
+    assert not_background.body["param"] == "response_id"
+
+
 def test_max_output_tokens_is_incomplete_and_store_false_keeps_nothing():
     async def body(api, client):
         whole = await api.responses.create(model="fake", input="long", store=False,
@@ -405,7 +524,8 @@ def test_drain_timeout_cancels_open_responses():
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "only function tools"),
     ({"tools": TOOLS}, "tools", "--enable-auto-tool-choice"),
     ({"metadata": {"k": "v" * 600}}, "metadata.k", "512"),
-    ({"extra_body": {"background": True}}, "background", "background"),
+    ({"background": True, "stream": True}, "stream", "background"),
+    ({"background": True, "store": False}, "store", "background"),
     ({"extra_body": {"include": ["message.output_text.logprobs"]}}, "include", "include"),
     ({"extra_body": {"seed": 3}}, "seed", "chat/completions"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs", "tools"),

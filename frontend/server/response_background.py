@@ -1,0 +1,75 @@
+"""Background responses of ``/v1/responses`` (``background: true``).
+
+The request is answered at once with the response ``queued``; its generation runs in a task of
+the API server that took it, which keeps the stored response current (``in_progress`` once
+tokens flow, then ``completed`` / ``incomplete`` / ``cancelled`` / ``failed``) for ``GET``
+polling. ``POST /v1/responses/{id}/cancel`` ends it early (on another API server of the same
+server, through ``response_peers``). A background response holds its admission ticket while it
+runs, so the queue bound (429) and the shutdown drain count it like any other request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# How long a cancel waits for the generation to wind down (one engine step, normally) before
+# it answers with the response as stored then.
+CANCEL_WAIT_S = 1.0
+
+
+@dataclass(slots=True)
+class _Running:
+    task: asyncio.Task[None]
+    abort: Callable[[], None]  # ends the generation early (Generation.abort)
+
+
+class BackgroundResponses:
+    """This API server's background responses still running, by response id."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, _Running] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def __contains__(self, response_id: object) -> bool:
+        return response_id in self._running
+
+    def start(self, response_id: str, work: Coroutine[Any, Any, None],
+              abort: Callable[[], None]) -> None:
+        """Run ``work`` (which stores the response as it goes and when it ends) in a task."""
+        task = asyncio.get_running_loop().create_task(work, name=f"tidal-{response_id}")
+        self._running[response_id] = _Running(task, abort)
+        task.add_done_callback(lambda t: self._done(response_id, t))
+
+    def _done(self, response_id: str, task: asyncio.Task[None]) -> None:
+        self._running.pop(response_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background response %s failed", response_id,
+                         exc_info=task.exception())
+
+    async def cancel(self, response_id: str) -> bool:
+        """End the response early if it runs here; True if it did (it is stored as
+        ``cancelled`` once its generation has wound down, within ``CANCEL_WAIT_S``)."""
+        running = self._running.get(response_id)
+        if running is None:
+            return False
+        running.abort()
+        await asyncio.wait({running.task}, timeout=CANCEL_WAIT_S)
+        return True
+
+    async def close(self) -> None:
+        """Stop whatever still runs (the server is going down after its drain)."""
+        tasks = [r.task for r in self._running.values()]
+        for running in list(self._running.values()):
+            running.abort()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+        for task in tasks:
+            task.cancel()
