@@ -96,11 +96,13 @@ class IncrementalDetokenizer(abc.ABC):
         """Returns the text still held at the end of the request (an incomplete character decodes
         to U+FFFD, as in the full decode). Call once, after the last :meth:`update`."""
 
-    def decode_all(self, token_ids: list[int]) -> str:
-        """``update(token_ids) + flush()``, for a consumer that needs the text only once the
-        request is over (it then skips the per-token work of the stream). Call once, instead
-        of any :meth:`update`."""
-        return self.update(token_ids) + self.flush()
+    def decode_all(self, token_ids: list[int], flush: bool = True) -> str:
+        """``update(token_ids) + flush()`` (without the flush: ``update(token_ids)``, the text
+        of a request cut short, whose held bytes are dropped), for a consumer that needs the
+        text only once the request is over (it then skips the per-token work of the stream).
+        Call once, instead of any :meth:`update`."""
+        text = self.update(token_ids)
+        return text + self.flush() if flush else text
 
 
 def create_detokenizer(
@@ -207,13 +209,14 @@ class DecodeStreamDetokenizer(IncrementalDetokenizer):
             return ""
         return self._resync()
 
-    def decode_all(self, token_ids: list[int]) -> str:
+    def decode_all(self, token_ids: list[int], flush: bool = True) -> str:
         # One decode of context + output (and one of the context) instead of a stream step per
         # token: the same text wherever it has no U+FFFD, as the stream emits each piece as
-        # that decode's continuation of the piece before. Where it has one (invalid UTF-8,
-        # which the stream may cut into pieces after MAX_PENDING_TOKENS), the stream decides.
+        # that decode's continuation of the piece before. Where it has one (invalid UTF-8, a
+        # character still incomplete at the end, which the stream holds back or, after
+        # MAX_PENDING_TOKENS, cuts into pieces of its own), the stream decides.
         if self._pending_ids:
-            return self.update(token_ids) + self.flush()
+            return IncrementalDetokenizer.decode_all(self, token_ids, flush)
         skip = self.skip_special_tokens
         context = self._prev_ids
         decode = self.backend.decode
@@ -221,7 +224,7 @@ class DecodeStreamDetokenizer(IncrementalDetokenizer):
         text = decode(context + token_ids, skip_special_tokens=skip)
         if text.startswith(prev_text) and REPLACEMENT_CHAR not in text[len(prev_text):]:
             return text[len(prev_text):]
-        return self.update(token_ids) + self.flush()
+        return IncrementalDetokenizer.decode_all(self, token_ids, flush)
 
     def _resync(self) -> str:
         """Emits the pending ids' text as it decodes now and restarts the stream after them."""

@@ -361,7 +361,7 @@ class OutputProcessor:
         engine_ids = self.abort_request(request_id)
         for seq in state.seqs:
             if not seq.finished:
-                _decode_at_end(seq)
+                _decode_at_end(seq, flush=False)
                 seq.finish_reason = str(FinishReason.ABORT)
         state.num_open = 0
         if state.collector is not None:
@@ -380,7 +380,7 @@ class OutputProcessor:
                 continue
             for seq in state.seqs:
                 if not seq.finished:
-                    _decode_at_end(seq)
+                    _decode_at_end(seq, flush=False)
                     seq.finish_reason, seq.error = "error", message
             state.num_open = 0
             if (out := state.take_output()) is not None and isinstance(out, RequestOutput):
@@ -568,11 +568,13 @@ class OutputProcessor:
                     arrays.token_ids[i], arrays.logprobs[i], int(arrays.ranks[i]), width)
 
 
-def _decode_at_end(seq: SeqState) -> None:
-    """The whole text of a ``text_at_end`` sequence, as it ends (once)."""
+def _decode_at_end(seq: SeqState, flush: bool = True) -> None:
+    """The whole text of a ``text_at_end`` sequence, as it ends (once; ``flush=False``: cut
+    short, a character still incomplete is dropped, as the stream of the other kinds drops
+    it)."""
     if seq.text_at_end and seq.detok is not None:
         seq.text_at_end = False
-        text = seq.detok.decode_all(seq.token_ids)
+        text = seq.detok.decode_all(seq.token_ids, flush)
         if text:
             seq.text_parts.append(text)
 

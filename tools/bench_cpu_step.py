@@ -199,7 +199,10 @@ def run(ns: argparse.Namespace, async_scheduling: bool, model_dir: str) -> dict[
         from tidal.engine_core.sampling_params import StructuredOutputsParams
         from tidal.frontend.tokenizer import load_tokenizer
 
-        token = load_tokenizer(cfg.model).convert_tokens_to_ids("a")
+        tokenizer = load_tokenizer(cfg.model)
+        token = tokenizer.convert_tokens_to_ids("a")
+        if token is None or token == tokenizer.unk_token_id:
+            raise SystemExit("--structured needs a tokenizer with a token 'a'")
         structured = StructuredOutputsParams(regex="a*")
         timers.wrap(core.structured, "begin_fill", "grammar: begin_fill")
         timers.wrap(core, "_advance_grammars", "grammar: advance")

@@ -50,6 +50,7 @@ from tidal.frontend.server.errors import (
 from tidal.frontend.server.lora_models import FilesystemResolver, LoRAModels
 from tidal.frontend.server.metrics import CONTENT_TYPE, ServerMetrics
 from tidal.frontend.server.openai_protocol import ModelCard, ModelList
+from tidal.frontend.server.response_background import BackgroundResponses
 from tidal.frontend.server.response_peers import ResponsePeers
 from tidal.frontend.server.response_store import ResponseStore
 from tidal.frontend.server.server_plugins import ServerPlugins
@@ -302,6 +303,8 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
         task=config.model.task,
         responses=ResponseStore(settings.max_stored_responses,
                                 settings.max_stored_response_bytes),
+        # A running background response is never evicted: half the store at most.
+        background=BackgroundResponses(max(1, settings.max_stored_responses // 2)),
         plugins=plugins or ServerPlugins(),
     )
     if getattr(config, "lora", None) is not None:

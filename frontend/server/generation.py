@@ -78,6 +78,8 @@ class Generation:
     async def stream(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Every read: ``(prompt index, delta output)`` for each prompt with news, in order."""
         self.ticket.abort = self.abort
+        if self.aborted:  # (a background response cancelled before it started)
+            return
         try:
             for i, ids in enumerate(self.prompts):
                 rid = self.engine_id(i)

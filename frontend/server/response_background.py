@@ -16,6 +16,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.frontend.server.errors import APIError
+
 logger = logging.getLogger(__name__)
 
 # How long a cancel waits for the generation to wind down (one engine step, normally) before
@@ -27,12 +29,17 @@ CANCEL_WAIT_S = 1.0
 class _Running:
     task: asyncio.Task[None]
     abort: Callable[[], None]  # ends the generation early (Generation.abort)
+    # Stores the response as cancelled now (a cancel that did not see it wind down in time).
+    cancelled: Callable[[], None]
 
 
 class BackgroundResponses:
-    """This API server's background responses still running, by response id."""
+    """This API server's background responses still running, by response id: at most
+    ``limit`` at once (they outlive their connection, so the connection bound does not
+    bound them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 500) -> None:
+        self.limit = limit
         self._running: dict[str, _Running] = {}
 
     def __len__(self) -> int:
@@ -41,11 +48,19 @@ class BackgroundResponses:
     def __contains__(self, response_id: object) -> bool:
         return response_id in self._running
 
+    def check_room(self) -> None:
+        """Raise the 429 a background request gets while ``limit`` of them run."""
+        if len(self._running) >= self.limit:
+            raise APIError(429, f"{len(self._running)} background responses are running on "
+                           f"this server (limit {self.limit}); retry later, or cancel one",
+                           code="too_many_background_responses",
+                           headers={"Retry-After": "1"})
+
     def start(self, response_id: str, work: Coroutine[Any, Any, None],
-              abort: Callable[[], None]) -> None:
+              abort: Callable[[], None], cancelled: Callable[[], None]) -> None:
         """Run ``work`` (which stores the response as it goes and when it ends) in a task."""
         task = asyncio.get_running_loop().create_task(work, name=f"tidal-{response_id}")
-        self._running[response_id] = _Running(task, abort)
+        self._running[response_id] = _Running(task, abort, cancelled)
         task.add_done_callback(lambda t: self._done(response_id, t))
 
     def _done(self, response_id: str, task: asyncio.Task[None]) -> None:
@@ -62,6 +77,8 @@ class BackgroundResponses:
             return False
         running.abort()
         await asyncio.wait({running.task}, timeout=CANCEL_WAIT_S)
+        if not running.task.done():
+            running.cancelled()
         return True
 
     async def close(self) -> None:
@@ -73,3 +90,5 @@ class BackgroundResponses:
             await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
         for task in tasks:
             task.cancel()
+        # Their tickets and engine requests are released before the engine goes.
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -82,8 +82,10 @@ class ResponsePeers:
                                                             name="tidal-response-peers")
 
     async def close(self) -> None:
-        for task in list(self._cancels):
+        cancels = list(self._cancels)
+        for task in cancels:
             task.cancel()
+        await asyncio.gather(*cancels, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -108,8 +110,9 @@ class ResponsePeers:
             except msgspec.DecodeError as exc:
                 logger.warning("response peers: dropped an undecodable lookup: %s", exc)
                 continue
-            if ask.op == "cancel":
-                # Answered once the response is over (other lookups go on meanwhile).
+            if ask.op in ("cancel", "delete"):
+                # Answered once a background response it runs is over (other lookups go on
+                # meanwhile): a deleted one must not go on generating.
                 task = asyncio.get_running_loop().create_task(self._answer_cancel(ident, ask))
                 self._cancels.add(task)
                 task.add_done_callback(self._cancels.discard)
@@ -127,7 +130,11 @@ class ResponsePeers:
 
     async def _answer_cancel(self, ident: bytes, ask: PeerAsk) -> None:
         found = self.cancel_local is not None and await self.cancel_local(ask.response_id)
-        answer = self._answer(PeerAsk("get", ask.response_id)) if found else PeerAnswer(False)
+        if ask.op == "delete":
+            answer = self._answer(ask)
+        else:
+            answer = self._answer(PeerAsk("get", ask.response_id)) if found \
+                else PeerAnswer(False)
         await self._server.send_multipart([ident, b"", _encoder.encode(answer)])
 
     # --- asking ----------------------------------------------------------------------------

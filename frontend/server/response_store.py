@@ -24,6 +24,8 @@ DEFAULT_MAX_BYTES = 64 << 20
 
 # A follow-up (previous_response_id) may continue a response of these statuses.
 CONTINUABLE = frozenset({"completed", "incomplete"})
+# A background response still generating: never evicted (their number is bounded apart).
+RUNNING = frozenset({"queued", "in_progress"})
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,16 +62,18 @@ class ResponseStore:
         off (a bound of 0)."""
         items = input_items or []
         size = len(body) + len(msgspec.json.encode(messages)) + len(msgspec.json.encode(items))
+        self.delete(response_id)  # (an earlier state of it must not outlive a failed put)
         if self.max_entries == 0 or size > self.max_bytes:
             logger.debug("response %s not stored (%d bytes; store bound %d bytes)", response_id,
                          size, self.max_bytes)
             return False
-        self.delete(response_id)
-        while self._entries and (len(self._entries) >= self.max_entries
-                                 or self._bytes + size > self.max_bytes):
-            old_id, old = self._entries.popitem(last=False)
-            self._bytes -= old.size
-            logger.debug("response store full: evicted %s", old_id)
+        if len(self._entries) >= self.max_entries or self._bytes + size > self.max_bytes:
+            for old_id in [k for k, v in self._entries.items() if v.status not in RUNNING]:
+                if len(self._entries) < self.max_entries and \
+                        self._bytes + size <= self.max_bytes:
+                    break
+                self._bytes -= self._entries.pop(old_id).size
+                logger.debug("response store full: evicted %s", old_id)
         self._entries[response_id] = StoredResponse(messages, body, size, items, status)
         self._bytes += size
         return True

@@ -106,6 +106,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background and not req.store:
         raise bad_request("a background response must be stored (store: true): it is read "
                           "back with GET /v1/responses/{id}", "store")
+    if req.background and state.responses.max_entries == 0:
+        raise bad_request("background responses need the response store, which this server "
+                          "runs without (--max-stored-responses 0)", "background")
     check_reasoning(req.reasoning)
     metadata = check_metadata(req.metadata)
     tools, echo_tools = tools_of(req)
@@ -141,6 +144,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
         + conversation
     state.admission.check_available()
+    if req.background:
+        state.background.check_room()
     with rename_params():
         ids = await render_chat(state, messages, True, cfg.chat_template, False,
                                 chat_tools.tools, kwargs)
@@ -168,8 +173,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background:
         obj.status = "queued"
         body = encode(obj)
-        state.responses.put(obj.id, [], body, run.items, "queued")
-        state.background.start(obj.id, _in_background(state, gen, run, ticket), gen.abort)
+        if not state.responses.put(obj.id, [], body, run.items, "queued"):
+            _done(state, gen, run, ticket)
+            raise bad_request(f"the request's input ({len(body)} bytes and more) is larger "
+                              "than this server's response store takes "
+                              "(--max-stored-response-bytes); a background response must be "
+                              "stored", "input")
+        state.background.start(obj.id, _in_background(state, gen, run, ticket), gen.abort,
+                               lambda: _fail(state, run, "cancelled", None))
         return web.Response(body=body, content_type="application/json")
     try:
         if req.stream:
@@ -200,7 +211,8 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run,
     except asyncio.CancelledError:
         _fail(state, run, "cancelled", None)
         raise
-    except APIError as err:
+    except Exception as exc:  # noqa: BLE001 - the stored response says what failed
+        err = exc if isinstance(exc, APIError) else from_exception(exc, obj.id)
         state.metrics.error(err.status)
         info = err.info()  # a server error's message without file paths
         _fail(state, run, "failed", ResponseError(code=err.code or "server_error",
@@ -230,6 +242,7 @@ async def get_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     state = get_state(request)
     rid = request.match_info["response_id"]
+    await state.background.cancel(rid)  # a deleted response does not go on generating
     if not await forget_response(state.responses, state.response_peers, rid):
         raise _not_found(rid)
     return json_response(DeletedResponse(id=rid))

@@ -94,7 +94,9 @@ def test_a_cancel_reaches_the_process_that_runs_the_background_response(tmp_path
             assert got is not None and got.status == "cancelled"
             assert got.body == b'{"status": "cancelled"}' and got.input_items == [{"id": "msg_1"}]
             assert await peers[0].cancel("resp_other") is None
-            assert asked == ["resp_bg", "resp_other"]
+            # A delete stops what the holder runs first.
+            assert await forget_response(stores[0], peers[0], "resp_bg")
+            assert asked == ["resp_bg", "resp_other", "resp_bg"] and len(stores[2]) == 0
         finally:
             for p in peers:
                 await p.close()

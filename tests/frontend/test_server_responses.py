@@ -431,6 +431,36 @@ def test_background_response_is_cancelled():
     assert not_background.body["param"] == "response_id"
 
 
+def test_background_responses_are_bounded_and_deleting_one_stops_it():
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        state = client.server.app[STATE_KEY]
+        first = await api.responses.create(model="fake", input="hang", background=True)
+        with pytest.raises(openai.RateLimitError) as full:
+            await api.responses.create(model="fake", input="hang", background=True)
+        await _until(api, first.id, "in_progress")
+        await api.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await api.responses.retrieve(first.id)
+        left = len(state.background), state.admission.num_in_flight
+        # Room again once it is gone.
+        second = await api.responses.create(model="fake", input="thanks", background=True)
+        return full.value, left, await _until(api, second.id, "completed")
+
+    full, left, second = _run(engine, body, max_stored_responses=2)
+    assert full.body["code"] == "too_many_background_responses"
+    assert left == (0, 0) and engine.cancelled
+    assert second.output_text == SCRIPTS["thanks"]
+
+    async def no_store(api, client):
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.responses.create(model="fake", input="x", background=True)
+        return err.value.body
+
+    assert _run(ScriptedEngine(), no_store, max_stored_responses=0)["param"] == "background"
+
+
 def test_max_output_tokens_is_incomplete_and_store_false_keeps_nothing():
     async def body(api, client):
         whole = await api.responses.create(model="fake", input="long", store=False,
@@ -636,6 +666,15 @@ def test_response_store_bounds():
     assert len(store) == 1 and store.num_bytes <= 10_000
     assert store.delete("big") and store.num_bytes == 0 and not store.delete("big")
     assert not ResponseStore(max_entries=0).put("a", msgs, b"{}")
+    # A background response still running is never evicted; a later state of a response
+    # that no longer fits drops the earlier one (no stale "in_progress" left behind).
+    store = ResponseStore(max_entries=2, max_bytes=10_000)
+    assert store.put("run", [], b"{}", status="in_progress")
+    for rid in ("d", "e", "f"):
+        assert store.put(rid, msgs, b"{}")
+    assert store.get("run") is not None and store.get("f") is not None and len(store) == 2
+    assert not store.put("run", msgs, b"x" * 20_000, status="completed")
+    assert store.get("run") is None
 
 
 @pytest.mark.slow

@@ -1,0 +1,50 @@
+"""The background responses of one API server (frontend/server/response_background.py): a
+bound on how many run at once (429 beyond), a cancel that aborts and waits for the wind-down
+(and marks the response cancelled when that takes too long), and a close that leaves no task
+behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tidal.frontend.server import response_background
+from tidal.frontend.server.errors import APIError
+from tidal.frontend.server.response_background import BackgroundResponses
+
+
+def test_bound_cancel_and_close(monkeypatch):
+    monkeypatch.setattr(response_background, "CANCEL_WAIT_S", 0.05)
+    events: list[str] = []
+
+    async def work(name: str, stubborn: bool, stop: asyncio.Event) -> None:
+        try:
+            await stop.wait()
+            if stubborn:  # winds down slowly after its abort
+                await asyncio.sleep(0.5)
+            events.append(f"{name} ended")
+        finally:
+            events.append(f"{name} released")
+
+    async def main():
+        bg = BackgroundResponses(limit=2)
+        stops = {n: asyncio.Event() for n in ("a", "b", "c")}
+        for name, stubborn in (("a", False), ("b", True)):
+            bg.start(name, work(name, stubborn, stops[name]), stops[name].set,
+                     lambda n=name: events.append(f"{n} marked cancelled"))
+        with pytest.raises(APIError) as full:
+            bg.check_room()
+        assert full.value.status == 429 and len(bg) == 2 and "a" in bg
+        assert not await bg.cancel("nope")
+        assert await bg.cancel("a")  # winds down in time: its own end stores it
+        assert "a" not in bg and events[:2] == ["a ended", "a released"]
+        assert await bg.cancel("b")  # too slow: stored as cancelled now, still running
+        assert events[-1] == "b marked cancelled" and "b" in bg
+        bg.check_room()  # room again
+        bg.start("c", work("c", False, stops["c"]), lambda: None, lambda: None)
+        await bg.close()  # every task over (its resources released) when close returns
+        assert len(bg) == 0
+        assert {"b released", "c released"} <= set(events)
+
+    asyncio.run(main())
