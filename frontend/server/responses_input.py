@@ -300,10 +300,34 @@ def check_metadata(metadata: dict[str, Any] | None) -> dict[str, str]:
     return metadata
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether ``include`` asks for the output's log-probabilities (the one extra this server
+    has); ``top_logprobs`` alone is a 400 (it would change nothing)."""
+    include = req.include or []
+    if len(include) > 16:
+        raise bad_request(f"include has {len(include)} entries", "include")
+    for i, value in enumerate(include):
+        if value != OUTPUT_LOGPROBS:
+            raise bad_request(f"include {str(value)[:60]!r} is not available here; only "
+                              f"{OUTPUT_LOGPROBS!r} is (no encrypted reasoning, images or "
+                              "built-in tool results)", f"include[{i}]",
+                              code="unsupported_field")
+    wanted = OUTPUT_LOGPROBS in include
+    if req.top_logprobs is not None and not wanted:
+        raise bad_request(f"top_logprobs needs include: [{OUTPUT_LOGPROBS!r}] (without it no "
+                          "log-probabilities are returned)", "top_logprobs")
+    return wanted
+
+
 def chat_request(req: ResponsesRequest, tools: list[ChatTool] | None) -> ChatCompletionRequest:
     """The chat request whose checks (sampling bounds, tools, structured outputs) this
     response goes through."""
+    logprobs = wants_logprobs(req)
     return ChatCompletionRequest(
+        logprobs=logprobs, top_logprobs=req.top_logprobs if logprobs else None,
         model=req.model, temperature=req.temperature, top_p=req.top_p, stream=req.stream,
         max_completion_tokens=req.max_output_tokens, tools=tools,
         tool_choice=tool_choice_of(req.tool_choice),

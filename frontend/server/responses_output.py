@@ -94,6 +94,10 @@ class ResponseEvents:
         # Calls seen before any answer text: held until the message opens or the output ends,
         # so the message (whose text may come after the calls) keeps its place before them.
         self._held: list[DeltaToolCall] = []
+        # Every generated token's log-probability (include: message.output_text.logprobs):
+        # on the answer's output_text.done event and its final part, set before ``finish``
+        # (the deltas carry none: the parsers' pieces are not cut at token boundaries).
+        self.logprobs: list[Any] | None = None
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -198,11 +202,11 @@ class ResponseEvents:
             out.append(self.event("response.function_call_arguments.done", item_id=item.id,
                                   output_index=o.index, name=item.name, arguments=text))
         elif isinstance(item, MessageItem):
-            part = OutputText(text=text)
+            part = OutputText(text=text, logprobs=self.logprobs or [])
             item.content = [part]
             out.append(self.event("response.output_text.done", item_id=item.id,
                                   output_index=o.index, content_index=0, text=text,
-                                  logprobs=[]))
+                                  logprobs=part.logprobs))
             out.append(self.event("response.content_part.done", item_id=item.id,
                                   output_index=o.index, content_index=0, part=part))
         else:

@@ -18,7 +18,6 @@ from tidal.frontend.server.unsupported import (
     GENERATION,
     Unsupported,
     _empty,
-    _zero,
 )
 
 
@@ -39,10 +38,6 @@ RESPONSES_UNSUPPORTED: Mapping[str, Unsupported] = {
     "conversation": Unsupported("conversations are not supported; chain responses with "
                                 "previous_response_id"),
     "prompt": Unsupported("prompt templates are not supported; send input"),
-    "include": Unsupported("no extra output data (logprobs, encrypted reasoning, tool "
-                           "results) is available; omit include", _empty),
-    "top_logprobs": Unsupported("log-probabilities are not available in /v1/responses; use "
-                                "/v1/chat/completions", _zero),
     "truncation": Unsupported("prompts are never truncated here; only \"disabled\" is "
                               "accepted", _no_truncation),
     "context_management": Unsupported("context management is not supported", _empty),
@@ -85,6 +80,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     store: bool = True
     background: bool = False  # answered at once, generated in a task (response_background)
+    include: list[Any] | None = None  # only "message.output_text.logprobs"
+    top_logprobs: int | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
     # Known and without effect here (built-in tools are rejected, so their call limit is moot;

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from tidal.frontend.outputs import CompletionOutput
 from tidal.frontend.reasoning import DeltaMessage
 from tidal.frontend.server.admission import Ticket
 from tidal.frontend.server.chat_parsing import (
@@ -37,7 +38,8 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.openai_protocol import decode_request, encode
+from tidal.frontend.server.logprobs import chat_logprob_entries
+from tidal.frontend.server.openai_protocol import ChatLogprobEntry, decode_request, encode
 from tidal.frontend.server.prompts import check_context
 from tidal.frontend.server.responses_input import (
     chat_request,
@@ -59,6 +61,7 @@ from tidal.frontend.server.responses_protocol import (
     DeletedResponse,
     IncompleteDetails,
     InputItemList,
+    MessageItem,
     InputTokensDetails,
     OutputItem,
     OutputTokensDetails,
@@ -88,6 +91,10 @@ class _Run:
     parse: OutputParse | None
     prompt_tokens: int
     items: list[dict[str, Any]]  # the request's input items, for GET .../input_items
+    # include: ["message.output_text.logprobs"]: every generated token's, and how many
+    # alternatives each (None: not asked for).
+    logprobs: list[ChatLogprobEntry] | None = None
+    top_logprobs: int = 0
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -166,7 +173,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         background=req.background)
     run = _Run(obj, conversation, new_output_parse(parsers, chat_tools.parse, True,
                                                    req.parallel_tool_calls, enforced), len(ids),
-               input_items(req.input))
+               input_items(req.input), [] if chat.logprobs else None, req.top_logprobs or 0)
     ticket = state.admission.admit(1)
     gen = Generation(state.engine, state.admission, ticket, response_id, [ids], params,
                      lora_request=lora)
@@ -329,7 +336,7 @@ async def _whole(state: ServerState, gen: Generation, run: _Run,
                     started = None
                 for _, out in batch:
                     for c in out.outputs:
-                        _apply(run, c.text, len(c.token_ids), c.finish_reason)
+                        _apply(run, c)
     except (asyncio.CancelledError, APIError):
         raise
     except Exception as exc:  # noqa: BLE001 - mapped to the client's error envelope
@@ -337,17 +344,32 @@ async def _whole(state: ServerState, gen: Generation, run: _Run,
     text = "".join(run.text)
     parsed = run.parse.whole(text) if run.parse is not None else ParsedMessage(None, text)
     status = _status(run, gen)
-    items = output_items(parsed, "completed" if status == "completed" else "incomplete")
+    items = _with_logprobs(run, output_items(parsed, "completed" if status == "completed"
+                                             else "incomplete"))
     body = _finish(state, gen, run, status, items,
                    await _count_tokens(state, parsed.reasoning))
     return web.Response(body=body, content_type="application/json")
 
 
-def _apply(run: _Run, text: str, num_tokens: int, finish_reason: str | None) -> None:
-    run.text.append(text)
-    run.num_tokens += num_tokens
-    if finish_reason is not None:
-        run.finish_reason = finish_reason
+def _apply(run: _Run, c: CompletionOutput) -> None:
+    run.text.append(c.text)
+    run.num_tokens += len(c.token_ids)
+    if c.finish_reason is not None:
+        run.finish_reason = c.finish_reason
+    if run.logprobs is not None and c.logprobs is not None:
+        run.logprobs.extend(chat_logprob_entries(c.logprobs, c.token_ids, run.top_logprobs))
+
+
+def _with_logprobs(run: _Run, items: list[OutputItem]) -> list[OutputItem]:
+    """The answer's text part carries every generated token's log-probability (reasoning
+    and call tokens included, as chat completions gives them); an output of calls alone has
+    no text part to carry them."""
+    if run.logprobs is not None:
+        for item in items:
+            if isinstance(item, MessageItem):
+                for part in item.content:
+                    part.logprobs = run.logprobs
+    return items
 
 
 def _status(run: _Run, gen: Generation) -> str:
@@ -413,7 +435,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                 payloads: list[bytes] = []
                 for _, out in batch:
                     for c in out.outputs:
-                        _apply(run, c.text, len(c.token_ids), c.finish_reason)
+                        _apply(run, c)
                         msg = _delta(run, c.text, c.finish_reason is not None)
                         if msg is not None and msg.reasoning_content:
                             reasoning.append(msg.reasoning_content)
@@ -424,6 +446,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
         if gen.aborted and run.finish_reason is None and run.parse is not None:
             events.feed(run.parse.delta("", True), tail)
         status = _status(run, gen)
+        events.logprobs = run.logprobs  # (on the answer's output_text.done and final item)
         items = events.finish("completed" if status == "completed" else "incomplete", tail)
         body = _finish(state, gen, run, status, items,
                        await _count_tokens(state, "".join(reasoning)))

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from server_harness import API_KEY, generation_server
 from test_server_unit import FakeEngine, _Ready
 
-from tidal.frontend.outputs import CompletionOutput, RequestOutput
+from tidal.frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from tidal.frontend.server.app import build_app, create_state
 from tidal.frontend.server.chat_parsing import new_output_parse, server_parsers
 from tidal.frontend.server.response_store import ResponseStore
@@ -61,9 +61,11 @@ class ScriptedEngine(FakeEngine):
         super().__init__()
         self.rendered: list[dict[str, Any]] = []
         self.params: list[Any] = []
+        self._want_logprobs: dict[str, int | None] = {}
 
     async def add_request(self, request_id: str, ids: list[int], params: Any, **kw: Any) -> Any:
         self.params.append(params)
+        self._want_logprobs[request_id] = params.logprobs
         return await super().add_request(request_id, ids, params, **kw)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
@@ -81,11 +83,16 @@ class ScriptedEngine(FakeEngine):
             return await super()._script(request_id, ids, collector)
         text = SCRIPTS[key]
         pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+        top = self._want_logprobs.get(request_id)
         for i, piece in enumerate(pieces):
             done = i == len(pieces) - 1
             reason = ("length" if key == "long" else "stop") if done else None
+            # With logprobs: the piece is "token" 5 at rank 1, then the top alternatives.
+            lp = None if top is None else [{5: Logprob(-0.25 * i, 1, piece), **{
+                6 + k: Logprob(-1.0 - k, 2 + k, f"alt{k}") for k in range(top)}}]
             collector.notify(_Ready(RequestOutput(request_id, None, ids, [CompletionOutput(
-                index=0, text=piece, token_ids=[5], finish_reason=reason)], finished=done)))
+                index=0, text=piece, token_ids=[5], finish_reason=reason, logprobs=lp)],
+                finished=done)))
             await asyncio.sleep(0)
 
 
@@ -310,6 +317,35 @@ def test_input_items_reach_the_template():
     assert [c["id"] for c in seen[2]["tool_calls"]] == ["c1", "c2"]
     assert seen[3]["content"] == "rain" and seen[4]["content"] == "noon"
     assert engine.rendered[0]["kwargs"] == {"enable_thinking": False}
+
+
+def test_output_logprobs_whole_and_streamed():
+    engine = ScriptedEngine()
+    include = ["message.output_text.logprobs"]
+
+    async def body(api, client):
+        kw = dict(model="fake", input="plain", include=include, top_logprobs=2)
+        whole = await api.responses.create(**kw)
+        events, final = await _streamed(api, **kw)
+        plain = await api.responses.create(model="fake", input="plain")
+        return whole, events, final, plain
+
+    whole, events, final, plain = _run(engine, body, **PARSING)
+    pieces = [SCRIPTS["plain"][i:i + 5] for i in range(0, len(SCRIPTS["plain"]), 5)]
+    assert engine.params[0].logprobs == 2 and engine.params[2].logprobs is None
+    for resp in (whole, final):
+        (message,) = [i for i in resp.output if i.type == "message"]
+        lps = message.content[0].logprobs
+        # Every generated token's, the reasoning's included, each with its top 2 by rank
+        # (the sampled token, rank 1 here, among them).
+        assert [lp.token for lp in lps] == pieces
+        assert [lp.logprob for lp in lps] == [-0.25 * i for i in range(len(pieces))]
+        assert all([t.token for t in lp.top_logprobs] == [lp.token, "alt0"] for lp in lps)
+        assert lps[0].bytes == list(pieces[0].encode())
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == pieces
+    assert all(e.logprobs == [] for e in events if e.type == "response.output_text.delta")
+    assert plain.output[-1].content[0].logprobs == []
 
 
 def test_input_items_are_listed_back_a_page_at_a_time():
@@ -556,7 +592,10 @@ def test_drain_timeout_cancels_open_responses():
     ({"metadata": {"k": "v" * 600}}, "metadata.k", "512"),
     ({"background": True, "stream": True}, "stream", "background"),
     ({"background": True, "store": False}, "store", "background"),
-    ({"extra_body": {"include": ["message.output_text.logprobs"]}}, "include", "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]", "not available"),
+    ({"top_logprobs": 3}, "top_logprobs", "include"),
+    ({"top_logprobs": 99, "include": ["message.output_text.logprobs"]}, "top_logprobs",
+     "top_logprobs"),
     ({"extra_body": {"seed": 3}}, "seed", "chat/completions"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs", "tools"),
     ({"previous_response_id": "resp_nope"}, "previous_response_id", "not found"),
@@ -682,7 +721,8 @@ def test_smollm2_responses_streamed_equals_whole_and_json_schema():
     """The real model on the shared server: a greedy answer is the same whole and streamed
     (its deltas join to it), a follow-up through previous_response_id answers, and
     text.format json_schema yields JSON valid under the schema, a named tool_choice a call
-    whose arguments are valid under the tool's."""
+    whose arguments are valid under the tool's, and the output's log-probabilities are chat
+    completions' for the same conversation."""
     server = generation_server()
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}},
@@ -709,11 +749,25 @@ def test_smollm2_responses_streamed_equals_whole_and_json_schema():
                    "tools": [{"type": "function", "name": "get_weather", "parameters": city,
                               "strict": True}],
                    "tool_choice": {"type": "function", "name": "get_weather"}})
-            return whole, events, final, follow, structured, (named, city)
+            with_lp = await api.responses.create(
+                **kw, include=["message.output_text.logprobs"], top_logprobs=2)
+            chat = await api.chat.completions.create(
+                model=kw["model"], messages=[{"role": "user", "content": kw["input"]}],
+                max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+            return whole, events, final, follow, structured, (named, city), (with_lp, chat)
         finally:
             await api.close()
 
-    whole, events, final, follow, structured, (named, city) = asyncio.run(go())
+    whole, events, final, follow, structured, (named, city), (with_lp, chat) = \
+        asyncio.run(go())
+    # Log-probabilities as chat completions gives them for the same conversation.
+    lps = with_lp.output[-1].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert with_lp.output_text == chat.choices[0].message.content == whole.output_text
+    assert [(lp.token, lp.bytes) for lp in lps] == [(c.token, c.bytes) for c in want]
+    assert [lp.logprob for lp in lps] == pytest.approx([c.logprob for c in want], abs=1e-4)
+    assert [[t.token for t in lp.top_logprobs] for lp in lps] == \
+        [[t.token for t in c.top_logprobs] for c in want]
     assert whole.output_text and whole.status in ("completed", "incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
         == whole.output_text == final.output_text
