@@ -4,7 +4,8 @@ The request is answered at once with the response ``queued``; its generation run
 the API server that took it, which keeps the stored response current (``in_progress`` once
 tokens flow, then ``completed`` / ``incomplete`` / ``cancelled`` / ``failed``) for ``GET``
 polling. ``POST /v1/responses/{id}/cancel`` ends it early (on another API server of the same
-server, through ``response_peers``). A background response holds its admission ticket while it
+server, through ``response_peers``). With ``stream: true`` its events go to an ``EventLog``
+that the POST's stream and later ``GET ...?stream=true&starting_after=N`` read. A background response holds its admission ticket while it
 runs, so the queue bound (429) and the shutdown drain count it like any other request.
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,47 @@ logger = logging.getLogger(__name__)
 # How long a cancel waits for the generation to wind down (one engine step, normally) before
 # it answers with the response as stored then.
 CANCEL_WAIT_S = 1.0
+
+
+class EventLog:
+    """A background response's stream events in order (index = ``sequence_number``): the
+    stream its ``POST`` returns and ``GET ...?stream=true&starting_after=N`` read it, while it
+    runs and for a while after (``KEPT_LOGS``)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    async def send(self, payloads: list[bytes], last: bool) -> None:
+        """``serving_responses._produce``'s sender: never raises (no client behind it)."""
+        self.payloads.extend(payloads)
+        if last:
+            self.done = True
+        self._changed.set()
+
+    def close(self) -> None:
+        """No more events (a generation that ended without its final ones ends its readers)."""
+        self.done = True
+        self._changed.set()
+
+    async def follow(self, after: int) -> AsyncIterator[tuple[list[bytes], bool]]:
+        """The events after number ``after`` as they come: (new ones, whether that is all)."""
+        pos = max(after + 1, 0)
+        while True:
+            if pos < len(self.payloads) or self.done:
+                chunk = self.payloads[pos:]
+                pos += len(chunk)
+                yield chunk, self.done
+                if self.done:
+                    return
+                continue
+            self._changed.clear()
+            await self._changed.wait()
+
+
+# Finished background streams kept for replay, per API server process (the most recent).
+KEPT_LOGS = 64
 
 
 @dataclass(slots=True)
@@ -41,6 +84,16 @@ class BackgroundResponses:
     def __init__(self, limit: int = 500) -> None:
         self.limit = limit
         self._running: dict[str, _Running] = {}
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()  # streamed ones, by id
+
+    def log_of(self, response_id: str) -> EventLog | None:
+        """The stream events of a background response streamed from this process."""
+        return self._logs.get(response_id)
+
+    def forget_log(self, response_id: str) -> None:
+        """(A deleted response is not replayed either.)"""
+        if response_id not in self._running:
+            self._logs.pop(response_id, None)
 
     def __len__(self) -> int:
         return len(self._running)
@@ -57,14 +110,25 @@ class BackgroundResponses:
                            headers={"Retry-After": "1"})
 
     def start(self, response_id: str, work: Coroutine[Any, Any, None],
-              abort: Callable[[], None], cancelled: Callable[[], None]) -> None:
-        """Run ``work`` (which stores the response as it goes and when it ends) in a task."""
+              abort: Callable[[], None], cancelled: Callable[[], None],
+              log: EventLog | None = None) -> None:
+        """Run ``work`` (which stores the response as it goes and when it ends, and with
+        ``log`` writes its stream events there) in a task."""
         task = asyncio.get_running_loop().create_task(work, name=f"tidal-{response_id}")
         self._running[response_id] = _Running(task, abort, cancelled)
+        if log is not None:
+            self._logs[response_id] = log
         task.add_done_callback(lambda t: self._done(response_id, t))
 
     def _done(self, response_id: str, task: asyncio.Task[None]) -> None:
         self._running.pop(response_id, None)
+        log = self._logs.get(response_id)
+        if log is not None:
+            log.close()
+            self._logs.move_to_end(response_id)
+            finished = [k for k in self._logs if k not in self._running]
+            for old in finished[:max(0, len(finished) - KEPT_LOGS)]:
+                del self._logs[old]
         if not task.cancelled() and task.exception() is not None:
             logger.error("background response %s failed", response_id,
                          exc_info=task.exception())

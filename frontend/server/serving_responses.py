@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +70,7 @@ from tidal.frontend.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from tidal.frontend.server.response_background import EventLog
 from tidal.frontend.server.response_peers import find_response, forget_response
 from tidal.frontend.server.response_store import CONTINUABLE
 from tidal.frontend.server.serving_chat import render_chat
@@ -106,10 +107,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                          RESPONSES_UNSUPPORTED)
     model, lora = await state.resolve_model(req.model)
     state.require_task("generate", "/v1/responses")
-    if req.background and req.stream:
-        raise bad_request("streaming a background response is not supported; send stream: "
-                          "false and poll GET /v1/responses/{id}", "stream",
-                          code="unsupported_field")
     if req.background and not req.store:
         raise bad_request("a background response must be stored (store: true): it is read "
                           "back with GET /v1/responses/{id}", "store")
@@ -186,9 +183,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                               "than this server's response store takes "
                               "(--max-stored-response-bytes); a background response must be "
                               "stored", "input")
-        state.background.start(obj.id, _in_background(state, gen, run, ticket), gen.abort,
-                               lambda: _fail(state, run, "cancelled", None))
-        return web.Response(body=body, content_type="application/json")
+        log = EventLog() if req.stream else None
+        state.background.start(obj.id, _in_background(state, gen, run, ticket, log),
+                               gen.abort, lambda: _fail(state, run, "cancelled", None), log)
+        if log is None:
+            return web.Response(body=body, content_type="application/json")
+        # The stream reads the response's event log: a client that goes away leaves the
+        # response generating, and GET ?stream=true&starting_after=N picks it up again.
+        return await _replay(request, log, -1, obj.id)
     try:
         if req.stream:
             return await _stream(request, state, gen, run)
@@ -204,9 +206,10 @@ def _done(state: ServerState, gen: Generation, run: _Run, ticket: Ticket) -> Non
         state.metrics.tool_parse_failed(run.parse.failures)
 
 
-async def _in_background(state: ServerState, gen: Generation, run: _Run,
-                         ticket: Ticket) -> None:
-    """A background response's generation: the stored response follows it."""
+async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket: Ticket,
+                         log: EventLog | None) -> None:
+    """A background response's generation: the stored response follows it (and with
+    ``log``, its stream events are written there)."""
     obj = run.obj
 
     def started() -> None:
@@ -214,7 +217,13 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run,
         state.responses.put(obj.id, [], encode(obj), run.items, "in_progress")
 
     try:
-        await _whole(state, gen, run, started)
+        if log is None:
+            await _whole(state, gen, run, started)
+        else:
+            started()
+            await _produce(state, gen, run, log.send)
+            if obj.status == "failed":  # (reported in the stream; stored for GET)
+                _fail(state, run, "failed", obj.error)
     except asyncio.CancelledError:
         _fail(state, run, "cancelled", None)
         raise
@@ -225,6 +234,8 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run,
         _fail(state, run, "failed", ResponseError(code=err.code or "server_error",
                                                   message=info.message))
     finally:
+        if log is not None:
+            log.close()
         _done(state, gen, run, ticket)
 
 
@@ -234,12 +245,26 @@ def _fail(state: ServerState, run: _Run, status: str, error: ResponseError | Non
     state.responses.put(obj.id, [], encode(obj), run.items, status)
 
 
-async def get_response(request: web.Request) -> web.Response:
+async def get_response(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     rid = request.match_info["response_id"]
     if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raise bad_request("replaying a stored response as a stream is not supported; GET it "
-                          "whole", "stream", code="unsupported_field")
+        raw = request.query.get("starting_after", "-1")
+        try:
+            after = int(raw)
+        except ValueError:
+            after = -2
+        if after < -1:
+            raise bad_request(f"starting_after must be an event's sequence_number (an integer "
+                              f">= 0), got {raw[:20]!r}", "starting_after")
+        log = state.background.log_of(rid)
+        if log is None:
+            raise bad_request(f"response {rid[:_ID_CHARS]!r} has no stream to replay on this "
+                              "API server process: only a response created with background "
+                              "and stream can be streamed again, from the process that runs "
+                              "it, while it runs and for a while after; GET it whole",
+                              "stream", code="unsupported_field")
+        return await _replay(request, log, after, rid)
     stored = await find_response(state.responses, state.response_peers, rid)
     if stored is None:
         raise _not_found(rid)
@@ -250,6 +275,7 @@ async def delete_response(request: web.Request) -> web.Response:
     state = get_state(request)
     rid = request.match_info["response_id"]
     await state.background.cancel(rid)  # a deleted response does not go on generating
+    state.background.forget_log(rid)
     if not await forget_response(state.responses, state.response_peers, rid):
         raise _not_found(rid)
     return json_response(DeletedResponse(id=rid))
@@ -412,13 +438,36 @@ async def _count_tokens(state: ServerState, text: str | None) -> int:
 # --- streamed ------------------------------------------------------------------------------------
 
 
+Send = Callable[[list[bytes], bool], Awaitable[None]]
+
+
 async def _stream(request: web.Request, state: ServerState, gen: Generation,
                   run: _Run) -> web.StreamResponse:
     writer = SSEWriter(request)
-    events = ResponseEvents()
-    reasoning: list[str] = []
+    try:
+        await writer.start()
+        await _produce(state, gen, run, _sse_sender(writer))
+    except DISCONNECTS:
+        logger.debug("client of %s went away mid-stream", run.obj.id)
+    return writer.response
 
-    async def send(payloads: list[bytes], last: bool = False) -> None:
+
+async def _replay(request: web.Request, log: EventLog, after: int,
+                  response_id: str) -> web.StreamResponse:
+    """A background response's stream from its event log, after event number ``after``."""
+    writer = SSEWriter(request)
+    send = _sse_sender(writer)
+    try:
+        await writer.start()
+        async for payloads, last in log.follow(after):
+            await send(payloads, last)
+    except DISCONNECTS:
+        logger.debug("client of background %s went away mid-stream", response_id)
+    return writer.response
+
+
+def _sse_sender(writer: SSEWriter) -> Send:
+    async def send(payloads: list[bytes], last: bool) -> None:
         data = b"".join(b"event: " + _kind(p) + b"\ndata: " + p + b"\n\n" for p in payloads)
         if last:
             writer.finished = True
@@ -426,10 +475,18 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
         elif data:
             await writer.response.write(data)
 
+    return send
+
+
+async def _produce(state: ServerState, gen: Generation, run: _Run, send: Send) -> None:
+    """The response's stream events, handed to ``send`` as they come (``last`` with the final
+    ones: response.completed / incomplete / failed). A failure after the first event is
+    reported in the stream; what ``send`` raises (a client gone) goes to the caller."""
+    events = ResponseEvents()
+    reasoning: list[str] = []
     try:
-        await writer.start()
         await send([events.event("response.created", response=run.obj),
-                    events.event("response.in_progress", response=run.obj)])
+                    events.event("response.in_progress", response=run.obj)], False)
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
                 payloads: list[bytes] = []
@@ -441,7 +498,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
                             reasoning.append(msg.reasoning_content)
                         events.feed(msg, payloads)
                 if payloads:
-                    await send(payloads)
+                    await send(payloads, False)
         tail: list[bytes] = []
         if gen.aborted and run.finish_reason is None and run.parse is not None:
             events.feed(run.parse.delta("", True), tail)
@@ -453,26 +510,18 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
         final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             status, "response.failed")
         tail.append(events.event(final, response=msgspec.Raw(body)))
-        await send(tail, last=True)
-        return writer.response
-    except asyncio.CancelledError:
+        await send(tail, True)
+    except (asyncio.CancelledError, *DISCONNECTS):
         raise
-    except DISCONNECTS:
-        logger.debug("client of %s went away mid-stream", run.obj.id)
-        return writer.response
     except Exception as exc:  # noqa: BLE001 - the status line is out: report in the stream
         err = from_exception(exc, run.obj.id)
         state.metrics.error(err.status)
         run.obj.status = "failed"
         info = err.info()  # a server error's message without file paths
         run.obj.error = ResponseError(code=err.code or "server_error", message=info.message)
-        try:
-            await send([events.event("error", code=err.code, message=info.message,
-                                     param=err.param),
-                        events.event("response.failed", response=run.obj)], last=True)
-        except DISCONNECTS:
-            pass
-        return writer.response
+        await send([events.event("error", code=err.code, message=info.message,
+                                 param=err.param),
+                    events.event("response.failed", response=run.obj)], True)
 
 
 def _delta(run: _Run, text: str, final: bool) -> DeltaMessage | None:

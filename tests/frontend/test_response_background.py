@@ -48,3 +48,39 @@ def test_bound_cancel_and_close(monkeypatch):
         assert {"b released", "c released"} <= set(events)
 
     asyncio.run(main())
+
+
+def test_event_log_followers():
+    async def main():
+        log = response_background.EventLog()
+        got: dict[str, list[bytes]] = {"a": [], "b": []}
+
+        async def follow(name: str, after: int) -> bool:
+            last = False
+            async for chunk, last in log.follow(after):
+                got[name].extend(chunk)
+            return last
+
+        await log.send([b"0", b"1"], False)
+        readers = [asyncio.create_task(follow("a", -1)), asyncio.create_task(follow("b", 0))]
+        await asyncio.sleep(0)
+        await log.send([b"2"], False)
+        await asyncio.sleep(0)
+        await log.send([b"3"], True)
+        assert await asyncio.gather(*readers) == [True, True]
+        assert got == {"a": [b"0", b"1", b"2", b"3"], "b": [b"1", b"2", b"3"]}
+        # Ended without its final events (its generation cancelled): readers end too.
+        cut = response_background.EventLog()
+        reader = asyncio.create_task(follow_into(cut, []))
+        await asyncio.sleep(0)
+        cut.close()
+        assert await asyncio.wait_for(reader, 1) == []
+        # Past the end of a finished log: nothing, at once.
+        assert [c async for c in log.follow(10)] == [([], True)]
+
+    async def follow_into(log, out):
+        async for chunk, _ in log.follow(-1):
+            out.extend(chunk)
+        return out
+
+    asyncio.run(main())

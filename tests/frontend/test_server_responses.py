@@ -467,6 +467,53 @@ def test_background_response_is_cancelled():
     assert not_background.body["param"] == "response_id"
 
 
+def test_background_stream_is_replayed_and_outlives_its_client():
+    engine = ScriptedEngine()
+
+    async def body(api, client):
+        kw = dict(model="fake", input="weather", tools=TOOLS, background=True)
+        events = [e async for e in await api.responses.create(stream=True, **kw)]
+        rid = events[0].response.id
+        whole = await api.responses.retrieve(rid)
+        again = [e async for e in await api.responses.retrieve(rid, stream=True)]
+        tail = [e async for e in await api.responses.retrieve(rid, stream=True,
+                                                              starting_after=5)]
+        plain = await api.responses.create(model="fake", input="thanks")
+        bad = []
+        for url in (f"/v1/responses/{plain.id}?stream=true",
+                    f"/v1/responses/{rid}?stream=true&starting_after=x"):
+            r = await client.get(url)
+            bad.append((r.status, (await r.json())["error"]["param"]))
+        # A client that goes away mid-stream leaves the response generating.
+        hang = await api.responses.create(model="fake", input="hang", background=True,
+                                          stream=True)
+        first = []
+        async for e in hang:
+            first.append(e)
+            if len(first) == 3:
+                break
+        await hang.close()
+        hid = first[0].response.id
+        running = await api.responses.retrieve(hid)
+        await api.responses.cancel(hid)
+        resumed = [e async for e in await api.responses.retrieve(hid, stream=True,
+                                                                 starting_after=2)]
+        return events, whole, again, tail, bad, first, running, resumed
+
+    events, whole, again, tail, bad, first, running, resumed = _run(engine, body, **PARSING)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.background and _items(events[-1].response) == _items(whole)
+    assert whole.status == "completed"
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    assert [e.model_dump() for e in tail] == [e.model_dump() for e in events[6:]]
+    assert bad == [(400, "stream"), (400, "starting_after")]
+    assert running.status == "in_progress"
+    assert [e.sequence_number for e in resumed] == list(range(3, 3 + len(resumed)))
+    assert resumed[-1].type == "response.failed"
+    assert resumed[-1].response.status == "cancelled"
+
+
 def test_background_responses_are_bounded_and_deleting_one_stops_it():
     engine = ScriptedEngine()
 
@@ -590,7 +637,6 @@ def test_drain_timeout_cancels_open_responses():
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "only function tools"),
     ({"tools": TOOLS}, "tools", "--enable-auto-tool-choice"),
     ({"metadata": {"k": "v" * 600}}, "metadata.k", "512"),
-    ({"background": True, "stream": True}, "stream", "background"),
     ({"background": True, "store": False}, "store", "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]", "not available"),
     ({"top_logprobs": 3}, "top_logprobs", "include"),
