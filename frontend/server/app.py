@@ -304,7 +304,8 @@ def create_state(engine: AsyncLLM, settings: ServerSettings,
         responses=ResponseStore(settings.max_stored_responses,
                                 settings.max_stored_response_bytes),
         # A running background response is never evicted: half the store at most.
-        background=BackgroundResponses(max(1, settings.max_stored_responses // 2)),
+        background=BackgroundResponses(max(1, settings.max_stored_responses // 2),
+                                       settings.max_stored_response_bytes),
         plugins=plugins or ServerPlugins(),
     )
     if getattr(config, "lora", None) is not None:

@@ -34,12 +34,14 @@ class EventLog:
 
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
+        self.num_bytes = 0
         self.done = False
         self._changed = asyncio.Event()
 
     async def send(self, payloads: list[bytes], last: bool) -> None:
         """``serving_responses._produce``'s sender: never raises (no client behind it)."""
         self.payloads.extend(payloads)
+        self.num_bytes += sum(map(len, payloads))
         if last:
             self.done = True
         self._changed.set()
@@ -64,8 +66,11 @@ class EventLog:
             await self._changed.wait()
 
 
-# Finished background streams kept for replay, per API server process (the most recent).
+# Finished background streams kept for replay, per API server process: the most recent, this
+# many at most and at most ``kept_bytes`` of events (the response store's byte bound).
 KEPT_LOGS = 64
+# A replay writes this many events at a time (a long log is not joined whole for each reader).
+REPLAY_SLICE = 256
 
 
 @dataclass(slots=True)
@@ -81,19 +86,16 @@ class BackgroundResponses:
     ``limit`` at once (they outlive their connection, so the connection bound does not
     bound them)."""
 
-    def __init__(self, limit: int = 500) -> None:
+    def __init__(self, limit: int = 500, kept_bytes: int = 64 << 20) -> None:
         self.limit = limit
+        self.kept_bytes = kept_bytes
         self._running: dict[str, _Running] = {}
         self._logs: OrderedDict[str, EventLog] = OrderedDict()  # streamed ones, by id
+        self._deleted: set[str] = set()  # running ones deleted: their log goes as they end
 
     def log_of(self, response_id: str) -> EventLog | None:
         """The stream events of a background response streamed from this process."""
         return self._logs.get(response_id)
-
-    def forget_log(self, response_id: str) -> None:
-        """(A deleted response is not replayed either.)"""
-        if response_id not in self._running:
-            self._logs.pop(response_id, None)
 
     def __len__(self) -> int:
         return len(self._running)
@@ -126,17 +128,30 @@ class BackgroundResponses:
         if log is not None:
             log.close()
             self._logs.move_to_end(response_id)
+            if response_id in self._deleted:
+                del self._logs[response_id]
             finished = [k for k in self._logs if k not in self._running]
-            for old in finished[:max(0, len(finished) - KEPT_LOGS)]:
-                del self._logs[old]
+            total = sum(self._logs[k].num_bytes for k in finished)
+            for old in finished:
+                if len(finished) <= KEPT_LOGS and total <= self.kept_bytes:
+                    break
+                total -= self._logs.pop(old).num_bytes
+                finished = finished[1:]
+        self._deleted.discard(response_id)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background response %s failed", response_id,
                          exc_info=task.exception())
 
-    async def cancel(self, response_id: str) -> bool:
+    async def cancel(self, response_id: str, delete: bool = False) -> bool:
         """End the response early if it runs here; True if it did (it is stored as
-        ``cancelled`` once its generation has wound down, within ``CANCEL_WAIT_S``)."""
+        ``cancelled`` once its generation has wound down, within ``CANCEL_WAIT_S``).
+        ``delete``: it is being deleted, so its stream is not kept for replay either."""
         running = self._running.get(response_id)
+        if delete:
+            if running is None:
+                self._logs.pop(response_id, None)
+            else:
+                self._deleted.add(response_id)
         if running is None:
             return False
         running.abort()

@@ -54,9 +54,10 @@ class ResponsePeers:
     asks the other addresses for ids it does not hold."""
 
     def __init__(self, index: int, addresses: list[str], store: ResponseStore,
-                 cancel: Callable[[str], Awaitable[bool]] | None = None) -> None:
-        """``cancel``: ends this process's background response of that id, if it runs one
-        (True once it is over and stored as cancelled)."""
+                 cancel: Callable[[str, bool], Awaitable[bool]] | None = None) -> None:
+        """``cancel(id, delete)``: ends this process's background response of that id, if it
+        runs one (True once it is over and stored as cancelled; ``delete``: it is being
+        deleted)."""
         import zmq
         import zmq.asyncio
 
@@ -129,7 +130,8 @@ class ResponsePeers:
                           msgspec.json.encode(stored.input_items), stored.status)
 
     async def _answer_cancel(self, ident: bytes, ask: PeerAsk) -> None:
-        found = self.cancel_local is not None and await self.cancel_local(ask.response_id)
+        found = self.cancel_local is not None and await self.cancel_local(
+            ask.response_id, ask.op == "delete")
         if ask.op == "delete":
             answer = self._answer(ask)
         else:

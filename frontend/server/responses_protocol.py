@@ -199,6 +199,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     user: str | None = None
     truncation: str = "disabled"
     background: bool = False
+    top_logprobs: int | None = None
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None

@@ -70,7 +70,7 @@ from tidal.frontend.server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from tidal.frontend.server.response_background import EventLog
+from tidal.frontend.server.response_background import REPLAY_SLICE, EventLog
 from tidal.frontend.server.response_peers import find_response, forget_response
 from tidal.frontend.server.response_store import CONTINUABLE
 from tidal.frontend.server.serving_chat import render_chat
@@ -96,6 +96,7 @@ class _Run:
     # alternatives each (None: not asked for).
     logprobs: list[ChatLogprobEntry] | None = None
     top_logprobs: int = 0
+    tokens_as_ids: bool = False  # the server's --return-tokens-as-token-ids
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -167,10 +168,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         text={"format": req.text["format"]} if req.text and req.text.get("format")
         else {"format": {"type": "text"}},
         reasoning=req.reasoning, metadata=metadata, store=req.store, user=req.user,
-        background=req.background)
+        background=req.background, top_logprobs=req.top_logprobs)
     run = _Run(obj, conversation, new_output_parse(parsers, chat_tools.parse, True,
                                                    req.parallel_tool_calls, enforced), len(ids),
-               input_items(req.input), [] if chat.logprobs else None, req.top_logprobs or 0)
+               input_items(req.input), [] if chat.logprobs else None, req.top_logprobs or 0,
+               cfg.return_tokens_as_token_ids)
     ticket = state.admission.admit(1)
     gen = Generation(state.engine, state.admission, ticket, response_id, [ids], params,
                      lora_request=lora)
@@ -220,8 +222,7 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
         if log is None:
             await _whole(state, gen, run, started)
         else:
-            started()
-            await _produce(state, gen, run, log.send)
+            await _produce(state, gen, run, log.send, started)
             if obj.status == "failed":  # (reported in the stream; stored for GET)
                 _fail(state, run, "failed", obj.error)
     except asyncio.CancelledError:
@@ -235,6 +236,12 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
                                                   message=info.message))
     finally:
         if log is not None:
+            if not log.done:
+                # Stopped before its final events (the server going down): its readers
+                # still learn how it ended.
+                log.payloads.append(msgspec.json.encode({
+                    "type": "response.failed", "sequence_number": len(log.payloads),
+                    "response": msgspec.Raw(encode(obj))}))
             log.close()
         _done(state, gen, run, ticket)
 
@@ -249,14 +256,11 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     rid = request.match_info["response_id"]
     if request.query.get("stream", "false").lower() not in ("false", "0"):
-        raw = request.query.get("starting_after", "-1")
-        try:
-            after = int(raw)
-        except ValueError:
-            after = -2
-        if after < -1:
+        raw = request.query.get("starting_after")
+        if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
             raise bad_request(f"starting_after must be an event's sequence_number (an integer "
                               f">= 0), got {raw[:20]!r}", "starting_after")
+        after = -1 if raw is None else int(raw)
         log = state.background.log_of(rid)
         if log is None:
             raise bad_request(f"response {rid[:_ID_CHARS]!r} has no stream to replay on this "
@@ -264,6 +268,9 @@ async def get_response(request: web.Request) -> web.StreamResponse:
                               "and stream can be streamed again, from the process that runs "
                               "it, while it runs and for a while after; GET it whole",
                               "stream", code="unsupported_field")
+        if log.done and after >= len(log.payloads):
+            raise bad_request(f"starting_after {after} is past the stream's last event "
+                              f"({len(log.payloads) - 1})", "starting_after")
         return await _replay(request, log, after, rid)
     stored = await find_response(state.responses, state.response_peers, rid)
     if stored is None:
@@ -274,8 +281,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 async def delete_response(request: web.Request) -> web.Response:
     state = get_state(request)
     rid = request.match_info["response_id"]
-    await state.background.cancel(rid)  # a deleted response does not go on generating
-    state.background.forget_log(rid)
+    # A deleted response does not go on generating, nor is its stream kept for replay.
+    await state.background.cancel(rid, delete=True)
     if not await forget_response(state.responses, state.response_peers, rid):
         raise _not_found(rid)
     return json_response(DeletedResponse(id=rid))
@@ -383,7 +390,8 @@ def _apply(run: _Run, c: CompletionOutput) -> None:
     if c.finish_reason is not None:
         run.finish_reason = c.finish_reason
     if run.logprobs is not None and c.logprobs is not None:
-        run.logprobs.extend(chat_logprob_entries(c.logprobs, c.token_ids, run.top_logprobs))
+        run.logprobs.extend(chat_logprob_entries(c.logprobs, c.token_ids, run.top_logprobs,
+                                                 run.tokens_as_ids))
 
 
 def _with_logprobs(run: _Run, items: list[OutputItem]) -> list[OutputItem]:
@@ -460,7 +468,9 @@ async def _replay(request: web.Request, log: EventLog, after: int,
     try:
         await writer.start()
         async for payloads, last in log.follow(after):
-            await send(payloads, last)
+            for k in range(0, max(len(payloads), 1), REPLAY_SLICE):
+                await send(payloads[k:k + REPLAY_SLICE], last and k + REPLAY_SLICE
+                           >= len(payloads))
     except DISCONNECTS:
         logger.debug("client of background %s went away mid-stream", response_id)
     return writer.response
@@ -478,15 +488,20 @@ def _sse_sender(writer: SSEWriter) -> Send:
     return send
 
 
-async def _produce(state: ServerState, gen: Generation, run: _Run, send: Send) -> None:
+async def _produce(state: ServerState, gen: Generation, run: _Run, send: Send,
+                   started: Callable[[], None] | None = None) -> None:
     """The response's stream events, handed to ``send`` as they come (``last`` with the final
     ones: response.completed / incomplete / failed). A failure after the first event is
-    reported in the stream; what ``send`` raises (a client gone) goes to the caller."""
+    reported in the stream; what ``send`` raises (a client gone) goes to the caller.
+    ``started``: called between response.created and response.in_progress (a background
+    response is created queued)."""
     events = ResponseEvents()
     reasoning: list[str] = []
     try:
-        await send([events.event("response.created", response=run.obj),
-                    events.event("response.in_progress", response=run.obj)], False)
+        created = events.event("response.created", response=run.obj)
+        if started is not None:
+            started()
+        await send([created, events.event("response.in_progress", response=run.obj)], False)
         async with aclosing(gen.stream()) as stream:
             async for batch in stream:
                 payloads: list[bytes] = []

@@ -77,10 +77,42 @@ def test_event_log_followers():
         assert await asyncio.wait_for(reader, 1) == []
         # Past the end of a finished log: nothing, at once.
         assert [c async for c in log.follow(10)] == [([], True)]
+        assert log.num_bytes == 4
 
     async def follow_into(log, out):
         async for chunk, _ in log.follow(-1):
             out.extend(chunk)
         return out
+
+    asyncio.run(main())
+
+
+def test_kept_logs_are_bounded_and_a_deleted_one_is_not_kept(monkeypatch):
+    monkeypatch.setattr(response_background, "CANCEL_WAIT_S", 0.01)
+
+    async def main():
+        bg = BackgroundResponses(limit=10, kept_bytes=10)
+
+        async def work(log, stop):
+            await log.send([b"abc", b"def"], False)  # 6 bytes
+            await stop.wait()
+            await log.send([], True)
+
+        stops = {}
+        for name in ("a", "b", "c"):
+            log = response_background.EventLog()
+            stops[name] = asyncio.Event()
+            bg.start(name, work(log, stops[name]), stops[name].set, lambda: None, log)
+        await asyncio.sleep(0)
+        assert all(bg.log_of(n) is not None for n in "abc")  # running: all kept
+        for name in ("a", "b"):
+            stops[name].set()
+            await asyncio.sleep(0.01)
+        assert bg.log_of("a") is None and bg.log_of("b") is not None  # 10 bytes at most
+        # Deleted while it runs: its log goes when it ends.
+        assert await bg.cancel("c", delete=True)
+        await asyncio.sleep(0.01)
+        assert bg.log_of("c") is None and bg.log_of("b") is not None
+        assert not await bg.cancel("b", delete=True) and bg.log_of("b") is None
 
     asyncio.run(main())

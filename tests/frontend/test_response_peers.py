@@ -70,8 +70,8 @@ def test_a_cancel_reaches_the_process_that_runs_the_background_response(tmp_path
         stores = [ResponseStore() for _ in range(3)]
         asked: list[str] = []
 
-        async def cancel_on_2(rid: str) -> bool:
-            asked.append(rid)
+        async def cancel_on_2(rid: str, delete: bool) -> bool:
+            asked.append(rid + (" (delete)" if delete else ""))
             if rid != "resp_bg":
                 return False
             await asyncio.sleep(0.05)  # the generation winds down meanwhile
@@ -96,7 +96,8 @@ def test_a_cancel_reaches_the_process_that_runs_the_background_response(tmp_path
             assert await peers[0].cancel("resp_other") is None
             # A delete stops what the holder runs first.
             assert await forget_response(stores[0], peers[0], "resp_bg")
-            assert asked == ["resp_bg", "resp_other", "resp_bg"] and len(stores[2]) == 0
+            assert asked == ["resp_bg", "resp_other", "resp_bg (delete)"]
+            assert len(stores[2]) == 0
         finally:
             for p in peers:
                 await p.close()

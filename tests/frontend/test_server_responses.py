@@ -326,6 +326,7 @@ def test_output_logprobs_whole_and_streamed():
     async def body(api, client):
         kw = dict(model="fake", input="plain", include=include, top_logprobs=2)
         whole = await api.responses.create(**kw)
+        assert whole.top_logprobs == 2
         events, final = await _streamed(api, **kw)
         plain = await api.responses.create(model="fake", input="plain")
         return whole, events, final, plain
@@ -481,7 +482,9 @@ def test_background_stream_is_replayed_and_outlives_its_client():
         plain = await api.responses.create(model="fake", input="thanks")
         bad = []
         for url in (f"/v1/responses/{plain.id}?stream=true",
-                    f"/v1/responses/{rid}?stream=true&starting_after=x"):
+                    f"/v1/responses/{rid}?stream=true&starting_after=x",
+                    f"/v1/responses/{rid}?stream=true&starting_after=1_0",
+                    f"/v1/responses/{rid}?stream=true&starting_after={len(events)}"):
             r = await client.get(url)
             bad.append((r.status, (await r.json())["error"]["param"]))
         # A client that goes away mid-stream leaves the response generating.
@@ -498,16 +501,23 @@ def test_background_stream_is_replayed_and_outlives_its_client():
         await api.responses.cancel(hid)
         resumed = [e async for e in await api.responses.retrieve(hid, stream=True,
                                                                  starting_after=2)]
+        await api.responses.delete(rid)  # nor is its stream replayed
+        r = await client.get(f"/v1/responses/{rid}?stream=true")
+        bad.append((r.status, (await r.json())["error"]["param"]))
         return events, whole, again, tail, bad, first, running, resumed
 
     events, whole, again, tail, bad, first, running, resumed = _run(engine, body, **PARSING)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[0].response.status == "queued"
+    assert events[1].type == "response.in_progress"
+    assert events[1].response.status == "in_progress"
     assert events[-1].response.background and _items(events[-1].response) == _items(whole)
     assert whole.status == "completed"
     assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
     assert [e.model_dump() for e in tail] == [e.model_dump() for e in events[6:]]
-    assert bad == [(400, "stream"), (400, "starting_after")]
+    assert bad == [(400, "stream"), (400, "starting_after"), (400, "starting_after"),
+                   (400, "starting_after"), (400, "stream")]
     assert running.status == "in_progress"
     assert [e.sequence_number for e in resumed] == list(range(3, 3 + len(resumed)))
     assert resumed[-1].type == "response.failed"
