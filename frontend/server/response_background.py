@@ -5,8 +5,9 @@ the API server that took it, which keeps the stored response current (``in_progr
 tokens flow, then ``completed`` / ``incomplete`` / ``cancelled`` / ``failed``) for ``GET``
 polling. ``POST /v1/responses/{id}/cancel`` ends it early (on another API server of the same
 server, through ``response_peers``). With ``stream: true`` its events go to an ``EventLog``
-that the POST's stream and later ``GET ...?stream=true&starting_after=N`` read. A background response holds its admission ticket while it
-runs, so the queue bound (429) and the shutdown drain count it like any other request.
+that the POST's stream and later ``GET ...?stream=true&starting_after=N`` read. A background
+response holds its admission ticket while it runs, so the queue bound (429) and the shutdown
+drain count it like any other request.
 """
 
 from __future__ import annotations
@@ -130,13 +131,10 @@ class BackgroundResponses:
             self._logs.move_to_end(response_id)
             if response_id in self._deleted:
                 del self._logs[response_id]
-            finished = [k for k in self._logs if k not in self._running]
+            finished = [k for k in self._logs if k not in self._running]  # oldest first
             total = sum(self._logs[k].num_bytes for k in finished)
-            for old in finished:
-                if len(finished) <= KEPT_LOGS and total <= self.kept_bytes:
-                    break
-                total -= self._logs.pop(old).num_bytes
-                finished = finished[1:]
+            while finished and (len(finished) > KEPT_LOGS or total > self.kept_bytes):
+                total -= self._logs.pop(finished.pop(0)).num_bytes
         self._deleted.discard(response_id)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background response %s failed", response_id,
