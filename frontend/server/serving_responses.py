@@ -188,11 +188,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         log = EventLog() if req.stream else None
         state.background.start(obj.id, _in_background(state, gen, run, ticket, log),
                                gen.abort, lambda: _fail(state, run, "cancelled", None), log)
-        if log is None:
-            return web.Response(body=body, content_type="application/json")
-        # The stream reads the response's event log: a client that goes away leaves the
-        # response generating, and GET ?stream=true&starting_after=N picks it up again.
-        return await _replay(request, log, -1, obj.id)
+        # In /load the task counts it until it ends; this handler's own count stops here.
+        board = state.admission.board if cfg.enable_server_load_tracking else None
+        if board is not None:
+            board.add_load(-1)
+        try:
+            if log is None:
+                return web.Response(body=body, content_type="application/json")
+            # The stream reads the response's event log: a client that goes away leaves the
+            # response generating, and GET ?stream=true&starting_after=N picks it up again.
+            return await _replay(request, log, -1, obj.id)
+        finally:
+            if board is not None:
+                board.add_load(1)  # (given back as the route's count ends with the handler)
     try:
         if req.stream:
             return await _stream(request, state, gen, run)
@@ -211,8 +219,11 @@ def _done(state: ServerState, gen: Generation, run: _Run, ticket: Ticket) -> Non
 async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket: Ticket,
                          log: EventLog | None) -> None:
     """A background response's generation: the stored response follows it (and with
-    ``log``, its stream events are written there)."""
+    ``log``, its stream events are written there). Counted in ``/load`` while it runs."""
     obj = run.obj
+    board = state.admission.board if state.settings.enable_server_load_tracking else None
+    if board is not None:
+        board.add_load(1)
 
     def started() -> None:
         obj.status = "in_progress"
@@ -243,6 +254,8 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
                     "type": "response.failed", "sequence_number": len(log.payloads),
                     "response": msgspec.Raw(encode(obj))}))
             log.close()
+        if board is not None:
+            board.add_load(-1)
         _done(state, gen, run, ticket)
 
 

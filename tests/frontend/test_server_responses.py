@@ -524,6 +524,32 @@ def test_background_stream_is_replayed_and_outlives_its_client():
     assert resumed[-1].response.status == "cancelled"
 
 
+def test_background_responses_count_in_load_until_they_end():
+    engine = ScriptedEngine()
+
+    async def load(client) -> int:
+        return (await (await client.get("/load")).json())["server_load"]
+
+    async def body(api, client):
+        seen = [await load(client)]
+        bg = await api.responses.create(model="fake", input="hang", background=True)
+        seen.append(await load(client))  # its POST answered: the task counts it
+        stream = await api.responses.create(model="fake", input="hang", background=True,
+                                            stream=True)
+        first = None
+        async for event in stream:
+            first = event
+            break
+        seen.append(await load(client))  # two running, one read by its POST: still two
+        await stream.close()
+        await api.responses.cancel(bg.id)
+        await api.responses.cancel(first.response.id)
+        seen.append(await load(client))
+        return seen
+
+    assert _run(engine, body, enable_server_load_tracking=True) == [0, 1, 2, 0]
+
+
 def test_background_responses_are_bounded_and_deleting_one_stops_it():
     engine = ScriptedEngine()
 
