@@ -98,6 +98,10 @@ class BackgroundResponses:
         """The stream events of a background response streamed from this process."""
         return self._logs.get(response_id)
 
+    def is_deleted(self, response_id: str) -> bool:
+        """Deleted while it runs: what it would store as it winds down is dropped."""
+        return response_id in self._deleted
+
     def __len__(self) -> int:
         return len(self._running)
 

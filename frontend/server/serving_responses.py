@@ -227,7 +227,8 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
 
     def started() -> None:
         obj.status = "in_progress"
-        state.responses.put(obj.id, [], encode(obj), run.items, "in_progress")
+        if not state.background.is_deleted(obj.id):
+            state.responses.put(obj.id, [], encode(obj), run.items, "in_progress")
 
     try:
         if log is None:
@@ -262,7 +263,8 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
 def _fail(state: ServerState, run: _Run, status: str, error: ResponseError | None) -> None:
     obj = run.obj
     obj.status, obj.error = status, error
-    state.responses.put(obj.id, [], encode(obj), run.items, status)
+    if not state.background.is_deleted(obj.id):
+        state.responses.put(obj.id, [], encode(obj), run.items, status)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -441,7 +443,9 @@ def _finish(state: ServerState, gen: Generation, run: _Run, status: str,
         input_tokens_details=InputTokensDetails(gen.num_cached_tokens),
         output_tokens_details=OutputTokensDetails(min(run.num_tokens, reasoning_tokens)))
     body = encode(obj)
-    if obj.store and status in CONTINUABLE:
+    if obj.background and state.background.is_deleted(obj.id):
+        pass  # deleted while it wound down: not stored again
+    elif obj.store and status in CONTINUABLE:
         turn = history_message(items)
         state.responses.put(obj.id, run.conversation + ([turn] if turn else []), body,
                             run.items, status)

@@ -113,6 +113,16 @@ def test_kept_logs_are_bounded_and_a_deleted_one_is_not_kept(monkeypatch):
         assert await bg.cancel("c", delete=True)
         await asyncio.sleep(0.01)
         assert bg.log_of("c") is None and bg.log_of("b") is not None
+        # One that outlasts the cancel's wait: marked deleted (what it stores as it winds
+        # down is dropped) until it ends.
+        slow = response_background.EventLog()
+        stops["d"] = asyncio.Event()
+        bg.start("d", work(slow, stops["d"]), lambda: None, lambda: None, slow)
+        assert await bg.cancel("d", delete=True)
+        assert bg.is_deleted("d") and not bg.is_deleted("b")
+        stops["d"].set()
+        await asyncio.sleep(0.01)
+        assert not bg.is_deleted("d") and bg.log_of("d") is None
         assert not await bg.cancel("b", delete=True) and bg.log_of("b") is None
 
     asyncio.run(main())
