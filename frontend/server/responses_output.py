@@ -95,9 +95,12 @@ class ResponseEvents:
         # so the message (whose text may come after the calls) keeps its place before them.
         self._held: list[DeltaToolCall] = []
         # Every generated token's log-probability (include: message.output_text.logprobs):
-        # on the answer's output_text.done event and its final part, set before ``finish``
-        # (the deltas carry none: the parsers' pieces are not cut at token boundaries).
+        # on the answer's output_text.done event and its final part, set before ``finish``.
         self.logprobs: list[Any] | None = None
+        # Those not yet sent: each answer delta carries the tokens since the one before (the
+        # parsers' pieces are not cut at token boundaries: a token whose text is reasoning,
+        # held back or a call goes with the next answer delta).
+        self.pending_logprobs: list[Any] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -123,6 +126,10 @@ class ResponseEvents:
         if self._blank and not self._held and self._message is None:
             text, self._blank = "".join(self._blank), []
             self._text(text, out, force=True)
+        if self.pending_logprobs and self._message is not None:
+            # Tokens after the answer's last text (an end-of-sequence token): an empty delta
+            # carries them, so the deltas' log-probabilities add up to the whole answer's.
+            self._text("", out, force=True)
         self._release(out)
         for o in self._open:
             self._close(o, status, out)
@@ -170,8 +177,10 @@ class ResponseEvents:
                                   output_index=o.index, content_index=0,
                                   part=OutputText(text="")))
         o.parts.append(text)
+        sent, self.pending_logprobs = self.pending_logprobs, []
         out.append(self.event("response.output_text.delta", item_id=o.item.id,
-                              output_index=o.index, content_index=0, delta=text, logprobs=[]))
+                              output_index=o.index, content_index=0, delta=text,
+                              logprobs=sent))
         self._release(out)
 
     def _release(self, out: list[bytes]) -> None:

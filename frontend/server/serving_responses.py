@@ -399,14 +399,18 @@ async def _whole(state: ServerState, gen: Generation, run: _Run,
     return web.Response(body=body, content_type="application/json")
 
 
-def _apply(run: _Run, c: CompletionOutput) -> None:
+def _apply(run: _Run, c: CompletionOutput) -> list[ChatLogprobEntry]:
+    """Take one output; returns its tokens' log-probability entries (none unless asked)."""
     run.text.append(c.text)
     run.num_tokens += len(c.token_ids)
     if c.finish_reason is not None:
         run.finish_reason = c.finish_reason
-    if run.logprobs is not None and c.logprobs is not None:
-        run.logprobs.extend(chat_logprob_entries(c.logprobs, c.token_ids, run.top_logprobs,
-                                                 run.tokens_as_ids))
+    if run.logprobs is None or c.logprobs is None:
+        return []
+    entries = chat_logprob_entries(c.logprobs, c.token_ids, run.top_logprobs,
+                                   run.tokens_as_ids)
+    run.logprobs.extend(entries)
+    return entries
 
 
 def _with_logprobs(run: _Run, items: list[OutputItem]) -> list[OutputItem]:
@@ -524,7 +528,7 @@ async def _produce(state: ServerState, gen: Generation, run: _Run, send: Send,
                 payloads: list[bytes] = []
                 for _, out in batch:
                     for c in out.outputs:
-                        _apply(run, c)
+                        events.pending_logprobs.extend(_apply(run, c))
                         msg = _delta(run, c.text, c.finish_reason is not None)
                         if msg is not None and msg.reasoning_content:
                             reasoning.append(msg.reasoning_content)

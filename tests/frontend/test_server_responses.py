@@ -345,7 +345,11 @@ def test_output_logprobs_whole_and_streamed():
         assert lps[0].bytes == list(pieces[0].encode())
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [lp.token for lp in done.logprobs] == pieces
-    assert all(e.logprobs == [] for e in events if e.type == "response.output_text.delta")
+    # Each answer delta carries the tokens since the one before (those of the reasoning
+    # with the first): all of them, in order.
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [lp.token for e in deltas for lp in e.logprobs] == pieces
+    assert deltas[0].logprobs[0].token == pieces[0] and len(deltas[-1].logprobs) == 1
     assert plain.output[-1].content[0].logprobs == []
 
 
@@ -833,14 +837,17 @@ def test_smollm2_responses_streamed_equals_whole_and_json_schema():
                    "tool_choice": {"type": "function", "name": "get_weather"}})
             with_lp = await api.responses.create(
                 **kw, include=["message.output_text.logprobs"], top_logprobs=2)
+            lp_events, _ = await _streamed(api, **kw, include=["message.output_text.logprobs"],
+                                           top_logprobs=2)
             chat = await api.chat.completions.create(
                 model=kw["model"], messages=[{"role": "user", "content": kw["input"]}],
                 max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
-            return whole, events, final, follow, structured, (named, city), (with_lp, chat)
+            return (whole, events, final, follow, structured, (named, city),
+                    (with_lp, chat, lp_events))
         finally:
             await api.close()
 
-    whole, events, final, follow, structured, (named, city), (with_lp, chat) = \
+    whole, events, final, follow, structured, (named, city), (with_lp, chat, lp_events) = \
         asyncio.run(go())
     # Log-probabilities as chat completions gives them for the same conversation.
     lps = with_lp.output[-1].content[0].logprobs
@@ -850,6 +857,10 @@ def test_smollm2_responses_streamed_equals_whole_and_json_schema():
     assert [lp.logprob for lp in lps] == pytest.approx([c.logprob for c in want], abs=1e-4)
     assert [[t.token for t in lp.top_logprobs] for lp in lps] == \
         [[t.token for t in c.top_logprobs] for c in want]
+    # Streamed, the answer deltas carry them all, in order.
+    streamed = [lp for e in lp_events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in lps]
     assert whole.output_text and whole.status in ("completed", "incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
         == whole.output_text == final.output_text
