@@ -227,8 +227,7 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
 
     def started() -> None:
         obj.status = "in_progress"
-        if not state.background.is_deleted(obj.id):
-            state.responses.put(obj.id, [], encode(obj), run.items, "in_progress")
+        _store(state, run, [], encode(obj))
 
     try:
         if log is None:
@@ -263,8 +262,14 @@ async def _in_background(state: ServerState, gen: Generation, run: _Run, ticket:
 def _fail(state: ServerState, run: _Run, status: str, error: ResponseError | None) -> None:
     obj = run.obj
     obj.status, obj.error = status, error
-    if not state.background.is_deleted(obj.id):
-        state.responses.put(obj.id, [], encode(obj), run.items, status)
+    _store(state, run, [], encode(obj))
+
+
+def _store(state: ServerState, run: _Run, messages: list[dict[str, Any]], body: bytes) -> None:
+    """Store the response as it stands (not a background one deleted while it winds down)."""
+    obj = run.obj
+    if not (obj.background and state.background.is_deleted(obj.id)):
+        state.responses.put(obj.id, messages, body, run.items, obj.status)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -447,14 +452,11 @@ def _finish(state: ServerState, gen: Generation, run: _Run, status: str,
         input_tokens_details=InputTokensDetails(gen.num_cached_tokens),
         output_tokens_details=OutputTokensDetails(min(run.num_tokens, reasoning_tokens)))
     body = encode(obj)
-    if obj.background and state.background.is_deleted(obj.id):
-        pass  # deleted while it wound down: not stored again
-    elif obj.store and status in CONTINUABLE:
+    if obj.store and status in CONTINUABLE:
         turn = history_message(items)
-        state.responses.put(obj.id, run.conversation + ([turn] if turn else []), body,
-                            run.items, status)
+        _store(state, run, run.conversation + ([turn] if turn else []), body)
     elif obj.background:
-        state.responses.put(obj.id, [], body, run.items, status)
+        _store(state, run, [], body)
     return body
 
 
