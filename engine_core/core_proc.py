@@ -566,9 +566,9 @@ class EngineCoreProc:
                 logger.error("frontend %d is not reading; dropped a message", index)
             push.last_sent = time.monotonic()
 
-        # The end of the previous turn: a stop that lands while this thread sends (not while
-        # it waits) shows up as time between turns that no wait accounts for.
-        last_end = time.monotonic()
+        # The start of the previous turn (after its wait): a stop that lands while this thread
+        # sends (not while it waits) shows up as time since then that no wait accounts for.
+        last_start = time.monotonic()
         try:
             while True:
                 before = time.monotonic()
@@ -578,7 +578,9 @@ class EngineCoreProc:
                 except queue.Empty:
                     item = None
                 now = time.monotonic()
-                if (paused := now - last_end - min(now - before, wait)) > _PAUSE_S:
+                paused = now - last_start - min(now - before, wait)
+                last_start = now
+                if paused > _PAUSE_S:
                     # This thread wakes every heartbeat interval, so it is the one to notice.
                     logger.warning("the EngineCore was paused for %.1f s (stopped, a long GC, "
                                    "or starved of CPU); carrying on with every frontend", paused)
@@ -608,7 +610,6 @@ class EngineCoreProc:
                         if now - push.last_sent >= HEARTBEAT_INTERVAL_S:
                             send(index, heartbeat)
                     next_beat = now + HEARTBEAT_INTERVAL_S
-                last_end = time.monotonic()
         finally:
             for push in pushes.values():
                 push.sock.close(linger=_LINGER_MS)
