@@ -7,7 +7,9 @@ predecessor drains), so this walks the device timeline in start order and charge
 only the time by which it pushes the timeline's end further out; a stretch with no kernel
 running is charged to "idle" (the GPU waiting on the host or on another rank's launch). The
 charges add up to the traced span exactly. Divided by ``--steps`` (the decode steps traced) they
-give a per-step breakdown by kernel category and the kernels that cost the most.
+give a per-step breakdown by kernel category and the kernels that cost the most. The host's CUDA
+API calls in the trace (launches, copies, event records, synchronizations) are counted and timed
+per step too: what the engine thread pays to feed the device.
 """
 
 from __future__ import annotations
@@ -52,6 +54,32 @@ def load_events(path: Path) -> list[dict[str, Any]]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return [e for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def load_host_calls(path: Path) -> list[dict[str, Any]]:
+    """The host's CUDA runtime / driver API calls in the trace (launches, copies, event
+    records, synchronizations): what the engine thread pays per step to feed the device."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [e for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+
+
+def host_calls(calls: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Per step: each API call's count and host time (microseconds), most time first.
+    (Synchronizations' time is waiting, not work; the profiler inflates every call a little.)"""
+    n = max(1, steps)
+    count: dict[str, int] = defaultdict(int)
+    spent: dict[str, float] = defaultdict(float)
+    for e in calls:
+        count[e["name"]] += 1
+        spent[e["name"]] += float(e["dur"])
+    order = sorted(spent, key=lambda k: -spent[k])
+    return dict(calls_per_step=sum(count.values()) / n,
+                by_call={k: dict(calls_per_step=round(count[k] / n, 2),
+                                 us_per_step=round(spent[k] / n, 2)) for k in order[:15]})
 
 
 def timeline(events: list[dict[str, Any]], steps: int,
@@ -163,6 +191,7 @@ def strip(path: Path, dest: Path) -> Path:
 
 def analyse(path: Path, steps: int, window_us: float | None = None) -> dict[str, Any]:
     result = timeline(load_events(path), steps, window_us)
+    result["host_api"] = host_calls(load_host_calls(path), steps)
     result["trace"] = path.name
     return result
 
@@ -186,6 +215,10 @@ def main() -> None:
               f"{r.get('idle_us_per_step', 0):.1f}, {r.get('kernels_per_step', 0):.0f} kernels")
         for cat, us in r.get("by_category_us_per_step", {}).items():
             print(f"  {cat:16s} {us:9.1f}")
+        api = r.get("host_api", {})
+        print(f"  host API calls a step: {api.get('calls_per_step', 0):.0f}")
+        for name, c in api.get("by_call", {}).items():
+            print(f"    {name:32s} {c['calls_per_step']:7.1f} calls {c['us_per_step']:9.1f} us")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
