@@ -34,12 +34,17 @@ trigger), followed by the structure (``%json`` for the schema).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from tidal.engine_core.sampling_params import SamplingParamError, StructuredOutputsParams
 
@@ -374,10 +379,44 @@ def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False) if text else ""
 
 
+# Verdicts of ``validate`` by digest of (spec, backend): an error's (param, message), or None
+# for a spec that compiles. Clients send the same schema with every request of a conversation
+# (and the API server checks a request's spec twice: when it parses the request, and with the
+# engine's own request checks), so the compile is done once; only digests are kept.
+_VERDICTS: OrderedDict[bytes, tuple[str, str] | None] = OrderedDict()
+_MAX_VERDICTS = 4096
+_VERDICTS_LOCK = threading.Lock()  # (API servers check grammars on worker threads)
+
+
 def validate(params: StructuredOutputsParams, backend: str = "auto") -> None:
     """Check that ``params`` compiles with the backend an engine started with ``backend``
     would use (``choose_backend``). Raises SamplingParamError naming the field
-    (``structured_outputs.<kind>``) and the backend's reason."""
+    (``structured_outputs.<kind>``) and the backend's reason. The verdict is kept (by the
+    spec's digest) for the next request with the same spec."""
+    key = hashlib.sha256(msgspec.msgpack.encode(params) + b"\0" + backend.encode()).digest()
+    with _VERDICTS_LOCK:
+        known = key in _VERDICTS
+        verdict = _VERDICTS.get(key)
+        if known:
+            _VERDICTS.move_to_end(key)
+    if known:
+        if verdict is not None:
+            raise SamplingParamError(*verdict)
+        return
+    try:
+        _validate(params, backend)
+        verdict = None
+    except SamplingParamError as exc:
+        verdict = (exc.param, str(exc).removeprefix(exc.param).removeprefix(" "))
+        raise
+    finally:
+        with _VERDICTS_LOCK:
+            _VERDICTS[key] = verdict
+            while len(_VERDICTS) > _MAX_VERDICTS:
+                _VERDICTS.popitem(last=False)
+
+
+def _validate(params: StructuredOutputsParams, backend: str) -> None:
     if params.backend is not None and backend != "auto" and params.backend != backend:
         raise SamplingParamError("structured_outputs.backend",
                                  f"{params.backend!r} is not this server's grammar backend "

@@ -20,10 +20,8 @@ the output, so the joined deltas equal the whole-output parse however the text w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,28 +67,15 @@ def parameters_schema(parameters: dict[str, Any] | None, param: str,
     return schema
 
 
-_SCHEMA_ERRORS: OrderedDict[bytes, str] = OrderedDict()  # sha256 of a schema -> its error
-_MAX_SCHEMA_ERRORS = 1024
-
-
 def _schema_error(schema_text: str) -> str:
-    """Why the schema does not compile ("" when it does); clients send the same tools with
-    every turn of a conversation, so the answer is kept (by digest: not the schemas' text)."""
-    key = hashlib.sha256(schema_text.encode()).digest()
-    error = _SCHEMA_ERRORS.get(key)
-    if error is not None:
-        _SCHEMA_ERRORS.move_to_end(key)
-        return error
+    """Why the schema does not compile ("" when it does). (Clients send the same tools with
+    every turn of a conversation: ``validate`` keeps its verdicts.)"""
     try:
         validate(StructuredOutputsParams(json=schema_text))
-        error = ""
     except SamplingParamError as exc:
-        error = str(exc).removeprefix(exc.param).strip().removeprefix(
+        return str(exc).removeprefix(exc.param).strip().removeprefix(
             "is not a valid JSON schema:").strip()[:1000]
-    _SCHEMA_ERRORS[key] = error
-    if len(_SCHEMA_ERRORS) > _MAX_SCHEMA_ERRORS:
-        _SCHEMA_ERRORS.popitem(last=False)
-    return error
+    return ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,60 @@
+"""A request's grammar checks off the event loop.
+
+A request that carries a structured-outputs spec (``response_format``, ``structured_outputs``,
+``guided_*``) or tools whose schemas a grammar will hold (an enforced ``tool_choice``, a
+``strict`` tool) has them compiled while it is parsed, so a bad one is a 400 before the engine
+(``structured.structured_params``, ``chat_parsing.check_tools``). A large schema takes tens of
+milliseconds to compile (a 60-object schema: 25 ms on the 2-core box), and on the event loop
+that would stall every other request's stream for as long. llguidance compiles without the GIL,
+so those parsing steps run on a small pool of worker threads instead, while the loop goes on
+streaming; a request with nothing to compile stays on the loop (a thread hop costs more than
+its parsing). The spec's verdict is kept (``spec.validate``): the same schema again compiles
+no more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tidal.frontend.server.structured import requested_forms
+
+T = TypeVar("T")
+
+# Compiles at once per API server process; more requests with grammars queue for a thread (the
+# admission limits bound how many are in flight).
+CHECK_THREADS = 4
+_POOL: ThreadPoolExecutor | None = None
+
+
+def carries_grammar(req: Any) -> bool:
+    """Whether parsing ``req`` (a chat or completions request) compiles a grammar: a
+    structured-outputs form, or tools held to their schemas (``tool_choice`` "required" or
+    named, or a ``strict`` tool under a choice other than "none")."""
+    if requested_forms(req):
+        return True
+    tools = getattr(req, "tools", None)
+    if not tools:
+        return False
+    choice = getattr(req, "tool_choice", None)
+    if isinstance(choice, dict) or choice == "required":
+        return True
+    return choice != "none" and any(getattr(t.function, "strict", None) for t in tools)
+
+
+async def parse_checked(req: Any, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``: on a grammar-check thread when ``req`` carries a grammar
+    (``carries_grammar``), else here. Its exceptions (400s) come back as raised."""
+    if not carries_grammar(req):
+        return fn(*args, **kwargs)
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=CHECK_THREADS,
+                                   thread_name_prefix="tidal-grammar-check")
+    # (In the request's context, as asyncio.to_thread runs its calls.)
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, call)

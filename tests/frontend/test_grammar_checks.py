@@ -1,0 +1,166 @@
+"""Grammar checks off the event loop (``frontend/server/grammar_checks.py``): which requests
+carry a grammar, that their parsing runs on a worker thread (the others' stays on the loop), and
+that a slow compile leaves the server answering other requests meanwhile, with its own answer
+still right and the next request with the same schema not compiled again."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+from test_server_unit import FakeEngine, _run, _serve
+
+from tidal.engine_core.structured_output import spec
+from tidal.frontend.server import grammar_checks
+from tidal.frontend.server.grammar_checks import carries_grammar, parse_checked
+
+
+def _req(**kw: Any) -> SimpleNamespace:
+    fields = dict(response_format=None, structured_outputs=None, guided_json=None,
+                  guided_regex=None, guided_choice=None, guided_grammar=None, tools=None,
+                  tool_choice=None)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+def _tool(strict: bool | None = None) -> SimpleNamespace:
+    return SimpleNamespace(function=SimpleNamespace(name="f", strict=strict, parameters={}))
+
+
+def test_which_requests_carry_a_grammar():
+    assert not carries_grammar(_req())
+    assert not carries_grammar(_req(response_format={"type": "text"}))
+    assert carries_grammar(_req(response_format={"type": "json_object"}))
+    assert carries_grammar(_req(guided_regex="a+"))
+    assert carries_grammar(_req(structured_outputs={"choice": ["a"]}))
+    # Tools: only where a grammar holds the calls to their schemas.
+    assert not carries_grammar(_req(tools=[_tool()], tool_choice="auto"))
+    assert not carries_grammar(_req(tools=[_tool()]))
+    assert carries_grammar(_req(tools=[_tool()], tool_choice="required"))
+    assert carries_grammar(_req(tools=[_tool()], tool_choice={"type": "function",
+                                                              "function": {"name": "f"}}))
+    assert carries_grammar(_req(tools=[_tool(), _tool(True)], tool_choice="auto"))
+    assert not carries_grammar(_req(tools=[_tool(True)], tool_choice="none"))
+    # A completions request has no tools field at all.
+    plain = _req()
+    del plain.tools, plain.tool_choice
+    assert not carries_grammar(plain)
+
+
+def test_parsing_with_a_grammar_runs_on_a_worker_thread():
+    def where(fail: bool = False) -> str:
+        if fail:
+            raise ValueError("bad field")
+        return threading.current_thread().name
+
+    async def go():
+        loop_thread = threading.current_thread().name
+        inline = await parse_checked(_req(), where)
+        off = await parse_checked(_req(guided_regex="a"), where)
+        try:
+            await parse_checked(_req(guided_regex="a"), where, fail=True)
+        except ValueError as exc:
+            raised = str(exc)
+        return loop_thread, inline, off, raised
+
+    loop_thread, inline, off, raised = _run(go())
+    assert inline == loop_thread
+    assert off.startswith("tidal-grammar-check")
+    assert raised == "bad field"  # the parser's 400s come back as raised
+
+
+def test_a_slow_compile_does_not_stall_other_requests(monkeypatch):
+    """A schema whose compile takes 0.8 s (the backend's check made slow; it sleeps without the
+    GIL, as llguidance compiles): a plain request sent after it is answered first, the slow
+    one still gets its 200, and the same schema again is not compiled a second time."""
+    compiles: list[str] = []
+    real = spec._validate
+
+    def slow(params, backend):
+        compiles.append(params.json or "")
+        if params.json and "slow_" in params.json:
+            time.sleep(0.8)
+        real(params, backend)
+
+    monkeypatch.setattr(spec, "_validate", slow)
+    # Unique per run: the verdicts are kept for the process.
+    schema = {"type": "object", "properties": {f"slow_{uuid.uuid4().hex}": {"type": "integer"}}}
+
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            async def post(body: dict[str, Any]) -> tuple[int, float]:
+                resp = await client.post("/v1/completions", json=body)
+                await resp.read()
+                return resp.status, time.perf_counter()
+
+            start = time.perf_counter()
+            slow_task = asyncio.create_task(post({"prompt": "hi", "guided_json": schema}))
+            await asyncio.sleep(0.1)  # the slow one is compiling
+            plain_status, plain_done = await post({"prompt": "hello"})
+            slow_status, slow_done = await slow_task
+            again = time.perf_counter()
+            again_status, again_done = await post({"prompt": "hi", "guided_json": schema})
+            return (start, plain_status, plain_done, slow_status, slow_done, again,
+                    again_status, again_done)
+
+    start, plain_status, plain_done, slow_status, slow_done, again, again_status, again_done = \
+        _run(go())
+    assert plain_status == slow_status == again_status == 200
+    assert plain_done < slow_done
+    assert plain_done - start < 0.6, "the plain request waited for the slow compile"
+    assert slow_done - start >= 0.8
+    assert again_done - again < 0.6
+    assert len([c for c in compiles if "slow_" in c]) == 1, compiles
+
+
+def test_a_bad_schema_is_still_a_400_naming_the_field():
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            resp = await client.post("/v1/completions", json={
+                "prompt": "hi", "guided_regex": f"(unclosed{uuid.uuid4().hex}"})
+            return resp.status, await resp.json()
+
+    status, body = _run(go())
+    assert status == 400
+    assert body["error"]["param"] == "guided_regex"
+
+
+def test_a_burst_compiles_on_at_most_the_pool_threads(monkeypatch):
+    """Eight requests with distinct slow schemas at once: at most ``CHECK_THREADS`` compile at
+    a time (a burst cannot start a thread per request), and all of them are answered."""
+    running = [0, 0]  # now, most
+    lock = threading.Lock()
+    real = spec._validate
+
+    def slow(params, backend):
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.15)
+        with lock:
+            running[0] -= 1
+        real(params, backend)
+
+    monkeypatch.setattr(spec, "_validate", slow)
+    tag = uuid.uuid4().hex
+
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            async def post(i: int) -> int:
+                resp = await client.post("/v1/completions", json={
+                    "prompt": "hi", "guided_json": {"type": "object", "properties": {
+                        f"burst_{tag}_{i}": {"type": "integer"}}}})
+                await resp.read()
+                return resp.status
+
+            return await asyncio.gather(*(post(i) for i in range(8)))
+
+    assert _run(go()) == [200] * 8
+    assert running[1] == grammar_checks.CHECK_THREADS
