@@ -446,7 +446,8 @@ async def serve(engine: AsyncLLM, settings: ServerSettings, sock: socket.socket 
     if response_peers is not None:
         index, addresses = response_peers
         state.response_peers = ResponsePeers(index, addresses, state.responses,
-                                             state.background.cancel)
+                                             state.background.cancel,
+                                             state.background.log_of)
         state.response_peers.start()
     app = build_app(state)
     limits = connection_limits(settings, raise_fd_limit())

@@ -52,6 +52,17 @@ class EventLog:
         self.done = True
         self._changed.set()
 
+    async def wait_past(self, after: int, timeout: float) -> None:
+        """Return once there is an event after number ``after`` or the log is done, or after
+        ``timeout`` seconds (a peer's long poll: ``response_peers``)."""
+        if len(self.payloads) > after + 1 or self.done:
+            return
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
     async def follow(self, after: int) -> AsyncIterator[tuple[list[bytes], bool]]:
         """The events after number ``after`` as they come: (new ones, whether that is all)."""
         pos = max(after + 1, 0)

@@ -13,27 +13,40 @@ msgspec structs (no pickle); the conversation travels as the JSON it is stored a
 A lookup costs one IPC round trip per peer, concurrently (well under a millisecond), and only
 on a miss in the local store. A peer that does not answer within ``_TIMEOUT_S`` counts as not
 holding the id (a dead API server ends the whole server anyway).
+
+A background response's stream (``GET ...?stream=true``) is replayed from whichever process
+takes the request: one that does not run it asks its peers for the events (op ``events``),
+then follows the one that has them by long polls (each answered once there are events past
+the reader's, the stream is over, or ``POLL_WAIT_S`` has passed), a bounded slice at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
+from tidal.frontend.server.response_background import EventLog
 from tidal.frontend.server.response_store import ResponseStore, StoredResponse
 
 logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 2.0
 _MAX_ID_BYTES = 256  # ids this server makes are ~30 characters
+# An ``events`` ask is answered at the latest after this long, with no events if none came (the
+# asker asks again); well inside ``_TIMEOUT_S``.
+POLL_WAIT_S = 1.0
+# Events per ``events`` answer at most: this many bytes (at least one event), so a long log
+# travels in slices.
+EVENTS_BYTES = 1 << 20
 
 
 class PeerAsk(msgspec.Struct, frozen=True):
-    op: str  # "get" | "delete" | "cancel"
+    op: str  # "get" | "delete" | "cancel" | "events"
     response_id: str
+    after: int = -1  # events: the reader's last event number
 
 
 class PeerAnswer(msgspec.Struct, frozen=True):
@@ -42,6 +55,9 @@ class PeerAnswer(msgspec.Struct, frozen=True):
     body: bytes = b""  # the response object, JSON
     input_items: bytes = b"[]"  # the request's input items, JSON
     status: str = "completed"
+    events: list[bytes] = msgspec.field(default_factory=list)  # events: those after ``after``
+    done: bool = False  # events: these end the stream
+    total: int = 0  # events: how many the log holds now
 
 
 _ask_decoder = msgspec.msgpack.Decoder(PeerAsk)
@@ -54,10 +70,12 @@ class ResponsePeers:
     asks the other addresses for ids it does not hold."""
 
     def __init__(self, index: int, addresses: list[str], store: ResponseStore,
-                 cancel: Callable[[str, bool], Awaitable[bool]] | None = None) -> None:
+                 cancel: Callable[[str, bool], Awaitable[bool]] | None = None,
+                 logs: Callable[[str], EventLog | None] | None = None) -> None:
         """``cancel(id, delete)``: ends this process's background response of that id, if it
         runs one (True once it is over and stored as cancelled; ``delete``: it is being
-        deleted)."""
+        deleted). ``logs(id)``: this process's event log of that background stream, if it
+        keeps one."""
         import zmq
         import zmq.asyncio
 
@@ -67,6 +85,7 @@ class ResponsePeers:
         self.addresses = list(addresses)
         self.store = store
         self.cancel_local = cancel
+        self.logs = logs
         self._ctx = zmq.asyncio.Context()
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.LINGER, 0)
@@ -111,10 +130,12 @@ class ResponsePeers:
             except msgspec.DecodeError as exc:
                 logger.warning("response peers: dropped an undecodable lookup: %s", exc)
                 continue
-            if ask.op in ("cancel", "delete"):
+            if ask.op in ("cancel", "delete", "events"):
                 # Answered once a background response it runs is over (other lookups go on
-                # meanwhile): a deleted one must not go on generating.
-                task = asyncio.get_running_loop().create_task(self._answer_cancel(ident, ask))
+                # meanwhile): a deleted one must not go on generating. Events: once there are
+                # new ones (a long poll).
+                answer = self._answer_events if ask.op == "events" else self._answer_cancel
+                task = asyncio.get_running_loop().create_task(answer(ident, ask))
                 self._cancels.add(task)
                 task.add_done_callback(self._cancels.discard)
                 continue
@@ -139,7 +160,53 @@ class ResponsePeers:
                 else PeerAnswer(False)
         await self._server.send_multipart([ident, b"", _encoder.encode(answer)])
 
+    async def _answer_events(self, ident: bytes, ask: PeerAsk) -> None:
+        log = self.logs(ask.response_id) if self.logs is not None else None
+        if log is None:
+            answer = PeerAnswer(False)
+        else:
+            await log.wait_past(ask.after, POLL_WAIT_S)
+            first = max(ask.after + 1, 0)
+            events: list[bytes] = []
+            size = 0
+            for payload in log.payloads[first:]:
+                if events and size + len(payload) > EVENTS_BYTES:
+                    break
+                events.append(payload)
+                size += len(payload)
+            total = len(log.payloads)
+            answer = PeerAnswer(True, events=events, total=total,
+                                done=log.done and first + len(events) >= total)
+        await self._server.send_multipart([ident, b"", _encoder.encode(answer)])
+
     # --- asking ----------------------------------------------------------------------------
+
+    async def find_events(self, response_id: str, after: int) -> tuple[str, PeerAnswer] | None:
+        """The peer that keeps the background stream ``response_id`` and its first answer
+        (events after number ``after``, as soon as there are some), or None."""
+        if len(response_id.encode()) > _MAX_ID_BYTES:
+            return None
+        payload = _encoder.encode(PeerAsk("events", response_id, after))
+        answers = await asyncio.gather(*(self._ask(a, payload) for a in self.peers))
+        return next(((a, ans) for a, ans in zip(self.peers, answers) if ans.found), None)
+
+    async def follow_events(self, address: str, response_id: str, after: int,
+                            first: PeerAnswer) -> AsyncIterator[tuple[list[bytes], bool]]:
+        """``EventLog.follow`` of the stream a peer keeps, from its ``first`` answer on. A peer
+        that stops answering (or drops the log) ends it early: ``(no events, True)``."""
+        answer = first
+        while True:
+            after += len(answer.events)
+            yield answer.events, answer.done
+            if answer.done:
+                return
+            answer = await self._ask(address, _encoder.encode(
+                PeerAsk("events", response_id, after)))
+            if not answer.found:
+                logger.warning("response peers: the stream of %s at %s ended early",
+                               response_id, address)
+                yield [], True
+                return
 
     async def get(self, response_id: str) -> StoredResponse | None:
         """The response as the peer that holds it stored it, or None."""

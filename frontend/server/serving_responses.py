@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
+from tidal.frontend.server.grammar_checks import parse_checked
 from tidal.frontend.server.logprobs import chat_logprob_entries
 from tidal.frontend.server.openai_protocol import ChatLogprobEntry, decode_request, encode
 from tidal.frontend.server.prompts import check_context
@@ -122,13 +123,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         chat = chat_request(req, tools)
         parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
                                  cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
-        chat_tools = check_tools(chat, parsers)
+        chat_tools = await parse_checked(chat, check_tools, chat, parsers)
         kwargs = template_kwargs(chat)
         # tool_choice "required" / named (or strict tools): the grammar enforces the calls.
         enforced = chat_tools.enforced
-        params = chat_params(chat, state.limits,
-                             enforced.spec if enforced is not None else None,
-                             reads_special_tokens(parsers, chat_tools))
+        params = await parse_checked(chat, chat_params, chat, state.limits,
+                                     enforced.spec if enforced is not None else None,
+                                     reads_special_tokens(parsers, chat_tools))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = await find_response(state.responses, state.response_peers,
@@ -197,7 +198,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 return web.Response(body=body, content_type="application/json")
             # The stream reads the response's event log: a client that goes away leaves the
             # response generating, and GET ?stream=true&starting_after=N picks it up again.
-            return await _replay(request, log, -1, obj.id)
+            return await _replay(request, log.follow(-1), obj.id)
         finally:
             if board is not None:
                 board.add_load(1)  # (given back as the route's count ends with the handler)
@@ -282,16 +283,21 @@ async def get_response(request: web.Request) -> web.StreamResponse:
                               f">= 0), got {raw[:20]!r}", "starting_after")
         after = -1 if raw is None else int(raw)
         log = state.background.log_of(rid)
-        if log is None:
-            raise bad_request(f"response {rid[:_ID_CHARS]!r} has no stream to replay on this "
-                              "API server process: only a response created with background "
-                              "and stream can be streamed again, from the process that runs "
-                              "it, while it runs and for a while after; GET it whole",
+        if log is not None:
+            _check_after(after, log.done, len(log.payloads))
+            return await _replay(request, log.follow(after), rid)
+        # Another API server process may keep it (--api-server-count > 1).
+        peers = state.response_peers
+        found = await peers.find_events(rid, after) if peers is not None else None
+        if found is None:
+            raise bad_request(f"response {rid[:_ID_CHARS]!r} has no stream to replay: only a "
+                              "response created with background and stream can be streamed "
+                              "again, while it runs and for a while after; GET it whole",
                               "stream", code="unsupported_field")
-        if log.done and after >= len(log.payloads):
-            raise bad_request(f"starting_after {after} is past the stream's last event "
-                              f"({len(log.payloads) - 1})", "starting_after")
-        return await _replay(request, log, after, rid)
+        address, first = found
+        _check_after(after, first.done, first.total)
+        assert peers is not None
+        return await _replay(request, peers.follow_events(address, rid, after, first), rid)
     stored = await find_response(state.responses, state.response_peers, rid)
     if stored is None:
         raise _not_found(rid)
@@ -483,14 +489,21 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation,
     return writer.response
 
 
-async def _replay(request: web.Request, log: EventLog, after: int,
+def _check_after(after: int, done: bool, total: int) -> None:
+    if done and after >= total:
+        raise bad_request(f"starting_after {after} is past the stream's last event "
+                          f"({total - 1})", "starting_after")
+
+
+async def _replay(request: web.Request, events: AsyncIterator[tuple[list[bytes], bool]],
                   response_id: str) -> web.StreamResponse:
-    """A background response's stream from its event log, after event number ``after``."""
+    """A background response's stream from its event log (``EventLog.follow``, or a peer's:
+    ``ResponsePeers.follow_events``), after the reader's event number."""
     writer = SSEWriter(request)
     send = _sse_sender(writer)
     try:
         await writer.start()
-        async for payloads, last in log.follow(after):
+        async for payloads, last in events:
             for k in range(0, max(len(payloads), 1), REPLAY_SLICE):
                 await send(payloads[k:k + REPLAY_SLICE], last and k + REPLAY_SLICE
                            >= len(payloads))

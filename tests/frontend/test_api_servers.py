@@ -204,6 +204,34 @@ def test_two_api_servers_act_as_one():
         assert cancelled.status == "cancelled", cancelled.status
         assert {a.status for a in after} == {"cancelled"}
 
+        # A background stream replayed from fresh connections: the process that takes each
+        # GET ?stream=true follows the events from the one that keeps them.
+        async def replay():
+            c = client_for(server)
+            try:
+                stream = await c.responses.create(
+                    model="", input="Name three colors.", temperature=0.0,
+                    max_output_tokens=24, background=True, stream=True)
+                whole = [event async for event in stream]
+            finally:
+                await c.close()
+            rid = whole[0].response.id
+            replays = []
+            for _ in range(6):
+                c = client_for(server)
+                try:
+                    again = await c.responses.retrieve(rid, stream=True, starting_after=2)
+                    replays.append([event async for event in again])
+                finally:
+                    await c.close()
+            return whole, replays
+
+        whole, replays = asyncio.run(replay())
+        assert whole[-1].type == "response.completed"
+        want = [(e.type, e.sequence_number) for e in whole[3:]]
+        for events in replays:
+            assert [(e.type, e.sequence_number) for e in events] == want
+
         # SIGTERM to the server's whole process group (as Ctrl-C or ``timeout`` send it)
         # drains both API servers once while a request runs: it completes; exit code 0.
         async def drain():

@@ -1,7 +1,8 @@
 """Stored responses across API server processes (frontend/server/response_peers.py): three
 peers in one event loop, each with its own store and IPC socket; a lookup a process cannot
 answer itself goes to the one that holds the id; deletes too; a malformed message to a peer's
-socket is dropped and the peer keeps answering."""
+socket is dropped and the peer keeps answering; a background response's stream is followed
+from a process that does not keep it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 
 import pytest
 
+from tidal.frontend.server.response_background import EventLog
 from tidal.frontend.server.response_peers import (
     ResponsePeers,
     find_response,
@@ -98,6 +100,84 @@ def test_a_cancel_reaches_the_process_that_runs_the_background_response(tmp_path
             assert await forget_response(stores[0], peers[0], "resp_bg")
             assert asked == ["resp_bg", "resp_other", "resp_bg (delete)"]
             assert len(stores[2]) == 0
+        finally:
+            for p in peers:
+                await p.close()
+
+    asyncio.run(main())
+
+
+def test_a_background_stream_is_followed_from_another_process(tmp_path, monkeypatch):
+    """Process 0 replays the stream process 2 keeps: the events after the reader's, then new
+    ones as they come (long polls), a bounded slice per answer, until the last; a peer without
+    the log, or an unknown id, is no stream."""
+    from tidal.frontend.server import response_peers
+
+    monkeypatch.setattr(response_peers, "EVENTS_BYTES", 10)  # 2 events of 5 bytes an answer
+
+    async def main():
+        addresses = peer_addresses(str(tmp_path), 3)
+        log = EventLog()
+        logs = {"resp_bg": log}
+        peers = [ResponsePeers(i, addresses, ResponseStore(),
+                               logs=logs.get if i == 2 else None) for i in range(3)]
+        for p in peers:
+            p.start()
+        try:
+            await log.send([b"ev-00", b"ev-01", b"ev-02"], False)
+            assert await peers[0].find_events("resp_none", -1) is None
+            found = await peers[0].find_events("resp_bg", 0)
+            assert found is not None
+            address, first = found
+            assert address == addresses[2]
+            assert first.events == [b"ev-01", b"ev-02"] and first.total == 3
+            assert not first.done
+            got: list[bytes] = []
+            ends: list[bool] = []
+
+            async def read():
+                async for events, last in peers[0].follow_events(address, "resp_bg", 0,
+                                                                 first):
+                    got.extend(events)
+                    ends.append(last)
+
+            reader = asyncio.create_task(read())
+            await asyncio.sleep(0.05)  # the reader waits in a long poll
+            await log.send([b"ev-03", b"ev-04", b"ev-05"], False)
+            await asyncio.sleep(0.05)
+            await log.send([b"ev-06"], True)
+            await asyncio.wait_for(reader, 5)
+            assert got == [b"ev-01", b"ev-02", b"ev-03", b"ev-04", b"ev-05", b"ev-06"]
+            assert ends[-1] and not any(ends[:-1])
+            # A reader past the end of a finished stream learns how long it is.
+            done = await peers[1].find_events("resp_bg", 9)
+            assert done is not None and done[1].done and done[1].total == 7
+            assert done[1].events == []
+        finally:
+            for p in peers:
+                await p.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_keeper_drops_it_ends(tmp_path):
+    async def main():
+        addresses = peer_addresses(str(tmp_path), 2)
+        log = EventLog()
+        logs = {"resp_bg": log}
+        peers = [ResponsePeers(i, addresses, ResponseStore(),
+                               logs=logs.get if i == 1 else None) for i in range(2)]
+        for p in peers:
+            p.start()
+        try:
+            await log.send([b"a"], False)
+            found = await peers[0].find_events("resp_bg", -1)
+            assert found is not None
+            address, first = found
+            stream = peers[0].follow_events(address, "resp_bg", -1, first)
+            assert await stream.__anext__() == ([b"a"], False)
+            del logs["resp_bg"]  # evicted (or deleted) meanwhile
+            assert await stream.__anext__() == ([], True)
         finally:
             for p in peers:
                 await p.close()
