@@ -21,14 +21,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.structured import requested_forms
 
 T = TypeVar("T")
 
-# Compiles at once per API server process; more requests with grammars queue for a thread (the
-# admission limits bound how many are in flight).
+# Compiles at once per API server process; more requests with grammars queue for a thread, up
+# to MAX_PENDING_CHECKS in all (queued or compiling) per process: beyond that a 429, as a full
+# queue gets (these checks run before a request is admitted, so admission does not bound them).
 CHECK_THREADS = 4
+MAX_PENDING_CHECKS = 256
 _POOL: ThreadPoolExecutor | None = None
+_pending = 0  # (touched on the event loop only)
 
 
 def carries_grammar(req: Any) -> bool:
@@ -51,10 +55,18 @@ async def parse_checked(req: Any, fn: Callable[..., T], *args: Any, **kwargs: An
     (``carries_grammar``), else here. Its exceptions (400s) come back as raised."""
     if not carries_grammar(req):
         return fn(*args, **kwargs)
-    global _POOL
+    global _POOL, _pending
+    if _pending >= MAX_PENDING_CHECKS:
+        raise APIError(429, f"{_pending} requests with schemas or grammars are being checked "
+                       f"on this API server process (limit {MAX_PENDING_CHECKS}); retry later "
+                       "with backoff", code="queue_full", headers={"Retry-After": "1"})
     if _POOL is None:
         _POOL = ThreadPoolExecutor(max_workers=CHECK_THREADS,
                                    thread_name_prefix="tidal-grammar-check")
     # (In the request's context, as asyncio.to_thread runs its calls.)
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(_POOL, call)
+    _pending += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_POOL, call)
+    finally:
+        _pending -= 1

@@ -164,3 +164,39 @@ def test_a_burst_compiles_on_at_most_the_pool_threads(monkeypatch):
 
     assert _run(go()) == [200] * 8
     assert running[1] == grammar_checks.CHECK_THREADS
+
+
+def test_too_many_pending_checks_are_a_429(monkeypatch):
+    """Past ``MAX_PENDING_CHECKS`` requests with grammars being checked (queued or compiling),
+    a new one is a 429 (queue_full, Retry-After), not one more queued compile; those already
+    taken are answered, and the count goes back down."""
+    monkeypatch.setattr(grammar_checks, "MAX_PENDING_CHECKS", 2)
+    real = spec._validate
+
+    def slow(params, backend):
+        time.sleep(0.3)
+        real(params, backend)
+
+    monkeypatch.setattr(spec, "_validate", slow)
+    tag = uuid.uuid4().hex
+
+    async def go():
+        state, client = _serve(FakeEngine())
+        async with client:
+            async def post(i: int) -> tuple[int, dict[str, Any], str | None]:
+                resp = await client.post("/v1/completions", json={
+                    "prompt": "hi", "guided_regex": f"{tag}{i}[0-9]"})
+                return resp.status, await resp.json(), resp.headers.get("Retry-After")
+
+            first = [asyncio.create_task(post(i)) for i in range(2)]
+            await asyncio.sleep(0.1)  # both are being checked
+            refused = await post(2)
+            taken = await asyncio.gather(*first)
+            later = await post(3)
+            return refused, taken, later
+
+    (status, body, retry), taken, later = _run(go())
+    assert status == 429 and body["error"]["code"] == "queue_full" and retry == "1"
+    assert [t[0] for t in taken] == [200, 200]
+    assert later[0] == 200
+    assert grammar_checks._pending == 0
