@@ -31,6 +31,34 @@ def _tool(strict: bool | None = None) -> SimpleNamespace:
     return SimpleNamespace(function=SimpleNamespace(name="f", strict=strict, parameters={}))
 
 
+class _SlowCompiles:
+    """``spec._validate`` made slow (it sleeps without the GIL, as llguidance compiles) for the
+    specs whose text holds ``match`` (every spec: ""); records the specs compiled and the most
+    compiles running at once."""
+
+    def __init__(self, monkeypatch, seconds: float, match: str = "") -> None:
+        self.seconds, self.match = seconds, match
+        self.compiled: list[str] = []
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+        self._real = spec._validate
+        monkeypatch.setattr(spec, "_validate", self)
+
+    def __call__(self, params, backend) -> None:
+        text = params.json or params.regex or ""
+        with self._lock:
+            self.compiled.append(text)
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            if self.match in text:
+                time.sleep(self.seconds)
+        finally:
+            with self._lock:
+                self.running -= 1
+        self._real(params, backend)
+
+
 def test_which_requests_carry_a_grammar():
     assert not carries_grammar(_req())
     assert not carries_grammar(_req(response_format={"type": "text"}))
@@ -77,16 +105,7 @@ def test_a_slow_compile_does_not_stall_other_requests(monkeypatch):
     """A schema whose compile takes 0.8 s (the backend's check made slow; it sleeps without the
     GIL, as llguidance compiles): a plain request sent after it is answered first, the slow
     one still gets its 200, and the same schema again is not compiled a second time."""
-    compiles: list[str] = []
-    real = spec._validate
-
-    def slow(params, backend):
-        compiles.append(params.json or "")
-        if params.json and "slow_" in params.json:
-            time.sleep(0.8)
-        real(params, backend)
-
-    monkeypatch.setattr(spec, "_validate", slow)
+    compiles = _SlowCompiles(monkeypatch, 0.8, match="slow_")
     # Unique per run: the verdicts are kept for the process.
     schema = {"type": "object", "properties": {f"slow_{uuid.uuid4().hex}": {"type": "integer"}}}
 
@@ -115,7 +134,7 @@ def test_a_slow_compile_does_not_stall_other_requests(monkeypatch):
     assert plain_done - start < 0.6, "the plain request waited for the slow compile"
     assert slow_done - start >= 0.8
     assert again_done - again < 0.6
-    assert len([c for c in compiles if "slow_" in c]) == 1, compiles
+    assert len([c for c in compiles.compiled if "slow_" in c]) == 1, compiles.compiled
 
 
 def test_a_bad_schema_is_still_a_400_naming_the_field():
@@ -134,20 +153,7 @@ def test_a_bad_schema_is_still_a_400_naming_the_field():
 def test_a_burst_compiles_on_at_most_the_pool_threads(monkeypatch):
     """Eight requests with distinct slow schemas at once: at most ``CHECK_THREADS`` compile at
     a time (a burst cannot start a thread per request), and all of them are answered."""
-    running = [0, 0]  # now, most
-    lock = threading.Lock()
-    real = spec._validate
-
-    def slow(params, backend):
-        with lock:
-            running[0] += 1
-            running[1] = max(running[1], running[0])
-        time.sleep(0.15)
-        with lock:
-            running[0] -= 1
-        real(params, backend)
-
-    monkeypatch.setattr(spec, "_validate", slow)
+    compiles = _SlowCompiles(monkeypatch, 0.15)
     tag = uuid.uuid4().hex
 
     async def go():
@@ -163,7 +169,7 @@ def test_a_burst_compiles_on_at_most_the_pool_threads(monkeypatch):
             return await asyncio.gather(*(post(i) for i in range(8)))
 
     assert _run(go()) == [200] * 8
-    assert running[1] == grammar_checks.CHECK_THREADS
+    assert compiles.most == grammar_checks.CHECK_THREADS
 
 
 def test_too_many_pending_checks_are_a_429(monkeypatch):
@@ -171,13 +177,7 @@ def test_too_many_pending_checks_are_a_429(monkeypatch):
     a new one is a 429 (queue_full, Retry-After), not one more queued compile; those already
     taken are answered, and the count goes back down."""
     monkeypatch.setattr(grammar_checks, "MAX_PENDING_CHECKS", 2)
-    real = spec._validate
-
-    def slow(params, backend):
-        time.sleep(0.3)
-        real(params, backend)
-
-    monkeypatch.setattr(spec, "_validate", slow)
+    _SlowCompiles(monkeypatch, 0.3)
     tag = uuid.uuid4().hex
 
     async def go():
