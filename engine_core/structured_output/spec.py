@@ -280,7 +280,16 @@ def to_grammar(params: StructuredOutputsParams,
         if not isinstance(schema, dict | bool):
             raise SamplingParamError("structured_outputs.json",
                                      "must be a JSON object (a JSON schema)")
-        return LLMatcher.grammar_from_json_schema(params.json, defaults=_JSON_OPTIONS)
+        if schema is False:
+            raise SamplingParamError("structured_outputs.json",
+                                     "is false: a schema that no value satisfies")
+        # (The schema true allows any value, as {} does; llguidance takes only objects.)
+        text = "{}" if schema is True else params.json
+        try:
+            return LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise SamplingParamError("structured_outputs.json",
+                                     f"is not a valid JSON schema: {str(exc)[:1000]}") from None
     if kind == "regex":
         assert params.regex is not None
         return LLMatcher.grammar_from_regex(params.regex)
@@ -405,15 +414,18 @@ def validate(params: StructuredOutputsParams, backend: str = "auto") -> None:
         return
     try:
         _validate(params, backend)
-        verdict = None
     except SamplingParamError as exc:
-        verdict = (exc.param, str(exc).removeprefix(exc.param).removeprefix(" "))
+        _keep(key, (exc.param, str(exc).removeprefix(exc.param).removeprefix(" ")))
         raise
-    finally:
-        with _VERDICTS_LOCK:
-            _VERDICTS[key] = verdict
-            while len(_VERDICTS) > _MAX_VERDICTS:
-                _VERDICTS.popitem(last=False)
+    # (Anything else it raises is no verdict: the next request with this spec checks again.)
+    _keep(key, None)
+
+
+def _keep(key: bytes, verdict: tuple[str, str] | None) -> None:
+    with _VERDICTS_LOCK:
+        _VERDICTS[key] = verdict
+        while len(_VERDICTS) > _MAX_VERDICTS:
+            _VERDICTS.popitem(last=False)
 
 
 def _validate(params: StructuredOutputsParams, backend: str) -> None:

@@ -64,3 +64,30 @@ def test_kept_verdicts_are_bounded(compiles, monkeypatch):
     spec.validate(b)  # evicted: compiled again
     assert len(compiles) == 4
     assert len(spec._VERDICTS) <= 2
+
+
+def test_an_unexpected_failure_is_no_verdict(monkeypatch):
+    """A check that fails in some other way than a bad spec (a backend's own error) keeps
+    nothing: the next request with the spec is checked again, not waved through."""
+    calls = []
+
+    def broken(params, backend):
+        calls.append(1)
+        raise RuntimeError("backend failure")
+
+    monkeypatch.setattr(spec, "_validate", broken)
+    params = StructuredOutputsParams(regex=_unique("x"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            spec.validate(params)
+    assert len(calls) == 2
+
+
+def test_boolean_schemas():
+    """The schema true allows any value (as {}); false allows none: a 400-worthy error naming
+    the field, not a backend's ValueError (which was a 500)."""
+    spec.validate(StructuredOutputsParams(json="true"))
+    assert spec.to_grammar(StructuredOutputsParams(json="true"))
+    with pytest.raises(SamplingParamError, match="no value satisfies") as info:
+        spec.validate(StructuredOutputsParams(json="false"))
+    assert info.value.param == "structured_outputs.json"
