@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from tidal.engine_core.sampling_params import SamplingParamError, SamplingParams
+from tidal.engine_core.structured_output.spec import validate
 from tidal.frontend.server.errors import APIError
 from tidal.frontend.server.structured import requested_forms
 
@@ -48,6 +50,26 @@ def carries_grammar(req: Any) -> bool:
     if isinstance(choice, dict) or choice == "required":
         return True
     return choice != "none" and any(getattr(t.function, "strict", None) for t in tools)
+
+
+async def parse_sampling(state: Any, req: Any, fn: Callable[..., SamplingParams], *args: Any,
+                         **kwargs: Any) -> SamplingParams:
+    """``parse_checked`` of a function that returns the request's sampling params, whose
+    structured-outputs spec is then also checked as the engine's own request checks will
+    (``common.check_prompt``: with the engine's ``--structured-outputs-backend``) on the same
+    thread, so that check finds the verdict kept, and compiles nothing on the loop."""
+    backend = state.engine.config.scheduler.structured_outputs_backend
+
+    def parse() -> SamplingParams:
+        params = fn(*args, **kwargs)
+        if params.structured_outputs is not None:
+            try:
+                validate(params.structured_outputs, backend)
+            except SamplingParamError:
+                pass  # (kept: check_prompt raises it as the 400 it is)
+        return params
+
+    return await parse_checked(req, parse)
 
 
 async def parse_checked(req: Any, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

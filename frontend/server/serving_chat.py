@@ -27,7 +27,7 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.grammar_checks import parse_checked
+from tidal.frontend.server.grammar_checks import parse_checked, parse_sampling
 from tidal.frontend.server.kv_transfer_params import check_request_params, with_answer
 from tidal.frontend.server.logprobs import chat_logprob_entries, prompt_logprobs, tokens_as_ids
 from tidal.frontend.server.openai_protocol import (
@@ -188,9 +188,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             raise bad_request("use_beam_search with a LoRA adapter is not supported yet",
                               "use_beam_search")
         return await create_beam_chat(state, req, model)
-    params = await parse_checked(req, chat_params, req, state.limits,
-                                 tools.enforced.spec if tools.enforced is not None else None,
-                                 reads_special_tokens(parsers, tools))
+    params = await parse_sampling(state, req, chat_params, req, state.limits,
+                                  tools.enforced.spec if tools.enforced is not None else None,
+                                  reads_special_tokens(parsers, tools))
     params = with_thinking_budget(params, *thinking, cfg.reasoning_parser)
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     kv_params = check_request_params(state, req.kv_transfer_params, params.n, 1)

@@ -20,7 +20,7 @@ from tidal.frontend.outputs import CompletionOutput, PositionLogprobs, RequestOu
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.grammar_checks import parse_checked
+from tidal.frontend.server.grammar_checks import parse_sampling
 from tidal.frontend.server.kv_transfer_params import check_request_params, with_answer
 from tidal.frontend.server.logprobs import (
     extend_completion_logprobs,
@@ -169,7 +169,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             raise bad_request("use_beam_search with a LoRA adapter is not supported yet",
                               "use_beam_search")
         return await create_beam_completion(state, req, model)
-    params = await parse_checked(req, completion_params, req, state.limits)
+    params = await parse_sampling(state, req, completion_params, req, state.limits)
     raw = split_prompts(req.prompt, "prompt", state.limits.max_prompts)
     state.admission.check_available()
     kv_params = check_request_params(state, req.kv_transfer_params, params.n, len(raw))

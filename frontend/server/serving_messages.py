@@ -66,7 +66,7 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.grammar_checks import parse_checked
+from tidal.frontend.server.grammar_checks import parse_checked, parse_sampling
 from tidal.frontend.server.openai_protocol import ChatCompletionRequest, decode_request
 from tidal.frontend.server.prompts import check_context
 from tidal.frontend.server.serving_chat import messages_to_dicts, render_chat
@@ -116,7 +116,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     parsers = _parsers(state)
     chat = to_chat_request(req, parsers)
     tools = await parse_checked(chat, checked_tools, chat, parsers)
-    params = await parse_checked(chat, sampling_params, chat, state, tools)
+    params = await parse_sampling(state, chat, sampling_params, chat, state, tools)
     state.admission.check_available()
     ids = await _render(state, chat, tools)
     check_context(len(ids), params.max_tokens, state.max_model_len, "max_tokens", "messages")
