@@ -36,11 +36,19 @@ logger = logging.getLogger(__name__)
 _TIMEOUT_S = 2.0
 _MAX_ID_BYTES = 256  # ids this server makes are ~30 characters
 # An ``events`` ask is answered at the latest after this long, with no events if none came (the
-# asker asks again); well inside ``_TIMEOUT_S``.
+# asker asks again). The asker waits ``_TIMEOUT_S`` more for the answer, and asks again after
+# a timeout, ``POLL_RETRIES`` times in a row before it gives the stream up (a keeper that
+# stalls for a moment does not cut its readers' streams).
 POLL_WAIT_S = 1.0
-# Events per ``events`` answer at most: this many bytes (at least one event), so a long log
-# travels in slices.
+POLL_RETRIES = 3
+# An ``events`` answer holds events up to this many bytes (and at least one, however large),
+# so a long log travels in slices.
 EVENTS_BYTES = 1 << 20
+
+
+class PeerStreamLost(Exception):
+    """The peer that kept a background stream no longer answers for it (it stopped answering,
+    or dropped the log) before its last event."""
 
 
 class PeerAsk(msgspec.Struct, frozen=True):
@@ -187,26 +195,35 @@ class ResponsePeers:
         if len(response_id.encode()) > _MAX_ID_BYTES:
             return None
         payload = _encoder.encode(PeerAsk("events", response_id, after))
-        answers = await asyncio.gather(*(self._ask(a, payload) for a in self.peers))
-        return next(((a, ans) for a, ans in zip(self.peers, answers) if ans.found), None)
+        answers = await asyncio.gather(*(self._ask(a, payload, POLL_WAIT_S + _TIMEOUT_S)
+                                         for a in self.peers))
+        return next(((a, ans) for a, ans in zip(self.peers, answers)
+                     if ans is not None and ans.found), None)
 
     async def follow_events(self, address: str, response_id: str, after: int,
                             first: PeerAnswer) -> AsyncIterator[tuple[list[bytes], bool]]:
-        """``EventLog.follow`` of the stream a peer keeps, from its ``first`` answer on. A peer
-        that stops answering (or drops the log) ends it early: ``(no events, True)``."""
-        answer = first
+        """``EventLog.follow`` of the stream a peer keeps, from its ``first`` answer on;
+        ``PeerStreamLost`` if the peer drops the log, or does not answer ``POLL_RETRIES`` asks
+        in a row, before the last event."""
+        answer: PeerAnswer | None = first
+        misses = 0
         while True:
-            after += len(answer.events)
-            yield answer.events, answer.done
-            if answer.done:
-                return
+            if answer is not None:
+                if not answer.found:
+                    raise PeerStreamLost(f"{address} no longer keeps the stream of "
+                                         f"{response_id}")
+                misses = 0
+                after += len(answer.events)
+                yield answer.events, answer.done
+                if answer.done:
+                    return
+            else:
+                misses += 1
+                if misses >= POLL_RETRIES:
+                    raise PeerStreamLost(f"{address} did not answer for the stream of "
+                                         f"{response_id} {misses} times in a row")
             answer = await self._ask(address, _encoder.encode(
-                PeerAsk("events", response_id, after)))
-            if not answer.found:
-                logger.warning("response peers: the stream of %s at %s ended early",
-                               response_id, address)
-                yield [], True
-                return
+                PeerAsk("events", response_id, after)), POLL_WAIT_S + _TIMEOUT_S)
 
     async def get(self, response_id: str) -> StoredResponse | None:
         """The response as the peer that holds it stored it, or None."""
@@ -225,9 +242,13 @@ class ResponsePeers:
         if len(ask.response_id.encode()) > _MAX_ID_BYTES:
             return []
         payload = _encoder.encode(ask)
-        return await asyncio.gather(*(self._ask(address, payload) for address in self.peers))
+        answers = await asyncio.gather(*(self._ask(address, payload) for address in self.peers))
+        return [PeerAnswer(False) if a is None else a for a in answers]
 
-    async def _ask(self, address: str, payload: bytes) -> PeerAnswer:
+    async def _ask(self, address: str, payload: bytes,
+                   timeout: float = _TIMEOUT_S) -> PeerAnswer | None:
+        """The peer's answer; None if it gave none within ``timeout`` seconds (or the
+        exchange failed)."""
         import zmq
 
         sock = self._ctx.socket(zmq.REQ)
@@ -235,14 +256,14 @@ class ResponsePeers:
         try:
             sock.connect(address)
             await sock.send(payload)
-            if not await sock.poll(int(_TIMEOUT_S * 1000)):
+            if not await sock.poll(int(timeout * 1000)):
                 logger.warning("response peers: %s did not answer within %.1f s", address,
-                               _TIMEOUT_S)
-                return PeerAnswer(False)
+                               timeout)
+                return None
             return _answer_decoder.decode(await sock.recv())
         except (msgspec.DecodeError, zmq.ZMQError) as exc:
             logger.warning("response peers: lookup at %s failed: %s", address, exc)
-            return PeerAnswer(False)
+            return None
         finally:
             sock.close(0)
 
@@ -277,4 +298,5 @@ def peer_addresses(folder: str, count: int) -> list[str]:
     return [f"ipc://{folder}/responses-{i}" for i in range(count)]
 
 
-__all__ = ["ResponsePeers", "find_response", "forget_response", "peer_addresses"]
+__all__ = ["PeerStreamLost", "ResponsePeers", "find_response", "forget_response",
+           "peer_addresses"]

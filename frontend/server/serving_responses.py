@@ -38,7 +38,7 @@ from tidal.frontend.server.chat_parsing import (
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
 from tidal.frontend.server.generation import Generation
-from tidal.frontend.server.grammar_checks import parse_checked
+from tidal.frontend.server.grammar_checks import parse_checked, parse_sampling
 from tidal.frontend.server.logprobs import chat_logprob_entries
 from tidal.frontend.server.openai_protocol import ChatLogprobEntry, decode_request, encode
 from tidal.frontend.server.prompts import check_context
@@ -72,7 +72,11 @@ from tidal.frontend.server.responses_protocol import (
     ResponseUsage,
 )
 from tidal.frontend.server.response_background import REPLAY_SLICE, EventLog
-from tidal.frontend.server.response_peers import find_response, forget_response
+from tidal.frontend.server.response_peers import (
+    PeerStreamLost,
+    find_response,
+    forget_response,
+)
 from tidal.frontend.server.response_store import CONTINUABLE
 from tidal.frontend.server.serving_chat import render_chat
 from tidal.frontend.server.sampling import chat_params
@@ -127,9 +131,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         kwargs = template_kwargs(chat)
         # tool_choice "required" / named (or strict tools): the grammar enforces the calls.
         enforced = chat_tools.enforced
-        params = await parse_checked(chat, chat_params, chat, state.limits,
-                                     enforced.spec if enforced is not None else None,
-                                     reads_special_tokens(parsers, chat_tools))
+        params = await parse_sampling(state, chat, chat_params, chat, state.limits,
+                                      enforced.spec if enforced is not None else None,
+                                      reads_special_tokens(parsers, chat_tools))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = await find_response(state.responses, state.response_peers,
@@ -198,7 +202,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 return web.Response(body=body, content_type="application/json")
             # The stream reads the response's event log: a client that goes away leaves the
             # response generating, and GET ?stream=true&starting_after=N picks it up again.
-            return await _replay(request, log.follow(-1), obj.id)
+            return await _replay(request, log.follow(-1), -1, obj.id)
         finally:
             if board is not None:
                 board.add_load(1)  # (given back as the route's count ends with the handler)
@@ -285,7 +289,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         log = state.background.log_of(rid)
         if log is not None:
             _check_after(after, log.done, len(log.payloads))
-            return await _replay(request, log.follow(after), rid)
+            return await _replay(request, log.follow(after), after, rid)
         # Another API server process may keep it (--api-server-count > 1).
         peers = state.response_peers
         found = await peers.find_events(rid, after) if peers is not None else None
@@ -297,7 +301,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         address, first = found
         _check_after(after, first.done, first.total)
         assert peers is not None
-        return await _replay(request, peers.follow_events(address, rid, after, first), rid)
+        return await _replay(request, peers.follow_events(address, rid, after, first),
+                             after, rid)
     stored = await find_response(state.responses, state.response_peers, rid)
     if stored is None:
         raise _not_found(rid)
@@ -496,17 +501,29 @@ def _check_after(after: int, done: bool, total: int) -> None:
 
 
 async def _replay(request: web.Request, events: AsyncIterator[tuple[list[bytes], bool]],
-                  response_id: str) -> web.StreamResponse:
+                  after: int, response_id: str) -> web.StreamResponse:
     """A background response's stream from its event log (``EventLog.follow``, or a peer's:
     ``ResponsePeers.follow_events``), after the reader's event number."""
     writer = SSEWriter(request)
     send = _sse_sender(writer)
     try:
         await writer.start()
-        async for payloads, last in events:
-            for k in range(0, max(len(payloads), 1), REPLAY_SLICE):
-                await send(payloads[k:k + REPLAY_SLICE], last and k + REPLAY_SLICE
-                           >= len(payloads))
+        seq = after + 1  # the next event's number
+        try:
+            async for payloads, last in events:
+                for k in range(0, max(len(payloads), 1), REPLAY_SLICE):
+                    await send(payloads[k:k + REPLAY_SLICE], last and k + REPLAY_SLICE
+                               >= len(payloads))
+                seq += len(payloads)
+        except PeerStreamLost as exc:
+            # The API server process that runs it stopped answering (or dropped the log):
+            # the reader learns the stream ended early, and may GET the response whole.
+            logger.warning("background stream of %s lost: %s", response_id, exc)
+            await send([msgspec.json.encode({
+                "type": "error", "code": "stream_unavailable", "param": None,
+                "message": "the API server process that runs this response stopped sending "
+                           "its events; GET the response whole, or stream it again",
+                "sequence_number": seq})], True)
     except DISCONNECTS:
         logger.debug("client of background %s went away mid-stream", response_id)
     return writer.response

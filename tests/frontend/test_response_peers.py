@@ -135,11 +135,14 @@ def test_a_background_stream_is_followed_from_another_process(tmp_path, monkeypa
             got: list[bytes] = []
             ends: list[bool] = []
 
+            sizes: list[int] = []
+
             async def read():
                 async for events, last in peers[0].follow_events(address, "resp_bg", 0,
                                                                  first):
                     got.extend(events)
                     ends.append(last)
+                    sizes.append(len(events))
 
             reader = asyncio.create_task(read())
             await asyncio.sleep(0.05)  # the reader waits in a long poll
@@ -149,6 +152,7 @@ def test_a_background_stream_is_followed_from_another_process(tmp_path, monkeypa
             await asyncio.wait_for(reader, 5)
             assert got == [b"ev-01", b"ev-02", b"ev-03", b"ev-04", b"ev-05", b"ev-06"]
             assert ends[-1] and not any(ends[:-1])
+            assert max(sizes) == 2  # EVENTS_BYTES: two 5-byte events an answer at most
             # A reader past the end of a finished stream learns how long it is.
             done = await peers[1].find_events("resp_bg", 9)
             assert done is not None and done[1].done and done[1].total == 7
@@ -160,7 +164,15 @@ def test_a_background_stream_is_followed_from_another_process(tmp_path, monkeypa
     asyncio.run(main())
 
 
-def test_a_stream_whose_keeper_drops_it_ends(tmp_path):
+def test_a_stream_whose_keeper_drops_it_or_goes_quiet_is_lost(tmp_path, monkeypatch):
+    """The keeper dropping the log (evicted, deleted) ends the stream with PeerStreamLost; so
+    does a keeper that stops answering for ``POLL_RETRIES`` asks in a row, while one that
+    misses a single ask (a stalled loop) goes on serving it."""
+    from tidal.frontend.server import response_peers
+
+    monkeypatch.setattr(response_peers, "POLL_WAIT_S", 0.05)
+    monkeypatch.setattr(response_peers, "_TIMEOUT_S", 0.1)
+
     async def main():
         addresses = peer_addresses(str(tmp_path), 2)
         log = EventLog()
@@ -169,6 +181,12 @@ def test_a_stream_whose_keeper_drops_it_ends(tmp_path):
                                logs=logs.get if i == 1 else None) for i in range(2)]
         for p in peers:
             p.start()
+
+        async def quiet(keeper: ResponsePeers) -> None:  # its answer loop stops
+            assert keeper._task is not None
+            keeper._task.cancel()
+            await asyncio.gather(keeper._task, return_exceptions=True)
+
         try:
             await log.send([b"a"], False)
             found = await peers[0].find_events("resp_bg", -1)
@@ -176,10 +194,69 @@ def test_a_stream_whose_keeper_drops_it_ends(tmp_path):
             address, first = found
             stream = peers[0].follow_events(address, "resp_bg", -1, first)
             assert await stream.__anext__() == ([b"a"], False)
-            del logs["resp_bg"]  # evicted (or deleted) meanwhile
-            assert await stream.__anext__() == ([], True)
+            # One ask unanswered, then the keeper is back: the stream goes on.
+            await quiet(peers[1])
+            nxt = asyncio.create_task(stream.__anext__())
+            await asyncio.sleep(0.2)  # (the first ask times out after 0.15 s)
+            peers[1].start()
+            await log.send([b"b"], True)
+            assert await asyncio.wait_for(nxt, 5) == ([b"b"], True)
+            # Gone quiet for good: lost after POLL_RETRIES asks.
+            log2 = logs["resp_2"] = EventLog()
+            await log2.send([b"x"], False)
+            found = await peers[0].find_events("resp_2", -1)
+            assert found is not None
+            stream = peers[0].follow_events(found[0], "resp_2", -1, found[1])
+            assert await stream.__anext__() == ([b"x"], False)
+            await quiet(peers[1])
+            with pytest.raises(response_peers.PeerStreamLost, match="3 times in a row"):
+                await asyncio.wait_for(stream.__anext__(), 5)
+            # Dropped: lost at once.
+            peers[1].start()
+            log3 = logs["resp_3"] = EventLog()
+            await log3.send([b"y"], False)
+            found = await peers[0].find_events("resp_3", -1)
+            assert found is not None
+            stream = peers[0].follow_events(found[0], "resp_3", -1, found[1])
+            assert await stream.__anext__() == ([b"y"], False)
+            del logs["resp_3"]
+            with pytest.raises(response_peers.PeerStreamLost, match="no longer keeps"):
+                await asyncio.wait_for(stream.__anext__(), 5)
         finally:
             for p in peers:
                 await p.close()
 
     asyncio.run(main())
+
+
+def test_a_lost_stream_ends_with_an_error_event():
+    """The replay of a stream whose keeper is lost ends with an ``error`` event (code
+    ``stream_unavailable``, the next sequence number) rather than just stopping."""
+    import json
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from tidal.frontend.server import serving_responses
+    from tidal.frontend.server.response_peers import PeerStreamLost
+
+    async def events():
+        yield [b'{"type":"response.output_text.delta","sequence_number":5}'], False
+        raise PeerStreamLost("gone")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await serving_responses._replay(request, events(), 4, "resp_x")
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/s", handler)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get("/s")
+            return resp.status, await resp.text()
+
+    status, body = asyncio.run(main())
+    assert status == 200
+    data = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    kinds = [line[7:] for line in body.splitlines() if line.startswith("event: ")]
+    assert kinds == ["response.output_text.delta", "error"]
+    assert data[1]["code"] == "stream_unavailable" and data[1]["sequence_number"] == 6
