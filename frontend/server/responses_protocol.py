@@ -25,10 +25,6 @@ def _nothing(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 
 
-def _no_truncation(value: Any) -> bool:
-    return value is None or value == "disabled"
-
-
 _SAMPLING = "this sampling control is not part of the Responses API here; use " \
             "/v1/chat/completions"
 
@@ -38,8 +34,6 @@ RESPONSES_UNSUPPORTED: Mapping[str, Unsupported] = {
     "conversation": Unsupported("conversations are not supported; chain responses with "
                                 "previous_response_id"),
     "prompt": Unsupported("prompt templates are not supported; send input"),
-    "truncation": Unsupported("prompts are never truncated here; only \"disabled\" is "
-                              "accepted", _no_truncation),
     "context_management": Unsupported("context management is not supported", _empty),
     "prompt_cache_retention": Unsupported("the prefix cache keeps what fits in memory; "
                                           "retention cannot be chosen"),
@@ -84,6 +78,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_logprobs: int | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    truncation: str | None = None  # "auto" | "disabled" (None): responses_truncation
     # Known and without effect here (built-in tools are rejected, so their call limit is moot;
     # the rest are identifiers, routing hints, or stream obfuscation that is not done).
     max_tool_calls: int | None = None

@@ -78,6 +78,8 @@ from tidal.frontend.server.response_peers import (
     forget_response,
 )
 from tidal.frontend.server.response_store import CONTINUABLE
+from tidal.frontend.server.responses_truncation import MODES as TRUNCATION_MODES
+from tidal.frontend.server.responses_truncation import truncate
 from tidal.frontend.server.serving_chat import render_chat
 from tidal.frontend.server.sampling import chat_params
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
@@ -120,6 +122,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise bad_request("background responses need the response store, which this server "
                           "runs without (--max-stored-responses 0)", "background")
     check_reasoning(req.reasoning)
+    if req.truncation is not None and req.truncation not in TRUNCATION_MODES:
+        raise bad_request(f"truncation must be \"auto\" or \"disabled\", got "
+                          f"{str(req.truncation)[:20]!r}", "truncation")
     metadata = check_metadata(req.metadata)
     tools, echo_tools = tools_of(req)
     cfg = state.settings
@@ -159,6 +164,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     with rename_params():
         ids = await render_chat(state, messages, True, cfg.chat_template, False,
                                 chat_tools.tools, kwargs)
+        if req.truncation == "auto":
+            messages, ids, dropped = await truncate(
+                messages, ids, lambda m: render_chat(state, m, True, cfg.chat_template, False,
+                                                     chat_tools.tools, kwargs),
+                params.max_tokens, state.max_model_len)
+            if dropped:
+                logger.debug("truncation auto: %d oldest messages left out (%d tokens now)",
+                             dropped, len(ids))
         check_context(len(ids), params.max_tokens, state.max_model_len, "max_output_tokens",
                       "input")
         check_prompt(state, ids, params, "input")
@@ -173,7 +186,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         text={"format": req.text["format"]} if req.text and req.text.get("format")
         else {"format": {"type": "text"}},
         reasoning=req.reasoning, metadata=metadata, store=req.store, user=req.user,
-        background=req.background, top_logprobs=req.top_logprobs)
+        truncation=req.truncation or "disabled", background=req.background,
+        top_logprobs=req.top_logprobs)
     run = _Run(obj, conversation, new_output_parse(parsers, chat_tools.parse, True,
                                                    req.parallel_tool_calls, enforced), len(ids),
                input_items(req.input), [] if chat.logprobs else None, req.top_logprobs or 0,

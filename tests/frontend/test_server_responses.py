@@ -685,6 +685,7 @@ def test_drain_timeout_cancels_open_responses():
     ({"extra_body": {"seed": 3}}, "seed", "chat/completions"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs", "tools"),
     ({"previous_response_id": "resp_nope"}, "previous_response_id", "not found"),
+    ({"truncation": "middle"}, "truncation", "auto"),
 ])
 def test_what_is_not_available_is_a_400(kw, param, says):
     async def body(api, client):
@@ -873,3 +874,49 @@ def test_smollm2_responses_streamed_equals_whole_and_json_schema():
     assert named.status == "completed" and [i.type for i in named.output] == ["function_call"]
     assert named.output[0].name == "get_weather"
     jsonschema.validate(json.loads(named.output[0].arguments), city)
+
+
+class WholeEngine(ScriptedEngine):
+    """Renders every message (one token a character), so the prompt grows with the
+    conversation; the model's context is 64 tokens (``_config``)."""
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], *args: Any,
+                                  **kwargs: Any) -> list[int]:
+        self.rendered.append({"messages": messages})
+        return self._tok.encode("|".join(f"{m['role'][0]}:{m['content']}" for m in messages))
+
+
+def test_truncation_auto_drops_the_oldest_turns():
+    """A chained conversation that outgrows the context: with truncation "auto" the oldest
+    turn goes (the instructions stay), the response says so and counts the tokens it kept;
+    without, the same request is the context 400. The stored conversation stays whole: the
+    next follow-up truncates it again. A last turn too long alone is a 400 either way."""
+    engine = WholeEngine()
+
+    async def body(api, client):
+        common: dict[str, Any] = dict(model="fake", instructions="brief", max_output_tokens=4,
+                                      truncation="auto")
+        first = await api.responses.create(input="a" * 25, **common)
+        second = await api.responses.create(input="b" * 25, previous_response_id=first.id,
+                                            **common)
+        kept = engine.rendered[-1]["messages"]
+        with pytest.raises(openai.BadRequestError) as plain:
+            await api.responses.create(**{**common, "truncation": "disabled"}, input="b" * 25,
+                                       previous_response_id=first.id)
+        third = await api.responses.create(input="c" * 25, previous_response_id=second.id,
+                                           **common)
+        kept3 = engine.rendered[-1]["messages"]
+        with pytest.raises(openai.BadRequestError) as alone:
+            await api.responses.create(input="d" * 70, previous_response_id=second.id,
+                                       **common)
+        return first, second, kept, plain.value, third, kept3, alone.value
+
+    first, second, kept, plain, third, kept3, alone = _run(engine, body)
+    assert first.truncation == second.truncation == "auto"
+    assert first.usage.input_tokens == len("s:brief|u:" + "a" * 25)
+    assert [m["role"] for m in kept] == ["system", "user"] and kept[1]["content"] == "b" * 25
+    assert second.usage.input_tokens == len("s:brief|u:" + "b" * 25)
+    assert plain.body["code"] == "context_length_exceeded"
+    # The third turn: the stored conversation holds all three turns, two of which go.
+    assert [m["content"] for m in kept3] == ["brief", "c" * 25]
+    assert alone.body["code"] == "context_length_exceeded"
