@@ -243,6 +243,32 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     return dict(kwargs)
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def with_reasoning_effort(kwargs: dict[str, Any], effort: str | None, param: str,
+                          read: bool) -> dict[str, Any]:
+    """``kwargs`` (the chat template's variables) with the request's own reasoning effort
+    (chat's ``reasoning_effort``, the Responses API's ``reasoning.effort``) as the variable
+    ``reasoning_effort``, which gpt-oss's template and tidal's harmony renderer read. ``read``:
+    whether this server's prompt renderer reads it (``serving_chat.reads_reasoning_effort``);
+    where it does not, the effort would change nothing, so it is a 400 rather than ignored."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got "
+                          f"{str(effort)[:20]!r}", param)
+    if not read:
+        raise bad_request(f"{param} would change nothing here: this model's chat template "
+                          "does not read a reasoning effort (the variable reasoning_effort, "
+                          "as gpt-oss's does); leave it out", param, code="unsupported_field")
+    other = kwargs.get("reasoning_effort")
+    if other is not None and other != effort:
+        raise bad_request(f"{param} {effort!r} and chat_template_kwargs.reasoning_effort "
+                          f"{str(other)[:20]!r} disagree; give one", param)
+    return {**kwargs, "reasoning_effort": effort}
+
+
 def template_tool_calls(calls: list[Any], param: str) -> list[dict[str, Any]]:
     """An assistant message's tool_calls as chat templates read them: arguments decoded (the
     templates serialize them again)."""

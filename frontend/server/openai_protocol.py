@@ -151,6 +151,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # low | medium | high: the template variable reasoning_effort, where the template reads it
+    # (chat_parsing.with_reasoning_effort); elsewhere a 400.
+    reasoning_effort: str | None = None
     include_reasoning: bool = True  # false: drop reasoning_content (--reasoning-parser)
     # Most thinking tokens before the engine forces the end of thinking (--reasoning-parser);
     # -1 or null: no limit. max_thinking_tokens is an alias.

@@ -276,9 +276,10 @@ def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def check_reasoning(reasoning: dict[str, Any] | None) -> None:
-    """Only the empty reasoning config: this server cannot steer a model's reasoning."""
+    """Of the reasoning config, only ``effort`` (``chat_parsing.with_reasoning_effort`` takes
+    it): this server does not summarize a model's reasoning."""
     for key, value in (reasoning or {}).items():
-        if value is not None:
+        if value is not None and key != "effort":
             raise bad_request(f"reasoning.{key[:40]} is not supported: this server does not "
                               "steer or summarize a model's reasoning (with --reasoning-parser "
                               "it is returned as a reasoning item)", f"reasoning.{key[:40]}",

@@ -23,6 +23,7 @@ from tidal.frontend.server.chat_parsing import (
     server_parsers,
     template_kwargs,
     template_tool_calls,
+    with_reasoning_effort,
 )
 from tidal.frontend.server.common import check_prompt, json_response, new_id, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
@@ -129,6 +130,20 @@ def check_generation_prompt(add_generation_prompt: bool, continue_final_message:
                           "one)", "continue_final_message")
 
 
+def reads_reasoning_effort(state: ServerState) -> bool:
+    """Whether chats on this server are rendered by something that reads the template variable
+    ``reasoning_effort``: the harmony renderer (gpt-oss without a template of its own), or a
+    chat template (``--chat-template``, else the tokenizer's) that mentions it."""
+    cfg = state.settings
+    tokenizer = state.tokenizer
+    if cfg.chat_template is None and uses_harmony(tokenizer, cfg.reasoning_parser,
+                                                  cfg.tool_call_parser):
+        return True
+    template = cfg.chat_template or getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(t, str) and "reasoning_effort" in t for t in texts)
+
+
 async def render_chat(state: ServerState, messages: list[dict[str, Any]],
                       add_generation_prompt: bool, chat_template: str | None,
                       continue_final_message: bool = False,
@@ -174,7 +189,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
                              cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
     tools = await parse_checked(req, check_tools, req, parsers)
-    kwargs = template_kwargs(req)
+    kwargs = with_reasoning_effort(template_kwargs(req), req.reasoning_effort,
+                                   "reasoning_effort", reads_reasoning_effort(state))
     thinking = chat_thinking_budget(req, cfg.reasoning_parser)
     if req.use_beam_search:
         if req.kv_transfer_params is not None:

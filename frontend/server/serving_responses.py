@@ -34,6 +34,7 @@ from tidal.frontend.server.chat_parsing import (
     reads_special_tokens,
     server_parsers,
     template_kwargs,
+    with_reasoning_effort,
 )
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
@@ -80,7 +81,7 @@ from tidal.frontend.server.response_peers import (
 from tidal.frontend.server.response_store import CONTINUABLE
 from tidal.frontend.server.responses_truncation import MODES as TRUNCATION_MODES
 from tidal.frontend.server.responses_truncation import truncate
-from tidal.frontend.server.serving_chat import render_chat
+from tidal.frontend.server.serving_chat import reads_reasoning_effort, render_chat
 from tidal.frontend.server.sampling import chat_params
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
@@ -133,7 +134,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         parsers = server_parsers(cfg.reasoning_parser, cfg.tool_call_parser,
                                  cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
         chat_tools = await parse_checked(chat, check_tools, chat, parsers)
-        kwargs = template_kwargs(chat)
+        kwargs = with_reasoning_effort(template_kwargs(chat), (req.reasoning or {}).get(
+            "effort"), "reasoning.effort", reads_reasoning_effort(state))
         # tool_choice "required" / named (or strict tools): the grammar enforces the calls.
         enforced = chat_tools.enforced
         params = await parse_sampling(state, chat, chat_params, chat, state.limits,

@@ -105,7 +105,6 @@ GENERATION: Mapping[str, Unsupported] = {
     "prediction": Unsupported("predicted outputs are not supported"),
     "web_search_options": Unsupported("web search is not supported"),
     "verbosity": Unsupported("verbosity is not supported"),
-    "reasoning_effort": Unsupported("reasoning controls are not supported"),
     "thinking_token_budget": Unsupported(_THINKING, _no_thinking_budget),
     "max_thinking_tokens": Unsupported(_THINKING, _no_thinking_budget),
     "priority": Unsupported("priority scheduling is not supported; requests run first come, "
