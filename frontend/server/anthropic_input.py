@@ -251,10 +251,6 @@ def _response_format(req: CountTokensRequest) -> dict[str, Any] | None:
     config = req.output_config
     if config is None:
         return None
-    if config.effort is not None:
-        raise bad_request("is not supported: there is no effort control here (max_tokens and "
-                          "thinking bound the work)", "output_config.effort",
-                          code="unsupported_field")
     fmt = config.format
     if fmt is None:
         return None
@@ -348,6 +344,8 @@ def to_chat_request(req: CountTokensRequest, parsers: ChatParsers,
         parallel_tool_calls=parallel, chat_template_kwargs=thinking.template_kwargs or None,
         include_reasoning=thinking.show, thinking_token_budget=thinking.budget,
         response_format=_response_format(req),
+        # (As chat's reasoning_effort: serving_messages checks it under its own name.)
+        reasoning_effort=req.output_config.effort if req.output_config is not None else None,
         # A last assistant message is a prefill: the model continues it.
         add_generation_prompt=not prefill, continue_final_message=prefill)
     if isinstance(req, MessagesRequest):

@@ -62,6 +62,7 @@ from tidal.frontend.server.chat_parsing import (
     new_output_parse,
     server_parsers,
     template_kwargs,
+    with_reasoning_effort,
 )
 from tidal.frontend.server.common import check_prompt, json_response, read_body
 from tidal.frontend.server.errors import APIError, bad_request, from_exception
@@ -69,7 +70,11 @@ from tidal.frontend.server.generation import Generation
 from tidal.frontend.server.grammar_checks import parse_checked, parse_sampling
 from tidal.frontend.server.openai_protocol import ChatCompletionRequest, decode_request
 from tidal.frontend.server.prompts import check_context
-from tidal.frontend.server.serving_chat import messages_to_dicts, render_chat
+from tidal.frontend.server.serving_chat import (
+    messages_to_dicts,
+    reads_reasoning_effort,
+    render_chat,
+)
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
 from tidal.frontend.server.state import ServerState, get_state
 
@@ -78,7 +83,8 @@ logger = logging.getLogger(__name__)
 
 async def _render(state: ServerState, chat: ChatCompletionRequest, tools: ChatTools
                   ) -> list[int]:
-    kwargs = template_kwargs(chat)
+    kwargs = with_reasoning_effort(template_kwargs(chat), chat.reasoning_effort,
+                                   "output_config.effort", reads_reasoning_effort(state))
     messages = messages_to_dicts(chat.messages)
     return await render_chat(state, messages, chat.add_generation_prompt,
                              state.settings.chat_template, chat.continue_final_message,

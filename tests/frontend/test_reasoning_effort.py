@@ -80,3 +80,31 @@ def test_which_renderers_read_it():
     assert not reads_reasoning_effort(state(None))
     assert reads_reasoning_effort(state(None, "gpt_oss"))  # the harmony renderer
     assert not reads_reasoning_effort(state("{{ messages }}", "gpt_oss"))  # its own template
+
+
+def test_anthropic_output_config_effort():
+    """Anthropic's ``output_config.effort`` is the same variable (official ``anthropic``
+    client): read by the template, or a 400 naming ``output_config.effort``."""
+    import anthropic
+    from test_server_anthropic import ScriptedEngine as AnthropicEngine
+    from test_server_anthropic import _ask
+    from test_server_anthropic import _run as run_anthropic
+
+    engine = AnthropicEngine()
+
+    async def body(api: anthropic.AsyncAnthropic, client: Any):
+        made = await api.messages.create(**_ask("plain"),
+                                         extra_body={"output_config": {"effort": "high"}})
+        return made, engine.rendered[-1]["kwargs"]
+
+    made, kwargs = run_anthropic(engine, body, chat_template=READS)
+    assert made.content and kwargs == {"reasoning_effort": "high"}
+
+    async def refused(api: anthropic.AsyncAnthropic, client: Any):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            await api.messages.create(**_ask("plain"),
+                                      extra_body={"output_config": {"effort": "high"}})
+        return err.value.body
+
+    error = run_anthropic(AnthropicEngine(), refused)
+    assert "output_config.effort" in error["error"]["message"]
