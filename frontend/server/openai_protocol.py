@@ -117,6 +117,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0
     early_stopping: bool | str | None = None  # true, false or "never"; unset: "never"
     prompt_logprobs: int | None = None
+    # vLLM's: keep the last (truncation_side "left") or first ("right") k prompt tokens; -1:
+    # the context length (prompts.truncated).
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
     allowed_token_ids: list[int] | None = None
     # Entry-point names of logits processors (group tidal.logits_processors) for this request.
     logits_processors: list[str] | None = None

@@ -75,6 +75,40 @@ async def tokenize_text(state: ServerState, text: str,
                                                                    add_special_tokens=False)))
 
 
+TRUNCATION_SIDES = ("left", "right")
+
+
+def truncated(ids: list[int], req: Any, max_model_len: int) -> list[int]:
+    """The prompt's token ids cut to the request's ``truncate_prompt_tokens`` (vLLM's): its
+    last k tokens (``truncation_side`` "left", the default) or its first k ("right"); -1 is
+    the model's context length; unset leaves the prompt whole. (The cut prompt must still
+    leave room for the output: ``check_context``.)"""
+    k = getattr(req, "truncate_prompt_tokens", None)
+    side = getattr(req, "truncation_side", None)
+    if side is not None and side not in TRUNCATION_SIDES:
+        raise bad_request(f"truncation_side must be \"left\" or \"right\", got "
+                          f"{str(side)[:20]!r}", "truncation_side")
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if not 1 <= k <= max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the context length) or 1 to "
+                          f"{max_model_len}, got {k}", "truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids
+    return ids[-k:] if side in (None, "left") else ids[:k]
+
+
+def truncate_prompts(prompts: list[Prompt], req: Any, max_model_len: int) -> list[Prompt]:
+    """``truncated`` of each prompt; a cut prompt's text is dropped (echo decodes the ids)."""
+    out = []
+    for p in prompts:
+        ids = truncated(p.token_ids, req, max_model_len)
+        out.append(p if ids is p.token_ids else Prompt(ids, None))
+    return out
+
+
 def check_context(n_prompt: int, max_tokens: int | None, max_model_len: int,
                   max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> None:
     """A prompt and its completion must fit the model's context; the 400 gives both numbers."""

@@ -41,7 +41,13 @@ from tidal.frontend.server.openai_protocol import (
     CompletionResponse,
     make_usage,
 )
-from tidal.frontend.server.prompts import check_context, split_prompts, tokenize_prompts
+from tidal.frontend.server.prompts import (
+    check_context,
+    split_prompts,
+    tokenize_prompts,
+    truncate_prompts,
+    truncated,
+)
 from tidal.frontend.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -82,7 +88,9 @@ async def create_beam_completion(state: ServerState, req: CompletionRequest,
     params = _params(state, req, width, width_param, req.max_tokens, "max_tokens", req.logprobs)
     raw = split_prompts(req.prompt, "prompt", limits.max_prompts)
     state.admission.check_available()
-    prompts = await tokenize_prompts(state, raw, "prompt", req.add_special_tokens)
+    prompts = truncate_prompts(
+        await tokenize_prompts(state, raw, "prompt", req.add_special_tokens), req,
+        state.max_model_len)
     for p in prompts:
         check_context(len(p.token_ids), req.max_tokens, state.max_model_len)
         check_prompt(state, p.token_ids, params.step_params(), "prompt")
@@ -141,8 +149,9 @@ async def create_beam_chat(state: ServerState, req: ChatCompletionRequest,
     check_generation_prompt(req.add_generation_prompt, req.continue_final_message)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
-    ids = await render_chat(state, messages, req.add_generation_prompt,
-                            state.settings.chat_template, req.continue_final_message)
+    ids = truncated(await render_chat(state, messages, req.add_generation_prompt,
+                                      state.settings.chat_template,
+                                      req.continue_final_message), req, state.max_model_len)
     check_context(len(ids), max_tokens, state.max_model_len, budget, "messages")
     check_prompt(state, ids, params.step_params(), "messages")
     echo = messages[-1]["content"] if req.echo and messages[-1]["role"] == ROLE else ""

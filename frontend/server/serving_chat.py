@@ -52,7 +52,7 @@ from tidal.frontend.server.openai_protocol import (
     encode,
     make_usage,
 )
-from tidal.frontend.server.prompts import check_context
+from tidal.frontend.server.prompts import check_context, truncated
 from tidal.frontend.server.sampling import (
     chat_params,
     chat_thinking_budget,
@@ -212,9 +212,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     kv_params = check_request_params(state, req.kv_transfer_params, params.n, 1)
     messages = messages_to_dicts(req.messages)
     state.admission.check_available()
-    ids = await render_chat(state, messages, req.add_generation_prompt,
-                            state.settings.chat_template, req.continue_final_message,
-                            tools.tools, kwargs)
+    ids = truncated(await render_chat(state, messages, req.add_generation_prompt,
+                                      state.settings.chat_template,
+                                      req.continue_final_message, tools.tools, kwargs),
+                    req, state.max_model_len)
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else \
         "max_tokens"
     check_context(len(ids), params.max_tokens, state.max_model_len, budget_param, "messages")

@@ -40,7 +40,13 @@ from tidal.frontend.server.openai_protocol import (
     encode,
     make_usage,
 )
-from tidal.frontend.server.prompts import Prompt, check_context, split_prompts, tokenize_prompts
+from tidal.frontend.server.prompts import (
+    Prompt,
+    check_context,
+    split_prompts,
+    tokenize_prompts,
+    truncate_prompts,
+)
 from tidal.frontend.server.sampling import completion_params
 from tidal.frontend.server.serving_beam import create_beam_completion
 from tidal.frontend.server.sse import DISCONNECTS, SSEWriter
@@ -173,7 +179,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     raw = split_prompts(req.prompt, "prompt", state.limits.max_prompts)
     state.admission.check_available()
     kv_params = check_request_params(state, req.kv_transfer_params, params.n, len(raw))
-    prompts = await tokenize_prompts(state, raw, "prompt", req.add_special_tokens)
+    prompts = truncate_prompts(
+        await tokenize_prompts(state, raw, "prompt", req.add_special_tokens), req,
+        state.max_model_len)
     for p in prompts:
         check_context(len(p.token_ids), params.max_tokens, state.max_model_len)
         check_prompt(state, p.token_ids, params, "prompt")
