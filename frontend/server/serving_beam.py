@@ -60,7 +60,7 @@ _COMMON = frozenset({
     "model", "n", "temperature", "seed", "ignore_eos", "include_stop_str_in_output",
     "skip_special_tokens", "spaces_between_special_tokens", "stream", "echo", "user",
     "cache_salt", "use_beam_search", "length_penalty", "early_stopping",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens", "truncation_side",
 })
 _COMPLETION = _COMMON | {"prompt", "max_tokens", "best_of", "logprobs", "add_special_tokens"}
 _CHAT = _COMMON | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",

@@ -420,6 +420,26 @@ def test_server_beam_search_matches_llm(server, smollm2_llm):
 
 
 @pytest.mark.slow
+def test_server_beam_search_truncates_the_prompt(server):
+    """``truncate_prompt_tokens`` holds under beam search too: the searched prompt is the last
+    k tokens (completions and chat)."""
+    async def go():
+        async with _client(server) as c:
+            cmpl = await c.completions.create(
+                model=MODEL, prompt="The capital of France is", max_tokens=2, best_of=2,
+                temperature=0, extra_body={"use_beam_search": True,
+                                           "truncate_prompt_tokens": 3})
+            chat = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                max_tokens=2, n=2, extra_body={"use_beam_search": True,
+                                               "truncate_prompt_tokens": 4})
+            return cmpl, chat
+
+    cmpl, chat = asyncio.run(go())
+    assert cmpl.usage.prompt_tokens == 3 and chat.usage.prompt_tokens == 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, param", [
     (dict(stream=True), "stream"),
     (dict(n=3, best_of=2), "n"),
