@@ -172,6 +172,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: str = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # as completions take it (prompts.truncated)
+    truncation_side: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -21,7 +21,7 @@ from tidal.frontend.server.openai_protocol import (
     EmbeddingUsage,
     decode_request,
 )
-from tidal.frontend.server.prompts import split_prompts, tokenize_prompts
+from tidal.frontend.server.prompts import split_prompts, tokenize_prompts, truncate_prompts
 from tidal.frontend.server.state import get_state
 
 
@@ -39,7 +39,8 @@ async def create_embedding(request: web.Request) -> web.Response:
                           f"shortened; omit dimensions or pass {dim}", "dimensions")
     raw = split_prompts(req.input, "input", state.limits.max_prompts)
     state.admission.check_available()
-    prompts = await tokenize_prompts(state, raw, "input")
+    prompts = truncate_prompts(await tokenize_prompts(state, raw, "input"), req,
+                               state.max_model_len)
     for p in prompts:
         if len(p.token_ids) > state.max_model_len:
             raise bad_request(f"an input has {len(p.token_ids)} tokens but this model takes at "

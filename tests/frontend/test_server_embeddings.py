@@ -113,5 +113,31 @@ def test_embedding_input_of_exactly_the_context_length(server):
     assert out.usage.prompt_tokens == 512
 
 
+def test_embedding_truncate_prompt_tokens(server):
+    """``truncate_prompt_tokens`` cuts an input to its last (or first) k tokens: the same
+    embedding as those tokens sent as they are; -1 fits an input too long otherwise."""
+    ids = [[101, 2023, 2003, 1037, 2146, 6251, 2055, 2686, 102]] * 2
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            cut = await c.embeddings.create(model=MODEL, input=ids[1],
+                                            extra_body={"truncate_prompt_tokens": 4})
+            last = await c.embeddings.create(model=MODEL, input=ids[1][-4:])
+            cut_right = await c.embeddings.create(model=MODEL, input=ids[1], extra_body={
+                "truncate_prompt_tokens": 4, "truncation_side": "right"})
+            first = await c.embeddings.create(model=MODEL, input=ids[1][:4])
+            long = await c.embeddings.create(model=MODEL, input="word " * 600,
+                                             extra_body={"truncate_prompt_tokens": -1})
+            return cut, last, cut_right, first, long
+
+    cut, last, cut_right, first, long = run(go())
+    assert cut.usage.prompt_tokens == 4 and cut_right.usage.prompt_tokens == 4
+    assert cut.data[0].embedding == last.data[0].embedding
+    assert cut_right.data[0].embedding == first.data[0].embedding
+    assert cut.data[0].embedding != cut_right.data[0].embedding
+    assert long.usage.prompt_tokens == 512
+
+
 def run(coro):
     return asyncio.run(coro)
