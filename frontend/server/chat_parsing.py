@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,10 +248,10 @@ REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def with_reasoning_effort(kwargs: dict[str, Any], effort: str | None, param: str,
-                          read: bool) -> dict[str, Any]:
+                          read: Callable[[], bool]) -> dict[str, Any]:
     """``kwargs`` (the chat template's variables) with the request's own reasoning effort
     (chat's ``reasoning_effort``, the Responses API's ``reasoning.effort``) as the variable
-    ``reasoning_effort``, which gpt-oss's template and tidal's harmony renderer read. ``read``:
+    ``reasoning_effort``, which gpt-oss's template and tidal's harmony renderer read. ``read()``:
     whether this server's prompt renderer reads it (``serving_chat.reads_reasoning_effort``);
     where it does not, the effort would change nothing, so it is a 400 rather than ignored."""
     if effort is None:
@@ -258,7 +259,7 @@ def with_reasoning_effort(kwargs: dict[str, Any], effort: str | None, param: str
     if effort not in REASONING_EFFORTS:
         raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got "
                           f"{str(effort)[:20]!r}", param)
-    if not read:
+    if not read():
         raise bad_request(f"{param} would change nothing here: this model's chat template "
                           "does not read a reasoning effort (the variable reasoning_effort, "
                           "as gpt-oss's does); leave it out", param, code="unsupported_field")

@@ -3,9 +3,10 @@
 model's context drops its oldest turns until it does.
 
 What stays: the instructions and the system / developer messages the conversation opens with,
-then the latest turns whole. A turn starts at a user message, so a dropped turn takes its
-assistant answers, tool calls and tool results with it and no tool result is left without its
-call. The fewest turns are dropped: the cut is found by bisection over the turn starts, one
+then the latest turns whole. A turn starts at a user message (with the system / developer
+messages right before it: a follow-up's own instructions stay with its question), so a dropped
+turn takes its assistant answers, tool calls and tool results with it and no tool result is
+left without its call. The fewest turns are dropped: the cut is found by bisection over the turn starts, one
 chat-template render per probe. If even the last turn alone does not fit, the request is the
 400 it would be without truncation (the prompt of that last turn named). What is stored for a
 follow-up is the whole conversation: the next response truncates it again for itself.
@@ -31,13 +32,21 @@ def fits(n_prompt: int, max_tokens: int | None, max_model_len: int) -> bool:
 
 def turn_starts(messages: list[dict[str, Any]]) -> tuple[int, list[int]]:
     """``(pinned, starts)``: how many leading messages are pinned (system / developer), and
-    the indices after them where a user message starts a turn that a cut may begin at (the
-    first turn's start excluded: cutting there drops nothing)."""
+    the indices after them where a turn starts that a cut may begin at: a user message, or the
+    system / developer messages right before one (the first turn's start excluded: cutting
+    there drops nothing)."""
     pinned = 0
     while pinned < len(messages) and messages[pinned].get("role") in _PINNED_ROLES:
         pinned += 1
-    starts = [i for i in range(pinned + 1, len(messages))
-              if messages[i].get("role") == "user"]
+    starts = []
+    for i in range(pinned + 1, len(messages)):
+        if messages[i].get("role") != "user":
+            continue
+        start = i
+        while start > pinned and messages[start - 1].get("role") in _PINNED_ROLES:
+            start -= 1
+        if start > pinned and (not starts or start > starts[-1]):
+            starts.append(start)
     return pinned, starts
 
 
@@ -51,8 +60,8 @@ async def truncate(messages: list[dict[str, Any]], ids: list[int], render: Rende
     if fits(len(ids), max_tokens, max_model_len):
         return messages, ids, 0
     pinned, starts = turn_starts(messages)
-    if not starts:
-        return messages, ids, 0
+    if not starts or (max_tokens is not None and max_tokens >= max_model_len):
+        return messages, ids, 0  # nothing can go, or no cut could leave room for the output
 
     rendered: dict[int, list[int]] = {}
 

@@ -190,14 +190,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
     tools = await parse_checked(req, check_tools, req, parsers)
     kwargs = with_reasoning_effort(template_kwargs(req), req.reasoning_effort,
-                                   "reasoning_effort", reads_reasoning_effort(state))
+                                   "reasoning_effort", lambda: reads_reasoning_effort(state))
     thinking = chat_thinking_budget(req, cfg.reasoning_parser)
     if req.use_beam_search:
         if req.kv_transfer_params is not None:
             raise bad_request("kv_transfer_params with use_beam_search is not supported",
                               "kv_transfer_params")
         if tools.tools or kwargs or parsers.reasoning is not None:
-            raise bad_request("use_beam_search does not take tools or chat_template_kwargs, "
+            raise bad_request("use_beam_search does not take tools, chat_template_kwargs or "
+                              "reasoning_effort, "
                               "nor run on a server with --reasoning-parser, yet",
                               "use_beam_search")
         if lora is not None:

@@ -84,7 +84,7 @@ logger = logging.getLogger(__name__)
 async def _render(state: ServerState, chat: ChatCompletionRequest, tools: ChatTools
                   ) -> list[int]:
     kwargs = with_reasoning_effort(template_kwargs(chat), chat.reasoning_effort,
-                                   "output_config.effort", reads_reasoning_effort(state))
+                                   "output_config.effort", lambda: reads_reasoning_effort(state))
     messages = messages_to_dicts(chat.messages)
     return await render_chat(state, messages, chat.add_generation_prompt,
                              state.settings.chat_template, chat.continue_final_message,

@@ -135,7 +135,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                  cfg.enable_auto_tool_choice, cfg.tool_parser_plugin)
         chat_tools = await parse_checked(chat, check_tools, chat, parsers)
         kwargs = with_reasoning_effort(template_kwargs(chat), (req.reasoning or {}).get(
-            "effort"), "reasoning.effort", reads_reasoning_effort(state))
+            "effort"), "reasoning.effort", lambda: reads_reasoning_effort(state))
         # tool_choice "required" / named (or strict tools): the grammar enforces the calls.
         enforced = chat_tools.enforced
         params = await parse_sampling(state, chat, chat_params, chat, state.limits,

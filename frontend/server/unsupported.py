@@ -105,6 +105,8 @@ GENERATION: Mapping[str, Unsupported] = {
     "prediction": Unsupported("predicted outputs are not supported"),
     "web_search_options": Unsupported("web search is not supported"),
     "verbosity": Unsupported("verbosity is not supported"),
+    "reasoning_effort": Unsupported("a reasoning effort is taken by /v1/chat/completions "
+                                    "(and /v1/responses as reasoning.effort) only"),
     "thinking_token_budget": Unsupported(_THINKING, _no_thinking_budget),
     "max_thinking_tokens": Unsupported(_THINKING, _no_thinking_budget),
     "priority": Unsupported("priority scheduling is not supported; requests run first come, "

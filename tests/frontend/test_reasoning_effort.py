@@ -108,3 +108,19 @@ def test_anthropic_output_config_effort():
 
     error = run_anthropic(AnthropicEngine(), refused)
     assert "output_config.effort" in error["error"]["message"]
+
+
+def test_other_endpoints_refuse_it():
+    """Completions and /tokenize take no reasoning effort (a 400, not ignored); the Responses
+    API takes it as reasoning.effort only."""
+    async def body(api: openai.AsyncOpenAI, client: Any):
+        out = []
+        for path, payload in (("/v1/completions", {"prompt": "plain"}),
+                              ("/tokenize", {"prompt": "plain"}),
+                              ("/v1/responses", {"input": "plain"})):
+            resp = await client.post(path, json={**payload, "reasoning_effort": "low"})
+            out.append((resp.status, (await resp.json())["error"]["param"]))
+        return out
+
+    assert _run(ScriptedEngine(), body, chat_template=READS) == [
+        (400, "reasoning_effort")] * 3

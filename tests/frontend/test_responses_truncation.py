@@ -69,3 +69,20 @@ def test_nothing_to_drop_or_nothing_fits():
     assert kept[2]["content"].startswith("u3") and dropped == 12
     (kept, ids, dropped), renders = _run(msgs, limit=1000)
     assert (kept, dropped, renders) == (msgs, 0, 0)  # fits already
+
+
+def test_instructions_before_a_question_stay_with_it():
+    """A follow-up's own developer / system messages open its turn: a cut before the question
+    keeps them (they are not the previous turn's to drop)."""
+    msgs = [{"role": "system", "content": "s" * 5}, {"role": "user", "content": "u" * 30},
+            {"role": "assistant", "content": "a" * 30},
+            {"role": "developer", "content": "NEW RULES"}, {"role": "user", "content": "q"}]
+    assert turn_starts(msgs) == (1, [3])
+    (kept, ids, dropped), _ = _run(msgs, limit=30)
+    assert [m["content"] for m in kept] == ["s" * 5, "NEW RULES", "q"] and dropped == 2
+
+
+def test_no_cut_is_tried_when_the_output_alone_fills_the_context():
+    msgs = _conversation(6)
+    (kept, ids, dropped), renders = _run(msgs, limit=50, max_tokens=50)
+    assert (kept, dropped, renders) == (msgs, 0, 0)

@@ -903,20 +903,24 @@ def test_truncation_auto_drops_the_oldest_turns():
         with pytest.raises(openai.BadRequestError) as plain:
             await api.responses.create(**{**common, "truncation": "disabled"}, input="b" * 25,
                                        previous_response_id=first.id)
+        before = len(engine.rendered)
         third = await api.responses.create(input="c" * 25, previous_response_id=second.id,
                                            **common)
         kept3 = engine.rendered[-1]["messages"]
+        # The first render of the third request is the whole stored conversation.
+        whole3 = [m["content"] for m in engine.rendered[before]["messages"]]
         with pytest.raises(openai.BadRequestError) as alone:
             await api.responses.create(input="d" * 70, previous_response_id=second.id,
                                        **common)
-        return first, second, kept, plain.value, third, kept3, alone.value
+        return first, second, kept, plain.value, third, kept3, whole3, alone.value
 
-    first, second, kept, plain, third, kept3, alone = _run(engine, body)
+    first, second, kept, plain, third, kept3, whole3, alone = _run(engine, body)
     assert first.truncation == second.truncation == "auto"
     assert first.usage.input_tokens == len("s:brief|u:" + "a" * 25)
     assert [m["role"] for m in kept] == ["system", "user"] and kept[1]["content"] == "b" * 25
     assert second.usage.input_tokens == len("s:brief|u:" + "b" * 25)
     assert plain.body["code"] == "context_length_exceeded"
     # The third turn: the stored conversation holds all three turns, two of which go.
+    assert whole3[0] == "brief" and whole3[1] == "a" * 25 and whole3[-1] == "c" * 25
     assert [m["content"] for m in kept3] == ["brief", "c" * 25]
     assert alone.body["code"] == "context_length_exceeded"
