@@ -186,7 +186,9 @@ def test_sigterm_drains_in_flight_requests():
 
         async def go():
             async with aiohttp.ClientSession() as s:
-                body = {"prompt": "Count slowly:", "max_tokens": 16, "ignore_eos": True,
+                # (Long enough to be under way still 1.3 s in on a fast machine: 16 tokens
+                # were done by then once, and the server, drained, had closed its socket.)
+                body = {"prompt": "Count slowly:", "max_tokens": 96, "ignore_eos": True,
                         "stream_options": {"include_usage": True}}
                 tasks = [asyncio.create_task(_stream(s, server, body)) for _ in range(6)]
                 await asyncio.sleep(1.0)  # streams are under way
@@ -207,7 +209,7 @@ def test_sigterm_drains_in_flight_requests():
             assert done
             finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
             assert finishes[-1] == "length"
-            assert chunks[-1]["usage"]["completion_tokens"] == 16
+            assert chunks[-1]["usage"]["completion_tokens"] == 96
         assert server.proc.wait(60) == 0
         _assert_none_left(children)
     finally:
