@@ -17,7 +17,12 @@ import msgspec
 
 from tidal.frontend.server.errors import APIError, bad_request
 from tidal.frontend.server.json_depth import check_json_depth
-from tidal.frontend.server.unsupported import GENERATION, Unsupported, reject_unsupported
+from tidal.frontend.server.unsupported import (
+    EMBEDDING,
+    GENERATION,
+    Unsupported,
+    reject_unsupported,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +179,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # as completions take it (prompts.truncated)
     truncation_side: str | None = None
+    add_special_tokens: bool = True  # the tokenizer's (an encoder's [CLS] / [SEP])
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -396,6 +402,7 @@ _KNOWN_FIELDS: dict[type, frozenset[str]] = {}
 # Fields these requests do not declare but reject when set (see unsupported.py).
 _UNSUPPORTED: dict[type, Mapping[str, Unsupported]] = {
     CompletionRequest: GENERATION, ChatCompletionRequest: GENERATION, TokenizeRequest: GENERATION,
+    EmbeddingRequest: EMBEDDING,
 }
 
 

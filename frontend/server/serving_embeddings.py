@@ -39,8 +39,9 @@ async def create_embedding(request: web.Request) -> web.Response:
                           f"shortened; omit dimensions or pass {dim}", "dimensions")
     raw = split_prompts(req.input, "input", state.limits.max_prompts)
     state.admission.check_available()
-    prompts = truncate_prompts(await tokenize_prompts(state, raw, "input"), req,
-                               state.max_model_len)
+    prompts = truncate_prompts(
+        await tokenize_prompts(state, raw, "input", req.add_special_tokens), req,
+        state.max_model_len)
     for p in prompts:
         if len(p.token_ids) > state.max_model_len:
             raise bad_request(f"an input has {len(p.token_ids)} tokens but this model takes at "

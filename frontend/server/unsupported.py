@@ -123,6 +123,34 @@ GENERATION: Mapping[str, Unsupported] = {
     "repetition_detection": Unsupported("repetition detection is not supported"),
 }
 
+def _true(value: Any) -> bool:
+    return value is None or value is True
+
+
+def _one_of(*values: str) -> Any:
+    return lambda value: value is None or value in values
+
+
+# /v1/embeddings: vLLM's fields that would change the vectors (the rest of its request is
+# declared by EmbeddingRequest, or harmless: request_id, cache_salt).
+EMBEDDING: Mapping[str, Unsupported] = {
+    "normalize": Unsupported("embeddings here are always normalized to unit length; only "
+                             "true is accepted", _true),
+    "use_activation": Unsupported("embeddings here are always normalized to unit length; "
+                                  "only true is accepted", _true),
+    "embed_dtype": Unsupported("embeddings are float32 here; only \"float32\" is accepted",
+                               _one_of("float32")),
+    "endianness": Unsupported("base64 embeddings are little-endian float32 here; only "
+                              "\"native\" or \"little\" is accepted",
+                              _one_of("native", "little")),
+    "messages": Unsupported("chat-style embedding inputs are not supported; send input",
+                            _empty),
+    "chat_template": Unsupported("chat-style embedding inputs are not supported; send input"),
+    "mm_processor_kwargs": Unsupported("this server takes text only", _empty),
+    "priority": Unsupported("priority scheduling is not supported; requests run first come, "
+                            "first served", _zero),
+}
+
 # Known fields that change nothing this server returns: identifiers and metadata, hints about
 # caching or routing, chunking of a stream, and switches for features that are absent here
 # (routed-expert data, the render endpoints) or that only chat completions act on

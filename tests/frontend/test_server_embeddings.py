@@ -139,5 +139,32 @@ def test_embedding_truncate_prompt_tokens(server):
     assert long.usage.prompt_tokens == 512
 
 
+def test_embedding_fields_that_would_change_the_vectors(server):
+    """``add_special_tokens: false`` leaves out [CLS] / [SEP] (two tokens fewer, another
+    vector); vLLM's fields this server cannot honour are 400s naming them, their no-op values
+    accepted."""
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY,
+                                      max_retries=0) as c:
+            plain = await c.embeddings.create(model=MODEL, input="a short sentence")
+            bare = await c.embeddings.create(model=MODEL, input="a short sentence",
+                                             extra_body={"add_special_tokens": False})
+            noop = await c.embeddings.create(model=MODEL, input="a short sentence", extra_body={
+                "normalize": True, "embed_dtype": "float32", "priority": 0})
+            refused = []
+            for extra in ({"normalize": False}, {"embed_dtype": "float16"},
+                          {"priority": 5}, {"endianness": "big"}):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await c.embeddings.create(model=MODEL, input="x", extra_body=extra)
+                refused.append(err.value.body["param"])
+            return plain, bare, noop, refused
+
+    plain, bare, noop, refused = run(go())
+    assert bare.usage.prompt_tokens == plain.usage.prompt_tokens - 2
+    assert bare.data[0].embedding != plain.data[0].embedding
+    assert noop.data[0].embedding == plain.data[0].embedding
+    assert refused == ["normalize", "embed_dtype", "priority", "endianness"]
+
+
 def run(coro):
     return asyncio.run(coro)
