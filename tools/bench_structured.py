@@ -13,17 +13,20 @@ array of at least ``--tokens`` small integers: it cannot close before ``max_toke
 runs decode the same number of steps. Reported: output tokens/s of each (totals over
 ``--repeats`` alternating runs), their ratio, the added time per step, the mask fill time per
 sequence per step (each fill's time over its sequences: p50/p99), and the time from a
-request's arrival to its first mask (compile included: distinct schemas, cold cache) with the
-compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
+request's arrival to its first mask (compile included: distinct schemas, cold cache, arriving
+``--corpus-burst`` at a time) with the compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
 the corpus schemas it would not enforce in full (a pattern next to a length bound) are left out
 of the time to first mask and counted as ``refused``. ``--engine-process`` runs the EngineCore
 in its own process, as ``tidal serve`` does, while this one processes the outputs (the default
-does both on one thread, as ``LLM`` does): throughputs only.
+does both on one thread, as ``LLM`` does): throughputs and the CPU time of each thread.
+Every run reports each thread's CPU time per step (``thread_cpu_ms_per_step``, this process
+and the EngineCore's), which tells the thread that bounds the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -49,6 +52,70 @@ def pct(values: list[float], q: float) -> float:
 
 def us(x: float) -> float:
     return round(x * 1e6, 1)
+
+
+class ThreadCpu:
+    """CPU time of every thread of this process and its descendants (the EngineCore's, with
+    ``--engine-process``), from /proc: the milliseconds each thread spent on a CPU per engine
+    step of a timed run, by process, thread id and name (a process's main thread, which runs
+    its engine loop or the ``LLM`` loop, is marked). A thread near the step time is the
+    bottleneck; the rest say what runs beside it. Linux only (elsewhere: empty)."""
+
+    def __init__(self) -> None:
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.before: dict[tuple[int, int], tuple[str, float]] = {}
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        found = []
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+        return found
+
+    def _sample(self) -> dict[tuple[int, int], tuple[str, float]]:
+        pids, seen = [os.getpid()], {}
+        while pids:
+            pid = pids.pop()
+            pids += self._children(pid)
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
+                try:  # nanoseconds on a CPU, where the kernel keeps them
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        cpu = int(f.read().split()[0]) / 1e9
+                except (OSError, ValueError, IndexError):
+                    fields = stat[stat.rindex(")") + 2:].split()
+                    cpu = (int(fields[11]) + int(fields[12])) / self.tick
+                label = "this process" if pid == os.getpid() else f"child {pid}"
+                main = " (main)" if int(tid) == pid else ""
+                seen[(pid, int(tid))] = (f"{label} tid {tid}{main}: {name}", cpu)
+        return seen
+
+    def start(self) -> None:
+        self.before = self._sample()
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        """Each thread's CPU ms per step since ``start``, the twelve busiest, those under
+        0.05 ms left out."""
+        totals: dict[str, float] = {}
+        for key, (name, cpu) in self._sample().items():
+            spent = cpu - self.before.get(key, (name, 0.0))[1]
+            totals[name] = totals.get(name, 0.0) + spent
+        rows = sorted(((n, round(t * 1e3 / steps, 3)) for n, t in totals.items()),
+                      key=lambda r: -r[1])
+        return {n: v for n, v in rows[:12] if v >= 0.05}
 
 
 class StepPhases:
@@ -137,6 +204,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="output tokens per request")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--corpus", type=int, default=500, help="schemas for time to first mask")
+    p.add_argument("--corpus-burst", type=int, default=None,
+                   help="distinct schemas arriving at once for the time to first mask (each "
+                        "burst waits for the one before to finish; default: --batch)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="auto", choices=("auto", "guidance", "xgrammar"))
     p.add_argument("--phases", action="store_true",
@@ -177,15 +247,19 @@ def main() -> None:
 
     phases = StepPhases(llm) if args.phases else None
     phase_ms: dict[str, dict[str, float]] = {}
+    threads = ThreadCpu()
+    thread_ms: dict[str, dict[str, float]] = {}
 
     def timed(params: SamplingParams) -> tuple[float, int]:
         if phases is not None:
             phases.reset()
+        threads.start()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        kind = "unconstrained" if params.structured_outputs is None else "json_schema"
+        thread_ms[kind] = threads.per_step_ms(args.tokens)
         if phases is not None:
-            kind = "unconstrained" if params.structured_outputs is None else "json_schema"
             phase_ms[kind] = phases.per_step_ms(elapsed)
         return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -220,6 +294,8 @@ def main() -> None:
         "throughput_ratio": round(tps["json_schema"] / tps["unconstrained"], 3),
         "step_ms": {k: round(v * 1e3, 3) for k, v in step.items()},
         "added_time_per_step": round(step["json_schema"] / step["unconstrained"] - 1, 4),
+        # (The last repeat's; CPU ms per step by thread, this process's and the engine's.)
+        "thread_cpu_ms_per_step": thread_ms,
     }
     if stats is None:
         llm.shutdown()
@@ -236,9 +312,9 @@ def main() -> None:
         refused, schemas = len(schemas) - len(kept), kept
     batch = [SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=s))
              for s in schemas]
-    for i in range(0, len(batch), args.batch):
-        llm.generate(prompts[:len(batch[i:i + args.batch])], batch[i:i + args.batch],
-                     use_tqdm=False)
+    burst = args.corpus_burst or args.batch
+    for i in range(0, len(batch), burst):
+        llm.generate(prompts[:len(batch[i:i + burst])], batch[i:i + burst], use_tqdm=False)
     first = list(stats.first_mask_s)
     compiles = list(stats.compile_s)
     result.update({
@@ -255,7 +331,8 @@ def main() -> None:
         "time_to_first_mask_ms": {"p50": round(pct(first, 0.5) * 1e3, 2),
                                   "p99": round(pct(first, 0.99) * 1e3, 2),
                                   "max": round(max(first, default=0) * 1e3, 2),
-                                  "schemas": len(first), "refused": refused},
+                                  "schemas": len(first), "refused": refused,
+                                  "burst": burst},
         "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
                        "p99": round(pct(compiles, 0.99) * 1e3, 3)},
     })
