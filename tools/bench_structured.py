@@ -14,7 +14,9 @@ runs decode the same number of steps. Reported: output tokens/s of each (totals 
 ``--repeats`` alternating runs), their ratio, the added time per step, the mask fill time per
 sequence per step (each fill's time over its sequences: p50/p99), and the time from a
 request's arrival to its first mask (compile included: distinct schemas, cold cache, arriving
-``--corpus-burst`` at a time) with the compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
+``--corpus-burst`` at a time; the mask as the sampler reads it, after its step's forward pass)
+with its parts (to admission: compiled and handed to the scheduler; to the mask filled) and
+the compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
 the corpus schemas it would not enforce in full (a pattern next to a length bound) are left out
 of the time to first mask and counted as ``refused``. ``--engine-process`` runs the EngineCore
 in its own process, as ``tidal serve`` does, while this one processes the outputs (the default
@@ -304,6 +306,8 @@ def main() -> None:
 
     # Time to first mask over distinct corpus schemas (cold compile cache for each).
     stats.first_mask_s.clear()
+    stats.admit_s.clear()
+    stats.first_filled_s.clear()
     stats.compile_s.clear()
     schemas = corpus(args.corpus, seed=1)
     refused = 0
@@ -316,6 +320,7 @@ def main() -> None:
     for i in range(0, len(batch), burst):
         llm.generate(prompts[:len(batch[i:i + burst])], batch[i:i + burst], use_tqdm=False)
     first = list(stats.first_mask_s)
+    admit, filled = list(stats.admit_s), list(stats.first_filled_s)
     compiles = list(stats.compile_s)
     result.update({
         "compiled_by": dict(core.structured._backend.compiled_by),
@@ -333,6 +338,13 @@ def main() -> None:
                                   "max": round(max(first, default=0) * 1e3, 2),
                                   "schemas": len(first), "refused": refused,
                                   "burst": burst},
+        # Its parts: arrival to admission (compiled, handed to the scheduler) and to the
+        # first mask filled (what is left after: the step's forward pass, then sampling).
+        "to_admission_ms": {"p50": round(pct(admit, 0.5) * 1e3, 2),
+                            "p99": round(pct(admit, 0.99) * 1e3, 2)},
+        "to_first_mask_filled_ms": {"p50": round(pct(filled, 0.5) * 1e3, 2),
+                                    "p99": round(pct(filled, 0.99) * 1e3, 2),
+                                    "n": len(filled)},
         "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
                        "p99": round(pct(compiles, 0.99) * 1e3, 3)},
     })

@@ -78,6 +78,7 @@ class GrammarState:
     kind: str
     submitted: float  # perf_counter when the request arrived (time to first mask)
     first_due: bool = True  # no mask filled yet (StructuredOutputManager._count_masks)
+    admitted: float = 0.0  # perf_counter when it was handed to the scheduler (compiled)
     # With --reasoning-parser: where the request is in its thinking (reasoning_gate.py).
     gate: ReasoningGate | None = None
 
@@ -97,7 +98,8 @@ def _advance_and_fill(backend: Any, steps: list[tuple[Any, int]] | None, matcher
         fill.accepted = backend.advance(steps)
     mid = time.perf_counter()
     backend.fill(matchers, target)
-    fill.advance_s, fill.fill_s = mid - start, time.perf_counter() - mid
+    fill.ended = time.perf_counter()
+    fill.advance_s, fill.fill_s = mid - start, fill.ended - mid
     if upload is not None:
         upload()
 
@@ -130,6 +132,7 @@ class _Fill:
     accepted: list[bool] = field(default_factory=list)
     advance_s: float = 0.0  # the job's two parts, timed apart
     fill_s: float = 0.0
+    ended: float = 0.0  # perf_counter when the masks were filled (0: no grammar row)
 
     def finish(self) -> list[int]:
         """Wait for the grammar's rows, then apply the reasoning gates; returns the rows."""
@@ -165,7 +168,7 @@ class PendingFill:
         if not self.done:
             self.done = True
             masked = self.fill.finish()
-            self.manager._count_masks(self.states, masked)
+            self.manager._count_masks(self.states, masked, self.fill.ended)
         return self.fill.out
 
     def verdicts(self) -> list[tuple[str, str]]:
@@ -236,7 +239,12 @@ class StructuredStats:
     """Timings kept for the benchmark and the logs (bounded)."""
 
     compile_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
+    # From a request's arrival to its first mask read by the sampler (the time to first
+    # mask), and its parts: to its admission (compiled, handed to the scheduler) and to that
+    # mask being filled (the rest: its step's forward pass, then sampling).
     first_mask_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
+    admit_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
+    first_filled_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (sequences, seconds) per bitmask fill
     fills: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (sequences, seconds) per fill job's advance of the matchers (begin_fill's ``tokens``)
@@ -357,8 +365,8 @@ class StructuredOutputManager:
                                            req.sampling_params.thinking_token_budget)
             self._drop_state(rid)
             self.states[rid] = GrammarState(matcher, "none" if params is None else params.kind,
-                                            self._submitted.pop(rid, time.perf_counter()),
-                                            gate=gate)
+                                            self._submitted.pop(rid, now), gate=gate,
+                                            admitted=now)
             self._first_due += 1
             self._gated_states += gate is not None
             ready.append(req)
@@ -538,9 +546,10 @@ class StructuredOutputManager:
         if fill.accepted:
             self.stats.advances.append((len(fill.accepted), fill.advance_s))
 
-    def _count_masks(self, states: list[GrammarState], rows: list[int] | None = None) -> None:
+    def _count_masks(self, states: list[GrammarState], rows: list[int] | None = None,
+                     filled: float = 0.0) -> None:
         """The time to first mask of those of ``states`` (of its ``rows``, if given) that had
-        none yet."""
+        none yet, and its parts (``filled``: when their masks were filled; 0: unknown)."""
         if not self._first_due:  # (the common case: every step of every request but its first)
             return
         if rows is not None and len(rows) < len(states):
@@ -550,7 +559,11 @@ class StructuredOutputManager:
             if s.first_due:
                 s.first_due = False
                 self._first_due -= 1
-                self.stats.first_mask_s.append(now - s.submitted)
+                stats = self.stats
+                stats.first_mask_s.append(now - s.submitted)
+                stats.admit_s.append(s.admitted - s.submitted)
+                if filled:
+                    stats.first_filled_s.append(filled - s.submitted)
 
     # --- speculative decoding (engine loop) ---------------------------------------------------
 

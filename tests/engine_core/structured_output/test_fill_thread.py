@@ -96,3 +96,22 @@ def test_fill_thread_lowers_the_switch_interval(monkeypatch, setting, expect):
     finally:
         pool.shutdown()
         sys.setswitchinterval(before)
+
+
+def test_time_to_first_mask_and_its_parts(manager, admit):
+    """A request's first fill records its time to first mask once, with its parts in order:
+    arrival <= admission (compiled, handed to the scheduler) <= mask filled <= mask read."""
+    stats = manager.stats
+    for q in (stats.first_mask_s, stats.admit_s, stats.first_filled_s):
+        q.clear()
+    admit(manager, "t1", [1, 2, 3], structured_outputs=StructuredOutputsParams(regex=RX))
+    try:
+        time.sleep(0.02)  # (admitted well before its first fill)
+        manager.begin_fill(["t1"]).wait()
+        manager.begin_fill(["t1"]).wait()  # not its first: nothing more recorded
+        assert len(stats.first_mask_s) == len(stats.admit_s) == len(stats.first_filled_s) == 1
+        admitted, filled, read = stats.admit_s[0], stats.first_filled_s[0], stats.first_mask_s[0]
+        assert 0.0 <= admitted <= filled <= read
+        assert filled - admitted >= 0.02
+    finally:
+        manager.drop(["t1"])
