@@ -15,7 +15,8 @@ on a miss in the local store. A peer that does not answer within ``_TIMEOUT_S`` 
 holding the id (a dead API server ends the whole server anyway).
 
 A background response's stream (``GET ...?stream=true``) is replayed from whichever process
-takes the request: one that does not run it asks its peers for the events (op ``events``),
+takes the request: one that does not run it asks its peers for the events (op ``events``,
+answered at once, so the reader gets its response headers without waiting for an event),
 then follows the one that has them by long polls (each answered once there are events past
 the reader's, the stream is over, or ``POLL_WAIT_S`` has passed), a bounded slice at a time.
 """
@@ -55,6 +56,9 @@ class PeerAsk(msgspec.Struct, frozen=True):
     op: str  # "get" | "delete" | "cancel" | "events"
     response_id: str
     after: int = -1  # events: the reader's last event number
+    # events: wait (up to POLL_WAIT_S) for an event past ``after``; False: answer at once
+    # with what the log holds (the first ask, which finds the keeper).
+    wait: bool = True
 
 
 class PeerAnswer(msgspec.Struct, frozen=True):
@@ -173,7 +177,8 @@ class ResponsePeers:
         if log is None:
             answer = PeerAnswer(False)
         else:
-            await log.wait_past(ask.after, POLL_WAIT_S)
+            if ask.wait:
+                await log.wait_past(ask.after, POLL_WAIT_S)
             first = max(ask.after + 1, 0)
             events: list[bytes] = []
             size = 0
@@ -191,12 +196,12 @@ class ResponsePeers:
 
     async def find_events(self, response_id: str, after: int) -> tuple[str, PeerAnswer] | None:
         """The peer that keeps the background stream ``response_id`` and its first answer
-        (events after number ``after``, as soon as there are some), or None."""
+        (the events after number ``after`` it holds now, perhaps none: the reader gets its
+        response headers at once, and ``follow_events`` waits for more), or None."""
         if len(response_id.encode()) > _MAX_ID_BYTES:
             return None
-        payload = _encoder.encode(PeerAsk("events", response_id, after))
-        answers = await asyncio.gather(*(self._ask(a, payload, POLL_WAIT_S + _TIMEOUT_S)
-                                         for a in self.peers))
+        payload = _encoder.encode(PeerAsk("events", response_id, after, wait=False))
+        answers = await asyncio.gather(*(self._ask(a, payload, _TIMEOUT_S) for a in self.peers))
         return next(((a, ans) for a, ans in zip(self.peers, answers)
                      if ans is not None and ans.found), None)
 

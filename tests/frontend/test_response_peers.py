@@ -7,6 +7,7 @@ from a process that does not keep it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -260,3 +261,39 @@ def test_a_lost_stream_ends_with_an_error_event():
     kinds = [line[7:] for line in body.splitlines() if line.startswith("event: ")]
     assert kinds == ["response.output_text.delta", "error"]
     assert data[1]["code"] == "stream_unavailable" and data[1]["sequence_number"] == 6
+
+
+def test_a_caught_up_reader_finds_the_stream_at_once(tmp_path):
+    """The first ask, which finds the keeper, is answered at once even when the reader has
+    every event so far (its response headers do not wait for a long poll); following it then
+    waits for the next event."""
+    from tidal.frontend.server import response_peers
+
+    async def main():
+        addresses = peer_addresses(str(tmp_path), 2)
+        log = EventLog()
+        peers = [ResponsePeers(i, addresses, ResponseStore(),
+                               logs={"resp_bg": log}.get if i == 1 else None)
+                 for i in range(2)]
+        for p in peers:
+            p.start()
+        try:
+            await log.send([b"a", b"b"], False)
+            start = time.perf_counter()
+            found = await peers[0].find_events("resp_bg", 1)
+            assert time.perf_counter() - start < response_peers.POLL_WAIT_S / 2
+            assert found is not None
+            address, first = found
+            assert first.events == [] and first.total == 2 and not first.done
+            stream = peers[0].follow_events(address, "resp_bg", 1, first)
+            assert await stream.__anext__() == ([], False)
+            nxt = asyncio.create_task(stream.__anext__())
+            await asyncio.sleep(0.05)
+            assert not nxt.done()  # a long poll
+            await log.send([b"c"], True)
+            assert await asyncio.wait_for(nxt, 5) == ([b"c"], True)
+        finally:
+            for p in peers:
+                await p.close()
+
+    asyncio.run(main())
