@@ -737,13 +737,15 @@ def paged_attention(
     if split and counters is None:
         margs = (out, part_out, part_max, part_sum, query_start_loc, plan.num_splits,
                  out.stride(0), out.stride(1), times[1] if times is not None else seq_lens)
-        # One warp: each thread then holds every split of its few head dimensions, so the
-        # sums over the splits stay in its registers (no shared memory, no barrier). H100,
-        # context 1024, same call: Qwen3-30B-A3B batch 1 3.010 / 3.011 -> 2.938 / 2.940 ms a
-        # step (2 warps: 3.002 / 3.004), Qwen3-0.6B batch 8 1.798 / 1.828 -> 1.708 ms.
+        # One warp for heads up to 128 wide: each thread then holds every split of its few
+        # head dimensions, so the sums over the splits stay in its registers (no shared
+        # memory, no barrier). H100, context 1024, same call: Qwen3-30B-A3B batch 1 3.010 /
+        # 3.011 -> 2.938 / 2.940 ms a step (2 warps: 3.002 / 3.004), Qwen3-0.6B batch 8
+        # 1.798 / 1.828 -> 1.708 ms. Wider heads keep four (one warp would hold 256 floats a
+        # thread of a 32 x 256 tile: spills; not measured).
         mconsts = dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
                        SPLITS_P=max(2, next_pow2(max(MAX_SPLITS, plan.num_splits))),
-                       TIMES=times is not None, num_warps=1)
+                       TIMES=times is not None, num_warps=1 if head_dim_p <= 128 else 4)
         if pdl:
             from tidal.worker.ops.triton_decode import launch
 
