@@ -281,7 +281,10 @@ def test_idle_reader_uses_little_cpu_and_wakes_promptly(procs: list) -> None:
         after = proc.cpu_times()
         elapsed = time.monotonic() - t0
         busy = (after.user - before.user) + (after.system - before.system)
-        assert busy / elapsed < 0.02, f"idle reader used {busy / elapsed:.1%} of a core"
+        # A reader that spins takes a whole core; a sleeping one wakes ten times a second
+        # (its bounded poll). Under a loaded 2-core CI box that measured up to 4.5 %, hence
+        # the margin.
+        assert busy / elapsed < 0.10, f"idle reader used {busy / elapsed:.1%} of a core"
         # Messages 50 ms apart always find the reader asleep; the writer's poke must wake it
         # well before the 100 ms bounded poll would.
         for _ in range(n_msgs):
