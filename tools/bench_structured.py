@@ -28,6 +28,7 @@ and the EngineCore's), which tells the thread that bounds the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -69,13 +70,11 @@ class ThreadCpu:
 
     @staticmethod
     def _children(pid: int) -> list[int]:
-        found = []
-        try:
+        found: list[int] = []
+        with contextlib.suppress(OSError):  # (gone, or no /proc: no children found)
             for task in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{task}/children") as f:
                     found += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
         return found
 
     def _sample(self) -> dict[tuple[int, int], tuple[str, float]]:

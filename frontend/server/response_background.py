@@ -13,6 +13,7 @@ drain count it like any other request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -58,10 +59,8 @@ class EventLog:
         if len(self.payloads) > after + 1 or self.done:
             return
         self._changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
-        except TimeoutError:
-            pass
 
     async def follow(self, after: int) -> AsyncIterator[tuple[list[bytes], bool]]:
         """The events after number ``after`` as they come: (new ones, whether that is all)."""
