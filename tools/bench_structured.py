@@ -306,6 +306,7 @@ def main() -> None:
     # Time to first mask over distinct corpus schemas (cold compile cache for each).
     stats.first_mask_s.clear()
     stats.admit_s.clear()
+    stats.compiled_s.clear()
     stats.first_filled_s.clear()
     stats.compile_s.clear()
     schemas = corpus(args.corpus, seed=1)
@@ -316,10 +317,54 @@ def main() -> None:
     batch = [SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(json=s))
              for s in schemas]
     burst = args.corpus_burst or args.batch
+    # The engine's steps while the bursts are served: when each started and ended, and what
+    # it scheduled (admissions wait for a step to end), against when the requests arrived.
+    trace: list[tuple[float, float, int, int]] = []  # (start, end, tokens, new requests)
+    arrivals: list[float] = []
+    engine_step, schedule, add = core.step, core.scheduler.schedule, core.add_request
+    scheduled: list[tuple[int, int]] = []
+
+    def traced_step(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        scheduled.clear()
+        try:
+            return engine_step(*a, **k)
+        finally:
+            tokens, new = scheduled[0] if scheduled else (0, 0)
+            trace.append((start, time.perf_counter(), tokens, new))
+
+    def traced_schedule(*a: Any, **k: Any) -> Any:
+        out = schedule(*a, **k)
+        scheduled.append((out.total_num_scheduled_tokens, len(out.new_reqs)))
+        return out
+
+    def traced_add(*a: Any, **k: Any) -> Any:
+        arrivals.append(time.perf_counter())
+        return add(*a, **k)
+
+    core.step, core.scheduler.schedule, core.add_request = (traced_step, traced_schedule,
+                                                             traced_add)
+    walls: list[float] = []
+    step_s: list[float] = []
+    timeline: list[Any] = []
     for i in range(0, len(batch), burst):
-        llm.generate(prompts[:len(batch[i:i + burst])], batch[i:i + burst], use_tqdm=False)
+        group = batch[i:i + burst]
+        trace.clear()
+        arrivals.clear()
+        start = time.perf_counter()
+        llm.generate([prompts[j % len(prompts)] for j in range(len(group))], group,
+                     use_tqdm=False)
+        walls.append(time.perf_counter() - start)
+        step_s.extend(b - a for a, b, _, _ in trace)
+        # ms from the burst's first arrival: its last arrival, then each step (start,
+        # duration, tokens, new requests)
+        t0 = arrivals[0]
+        timeline = [round((arrivals[-1] - t0) * 1e3, 2)] + [
+            (round((a - t0) * 1e3, 2), round((b - a) * 1e3, 2), n, r) for a, b, n, r in trace]
+    del core.step, core.scheduler.schedule, core.add_request
     first = list(stats.first_mask_s)
     admit, filled = list(stats.admit_s), list(stats.first_filled_s)
+    compiled = list(stats.compiled_s)
     compiles = list(stats.compile_s)
     result.update({
         "compiled_by": dict(core.structured._backend.compiled_by),
@@ -337,8 +382,10 @@ def main() -> None:
                                   "max": round(max(first, default=0) * 1e3, 2),
                                   "schemas": len(first), "refused": refused,
                                   "burst": burst},
-        # Its parts: arrival to admission (compiled, handed to the scheduler) and to the
+        # Its parts: arrival to its grammar compiled, to admission (compiled, handed to the scheduler) and to the
         # first mask filled (what is left after: the step's forward pass, then sampling).
+        "to_compiled_ms": {"p50": round(pct(compiled, 0.5) * 1e3, 2),
+                           "p99": round(pct(compiled, 0.99) * 1e3, 2)},
         "to_admission_ms": {"p50": round(pct(admit, 0.5) * 1e3, 2),
                             "p99": round(pct(admit, 0.99) * 1e3, 2)},
         "to_first_mask_filled_ms": {"p50": round(pct(filled, 0.5) * 1e3, 2),
@@ -346,6 +393,17 @@ def main() -> None:
                                     "n": len(filled)},
         "compile_ms": {"p50": round(pct(compiles, 0.5) * 1e3, 3),
                        "p99": round(pct(compiles, 0.99) * 1e3, 3)},
+        # Each burst's wall time (its requests finish after one token), and the engine steps
+        # taken meanwhile (admissions wait for a step to end).
+        "burst_wall_ms": {"p50": round(pct(walls, 0.5) * 1e3, 1),
+                          "max": round(max(walls, default=0) * 1e3, 1)},
+        "corpus_steps": {"n": len(step_s),
+                         "per_burst": round(len(step_s) / max(1, len(walls)), 1),
+                         "p50_ms": round(pct(step_s, 0.5) * 1e3, 2),
+                         "max_ms": round(max(step_s, default=0) * 1e3, 2)},
+        # The last burst: ms from its first arrival to its last, then its steps as
+        # (start, duration, tokens scheduled, requests newly scheduled).
+        "last_burst_timeline": timeline,
     })
     if phase_ms:
         result["host_ms_per_step"] = phase_ms  # (the last repeat's)

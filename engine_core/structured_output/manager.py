@@ -72,13 +72,22 @@ _TEMPLATE_WAIT_S = 0.005
 _MAX_TIMINGS = 4096
 
 
+@dataclass(slots=True, frozen=True)
+class _Compiled:
+    """A compile's result: the template matcher requests copy, and when it was ready."""
+
+    matcher: Any
+    done_at: float  # perf_counter
+
+
 @dataclass(slots=True)
 class GrammarState:
     matcher: Any  # backend.Matcher: this sequence's own; None: a thinking budget alone
     kind: str
     submitted: float  # perf_counter when the request arrived (time to first mask)
     first_due: bool = True  # no mask filled yet (StructuredOutputManager._count_masks)
-    admitted: float = 0.0  # perf_counter when it was handed to the scheduler (compiled)
+    admitted: float = 0.0  # perf_counter when it was handed to the scheduler
+    compiled: float = 0.0  # perf_counter when the template it copies was compiled
     # With --reasoning-parser: where the request is in its thinking (reasoning_gate.py).
     gate: ReasoningGate | None = None
 
@@ -244,6 +253,9 @@ class StructuredStats:
     # mask being filled (the rest: its step's forward pass, then sampling).
     first_mask_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     admit_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
+    # (Of admit_s: to the compile of the template it copies done; the rest waits for the
+    # engine loop to take it, at its next step.)
+    compiled_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     first_filled_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (sequences, seconds) per bitmask fill
     fills: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
@@ -358,7 +370,8 @@ class StructuredOutputManager:
                 self._submitted.pop(rid, None)
                 failed.append((req, f"structured output grammar failed to compile: {exc}"))
                 continue
-            matcher = None if params is None else fut.result().deep_copy()
+            compiled = None if params is None else fut.result()
+            matcher = None if compiled is None else compiled.matcher.deep_copy()
             gate = None
             if markers is not None:
                 gate = ReasoningGate.start(markers.result(), req.prompt_token_ids,
@@ -366,7 +379,9 @@ class StructuredOutputManager:
             self._drop_state(rid)
             self.states[rid] = GrammarState(matcher, "none" if params is None else params.kind,
                                             self._submitted.pop(rid, now), gate=gate,
-                                            admitted=now)
+                                            admitted=now,
+                                            compiled=now if compiled is None
+                                            else min(now, compiled.done_at))
             self._first_due += 1
             self._gated_states += gate is not None
             ready.append(req)
@@ -376,7 +391,7 @@ class StructuredOutputManager:
         """The backend that compiled ``params`` (xgrammar's matchers name theirs, llguidance's
         are its own objects); for a failed compile, the one it was meant for."""
         if fut.exception() is None:
-            return getattr(fut.result(), "backend", "guidance")
+            return getattr(fut.result().matcher, "backend", "guidance")
         return spec.choose_backend(params, self.backend_name)[0]
 
     def wait_for_compiles(self, timeout: float) -> None:
@@ -428,14 +443,14 @@ class StructuredOutputManager:
         tokenizer = self._get_backend().hf_tokenizer()
         return ReasoningMarkers.from_tokenizer(self.reasoning, tokenizer)
 
-    def _compile(self, params: Any) -> Any:
+    def _compile(self, params: Any) -> _Compiled:
         backend = self._get_backend()
         start = time.perf_counter()
         matcher = backend.compile(params)  # by the backend chosen for it (router.py)
-        elapsed = time.perf_counter() - start
-        self.stats.compile_s.append(elapsed)
-        self._unreported_compiles.append((getattr(matcher, "backend", "guidance"), elapsed))
-        return matcher
+        done = time.perf_counter()
+        self.stats.compile_s.append(done - start)
+        self._unreported_compiles.append((getattr(matcher, "backend", "guidance"), done - start))
+        return _Compiled(matcher, done)
 
     # --- per step (engine loop) ---------------------------------------------------------------
 
@@ -562,6 +577,7 @@ class StructuredOutputManager:
                 stats = self.stats
                 stats.first_mask_s.append(now - s.submitted)
                 stats.admit_s.append(s.admitted - s.submitted)
+                stats.compiled_s.append(max(0.0, s.compiled - s.submitted))
                 if filled:
                     stats.first_filled_s.append(filled - s.submitted)
 

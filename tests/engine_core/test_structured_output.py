@@ -287,7 +287,7 @@ def test_requests_of_one_grammar_copy_templates_compiled_apart(llm, monkeypatch)
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
     entry = llm.engine.core.structured._cache[cache_key(so(json=schema))]
     assert len(entry.futures) == 3 and entry.served == 8
-    templates = [f.result() for f in entry.futures]
+    templates = [f.result().matcher for f in entry.futures]
     assert len({id(t) for t in templates}) == 3
 
 
