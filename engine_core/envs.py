@@ -163,6 +163,7 @@ KERNEL_ENV: dict[str, str] = {
     "gemv": "TIDAL_GEMV",
     "gemv_max_mb": "TIDAL_GEMV_MAX_MB",
     "gemv_stream": "TIDAL_GEMV_STREAM",
+    "gemv_rows": "TIDAL_GEMV_ROWS",
     "gemv_configs": "TIDAL_GEMV_CONFIGS",
     "norm_apart": "TIDAL_NORM_APART",
     "pdl": "TIDAL_PDL",

@@ -46,6 +46,9 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     gemv_max_mb: float | None = None  # larger weights stay on cuBLAS; None: no limit
     gemv_stream: bool = True  # GEMV weights loaded evict-first from L2
     gemv_configs: str = ""  # launch-shape overrides, "NxK[s]=BLOCK_N,BLOCK_K,WARPS,PREFETCH;..."
+    # 2 to 8 rows (decode at batch 2-8, a speculative verify) on the few-row tensor-core GEMV
+    # (worker/ops/triton_gemv_rows.py; Hopper, where it was measured), not cuBLAS.
+    gemv_rows: bool = True
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
     attn_fused_merge: bool = False  # split-decode partials merged inside the attention kernel

@@ -77,7 +77,7 @@ class KernelPolicy:
     attention_layers: tuple[str, ...]  # the backend of each layer (one batch layout: all equal)
     decode_kernels: bool  # fused Triton decode ops (q/k-norm + rotary + K/V write, argmax)
     gemv: bool  # the one-row GEMV and the norm + linear / SiLU fusions built on it
-    gemv_max_bytes: float  # weights larger than this stay on cuBLAS
+    gemv_max_bytes: float  # weights larger than this stay on cuBLAS (one row or few)
     norm_apart: bool  # the norm before a large GEMV as its own one-row kernel
     vocab_embedding: bool  # the Triton sharded-vocabulary embedding (tensor parallelism)
     # Kernel variants (kernel_config.py).
@@ -110,6 +110,8 @@ class KernelPolicy:
     # With triton_lora: decode steps of at least this many tokens grouped by adapter (tiles
     # through a permutation, graph-captured too; lora/grouping.py); 0: per-token always.
     lora_grouped_min_tokens: int = 0
+    # 2 to 8 rows of a linear on the few-row tensor-core GEMV (``triton_gemv_rows``).
+    gemv_rows: bool = False
     # MoE calls of at most this many (token, expert) pairs may take the direct GEMV path
     # (moe_configs.use_direct); 0: never.
     moe_direct_max_pairs: int = 0
@@ -215,6 +217,13 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
     gemv = decode and kc.gemv
     if decode and not kc.gemv:
         why.append(("gemv", "off in the config"))
+    # (Its launch shapes fill a Hopper SM's shared memory; measured there only.)
+    hopper = gpu and (9, 0) <= device.capability < (10, 0)
+    gemv_rows = gemv and kc.gemv_rows and hopper
+    if gemv and not gemv_rows:
+        why.append(("gemv_rows", "off in the config" if not kc.gemv_rows
+                    else f"measured on Hopper only (compute capability "
+                         f"{device.capability[0]}.{device.capability[1]}): cuBLAS"))
 
     attention = _attention(kc, device, triton_ok, arch, why)
     layers = (attention,) * (arch.num_layers if arch is not None else 0)
@@ -262,6 +271,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
+        gemv_rows=gemv_rows,
         custom_ops=custom,
         # (Only where used: the policy is part of the compile cache's key.)
         custom_op_impl=native if custom else "torch",
@@ -311,6 +321,8 @@ def describe(policy: KernelPolicy) -> list[str]:
              else policy.attention),
         line("decode_kernels", decode),
         line("gemv", gemv),
+        line("gemv_rows", "on (2-8 rows: triton tensor-core GEMV)" if policy.gemv_rows
+             else "off (cuBLAS)"),
         line("vocab_embedding", "triton" if policy.vocab_embedding else "torch"),
         # Kernels.fp8_linear (models loaded with --quantization fp8 only).
         line("fp8_linear", ("torch._scaled_mm (row-wise scales)"

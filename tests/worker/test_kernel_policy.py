@@ -35,7 +35,8 @@ from tidal.worker.ops import torch_ops
 from tidal.worker.ops.kernels import Kernels
 
 CPU = DeviceInfo("cpu")
-GPU = DeviceInfo("cuda", triton=True, cuda_ext=True)  # H100-like: triton and the extension
+# H100-like: triton, the extension, compute capability 9.0
+GPU = DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0))
 GPU_TRITON_ONLY = DeviceInfo("cuda", triton=True, cuda_ext=False)
 GPU_BARE = DeviceInfo("cuda", triton=False, cuda_ext=False)  # no triton, no extension
 TP2 = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
@@ -63,6 +64,7 @@ def test_gpu_with_triton_and_the_extension(arch) -> None:
             policy.vocab_embedding, policy.all_reduce) == ("cuda", "triton", True, True, True,
                                                            "none")
     assert policy.reasons == ()  # nothing turned off
+    assert policy.gemv_rows
     assert resolve(KernelConfig(ops="triton"), GPU, arch).ops == "triton"
     assert resolve(KernelConfig(attention_backend="cuda"), GPU, arch).attention == "cuda"
     # Tensor parallelism: the symmetric-memory paths are tried; the fused one is opt-in.
@@ -103,6 +105,21 @@ def test_config_switches_turn_fusions_off(arch) -> None:
     limited = resolve(KernelConfig(gemv_max_mb=8, gemv_configs="64x64=4,64,4,1"), GPU, arch)
     assert limited.gemv_max_bytes == 8 * 2**20
     assert limited.gemv_configs == {(64, 64, False, 2): (4, 64, 4, 1)}
+
+
+def test_few_row_gemv_on_hopper_only(arch) -> None:
+    """The few-row GEMV (2-8 rows) runs where its launch shapes were measured: Hopper, with
+    the one-row GEMV on; elsewhere cuBLAS, and the policy says why."""
+    for capability, on in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        policy = resolve(KernelConfig(), dataclasses.replace(GPU, capability=capability), arch)
+        assert policy.gemv_rows == on, capability
+        assert on or "Hopper only" in policy.why("gemv_rows")
+    off = resolve(KernelConfig(gemv_rows=False), GPU, arch)
+    assert not off.gemv_rows and off.why("gemv_rows") == "off in the config"
+    assert "gemv_rows: off (cuBLAS) (off in the config)" in describe(off)
+    assert not resolve(KernelConfig(gemv=False), GPU, arch).gemv_rows
+    assert not resolve(KernelConfig(), CPU, arch).gemv_rows
+    assert Kernels(resolve(KernelConfig(), CPU, arch))._rows is None
 
 
 def test_moe_direct_path_limit_follows_the_config(arch, monkeypatch) -> None:

@@ -66,7 +66,7 @@ class Kernels:
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
                  "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_w4", "_lora",
-                 "_custom", "_custom_impl")
+                 "_custom", "_custom_impl", "_rows")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -78,6 +78,9 @@ class Kernels:
         self._vocab = policy.vocab_embedding
         # The decode kernels' module imports triton: only where the policy runs them.
         self._td: ModuleType | None = _triton_module("triton_decode") if self._decode else None
+        # The few-row GEMV (2-8 rows), where the policy runs it.
+        self._rows: ModuleType | None = (_triton_module("triton_gemv_rows")
+                                         if policy.gemv_rows else None)
         # The sampling kernels (seeded noise, grammar masks) wherever Triton runs on the GPU.
         self._sampling = (_triton_module("triton_sampling")
                           if policy.triton and policy.device == "cuda" else None)
@@ -272,12 +275,29 @@ class Kernels:
         return (weight.shape[0], weight.shape[1], False, weight.element_size()) in \
             self._td.GEMV_CONFIGS
 
+    def rows_gemv_applies(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False
+                          ) -> bool:
+        """Whether ``linear`` / ``gated_linear`` (``gated``) on ``x`` run the few-row GEMV: 2
+        to 8 rows on a GPU whose policy has it, a weight within the GEMV's size limit whose
+        shape has a measured launch shape (``ROWS_CONFIGS``: only there was it measured
+        faster than cuBLAS)."""
+        rows = self._rows
+        if rows is None or not rows.gemv_rows_supported(x, weight):
+            return False
+        n = weight.shape[0] // 2 if gated else weight.shape[0]
+        return ((n, weight.shape[1], gated) in rows.ROWS_CONFIGS
+                and weight.numel() * weight.element_size() <= self._gemv_max_bytes
+                and not torch.compiler.is_compiling())
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear``; a single row on the GPU runs the GEMV kernel."""
+        """``F.linear``; a single row on the GPU runs the GEMV kernel, 2 to 8 rows the
+        few-row one."""
         if self.gemv_applies(x, weight) and (bias is None or bias.dtype == x.dtype):
             y, _ = self._td.gemv(x, weight, bias)
             return y.view(*x.shape[:-1], weight.shape[0])
+        if self.rows_gemv_applies(x, weight) and (bias is None or bias.dtype == x.dtype):
+            return self._rows.gemv_rows(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
@@ -417,6 +437,8 @@ class Kernels:
                 and weight.shape[0] % 2 == 0):
             y, _ = self._td.gemv(x, weight, silu=act == "silu", gelu=act == "gelu_tanh")
             return y.view(*x.shape[:-1], n)
+        if self.rows_gemv_applies(x, weight, gated=True) and weight.shape[0] % 2 == 0:
+            return self._rows.gemv_rows(x, weight, act=act)
         y = F.linear(x, weight)
         return self.silu_and_mul(y) if act == "silu" else self.gelu_tanh_and_mul(y)
 
@@ -484,6 +506,11 @@ class Kernels:
         else:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
         if weight_scale is None:
+            if (self.rows_gemv_applies(h, weight, gated=silu)
+                    and (bias is None or (bias.dtype == h.dtype and not silu))
+                    and not (silu and weight.shape[0] % 2)):
+                return self._rows.gemv_rows(h, weight, bias, act="silu" if silu else None), \
+                    residual
             y = F.linear(h, weight, bias)
         else:
             y = self.fp8_linear(h, weight, weight_scale, bias, input_scale)

@@ -1,0 +1,162 @@
+"""The few-row GEMV (``ops.triton_gemv_rows``: 2 to 8 rows on the tensor cores) against a
+float64 reference, and the ops' dispatch to it (``Kernels.linear``, ``gated_linear``,
+``rms_norm_linear``, the LM head): rows 2-16 over random shapes (ragged N and K, bias, SiLU and
+tanh-GELU epilogues, bf16 and fp16), every launch shape of the table, inside a CUDA graph; and
+which calls take it (measured shapes, 2-8 rows, the policy on) and which stay on cuBLAS.
+
+Outputs are poisoned (NaN in the memory the allocator hands back) so unwritten elements fail.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: the few-row GEMV is a Triton kernel that runs only on one",
+                allow_module_level=True)
+pytest.importorskip("triton", reason="needs triton: the few-row GEMV is written in it")
+
+from tidal.engine_core.kernel_config import KernelConfig  # noqa: E402
+from tidal.worker.kernel_policy import kernels_for  # noqa: E402
+from tidal.worker.ops import torch_ops  # noqa: E402
+from tidal.worker.ops import triton_gemv_rows as tr  # noqa: E402
+
+DEVICE = torch.device("cuda")
+HOPPER = (9, 0) <= torch.cuda.get_device_capability() < (10, 0)
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3}
+ACTS = {None: None, "silu": torch_ops.silu_and_mul, "gelu_tanh": torch_ops.gelu_tanh_and_mul}
+
+
+def _poison(nbytes: int) -> None:
+    junk = torch.full((nbytes // 4 + 4096,), float("nan"), device=DEVICE)
+    del junk
+
+
+def _reference(x, w, bias, act):
+    """float64 reference, and torch's own result in the dtype (its rounding error)."""
+    y64 = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    y = F.linear(x, w, bias)
+    fn = ACTS[act]
+    return (y64, y) if fn is None else (fn(y64), fn(y))
+
+
+def _check(out, ref64, torch_out, dtype, label) -> None:
+    assert torch.isfinite(out).all(), f"{label}: non-finite output (unwritten elements?)"
+    err = float((out.double() - ref64).norm() / ref64.norm())
+    base = float((torch_out.double() - ref64).norm() / ref64.norm())
+    assert err < TOL[dtype] and err <= 2 * base + 1e-6, f"{label}: error {err:.3g}, torch {base:.3g}"
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("act", list(ACTS), ids=str)
+def test_random_shapes(dtype, act) -> None:
+    rng = random.Random(hash((str(dtype), act)) & 0xFFFF)
+    gen = torch.Generator(device=DEVICE).manual_seed(rng.randrange(1 << 30))
+    for case in range(6):
+        m = rng.choice([2, 3, 4, 5, 8, 16])
+        n, k = rng.randrange(1, 700), rng.randrange(1, 1500)
+        bias = act is None and case % 2 == 1
+        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+             ).to(dtype)
+        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dtype)
+        b = torch.randn(n, device=DEVICE, generator=gen).to(dtype) if bias else None
+        _poison(m * n * 2)
+        out = tr.gemv_rows(x, w, b, act=act)
+        assert out.shape == (m, n)
+        _check(out, *_reference(x, w, b, act), dtype, f"{m}x{k} @ {n}x{k} {act} bias={bias}")
+
+
+# Each launch shape of the table with the kind of weight it serves (a gated one reads two tiles
+# per pipeline stage: the plain weights' deepest shapes would not fit the shared memory), and
+# the default with both.
+LAUNCH_CASES = sorted({(cfg, gated) for (_, _, gated), cfg in tr.ROWS_CONFIGS.items()}
+                      | {(tr.DEFAULT_CONFIG, False), (tr.DEFAULT_CONFIG, True)})
+
+
+@pytest.mark.skipif(not HOPPER, reason="the launch shapes were chosen for (and fit) a Hopper "
+                                       "SM's shared memory; the policy runs them there only")
+@pytest.mark.parametrize("config,gated", LAUNCH_CASES)
+def test_every_launch_shape(config, gated) -> None:
+    """Each launch shape on a ragged shape (partial tiles in N and K) and a tuned-size one, as
+    a [batch, seq, K] input too."""
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    dt = torch.bfloat16
+    act = "silu" if gated else None
+    for n, k in ((1000, 777), (300, 4096)):
+        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+             ).to(dt)
+        x = torch.randn((2, 2, k), device=DEVICE, generator=gen).to(dt)
+        out = tr.gemv_rows(x, w, act=act, config=config)
+        assert out.shape == (2, 2, n)
+        _check(out, *_reference(x, w, None, act), dt, f"{config} {n}x{k} {act}")
+
+
+def test_in_a_cuda_graph() -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    dt = torch.bfloat16
+    w = (torch.randn((768, 512), device=DEVICE, generator=gen) / 512 ** 0.5).to(dt)
+    x = torch.randn((4, 512), device=DEVICE, generator=gen).to(dt)
+    tr.gemv_rows(x, w)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tr.gemv_rows(x, w, act="silu")
+    for _ in range(2):
+        x.copy_(torch.randn((4, 512), device=DEVICE, generator=gen).to(dt))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, *_reference(x, w, None, "silu"), dt, "graph replay")
+
+
+def test_bad_arguments_raise() -> None:
+    w = torch.zeros((64, 32), device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        tr.gemv_rows(torch.zeros((17, 32), device=DEVICE, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="unknown gated activation"):
+        tr.gemv_rows(torch.zeros((2, 32), device=DEVICE, dtype=torch.bfloat16), w, act="relu")
+
+
+@pytest.mark.skipif(not HOPPER, reason="the policy runs the few-row GEMV on Hopper only "
+                                       "(where its launch shapes were measured)")
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2-8 rows of a measured shape take the kernel in every op that can; 1 row takes the
+    one-row GEMV, 9 rows, an unmeasured shape or the policy off stay on cuBLAS."""
+    K = kernels_for(DEVICE, KernelConfig(ops="triton"))
+    off = kernels_for(DEVICE, KernelConfig(ops="triton", gemv_rows=False))
+    assert K.policy.gemv_rows and not off.policy.gemv_rows
+    calls: list[str | None] = []
+    real = tr.gemv_rows
+    monkeypatch.setattr(tr, "gemv_rows",
+                        lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    dt = torch.bfloat16
+    w = (torch.randn((4096, 4096), device=DEVICE, generator=gen) / 64).to(dt)  # measured
+    wg = (torch.randn((2 * 14336, 4096), device=DEVICE, generator=gen) / 64).to(dt)
+    odd = (torch.randn((4000, 4096), device=DEVICE, generator=gen) / 64).to(dt)  # not
+    nw = torch.randn(4096, device=DEVICE, generator=gen).to(dt)
+    for rows in (2, 4, 8):
+        x = torch.randn((rows, 4096), device=DEVICE, generator=gen).to(dt)
+        calls.clear()
+        _check(K.linear(x, w), *_reference(x, w, None, None), dt, f"linear {rows}")
+        _check(K.gated_linear(x, wg, "silu"), *_reference(x, wg, None, "silu"), dt,
+               f"gated_linear {rows}")
+        r = torch.randn_like(x)
+        y, res = K.rms_norm_linear(x, r, nw, 1e-6, wg, silu=True)
+        y_ref, res_ref = torch_ops.rms_norm_linear(x, r, nw, 1e-6, wg, silu=True)
+        assert torch.equal(res, res_ref)
+        _check(y, torch_ops.rms_norm_linear(x.double(), r.double(), nw.double(), 1e-6,
+                                            wg.double(), silu=True)[0], y_ref, dt,
+               f"rms_norm_linear {rows}")
+        assert calls == [None, "silu", "silu"], (rows, calls)
+        calls.clear()
+        K.linear(x, odd)
+        off.linear(x, w)
+        off.gated_linear(x, wg, "silu")
+        assert calls == [], (rows, calls)
+    K.linear(torch.randn((9, 4096), device=DEVICE, dtype=dt), w)
+    K.linear(torch.randn((1, 4096), device=DEVICE, dtype=dt), w)
+    assert calls == []
