@@ -181,10 +181,14 @@ class EngineCore:
             request.structured = True
         if request.structured:
             rid = request.request_id
-            # (Checked now: the scheduler's own check at admission would be too late.)
+            # (Checked first: nothing may be half-queued.)
             if self.scheduler.id_in_use(rid) or rid in self.structured.pending:
                 raise ValueError(f"request id {rid!r} is already in use")
-            self.structured.submit(request)  # joins the scheduler once its grammar compiled
+            # Its prompt prefills while its grammar compiles (all but its last token: nothing
+            # is sampled before its first mask); ``_admit_compiled`` clears the wait.
+            request.grammar_wait = True
+            self.scheduler.add_request(request)
+            self.structured.submit(request)
             return
         self.scheduler.add_request(request)
 
@@ -341,11 +345,15 @@ class EngineCore:
     # --- structured outputs ------------------------------------------------------------------
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Hand the requests whose grammar compiled to the scheduler; fail those whose did not."""
+        """Let the requests whose grammar compiled sample; fail those whose did not (their
+        prefill so far is dropped with them)."""
         ready, failed = self.structured.take_ready()
         for req in ready:
-            self.scheduler.add_request(req)
+            req.grammar_wait = False
         outs = []
+        if failed:
+            self.scheduler.finish_requests([req.request_id for req, _ in failed],
+                                           FinishReason.ERROR)
         for req, why in failed:
             logger.warning("request %s: %s", req.request_id, why)
             outs.append(EngineCoreOutput(req.request_id, finish_reason=FinishReason.ERROR,

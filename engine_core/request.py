@@ -59,6 +59,9 @@ class Request:
     # Under a grammar: its next mask needs its previous token, so it never decodes on a
     # placeholder (async scheduling skips it while its token is in flight).
     structured: bool = field(init=False)
+    # Its grammar (or reasoning markers) is still compiling: it may compute every known token
+    # but the last, so its prompt prefills meanwhile, and samples nothing until it is clear.
+    grammar_wait: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -248,6 +248,8 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             num_new = n_tokens + placeholders - computed
+            if req.grammar_wait:
+                num_new = min(num_new, n_tokens - 1 - computed)  # nothing sampled yet
             if num_new <= 0:
                 continue
             if num_new > budget:
@@ -315,7 +317,9 @@ class Scheduler:
             # Requests parked for an asynchronous KV load hold their adapter's slot too.
             active_loras.update(r.lora_int_id for r in self._kv_recving.values()
                                 if r.lora_request is not None and not r.is_finished)
-            skipped: list[Request] = []
+        # Passed over this step, keeping their places: an adapter over the limit, or a grammar
+        # still compiling with nothing to prefill before its last token.
+        skipped: list[Request] = []
         # Admitting while preempting would only thrash: the pool is already short. Requests
         # parked for an asynchronous KV load count as sequences (each is admitted once loaded).
         while (
@@ -328,6 +332,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a step in flight: resume once its token is known
+            if req.grammar_wait and (self.connector is not None or req.num_tokens < 2):
+                # (A KV connector's lookups are not repeated for it: it waits for its grammar.)
+                skipped.append(self.waiting.popleft())
+                continue
             if max_loras and req.lora_request is not None:
                 lora_id = req.lora_int_id
                 if lora_id not in active_loras:
@@ -353,6 +361,11 @@ class Scheduler:
                         break  # no room for its blocks yet
                     continue
             remaining = req.num_tokens - num_hit - num_ext
+            if req.grammar_wait:
+                remaining -= 1  # all but its last token until its grammar is compiled
+                if remaining <= 0:
+                    skipped.append(self.waiting.popleft())
+                    continue
             if not self.chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
@@ -401,7 +414,7 @@ class Scheduler:
             )
             num_scheduled.append(num_new)
             budget -= num_new
-        if max_loras and skipped:
+        if skipped:
             self.waiting.extendleft(reversed(skipped))
 
         if self.hybrid_kv and c_block_ids:
@@ -463,6 +476,9 @@ class Scheduler:
                 skipped += 1  # as in the general loop: its tokens in flight come first
                 continue
             computed = req.num_computed_tokens
+            if req.grammar_wait and computed >= n_tokens - 1:
+                skipped += 1  # prefilled up to its last token: it samples once compiled
+                continue
             if n_tokens + placeholders - computed != 1:
                 break
             rid = req.request_id

@@ -1,8 +1,9 @@
 """The EngineCore's side of constrained decoding.
 
-A constrained request is held here until its grammar is compiled (in a thread pool: the engine
-loop never waits on a compile, and the scheduler never sees the request before it can run);
-a compile error fails that request alone. Compiled grammars are cached by (kind, spec), and
+A constrained request's grammar compiles in a thread pool (the engine loop never waits on a
+compile); meanwhile the scheduler prefills the request's prompt up to its last token
+(``Request.grammar_wait``), and it samples once its grammar is ready. A compile error fails
+that request alone. Compiled grammars are cached by (kind, spec), and
 each sequence gets its own copy of a matcher (``n`` > 1 arrives as separate requests); a grammar
 many requests share has several templates compiled apart (``_TEMPLATES_PER_GRAMMAR``: copies of
 one llguidance matcher fill their masks slowly side by side).
@@ -336,7 +337,7 @@ class StructuredOutputManager:
         kinds[params.kind] = kinds.get(params.kind, 0) + 1
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Requests whose compile finished: (ready to schedule, failed with why)."""
+        """Requests whose compile finished: (ready to sample, failed with why)."""
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
         now = time.perf_counter()

@@ -331,3 +331,36 @@ def test_prefix_lookups_count_new_prompts_only(base_config):
     add(off, "a", 30)
     fake_step(off)
     assert off.make_stats().prefix_cache_queries == 0
+
+
+def test_grammar_wait_prefills_all_but_the_last_token(base_config):
+    """A request whose grammar is still compiling computes its prompt up to its last token
+    (chunked, beside decoding requests, on the fast path's steps too) and samples nothing; one
+    with nothing left before its last token waits without holding up the queue; cleared, the
+    last token is scheduled and samples. Async scheduling or not, the same."""
+    for async_scheduling in (False, True):
+        s = make_scheduler(base_config, max_num_batched_tokens=16,
+                           async_scheduling=async_scheduling)
+        add(s, "d", 4)
+        fake_step(s)  # d decodes from here on
+        w = add(s, "w", 30)
+        w.grammar_wait = True
+        one = add(s, "one", 1)  # nothing to prefill before its last token
+        one.grammar_wait = True
+        add(s, "after", 3)  # queued behind both: not held up
+        so, outs = fake_step(s)
+        assert so.scheduled() == {"d": 1, "w": 15}, async_scheduling
+        so, outs = fake_step(s)
+        assert so.scheduled() == {"d": 1, "w": 14, "after": 1}, async_scheduling
+        assert w.num_computed_tokens == 29 and w.num_placeholders == 0
+        assert one.num_computed_tokens == 0 and one in s.waiting
+        for _ in range(2):  # prefilled up to its last token: left out, the others go on
+            so, outs = fake_step(s)
+            assert "w" not in so.scheduled() and "one" not in so.scheduled()
+            assert not any(o.request_id == "w" for o in outs)
+        w.grammar_wait = one.grammar_wait = False
+        so, outs = fake_step(s)
+        assert so.scheduled()["w"] == 1 and so.scheduled()["one"] == 1, async_scheduling
+        assert [o.new_token_ids for o in outs if o.request_id == "w"] == [[7]]
+        assert len(w.output_token_ids) == 1
+        s.kv.check_invariants()

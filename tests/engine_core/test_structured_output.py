@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 import jsonschema
 import pytest
@@ -245,7 +246,7 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):
     good = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so(regex="[ab]{3}"))
     core.add_request(EngineCoreRequest("bad", [1, 2, 3], bad))
     core.add_request(EngineCoreRequest("good", [1, 2, 3], good))
-    # Aborted while its grammar compiles: it never reaches the scheduler.
+    # Aborted while its grammar compiles: it leaves the scheduler and the manager.
     core.add_request(EngineCoreRequest("gone", [1, 2, 3], SamplingParams(
         max_tokens=8, structured_outputs=so(regex="[xy]{4,9}"))))
     core.abort_requests(["gone"])
@@ -264,6 +265,55 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):
     assert finished["good"].finish_reason == FinishReason.STOP
     assert "gone" not in finished and "gone" not in core.scheduler.requests
     assert not core.structured.states and not core.structured.pending
+
+
+def test_the_prompt_prefills_while_the_grammar_compiles(llm, monkeypatch):
+    """A request's prompt is computed up to its last token while its grammar compiles (held
+    here until the engine has done that), and it samples under the grammar once compiled: the
+    same tokens as with the compile done first. A compile that fails after the prefill fails
+    that request alone, its blocks freed."""
+    core = llm.engine.core
+    mgr = core.structured
+    prompt = list(range(40, 70))
+    spec = so(regex="[ab]{3,6}c")
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=spec)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert re.fullmatch("[ab]{3,6}c", first.outputs[0].text)
+    compile_now = mgr._compile
+    seen: dict[str, int] = {}
+
+    def after_the_prefill(p):
+        # (The pool thread: the engine keeps stepping in the test's thread meanwhile.)
+        rid = next(r for r, (req, _) in list(mgr.pending.items())
+                   if req.sampling_params.structured_outputs == p)
+        req = core.scheduler.requests[rid]
+        for _ in range(500):
+            if req.num_computed_tokens >= len(prompt) - 1 and not core.batch_queue:
+                break
+            time.sleep(0.01)
+        seen[rid] = req.num_computed_tokens
+        if p.regex == "a(b":
+            raise ValueError("refused after the prefill")
+        return compile_now(p)
+
+    monkeypatch.setattr(mgr, "_compile", after_the_prefill)
+    mgr._cache.clear()
+    second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert list(seen.values()) == [len(prompt) - 1]
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    free = core.scheduler.kv.num_free_blocks
+    core.add_request(EngineCoreRequest("late-error", prompt, SamplingParams(
+        max_tokens=8, structured_outputs=so(regex="a(b"))))
+    outs = []
+    for _ in range(500):
+        outs += core.step().outputs
+        if not core.has_unfinished_requests():
+            break
+    assert seen["late-error"] == len(prompt) - 1
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("late-error",
+                                                                 FinishReason.ERROR)]
+    assert "refused after the prefill" in outs[0].error
+    assert core.scheduler.kv.num_free_blocks == free and not mgr.pending and not mgr.states
 
 
 def test_llm_generate_refuses_an_invalid_schema_before_the_engine(llm):
