@@ -7,8 +7,9 @@ sweep for each case (for ``ROWS_CONFIGS``).
 
 Each case cycles through copies of its weight that together exceed the L2 cache (every call
 reads its weight from memory, as a decode step does): 50 calls captured in a CUDA graph (device
-time, as in a decode step's graph), timed with CUDA events, the median of 5 replays. The kernel's output is checked against the float64 product
-first (a wrong launch shape fails the run, not the table).
+time, as in a decode step's graph), timed with CUDA events, the median of 5 replays. The
+kernel's output is checked against the float64 product first (a wrong launch shape fails the
+run, not the table).
 """
 
 from __future__ import annotations

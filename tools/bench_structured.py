@@ -15,10 +15,11 @@ runs decode the same number of steps. Reported: output tokens/s of each (totals 
 sequence per step (each fill's time over its sequences: p50/p99), and the time from a
 request's arrival to its first mask (compile included: distinct schemas, cold cache, arriving
 ``--corpus-burst`` at a time; the mask as the sampler reads it, after its step's forward pass)
-with its parts (to admission: compiled and handed to the scheduler; to the mask filled) and
-the compile times. ``--backend`` is the engine's ``--structured-outputs-backend``; with xgrammar,
-the corpus schemas it would not enforce in full (a pattern next to a length bound) are left out
-of the time to first mask and counted as ``refused``. ``--engine-process`` runs the EngineCore
+with its parts (to the grammar compiled; to admission: compiled and taken by the engine loop,
+free to sample; to the mask filled) and the compile times. ``--backend`` is the engine's
+``--structured-outputs-backend``; with xgrammar, the corpus schemas it would not enforce in
+full (a pattern next to a length bound) are left out of the time to first mask and counted as
+``refused``. ``--engine-process`` runs the EngineCore
 in its own process, as ``tidal serve`` does, while this one processes the outputs (the default
 does both on one thread, as ``LLM`` does): throughputs and the CPU time of each thread.
 Every run reports each thread's CPU time per step (``thread_cpu_ms_per_step``, this process
@@ -382,8 +383,8 @@ def main() -> None:
                                   "max": round(max(first, default=0) * 1e3, 2),
                                   "schemas": len(first), "refused": refused,
                                   "burst": burst},
-        # Its parts: arrival to its grammar compiled, to admission (compiled, handed to the scheduler) and to the
-        # first mask filled (what is left after: the step's forward pass, then sampling).
+        # Its parts: arrival to its grammar compiled, to admission (taken by the engine loop)
+        # and to the first mask filled (what is left: the step's forward pass, then sampling).
         "to_compiled_ms": {"p50": round(pct(compiled, 0.5) * 1e3, 2),
                            "p99": round(pct(compiled, 0.99) * 1e3, 2)},
         "to_admission_ms": {"p50": round(pct(admit, 0.5) * 1e3, 2),

@@ -87,7 +87,7 @@ class GrammarState:
     kind: str
     submitted: float  # perf_counter when the request arrived (time to first mask)
     first_due: bool = True  # no mask filled yet (StructuredOutputManager._count_masks)
-    admitted: float = 0.0  # perf_counter when it was handed to the scheduler
+    admitted: float = 0.0  # perf_counter when the engine took its grammar (it may sample)
     compiled: float = 0.0  # perf_counter when the template it copies was compiled
     # With --reasoning-parser: where the request is in its thinking (reasoning_gate.py).
     gate: ReasoningGate | None = None
@@ -250,8 +250,9 @@ class StructuredStats:
 
     compile_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # From a request's arrival to its first mask read by the sampler (the time to first
-    # mask), and its parts: to its admission (compiled, handed to the scheduler) and to that
-    # mask being filled (the rest: its step's forward pass, then sampling).
+    # mask), and its parts: to its admission (its grammar compiled and taken by the engine
+    # loop: it may sample from then on) and to that mask being filled (the rest: its step's
+    # forward pass, then sampling).
     first_mask_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     admit_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (Of admit_s: to the compile of the template it copies done; the rest waits for the

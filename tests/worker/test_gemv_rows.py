@@ -49,7 +49,8 @@ def _check(out, ref64, torch_out, dtype, label) -> None:
     assert torch.isfinite(out).all(), f"{label}: non-finite output (unwritten elements?)"
     err = float((out.double() - ref64).norm() / ref64.norm())
     base = float((torch_out.double() - ref64).norm() / ref64.norm())
-    assert err < TOL[dtype] and err <= 2 * base + 1e-6, f"{label}: error {err:.3g}, torch {base:.3g}"
+    assert err < TOL[dtype] and err <= 2 * base + 1e-6, \
+        f"{label}: error {err:.3g}, torch {base:.3g}"
 
 
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
