@@ -102,6 +102,21 @@ def gelu_tanh(g):
 
 
 @triton.jit
+def gated_product(g, u, like_ptr, GELU: tl.constexpr):
+    """``act(g) * u`` (SiLU, or tanh-GELU) of float32 gate and up projections, rounded as torch
+    rounds the unfused ops: each projection to the dtype of ``like_ptr``'s elements, then
+    act(g), then the product (returned in float32)."""
+    dt = like_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    if GELU:
+        s = gelu_tanh(g).to(dt).to(tl.float32)
+    else:
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return s * u
+
+
+@triton.jit
 def _load_x(x_ptr, kk, km, K, PARTS: tl.constexpr, EVEN_K: tl.constexpr):
     """Columns ``kk`` of the GEMV input, in its dtype. With ``PARTS`` > 0, ``x_ptr`` holds that
     many partial rows of ``K`` (one per tensor-parallel rank, pushed by ``_push_rows``) and the
@@ -311,7 +326,6 @@ def _gemv_kernel(
     # With SILU the weight is [gate; up]: the up row of output j is row N + j.
     wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
     cols = tl.arange(0, BLOCK_K)
-    dt = x_ptr.dtype.element_ty
     even = EVEN_N and EVEN_K
     # The first chunk of weights depends on nothing the previous kernel writes: with
     # programmatic dependent launch it streams in while that kernel finishes.
@@ -385,19 +399,12 @@ def _gemv_kernel(
         # (Not even a zero added without an adapter: the base bits, -0.0 included.)
         y = tl.where(lhas, y + tl.sum(lb_rows.to(tl.float32) * lxa, axis=1), y)
     if SILU:
-        # As torch: the projection rounds to the dtype, then act(g) rounds, then the product.
-        g = y.to(dt).to(tl.float32)
         u = tl.sum(acc_up, axis=1)
         if W_SCALE:
             u *= tl.load(ws_ptr + rows + N, mask=row_ok, other=0.0)
         if LORA:
             u = tl.where(lhas, u + tl.sum(lb_up.to(tl.float32) * lxa, axis=1), u)
-        u = u.to(dt).to(tl.float32)
-        if GELU:
-            s = gelu_tanh(g).to(dt).to(tl.float32)
-        else:
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = s * u
+        y = gated_product(y, u, x_ptr, GELU)
     if PUSH_WORLD > 0:
         _push_rows(y.to(out_ptr.dtype.element_ty), rows, row_ok, push_ptrs, push_off, SENT,
                    PUSH_WORLD)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import gelu_tanh
+from tidal.worker.ops.triton_decode import gated_product
 
 MAX_ROWS = 8  # measured up to here (the tile holds 16)
 
@@ -74,14 +74,7 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        # As torch: the projection rounds to the dtype, then act(g) rounds, then the product.
-        g = y.to(dt).to(tl.float32)
-        u = acc_up.to(dt).to(tl.float32)
-        if GELU:
-            s = gelu_tanh(g).to(dt).to(tl.float32)
-        else:
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = s * u
+        y = gated_product(y, acc_up, out_ptr, GELU)
     tl.store(out_ptr + ms[:, None] * stride_o + rows[None, :], y.to(dt),
              mask=m_ok[:, None] & row_ok[None, :])
 
