@@ -65,13 +65,23 @@ class GuidanceBackend:
                     time.perf_counter() - start, self.vocab_size)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """A matcher at the grammar's start (the compile cache keeps it as a template and
-        hands out copies). Raises ValueError with llguidance's reason if it does not compile."""
+        """A matcher at the grammar's start, its first mask computed once (the compile cache
+        keeps it as a template and hands out copies). Raises ValueError with llguidance's
+        reason if it does not compile.
+
+        llguidance builds a grammar's lexer lazily, so the first mask finishes the compile
+        (llguidance's own "time to first mask"). Done here, in the compile thread, it is not
+        left to the fill of the request's first step, and the template's copies share
+        what it built."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(params, self.special_tokens),
                                        log_level=0)
         if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        scratch = np.empty(self.words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        if matcher.is_error():  # (e.g. past llguidance's lexer limits: fail it now, alone)
             raise ValueError(matcher.get_error())
         return matcher
 

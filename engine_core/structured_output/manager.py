@@ -248,15 +248,16 @@ class _Templates:
 class StructuredStats:
     """Timings kept for the benchmark and the logs (bounded)."""
 
+    # Per compile (llguidance's: its first mask included, ``GuidanceBackend.compile``).
     compile_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
-    # From a request's arrival to its first mask read by the sampler (the time to first
-    # mask), and its parts: to its admission (its grammar compiled and taken by the engine
-    # loop: it may sample from then on) and to that mask being filled (the rest: its step's
-    # forward pass, then sampling).
+    # From a request's arrival to its first mask read by the sampler, and its parts: to its
+    # admission (its grammar compiled and taken by the engine loop: it may sample from then
+    # on) and to that mask being filled (the rest: its step's forward pass, then sampling).
     first_mask_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     admit_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
-    # (Of admit_s: to the compile of the template it copies done; the rest waits for the
-    # engine loop to take it, at its next step.)
+    # (Of admit_s: to the compile of the template it copies done, its first mask computed
+    # with llguidance, which builds its lexer lazily: the grammar's time to first mask; the
+    # rest waits for the engine loop to take it, at its next step.)
     compiled_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     first_filled_s: deque[float] = field(default_factory=lambda: deque(maxlen=_MAX_TIMINGS))
     # (sequences, seconds) per bitmask fill
