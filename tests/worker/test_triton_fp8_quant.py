@@ -113,6 +113,23 @@ def test_norm_quant_static_scale_clamps():
     _check_q(q, s, q_ref, s_ref, h)
 
 
+@kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("m,k", [(5, 40), (3, 64), (1, 24)])
+def test_quantize_matches_reference(m, k, static):
+    """The quantization alone (the inputs of the o and down projections)."""
+    from tidal.worker.ops import triton_fp8_quant as tq
+
+    x, _, _ = _inputs(m, k, torch.float32, False, seed=k)
+    scale = torch.tensor([0.004], device=DEV) if static else None
+    q, s = tq.quantize(x, scale)
+    q_ref, s_ref = fp8_torch.quantize_activations(x.cpu(), None if scale is None
+                                                  else scale.cpu())
+    assert q.dtype == fp8_torch.FP8_DTYPE and q.shape == (m, k) and s.shape == (m, 1)
+    _check_q(q, s, q_ref, s_ref, x.cpu())
+
+
 def test_unsupported_rows():
     if not HAS_TRITON:
         pytest.skip("triton is not installed (the module imports it)")
@@ -161,5 +178,41 @@ def test_gpu_rms_norm_fp8_linear_matches_reference(m, n, k, silu):
     ref = fp8_torch.fp8_linear(h, w_q.cpu(), w_s.cpu())
     ref = torch_ops.silu_and_mul(ref) if silu else ref
     assert torch.equal(new_res.cpu(), r) and y.shape == ref.shape
+    err = float((y.cpu().double() - ref.double()).norm() / ref.double().norm())
+    assert err < 2e-2, f"relative error {err}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k", [(17, 4096), (2048, 14336), (300, 5120), (33, 1000)])
+def test_gpu_quantize_16bit(m, k, dtype):
+    from tidal.worker.ops import triton_fp8_quant as tq
+
+    x, _, _ = _inputs(m, k, dtype, False, seed=m)
+    q, s = tq.quantize(x)
+    q_ref, s_ref = fp8_torch.quantize_activations(x.cpu(), None)
+    _check_q(q, s, q_ref, s_ref, x.cpu())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 4096), (300, 4096, 14336), (2, 48, 32)])
+def test_gpu_fp8_linear_quantizes_in_triton(m, n, k, monkeypatch):
+    """``Kernels.fp8_linear`` for rows the GEMV does not take: the Triton quantization, then
+    cuBLASLt, against the torch reference (and never the torch quantizer)."""
+    kernels = _gpu_kernels()
+    assert kernels.policy.fp8_norm_quant and kernels.policy.fp8_scaled_mm
+
+    def unexpected(*a, **k):
+        raise AssertionError("the torch quantizer ran")
+
+    x, _, _ = _inputs(m, k, torch.bfloat16, False, seed=n)
+    w_q, w_s = fp8_torch.quantize_rows(torch.randn(n, k, device="cuda") * 0.05)
+    monkeypatch.setattr(fp8_torch, "quantize_activations", unexpected)
+    y = kernels.fp8_linear(x, w_q, w_s)
+    monkeypatch.undo()
+    ref = fp8_torch.fp8_linear(x.cpu(), w_q.cpu(), w_s.cpu())
+    assert y.shape == ref.shape and y.dtype == x.dtype
     err = float((y.cpu().double() - ref.double()).norm() / ref.double().norm())
     assert err < 2e-2, f"relative error {err}"

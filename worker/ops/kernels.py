@@ -372,14 +372,22 @@ class Kernels:
                    bias: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` times an FP8 e4m3 weight ``w_q`` [N, K] with float32 scales ``w_scale``
-        [N, 1], activations quantized per token (or by the static ``input_scale``): cuBLASLt
-        where the policy has it (compute capability >= 8.9), else the torch reference
+        [N, 1], activations quantized per token (or by the static ``input_scale``), by the
+        Triton pass where the policy has it: cuBLASLt where the policy has it (compute
+        capability >= 8.9), else the torch reference
         (``fp8_torch``). One row on the GPU where the GEMV applies: the FP8 GEMV, weight-only
         (``fp8_torch.fp8_weight_only_linear``; ``input_scale`` unused: nothing quantizes x)."""
         if self.gemv_applies(x, w_q) and (bias is None or bias.dtype == x.dtype):
             y, _ = self._td.gemv(x, w_q, bias, weight_scale=w_scale)
             return y.view(*x.shape[:-1], w_q.shape[0])
         if self._fp8 is not None and x.is_cuda:
+            q = self._fp8q
+            x2 = x.reshape(-1, x.shape[-1])
+            if q is not None and q.supported(x2) and fp8_scaled_mm.supported(x2, w_q):
+                # One Triton pass quantizes the rows, cuBLASLt multiplies.
+                x_q, x_scale = q.quantize(x2, input_scale)
+                y = fp8_scaled_mm.mm_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+                return y.reshape(*x.shape[:-1], w_q.shape[0])
             return self._fp8.fp8_linear(x, w_q, w_scale, bias, input_scale)
         return fp8_torch.fp8_linear(x, w_q, w_scale, bias, input_scale)
 
