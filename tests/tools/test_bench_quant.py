@@ -34,7 +34,7 @@ def test_verdicts_against_the_targets():
     result = {"runs": {"bf16": _run(b1=10.0, tput=1000.0),
                        "fp8": _run(b1=5.9, tput=1400.0, mfu=0.55, kv=500.0),
                        "int4": _run(b1=4.1),
-                       "fp8_kv": _run(kv=700.0)}}
+                       "fp8_kv": _run(tput=1600.0, kv=700.0)}}
     v = bench_quant.verdicts(result)
     assert v["decode_b1_fp8_ratio"]["value"] == 0.59
     assert v["decode_b1_fp8_ratio"]["verdict"] == "PASS"
@@ -42,6 +42,8 @@ def test_verdicts_against_the_targets():
     assert v["decode_b1_int4_ratio"]["verdict"] == "MISS"
     assert v["decode_batch_fp8_speedup"]["value"] == 1.4
     assert v["decode_batch_fp8_speedup"]["verdict"] == "MISS"
+    assert v["decode_batch_fp8_kv_speedup"]["value"] == 1.6
+    assert v["decode_batch_fp8_kv_speedup"]["verdict"] == "PASS"
     assert v["prefill_fp8_mfu"]["verdict"] == "PASS"
     assert v["kv_fp8_speedup"]["value"] == 1.4 and v["kv_fp8_speedup"]["verdict"] == "PASS"
     # Legs that did not run are not measured, never passed.
@@ -68,6 +70,7 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     if "fp8_kv" in runs:
         # FP8 KV: twice the KV tokens in the same memory, and the long-context leg of both.
         assert runs["fp8_kv"]["kv_tokens"] == 2 * runs["fp8"]["kv_tokens"]
+        assert runs["fp8_kv"]["decode_batch"]["batch"] == 8
         assert runs["fp8_kv"]["decode_kv"]["tokens_per_s"] > 0
         assert runs["fp8"]["decode_kv"]["batch"] == runs["fp8_kv"]["decode_kv"]["batch"] == 4
     else:
