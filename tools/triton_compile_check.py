@@ -222,6 +222,20 @@ def main() -> int:
     from tidal.worker.ops import triton_moe_gemv
 
     cases += triton_moe_gemv.compile_check_cases()  # the direct small-batch MoE kernels
+    from tidal.worker.ops import triton_fp8_quant as fq
+
+    for static in (False, True):
+        consts = dict(STATIC=static, BLOCK=16384, QMAX=fq.FP8_MAX, SMIN=fq.MIN_SCALE)
+        types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                 "res_out_ptr": "*bf16", "stride_x": "i64", "stride_r": "i64", "eps": "fp32"}
+        for label, fn, extra in (("FP8 row quantization", fq._quant_kernel, {}),
+                                 ("add + norm + FP8 quantization", fq._norm_quant_kernel,
+                                  {"ADD": True})):
+            c = {**consts, **extra}
+            sig = {n: "constexpr" if n in c else types.get(n, "*fp32" if n.endswith("_ptr")
+                                                           else "i32")
+                   for n in fn.arg_names}
+            cases.append((label + (" (static scale)" if static else ""), fn, sig, c))
     failed = 0
     for name, fn, sig, consts in cases:
         error = _compile(fn, sig, consts)

@@ -204,7 +204,7 @@ def test_gpu_fp8_linear_quantizes_in_triton(m, n, k, monkeypatch):
     kernels = _gpu_kernels()
     assert kernels.policy.fp8_norm_quant and kernels.policy.fp8_scaled_mm
 
-    def unexpected(*a, **k):
+    def unexpected(*args, **kwargs):
         raise AssertionError("the torch quantizer ran")
 
     x, _, _ = _inputs(m, k, torch.bfloat16, False, seed=n)

@@ -372,10 +372,9 @@ class Kernels:
                    bias: torch.Tensor | None = None,
                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` times an FP8 e4m3 weight ``w_q`` [N, K] with float32 scales ``w_scale``
-        [N, 1], activations quantized per token (or by the static ``input_scale``), by the
-        Triton pass where the policy has it: cuBLASLt where the policy has it (compute
-        capability >= 8.9), else the torch reference
-        (``fp8_torch``). One row on the GPU where the GEMV applies: the FP8 GEMV, weight-only
+        [N, 1], activations quantized per token (or by the static ``input_scale``; in one
+        Triton pass where the policy has it), then cuBLASLt where the policy has it (compute
+        capability >= 8.9); else the torch reference (``fp8_torch``). One row on the GPU where the GEMV applies: the FP8 GEMV, weight-only
         (``fp8_torch.fp8_weight_only_linear``; ``input_scale`` unused: nothing quantizes x)."""
         if self.gemv_applies(x, w_q) and (bias is None or bias.dtype == x.dtype):
             y, _ = self._td.gemv(x, w_q, bias, weight_scale=w_scale)

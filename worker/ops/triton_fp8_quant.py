@@ -27,6 +27,21 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _store_quantized(h, row, cols, m, K, q_ptr, scale_ptr, static_ptr, STATIC: tl.constexpr,
+                     QMAX: tl.constexpr, SMIN: tl.constexpr):
+    """Row ``row`` of ``q`` (e4m3) and its scale for the float32 row ``h``: the static scale,
+    or the row's amax / QMAX (at least SMIN); the quotient IEEE-rounded and clamped."""
+    if STATIC:
+        s = tl.load(static_ptr).to(tl.float32)
+    else:
+        s = tl.maximum(tl.max(tl.abs(h), axis=0) / QMAX, SMIN)
+    # Masked columns are zero, so they neither raise the amax nor get stored.
+    q = tl.minimum(tl.maximum(tl.div_rn(h, s), -QMAX), QMAX)
+    tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=m)
+    tl.store(scale_ptr + row, s)
+
+
+@triton.jit
 def _norm_quant_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, scale_ptr, res_out_ptr, static_ptr, K,
                        stride_x, stride_r, eps, ADD: tl.constexpr, STATIC: tl.constexpr,
                        BLOCK: tl.constexpr, QMAX: tl.constexpr, SMIN: tl.constexpr):
@@ -43,14 +58,7 @@ def _norm_quant_kernel(x_ptr, res_ptr, nw_ptr, q_ptr, scale_ptr, res_out_ptr, st
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
     nw = tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32)
     h = ((xf * inv).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
-    if STATIC:
-        s = tl.load(static_ptr).to(tl.float32)
-    else:
-        s = tl.maximum(tl.max(tl.abs(h), axis=0) / QMAX, SMIN)
-    # Masked columns are zero, so they neither raise the amax nor get stored.
-    q = tl.minimum(tl.maximum(tl.div_rn(h, s), -QMAX), QMAX)
-    tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=m)
-    tl.store(scale_ptr + row, s)
+    _store_quantized(h, row, cols, m, K, q_ptr, scale_ptr, static_ptr, STATIC, QMAX, SMIN)
 
 
 @triton.jit
@@ -60,13 +68,7 @@ def _quant_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x, STATIC: tl.c
     cols = tl.arange(0, BLOCK)
     m = cols < K
     h = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    if STATIC:
-        s = tl.load(static_ptr).to(tl.float32)
-    else:
-        s = tl.maximum(tl.max(tl.abs(h), axis=0) / QMAX, SMIN)
-    q = tl.minimum(tl.maximum(tl.div_rn(h, s), -QMAX), QMAX)
-    tl.store(q_ptr + row * K + cols, q.to(tl.float8e4nv), mask=m)
-    tl.store(scale_ptr + row, s)
+    _store_quantized(h, row, cols, m, K, q_ptr, scale_ptr, static_ptr, STATIC, QMAX, SMIN)
 
 
 def supported(x: torch.Tensor) -> bool:
