@@ -169,18 +169,23 @@ def test_idle_engine_uses_almost_no_cpu(engine):
 
 
 def _engine_whose_executor_fails(config_bytes: bytes, listen: str) -> None:
-    """Spawn target: the executor raises on its 6th step, as when a worker dies."""
+    """Spawn target: the executor raises 5 steps after the test's last request (r2) was
+    scheduled, as when a worker dies. Counting from r2, not from the first step, keeps a loaded
+    machine from killing the engine before the test has sent all its requests."""
     from tidal.engine_core import core
 
     original = core.NoopExecutor.execute_model
-    steps = 0
+    steps_since_r2: int | None = None
 
-    def execute_model(self, so):
-        nonlocal steps
-        steps += 1
-        if steps > 5:
-            raise RuntimeError("worker rank 0 died (simulated)")
-        return original(self, so)
+    def execute_model(self, so, non_block=False):
+        nonlocal steps_since_r2
+        if any(r.req_id.endswith(":r2") for r in so.new_reqs):  # ids carry a client prefix
+            steps_since_r2 = 0
+        if steps_since_r2 is not None:
+            steps_since_r2 += 1
+            if steps_since_r2 > 5:
+                raise RuntimeError("worker rank 0 died (simulated)")
+        return original(self, so, non_block)
 
     core.NoopExecutor.execute_model = execute_model
     run_engine_core(config_bytes, listen)
