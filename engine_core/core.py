@@ -204,14 +204,18 @@ class EngineCore:
 
     def _inflight_limit(self) -> int:
         """Steps that may be in flight before the next is scheduled. With speculative decoding
-        a step that verifies drafts or proposes them runs alone: the next step's drafts (and
-        its requests' accepted-token counts) come from its output. Steps that do neither (the
-        off-switch is off) pipeline as without speculation."""
+        a step that verifies drafts or proposes them runs alone when the next step's drafts
+        must come from its output: n-gram drafts (looked up on the host), and constrained
+        requests (their drafts are cut to what the grammar allows, their masks filled per
+        draft). With a model drafter it pipelines: the next step takes placeholder drafts the
+        workers fill from the device (``SchedulerOutput.spec_in_flight``). Steps that do
+        neither (the off-switch is off) pipeline as without speculation."""
         queue = self.batch_queue
         if queue and self.max_inflight > 1:
             newest = queue[-1][0]
-            if newest.scheduled_spec_decode_tokens or (
-                    self.speculative and newest.propose_drafts):
+            if (newest.scheduled_spec_decode_tokens or (
+                    self.speculative and newest.propose_drafts)) and not (
+                    self.scheduler.async_spec and not self.structured.states):
                 return 1
         return self.max_inflight
 

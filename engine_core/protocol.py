@@ -342,6 +342,12 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Whether the workers propose drafts after this step: not while the off-switch would not
     # schedule them next step (e.g. above its batch size), when proposing is pure cost.
     propose_drafts: bool = True
+    # Async scheduling with a draft model / EAGLE-3 / MTP head: this step was scheduled before
+    # the step before it came back, and that step verified drafts. The computed counts of its
+    # requests then assume every one of those drafts accepted (the workers step each back by
+    # the drafts that step rejected, which they know), and a draft list of -1s stands for the
+    # drafts the workers proposed after that step (they still hold them, on the device).
+    spec_in_flight: bool = False
     # KV connector only: its scheduler side's ``KVConnectorMetadata`` for this step, msgpack
     # bytes the worker side decodes as its ``metadata_type`` (engine_core/kv_transfer).
     kv_connector_metadata: bytes = b""

@@ -140,6 +140,16 @@ class Scheduler:
         # Per step, whether the drafts at hand are worth verifying (batch size, acceptance).
         self.spec_off: SpecOffSwitch | None = None
         self._proposed_last = True  # whether the workers proposed drafts after the last step
+        # The id of the last step scheduled if it verified drafts and is not back yet.
+        self._verifying_step: int | None = None
+        # Async scheduling with a model drafter: a request whose step is still in flight is
+        # scheduled again with placeholder drafts (-1s) for what the workers propose after
+        # it, so speculative steps pipeline like plain ones (``SchedulerOutput.spec_in_flight``).
+        # (N-gram drafts are looked up on the host from the emitted tokens: those steps wait.)
+        spec = config.speculative
+        self.async_spec = bool(config.scheduler.async_scheduling and spec is not None
+                               and spec.uses_model)
+        self._k = spec.num_speculative_tokens if spec is not None else 0
         if config.speculative is not None:
             self.spec_off = SpecOffSwitch.from_config(config.speculative)
             logger.info("speculative decoding off-switch: %s", self.spec_off.describe())
@@ -220,15 +230,19 @@ class Scheduler:
         i = 0
         drafts_of = self._drafts
         spec_off = self.spec_off
-        if spec_off is not None and (drafts_of or not self._proposed_last) \
+        # Drafts the workers propose after the step in flight (if it proposes), for requests
+        # scheduled again before it is back: placeholders.
+        ahead = self.async_spec and self._proposed_last
+        if spec_off is not None and (drafts_of or not self._proposed_last or ahead) \
                 and not spec_off.decide(len(running)):
             # Not worth verifying this step: plain decodes (the fast path included). (A step
             # after one that proposed nothing decides too: the off-switch counts it, and its
             # probes come round.)
             drafts_of.clear()
+            ahead = False
         spec_tokens: dict[str, list[int]] = {}
         # (Requests with drafts take the general loop: they compute more than one token.)
-        if self.decode_fast_path and not forward and not drafts_of \
+        if self.decode_fast_path and not forward and not drafts_of and not ahead \
                 and min(budget, cap) >= len(running):
             i, prompt_tokens = self._schedule_decodes(cached, num_scheduled)
             budget -= len(num_scheduled)
@@ -256,7 +270,13 @@ class Scheduler:
                 num_new = budget
             rid = req.request_id
             drafts = None
-            if drafts_of and num_new == 1 and not placeholders and rid in drafts_of:
+            if placeholders:
+                if ahead and num_new == 1:
+                    n = self._drafts_ahead(req, n_tokens + placeholders, budget)
+                    if n:
+                        drafts = [-1] * n
+                        num_new += n
+            elif drafts_of and num_new == 1 and rid in drafts_of:
                 # A decode with drafts verifies them too: its last token and the drafts are
                 # this step's inputs, and it may emit up to 1 + len(drafts) tokens, so never
                 # more drafts than its length limit or the budget leave room for.
@@ -305,7 +325,11 @@ class Scheduler:
                 prompt_tokens += min(n_prompt - computed, num_new)
             computed += num_new
             req.num_computed_tokens = computed
-            if computed >= n_tokens + placeholders:
+            if drafts:
+                # Up to 1 + len(drafts) tokens come out of this step: placeholders for all
+                # (``_verified`` takes back the drafts' share).
+                req.num_placeholders = placeholders + 1 + len(drafts)
+            elif computed >= n_tokens + placeholders:
                 req.num_placeholders = placeholders + 1
 
         # LoRA: the running batch holds at most max_loras distinct adapters (the workers'
@@ -431,12 +455,14 @@ class Scheduler:
             finished_req_ids=self._finished_ids if total else [],
             scheduled_spec_decode_tokens=spec_tokens,
             propose_drafts=spec_off is None or spec_off.wants_drafts(len(running)),
+            spec_in_flight=self._verifying_step == self._step_id - 1,
         )
         if not total:
             return out  # nothing runs; the workers learn of finished requests next time
         if self.connector is not None:
             self._attach_connector_meta(out)
         self._proposed_last = out.propose_drafts
+        self._verifying_step = self._step_id if spec_tokens else None
         self._finished_ids = []
         self._step_id += 1
         self._step_tokens.append(total)
@@ -499,6 +525,20 @@ class Scheduler:
         num_scheduled.extend([1] * len(c_ids))
         return len(c_ids) + skipped, prompt_tokens
 
+    def _drafts_ahead(self, req: Request, max_tokens: int, budget: int) -> int:
+        """Placeholder drafts for ``req``, scheduled while its step is in flight (at most
+        ``max_tokens`` tokens once that step is back). Never more than the workers propose
+        after that step, whatever it accepts: they propose ``k`` for a request with room left
+        in its row and whose later positions sample as its first does (no penalties, which
+        count earlier outputs; min_tokens reached, which bans stop tokens at some positions
+        only): the same tests, on the fewest tokens the step can emit (one)."""
+        sp = req.sampling_params
+        if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
+                or len(req.output_token_ids) + 1 < sp.min_tokens):
+            return 0
+        room = min(req.length_limit - max_tokens - 1, budget - 1)
+        return max(0, min(self._k, room))
+
     @property
     def drafts(self) -> dict[str, list[int]]:
         """The drafts the workers proposed for each request's next step (verified when it is
@@ -517,6 +557,8 @@ class Scheduler:
             self._connector_output(result)
         if sched.scheduled_spec_decode_tokens:
             self._verified(sched.scheduled_spec_decode_tokens, result)
+            if sched.step_id == self._verifying_step:
+                self._verifying_step = None
         if result.expert_load:
             self._expert_load = add_per_pos(self._expert_load, result.expert_load)
         if result.logprobs is None and not result.prompt_logprobs:
@@ -557,7 +599,10 @@ class Scheduler:
             requests = self.requests
             for rid, drafts in zip(result.req_ids, result.spec_token_ids):
                 req = requests.get(rid)
-                if drafts and req is not None and req.status == RequestStatus.RUNNING:
+                # (Not for a request scheduled again meanwhile: that step took placeholders
+                # for these drafts, and brings its own.)
+                if drafts and req is not None and req.status == RequestStatus.RUNNING \
+                        and not req.num_placeholders:
                     self._drafts[rid] = drafts
         return outputs
 
@@ -574,7 +619,10 @@ class Scheduler:
             if tokens is None or req is None:
                 continue  # failed, or aborted while the step ran
             accepted = len(tokens) - 1
-            req.num_computed_tokens -= len(drafts) - accepted
+            # (The tokens that come out go on to take their one placeholder each step.)
+            req.num_placeholders = max(req.num_placeholders - len(drafts), 0)
+            if req.status == RequestStatus.RUNNING:  # (preempted: recomputed from 0)
+                req.num_computed_tokens -= len(drafts) - accepted
             self._spec_drafts += 1
             self._spec_draft_tokens += len(drafts)
             self._spec_accepted += accepted

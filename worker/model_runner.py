@@ -49,7 +49,8 @@ from tidal.worker.sample.metadata import (
 from tidal.worker.sample.grammar_mask import MaskStaging, grammar_rows
 from tidal.worker.sample.logits_processors import LogitsProcessors
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
-from tidal.worker.spec_decode.spec_step import SpeculativeStep
+from tidal.worker.spec_decode.model_drafter import Proposal
+from tidal.worker.spec_decode.spec_step import SpeculativeStep, VerifyLaunch
 from tidal.worker.step_buffers import StepBuffers, to_device
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,34 @@ class PendingStep:
         self.done = True
 
 
+@dataclass(slots=True, eq=False)
+class PendingSpecStep:
+    """A speculative step launched with async scheduling: its verification runs on the
+    device, and (EAGLE-3 / MTP) its proposal behind it. The next step's ``execute_model``
+    resolves it first (``_resolve``: the emitted tokens to the host and into the rows, the
+    proposal launched if it was not, left on the device for that step's drafts); its output
+    (``get_output``) also waits for the drafts' copy to the host."""
+
+    runner: ModelRunner
+    later: SampleLater
+    launch: VerifyLaunch
+    proposal: Proposal | None = None
+    done: bool = False
+
+    def get_output(self) -> ModelRunnerOutput:
+        if not self.done:
+            self.runner._resolve_through(self)
+        result = self.later.result
+        if self.proposal is not None:
+            result.spec_token_ids = self.proposal.lists()
+            self.proposal = None
+        return result
+
+    def _resolve(self) -> None:
+        self.runner._finish_spec_step(self)
+        self.done = True
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     """Start copying a device tensor into pinned host memory on the current stream. The caching
     host allocator keeps the block from reuse until the copy has completed."""
@@ -236,7 +265,8 @@ class ModelRunner:
         # Hand outputs back before their tokens reach the host only when the EngineCore will
         # schedule the next step meanwhile; otherwise a step returns its output directly.
         self.defer_output = config.scheduler.async_scheduling
-        self._inflight: deque[PendingStep] = deque()  # steps whose tokens are not applied yet
+        # Steps whose tokens are not applied yet.
+        self._inflight: deque[PendingStep | PendingSpecStep] = deque()
         self._due: PendingStep | None = None  # booked by sample_lazily, not sampled yet
         self._copy_stream = torch.cuda.Stream(device) if self.on_gpu else None
         # For the newest launched step: batch row -> index into its sampled ids (-1: none), and
@@ -875,7 +905,10 @@ class ModelRunner:
         defer_sample: bool,
     ) -> ModelRunnerOutput | PendingStep | IntermediateTensors | SampleLater:
         # Only the newest step's tokens may stay unknown on the host: its sampled ids on the
-        # device fill the inputs that need them.
+        # device fill the inputs that need them. A speculative step is resolved whole: its
+        # emitted counts place this step's inputs.
+        if self._inflight and isinstance(self._inflight[-1], PendingSpecStep):
+            self.finish_inflight()
         while len(self._inflight) > 1:
             self._resolve_through(self._inflight[0])
         failed = self._apply_new_and_finished(so)
@@ -885,6 +918,12 @@ class ModelRunner:
         n_cached = len(so.cached_reqs.req_ids)
         if n_cached:  # the cached requests come first
             self._apply_cached(so, rows[:n_cached], all_known)
+            if so.spec_in_flight:
+                assert self.spec is not None
+                kept = self.spec.step_back(b, rows[:n_cached], req_ids[:n_cached], so.step_id)
+                if (kept < 0).any():  # (``rows_of``'s array is read-only: a new one)
+                    rows = np.concatenate((kept, rows[n_cached:]))
+                    all_known = False
         if so.total_num_scheduled_tokens == len(req_ids):  # one token each: a decode batch
             n_sched = self._ones32[:len(req_ids)]
         else:
@@ -911,6 +950,8 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:
             assert self.spec is not None
             n_draft = self.spec.write_drafts(b, rows, req_ids, so.scheduled_spec_decode_tokens)
+        elif self.spec is not None:
+            self.spec.write_drafts(b, rows[:0], [], {})  # (none: forget the last step's)
         inputs = self.prepare_inputs(rows, n_sched, total, n_draft)
         assert self.model is not None
         num_tokens = inputs.meta.num_actual_tokens
@@ -971,12 +1012,14 @@ class ModelRunner:
             return self._verify_and_propose(later)
         return later if defer_sample else self.finish_sample(later)
 
-    def _verify_and_propose(self, later: SampleLater) -> ModelRunnerOutput:
+    def _verify_and_propose(self, later: SampleLater) -> ModelRunnerOutput | PendingSpecStep:
         """Speculative decoding's sampling: verify the step's drafts (a request without drafts
         samples its one token the same way), append what each request emitted, and propose
-        its next drafts. Its output is final (never deferred): the EngineCore schedules the
-        next step only once it has it."""
-        assert self.spec is not None
+        its next drafts. With async scheduling and a model drafter the step comes back
+        unresolved (``PendingSpecStep``): the EngineCore schedules the next step meanwhile,
+        with placeholder drafts (``SchedulerOutput.spec_in_flight``)."""
+        spec = self.spec
+        assert spec is not None
         # Verification appends each request's tokens to its row: an older step still in flight
         # (async scheduling pipelines the steps that do not speculate) lands first.
         self.finish_inflight()
@@ -984,13 +1027,35 @@ class ModelRunner:
         if so.grammar_req_ids:  # one mask per verify position
             self._attach_grammar(so, later.sampling, later.sampled_ids,
                                  so.scheduled_spec_decode_tokens)
-        emitted, bad, logprobs = self.spec.verify(
+        elif self.defer_output and spec.drafter is not None:
+            launch = spec.launch_verify(self.batch, later.logits, later.sampling,
+                                        later.sample_rows, later.sampled_ids, so.step_id,
+                                        propose=so.propose_drafts)
+            if launch is not None:
+                self._mask_staging.consumed()
+                pending = PendingSpecStep(self, later, launch)
+                self._inflight.append(pending)  # type: ignore[arg-type]
+                return pending
+        emitted, bad, logprobs = spec.verify(
             self.batch, later.logits, later.sampling, self.sampling_builder, later.sample_rows,
-            later.sampled_ids, later.so.scheduled_spec_decode_tokens,
-            propose=later.so.propose_drafts)
+            later.sampled_ids, so.step_id, propose=so.propose_drafts)
         self._mask_staging.consumed()
-        result = later.result
+        result, rows = self._spec_result(later, emitted, bad)
         result.logprobs = logprobs  # one row per emitted token, in order
+        if so.propose_drafts:
+            result.spec_token_ids = spec.propose(self.batch, rows,
+                                                 result.sampled_token_ids).lists()
+        else:
+            spec.proposal = None  # (no step verifies an older one's)
+        if self.expert_load is not None:  # (verification waited for the device already)
+            result.expert_load = self.expert_load.snapshot().tolist()
+        return result
+
+    def _spec_result(self, later: SampleLater, emitted: list[list[int]],
+                     bad: dict[str, str]) -> tuple[ModelRunnerOutput, np.ndarray]:
+        """The step's output with what each request emitted (the requests that emitted
+        nothing failed), and their rows."""
+        result = later.result
         result.failed = later.failed
         for rid, why in bad.items():
             result.failed[rid] = why
@@ -998,12 +1063,23 @@ class ModelRunner:
         rows = later.sample_rows[keep] if len(keep) < len(emitted) else later.sample_rows
         result.req_ids = [later.sampled_ids[i] for i in keep]
         result.sampled_token_ids = [emitted[i] for i in keep]
+        return result, rows
+
+    @torch.inference_mode()  # (also when called from a result wait, outside a step)
+    def _finish_spec_step(self, pending: PendingSpecStep) -> None:
+        """``PendingSpecStep._resolve``: the emitted tokens into the rows, the next drafts
+        proposed (or, launched early, picked up) and left on the device."""
+        assert self.spec is not None
+        later = pending.later
+        emitted = self.spec.finish_verify(self.batch, pending.launch)
+        result, rows = self._spec_result(later, emitted, {})
         if later.so.propose_drafts:
-            result.spec_token_ids = self.spec.propose(self.batch, rows,
-                                                      result.sampled_token_ids)
-        if self.expert_load is not None:  # (verification waited for the device already)
+            pending.proposal = self.spec.propose(self.batch, rows, result.sampled_token_ids,
+                                                 defer=True)
+        else:
+            self.spec.proposal = None
+        if self.expert_load is not None:
             result.expert_load = self.expert_load.snapshot().tolist()
-        return result
 
     @torch.inference_mode()
     def finish_sample(self, later: SampleLater, grammar_req_ids: list[str] | None = None,
@@ -1166,6 +1242,16 @@ class ModelRunner:
             logits_d = put(self.spec.logits_rows(cu, sample_mask, n_draft), torch.int64)
         elif not (decode_only and all_sample):
             logits_d = put((cu[1:][sample_mask] - 1).astype(np.int64), torch.int64)
+        drafts_fill = None
+        if n_draft is not None and self.spec is not None and self.spec.has_device_drafts:
+            # Drafts proposed after the step before, still only on the device.
+            unknown = np.flatnonzero(ids < 0)
+            if unknown.size:
+                rows_u, pos_u = token_rows[unknown], positions[unknown]
+                src = self.spec.device_draft_sources(rows_u, pos_u)
+                ids[unknown] = 0
+                drafts_fill = (put(unknown.astype(np.int64), torch.int64),
+                               put(src, torch.int64), rows_u, pos_u)
         fill = self._placeholder_fill(ids, token_rows, positions, put)
         sampling = None
         if self.pp.is_last and (all_sample or sample_mask.any()):
@@ -1194,6 +1280,9 @@ class ModelRunner:
                 views.input_ids.copy_(tokens)
             else:
                 bufs.input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+        if drafts_fill is not None:
+            assert self.spec is not None
+            self.spec.fill_device_drafts(bufs.input_ids, *drafts_fill)
         if decode_only:
             leading_decodes, max_query = num_reqs, 1
         else:

@@ -204,9 +204,9 @@ def test_nothing_is_proposed_where_the_off_switch_would_drop_it(drafts, plain):
         calls = []
         propose = drafter.propose
 
-        def counting(b, rows, limits):
+        def counting(b, rows, limits, *args):
             calls.append(len(rows))
-            return propose(b, rows, limits)
+            return propose(b, rows, limits, *args)
 
         drafter.propose = counting
         got, (n_drafts, _, _) = _generate(llm, GREEDY)  # 4 requests: above the limit
@@ -323,3 +323,93 @@ def test_dummy_weights_apply_to_the_draft_too(drafts, tmp_path):
             llm.shutdown()
     (want, _), (got, (n_drafts, _, _)) = outs
     assert got == want and n_drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_async_scheduling_pipelines_speculative_steps(drafts, plain, method):
+    """Async scheduling with a model drafter: a step that verifies or proposes drafts no
+    longer runs alone. The next step is scheduled while it is in flight, with placeholder
+    drafts the worker fills from the proposal it left on the device, and computed counts that
+    assume every draft accepted (the worker steps them back by what was rejected). Greedy
+    output stays the plain engine's through chunked prefill, preemption and requests ending
+    at different lengths; seeded sampling stays reproducible."""
+    from tidal.frontend import LLM
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (32, 24, 32, 28)]
+    model = drafts["small"] if method == "draft_model" else drafts["eagle3"]
+    llm = LLM(str(drafts["target"]), speculative_config=_spec(method, model),
+              max_num_batched_tokens=16, num_kv_blocks=12, block_size=16,
+              async_scheduling=True, **KW)
+    core = llm.engine.core
+    runner = core.executor.worker.runner
+    preempted = reference.record_preemptions(llm)
+    ahead: list[int] = []  # per step scheduled with a speculative step in flight: its drafts
+    launch = core.executor.execute_model
+
+    def recording(sched, *args, **kwargs):
+        if sched.spec_in_flight:
+            assert core.batch_queue  # (the step it follows is still in flight)
+            ahead.append(sum(len(d) for d in sched.scheduled_spec_decode_tokens.values()))
+        return launch(sched, *args, **kwargs)
+
+    core.executor.execute_model = recording
+    fills: list[int] = []
+    fill = runner.spec.fill_device_drafts
+
+    def counting_fills(input_ids, dst, *args):
+        fills.append(len(dst))
+        return fill(input_ids, dst, *args)
+
+    runner.spec.fill_device_drafts = counting_fills
+    proposed = _record_drafts(llm)
+    try:
+        got, (n_drafts, _, accepted) = _generate(llm, params)
+        assert got == [p[:n] for p, n in zip(plain, (32, 24, 32, 28))]
+        assert n_drafts > 0 and preempted
+        # Steps were scheduled behind a speculative one, verifying placeholder drafts the
+        # worker took from the device.
+        assert len(ahead) > 5 and sum(ahead) > 0 and sum(fills) > 0
+        if method == "draft_model":  # (the random EAGLE-3 head's drafts are all rejected)
+            assert accepted > 0
+            want = [reference.hf_greedy(drafts["small_hf"], t, K)[0] for t, _ in proposed[::5]]
+        else:
+            want = [_eagle3_from_scratch(str(drafts["target"]), str(model), t)
+                    for t, _ in proposed[::7]]
+        # What the drafter left on the device (and copied to the host for the output) is
+        # what it drafts from each sequence alone.
+        for (tokens, drafts_then), w in zip(proposed[::5 if method == "draft_model" else 7],
+                                            want):
+            assert drafts_then == w[:len(drafts_then)], len(tokens)
+        _check_seeds(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_async_speculative_steps_through_worker_processes(drafts, plain):
+    """The same with the worker in its own process (the multiprocess executor): it resolves
+    the step in flight before the next one, and sends a step's output only once the next step
+    is launched (its drafts then copied from the device). (Speculation with tensor
+    parallelism is refused for now.)"""
+    from tidal.frontend import LLM
+
+    llm = LLM(str(drafts["target"]), speculative_config=_spec("draft_model", drafts["small"]),
+              kv_cache_memory_bytes=64 << 20, async_scheduling=True,
+              distributed_executor_backend="mp", **KW)
+    core = llm.engine.core
+    ahead = []
+    launch = core.executor.execute_model
+
+    def recording(sched, *args, **kwargs):
+        ahead.append(sched.spec_in_flight)
+        return launch(sched, *args, **kwargs)
+
+    core.executor.execute_model = recording
+    try:
+        got, (n_drafts, _, accepted) = _generate(llm, GREEDY)
+        assert got == plain
+        assert n_drafts > 0 and accepted > 0 and sum(ahead) > 5
+    finally:
+        llm.shutdown()

@@ -307,6 +307,16 @@ def test_mtp_greedy_exact_and_seeds_reproducible(v3_echo):
         assert drafted > 0 and accepted > 0
     finally:
         llm.shutdown()
+    # Async scheduling: each step is scheduled while the one before verifies, its drafts
+    # (the MTP layer's, left on the device) filled in by the worker.
+    llm = LLM(str(folder), device="cpu", speculative_config=MTP, async_scheduling=True, **KW)
+    try:
+        plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs, (drafted, accepted) = _run(llm, prompts, plain)
+        assert [o.token_ids for o in outs] == [ref_tokens for ref_tokens, _ in refs]
+        assert 0 < accepted < drafted
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.gpu

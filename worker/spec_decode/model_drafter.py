@@ -45,6 +45,58 @@ logger = logging.getLogger(__name__)
 _DRAFT_SALT = 0x5D3A_F7C1
 
 
+@dataclass(slots=True, eq=False)
+class Proposal:
+    """The drafts proposed after a step, for the next: host lists, or (a uniform proposal
+    under async scheduling) the drafter's device output, its copy to the host on its way.
+    The next step, scheduled before this one came back, takes its drafts from the device."""
+
+    rows: np.ndarray  # batch rows, parallel to the drafts
+    generations: np.ndarray  # the rows' generations then (a reused row is another request)
+    host: list[list[int]] | None = None
+    dev: torch.Tensor | None = None  # int64 [n, k]: the drafter's output
+    src: np.ndarray | None = None  # int64 per row: its row of ``dev`` (-1: no drafts)
+    limits: np.ndarray | None = None  # int64 per row: how many of its drafts count
+    copy: torch.Tensor | None = None  # ``dev`` on the host (pinned), once ``copied``
+    copied: torch.cuda.Event | None = None
+    _where: dict[int, int] | None = None
+
+    @classmethod
+    def on_device(cls, b: InputBatch, rows: np.ndarray, dev: torch.Tensor, src: np.ndarray,
+                  limits: np.ndarray) -> Proposal:
+        """Starts the host copy, in stream order right after the drafter: the drafter's next
+        run overwrites ``dev``."""
+        if dev.is_cuda:
+            copy = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            copy.copy_(dev, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            copy, copied = dev.clone(), None
+        return cls(rows, b.generation[rows].copy(), dev=dev, src=src, limits=limits,
+                   copy=copy, copied=copied)
+
+    def lists(self) -> list[list[int]]:
+        """The drafts on the host (waits for their copy), parallel to ``rows``."""
+        if self.host is None:
+            assert self.copy is not None and self.src is not None and self.limits is not None
+            if self.copied is not None:
+                self.copied.synchronize()
+            tokens = self.copy.numpy()
+            self.host = [tokens[s, :n].tolist() if s >= 0 else []
+                         for s, n in zip(self.src.tolist(), self.limits.tolist())]
+        return self.host
+
+    def find(self, b: InputBatch, row: int) -> int | None:
+        """Where ``row``'s drafts are (its index in ``rows``), if they are its request's."""
+        if self._where is None:
+            self._where = {int(r): i for i, r in enumerate(self.rows.tolist())}
+        i = self._where.get(row)
+        if i is None or self.generations[i] != b.generation[row]:
+            return None
+        return i
+
+
 @dataclass(slots=True)
 class StepRows:
     """The target step an EAGLE-3 head reads after verification."""
@@ -94,6 +146,10 @@ class ModelDrafter:
         self.uniform_steps = 0  # (counted for tests and benchmarks)
         self.early_steps = 0  # of which launched by ``propose_early``
         self._early: StepRows | None = None  # the step ``propose_early`` launched for
+        # ``propose(defer=True)``: a uniform proposal left on the device, (the rows' indices
+        # into the output, their limits, the output).
+        self._defer = False
+        self._on_device: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None
 
     # --- the draft's KV cache ------------------------------------------------------------------
 
@@ -142,25 +198,48 @@ class ModelDrafter:
             assert aux is not None
             self._step = StepRows(rows, cu, seq_lens, aux[:int(cu[-1])])
 
-    def propose(self, b: InputBatch, rows: np.ndarray, limits: np.ndarray) -> list[list[int]]:
+    def propose(self, b: InputBatch, rows: np.ndarray, limits: np.ndarray,
+                defer: bool = False) -> Proposal:
         """Drafts of the requests of ``rows`` (after their emitted tokens were appended),
-        at most ``limits[i]`` each (0: none)."""
+        at most ``limits[i]`` each (0: none). ``defer``: a uniform proposal stays on the
+        device (its host copy on its way), for a next step scheduled before this one's
+        output is collected."""
         drafting = limits > 0
         out: list[list[int]] = [[] for _ in range(len(rows))]
-        if self.eagle:
-            step, self._step = self._step, None
-            if step is not None:
-                self._propose_eagle(b, step, rows, limits, out)
-        elif drafting.any():
-            self._propose_draft_model(b, rows[drafting], limits[drafting],
-                                      np.flatnonzero(drafting), out)
+        self._defer, self._on_device = defer, None
+        try:
+            if self.eagle:
+                step, self._step = self._step, None
+                if step is not None:
+                    self._propose_eagle(b, step, rows, limits, out)
+            elif drafting.any():
+                self._propose_draft_model(b, rows[drafting], limits[drafting],
+                                          np.flatnonzero(drafting), out)
+        finally:
+            self._defer = False
         for i, rid in enumerate(self._req_ids(b, rows)):
-            if not out[i]:
+            if not out[i]:  # (a proposal on the device is greedy: no q either)
                 self._q.pop(rid, None)
         if len(self._q) > len(b):
             for rid in [r for r in self._q if r not in b]:
                 del self._q[rid]
-        return out
+        found, self._on_device = self._on_device, None
+        if found is not None:
+            src, lim, dev = found
+            return Proposal.on_device(b, rows, dev, src, lim)
+        return Proposal(rows, b.generation[rows].copy(), host=out)
+
+    def _keep_on_device(self, n_rows: int, where: list[int] | np.ndarray,
+                        src: list[int] | np.ndarray, limits: list[int] | np.ndarray,
+                        n_out: int) -> None:
+        """A deferred uniform proposal: rows ``where`` (of the proposal's ``n_rows``) take
+        output rows ``src``, ``limits`` drafts each."""
+        assert self._uniform is not None
+        s = np.full(n_rows, -1, dtype=np.int64)
+        lim = np.zeros(n_rows, dtype=np.int64)
+        s[np.asarray(where, dtype=np.int64)] = np.asarray(src, dtype=np.int64)
+        lim[np.asarray(where, dtype=np.int64)] = np.asarray(limits, dtype=np.int64)
+        self._on_device = (s, lim, self._uniform.out[:n_out])
 
     def _propose_draft_model(self, b: InputBatch, rows: np.ndarray, limits: np.ndarray,
                              where: np.ndarray, out: list[list[int]]) -> None:
@@ -180,9 +259,13 @@ class ModelDrafter:
             starts = n_tokens - q
             ids_h = b.token_ids[np.repeat(rows, q),
                                 (starts[:, None] + np.arange(q)).ravel()].astype(np.int64)
-            tokens = self._run_uniform(b, rows, ids_h, starts,
-                                       np.full(len(rows), q - 1, dtype=np.int64))
+            last = np.full(len(rows), q - 1, dtype=np.int64)
             self._seen[rows] = np.minimum(n_tokens, own)
+            if self._defer:
+                self._launch_uniform(b, rows, ids_h, starts, last)
+                self._keep_on_device(len(out), where, np.arange(len(rows)), limits, len(rows))
+                return
+            tokens = self._run_uniform(b, rows, ids_h, starts, last)
             for j, i in enumerate(where.tolist()):
                 out[i] = tokens[j, :int(limits[j])].tolist()
             return
@@ -239,6 +322,8 @@ class ModelDrafter:
         # sample; past a request's tokens (rejected drafts) whatever its row holds, unread.
         width = b.token_ids.shape[1]
         ids_h = b.token_ids[token_rows, np.minimum(pos + 1, width - 1)].astype(np.int64)
+        # (Past the tokens: a draft the step before took from the device is -1 on the host.)
+        np.maximum(ids_h, 0, out=ids_h)
         index_of = {int(r): i for i, r in enumerate(step.rows.tolist())}
         chain_step, chain_out, chain_limits = [], [], []
         last_rows = step.cu[1:].astype(np.int64) - 1
@@ -258,6 +343,10 @@ class ModelDrafter:
         u = self._uniform
         early, self._early = self._early is step, None
         if early:  # launched from the verify step's outputs (``propose_early``)
+            if self._defer:
+                self._keep_on_device(len(out), chain_out, chain_step, chain_limits,
+                                     len(step.rows))
+                return
             tokens = self._uniform_out(len(step.rows))
             for i, j, limit in zip(chain_step, chain_out, chain_limits):
                 out[j] = tokens[i, :limit].tolist()
@@ -267,6 +356,11 @@ class ModelDrafter:
                 and bool((b.temperature[step.rows[chain_step]] <= 0).all())):
             last = np.full(len(step.rows), q - 1, dtype=np.int64)
             last[chain_step] = last_rows[chain_step] - step.cu[chain_step].astype(np.int64)
+            if self._defer:
+                self._launch_uniform(b, step.rows, ids_h, starts, last)
+                self._keep_on_device(len(out), chain_out, chain_step, chain_limits,
+                                     len(step.rows))
+                return
             tokens = self._run_uniform(b, step.rows, ids_h, starts, last)
             for i, j, limit in zip(chain_step, chain_out, chain_limits):
                 out[j] = tokens[i, :limit].tolist()
@@ -406,24 +500,26 @@ class ModelDrafter:
 
     # --- verification --------------------------------------------------------------------------
 
-    def draft_probs(self, req_ids: list[str], drafts: list[list[int]], vocab_size: int
-                    ) -> torch.Tensor | None:
+    def draft_probs(self, req_ids: list[str], drafts: list[list[int]], vocab_size: int,
+                    draft_ids: torch.Tensor) -> torch.Tensor | None:
         """``[B, K, V]`` for the rejection sampler: each sampled request's q over its drafts
-        (one-hot where its drafts were not drawn at random); None when no request's were."""
+        (one-hot where its drafts were not drawn at random); None when no request's were.
+        ``draft_ids``: the drafts on the device (``[B, >= K]``; ``drafts`` holds -1 for
+        those only the device knows, greedy ones)."""
         found = [self._q.get(rid) for rid in req_ids]
         if not any(f is not None for f in found):
             return None
         k = max((len(d) for d in drafts), default=0)
         if not k:
             return None
-        out = torch.zeros(len(req_ids), k, vocab_size, device=self.device)
+        dev = self.device
+        out = torch.zeros(len(req_ids), k, vocab_size, device=dev)
+        n = torch.tensor([len(d) for d in drafts], device=dev)
+        valid = (torch.arange(k, device=dev).unsqueeze(0) < n.unsqueeze(1)).float()
+        out.scatter_(2, draft_ids[:, :k].clamp(min=0).unsqueeze(2), valid.unsqueeze(2))
         for i, (d, f) in enumerate(zip(drafts, found)):
-            if not d:
-                continue
-            if f is not None and f[0][:len(d)] == d:
+            if d and f is not None and f[0][:len(d)] == d:
                 # (q covers the target's vocabulary; logits may carry padding columns.)
+                out[i, :len(d)] = 0.0
                 out[i, :len(d), :f[1].shape[1]] = f[1][:len(d)]
-            else:
-                out[i, torch.arange(len(d), device=self.device),
-                    torch.tensor(d, device=self.device)] = 1.0
         return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,10 +48,23 @@ from tidal.worker.sample.rejection_sampler import (
     verify_layout,
 )
 from tidal.worker.sample.sampler import compute_logprobs
-from tidal.worker.spec_decode.model_drafter import ModelDrafter
+from tidal.worker.spec_decode.model_drafter import ModelDrafter, Proposal
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class VerifyLaunch:
+    """A verification launched on the device, its emitted tokens on their way to the host
+    (async scheduling: collected when the next step is launched, or its output asked for)."""
+
+    step_id: int
+    sample_rows: np.ndarray
+    sampled_ids: list[str]
+    drafts: list[list[int]]
+    emitted: torch.Tensor  # int64 [B, K + 2] on the host: the tokens, then their count
+    copied: torch.cuda.Event | None
 
 
 class SpeculativeStep:
@@ -70,6 +84,26 @@ class SpeculativeStep:
         # with the rest, no host wait for the forward pass): (drafts, index, draft ids, counts).
         self._staged: tuple[list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor] | None \
             = None
+        # The drafts of each request verifying this step (-1: a draft only the device knows,
+        # the drafter's output after the step before: ``write_drafts``).
+        self._step_drafts: dict[str, list[int]] = {}
+        # Row -> (its first draft's position, that draft's index in the flattened device
+        # proposal), for this step's drafts taken from the device.
+        self._from_device: dict[int, tuple[int, int]] = {}
+        self._device_drafts: torch.Tensor | None = None
+        # Where those drafts sit in the staged verify layout's draft ids (``_staged``).
+        self._staged_unknown: torch.Tensor | None = None
+        # The step's input ids and which of them were drafts from the device, for a
+        # request-by-request verification (``_verify_each``).
+        self._filled: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray] | None = None
+        # What the drafter proposed after the last step that did (``write_drafts``).
+        self.proposal: Proposal | None = None
+        # The last verification: drafts each batch row had rejected (the scheduler counted
+        # them accepted if it scheduled the next step before seeing it:
+        # ``SchedulerOutput.spec_in_flight``), its step id, and the requests it failed.
+        self.rejected = np.zeros(0, dtype=np.int32)
+        self.rejected_step = -1
+        self.failed_ids: set[str] = set()
 
     # --- start-up (model methods) ----------------------------------------------------------
 
@@ -182,13 +216,18 @@ class SpeculativeStep:
 
     # --- before the forward pass ------------------------------------------------------------
 
-    @staticmethod
-    def write_drafts(b: InputBatch, rows: np.ndarray, req_ids: list[str],
+    def write_drafts(self, b: InputBatch, rows: np.ndarray, req_ids: list[str],
                      spec: dict[str, list[int]]) -> np.ndarray:
         """Put each request's drafts after its tokens; returns the draft count per request
-        (int32, parallel to ``rows``)."""
+        (int32, parallel to ``rows``). A list of -1s (``SchedulerOutput.spec_in_flight``)
+        takes the drafts proposed after the step before: from the host if they are there,
+        else -1s on the host, filled on the device (``device_draft_sources``)."""
         n = np.zeros(len(rows), dtype=np.int32)
         width = b.token_ids.shape[1]
+        step_drafts = self._step_drafts
+        step_drafts.clear()
+        self._from_device.clear()
+        self._device_drafts = self._staged_unknown = self._filled = None
         for i, rid in enumerate(req_ids):
             drafts = spec.get(rid)
             if not drafts:
@@ -197,9 +236,92 @@ class SpeculativeStep:
             start = int(b.num_tokens[row])
             if start + len(drafts) > width:
                 raise ValueError(f"drafts of {rid} run past max_model_len")
+            if drafts[0] < 0:
+                drafts = self._proposed(b, row, start, len(drafts))
             b.token_ids[row, start:start + len(drafts)] = drafts
             n[i] = len(drafts)
+            step_drafts[rid] = drafts
         return n
+
+    def _proposed(self, b: InputBatch, row: int, start: int, n: int) -> list[int]:
+        """``n`` drafts of ``row`` from the last proposal. Where it has none for the row (the
+        scheduler's rules for placeholders make it propose at least as many) its last token
+        is repeated: verification stays exact with any draft, it is only likely rejected."""
+        p = self.proposal
+        i = p.find(b, row) if p is not None else None
+        if i is not None and p is not None:
+            if p.host is not None:
+                got = p.host[i][:n]
+                if got:
+                    return got + [got[-1]] * (n - len(got))
+            elif p.src is not None and p.src[i] >= 0 and p.dev is not None:
+                self._device_drafts = p.dev
+                self._from_device[row] = (start, int(p.src[i]) * p.dev.shape[1])
+                return [-1] * n
+        return [int(b.token_ids[row, start - 1])] * n
+
+    @property
+    def has_device_drafts(self) -> bool:
+        """Whether ``write_drafts`` left some of this step's drafts to the device."""
+        return bool(self._from_device)
+
+    def device_draft_sources(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """For the step's inputs the host does not know (``rows`` / ``positions``: drafts
+        ``write_drafts`` left to the device), their indices in the flattened proposal."""
+        src = np.empty(len(rows), dtype=np.int64)
+        found = self._from_device
+        for j, (row, pos) in enumerate(zip(rows.tolist(), positions.tolist())):
+            at = found.get(row)
+            if at is None:
+                raise RuntimeError(f"an input token of batch row {row} is unknown and not a "
+                                   "draft the device holds")
+            src[j] = at[1] + pos - at[0]
+        return src
+
+    def fill_device_drafts(self, input_ids: torch.Tensor, dst: torch.Tensor,
+                           src: torch.Tensor, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Copy the device's drafts into the step's inputs (``dst``: their token indices) and
+        into the staged verify layout's draft ids (in the same order: the sampling requests'
+        drafts in step order)."""
+        assert self._device_drafts is not None
+        values = self._device_drafts.reshape(-1).index_select(0, src)
+        input_ids.index_copy_(0, dst, values)
+        if self._staged is not None and self._staged_unknown is not None:
+            ids = self._staged[2]
+            ids.view(-1).index_copy_(0, self._staged_unknown, values)
+        self._filled = (input_ids, dst, rows, positions)
+
+    def step_back(self, b: InputBatch, rows: np.ndarray, req_ids: list[str],
+                  step_id: int) -> np.ndarray:
+        """``SchedulerOutput.spec_in_flight``: the computed counts of ``rows`` (cached
+        requests, -1: not held) assumed the step before accepted all its drafts; step them
+        back by what it rejected. Returns the rows, -1 for requests that step failed (done
+        with: they are dropped from this one)."""
+        if self.rejected_step != step_id - 1:
+            raise RuntimeError(f"step {step_id} was scheduled before step {step_id - 1} came "
+                               f"back, but the last verification was step {self.rejected_step}")
+        held = rows >= 0
+        b.num_computed[rows[held]] -= self.rejected[rows[held]]
+        if self.failed_ids:
+            rows = rows.copy()
+            for i, rid in enumerate(req_ids):
+                if rid in self.failed_ids:
+                    rows[i] = -1
+        return rows
+
+    def _record(self, b: InputBatch, step_id: int, rows: np.ndarray, req_ids: list[str],
+                drafts: list[list[int]], emitted: list[list[int]]) -> None:
+        if len(self.rejected) != b.token_ids.shape[0]:
+            self.rejected = np.zeros(b.token_ids.shape[0], dtype=np.int32)
+        else:
+            self.rejected.fill(0)
+        self.failed_ids = set()
+        for row, rid, d, e in zip(rows.tolist(), req_ids, drafts, emitted):
+            if e:
+                self.rejected[row] = len(d) - len(e) + 1
+            else:
+                self.failed_ids.add(rid)
+        self.rejected_step = step_id
 
     @staticmethod
     def logits_rows(cu: np.ndarray, sample_mask: np.ndarray, n_draft: np.ndarray) -> np.ndarray:
@@ -242,35 +364,46 @@ class SpeculativeStep:
         self._staged = (drafts, stage(lay.index.ravel(), torch.int64).view(shape),
                         stage(lay.draft_ids.ravel(), torch.int64).view(shape),
                         stage(lay.num_drafts, torch.int64))
+        if self._from_device:  # (filled in by ``fill_device_drafts``)
+            self._staged_unknown = stage(np.flatnonzero(lay.draft_ids.ravel() < 0),
+                                         torch.int64)
         return meta
 
     # --- after the forward pass -------------------------------------------------------------
 
+    def _early(self, b: InputBatch, sample_rows: np.ndarray, propose: bool
+               ) -> Callable[[RejectionOutput], None] | None:
+        """``propose`` follows the verification: a drafter may launch its proposal before the
+        wait for the emitted tokens (``ModelDrafter.propose_early``)."""
+        if not propose or self.drafter is None:
+            return None
+        drafter = self.drafter
+
+        def early(out: RejectionOutput) -> None:
+            drafter.propose_early(b, sample_rows, out.token_ids, out.num_emitted)
+
+        return early
+
+    def _take_staged(self, drafts: list[list[int]]) -> tuple | None:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] != drafts:
+            staged = None  # (not this step's: never expected)
+        return staged
+
     def verify(self, b: InputBatch, logits: torch.Tensor, meta: SamplingMetadata,
                builder: SamplingMetadataBuilder, sample_rows: np.ndarray,
-               sampled_ids: list[str], spec: dict[str, list[int]], propose: bool = False
+               sampled_ids: list[str], step_id: int, propose: bool = False
                ) -> tuple[list[list[int]], dict[str, str], LogprobsArrays | None]:
         """Run the rejection sampler over the step's verify logits, append the emitted tokens
         to the rows; returns each sampling request's tokens (empty for one that failed), the
         failures, and the logprobs of every emitted token in order (when asked for). A batch
         that fails is retried request by request, so only the requests that fail are dropped
-        (their logprobs too, for that step, as ``ModelRunner._sample`` does). ``propose``:
-        ``propose`` follows, so a drafter may launch its proposal before the wait for the
-        emitted tokens (``ModelDrafter.propose_early``)."""
-        drafts = [spec.get(rid, []) for rid in sampled_ids]
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0] != drafts:
-            staged = None  # (not this step's: never expected)
+        (their logprobs too, for that step, as ``ModelRunner._sample`` does)."""
+        drafts = [self._step_drafts.get(rid, []) for rid in sampled_ids]
+        staged = self._take_staged(drafts)
         try:
-            early = None
-            if propose and self.drafter is not None:
-                drafter = self.drafter
-
-                def early(out: RejectionOutput) -> None:
-                    drafter.propose_early(b, sample_rows, out.token_ids, out.num_emitted)
-
             emitted, logprobs = self._verify_batch(logits, meta, drafts, staged, sampled_ids,
-                                                   early)
+                                                   self._early(b, sample_rows, propose))
             failed: dict[str, str] = {}
         except Exception as exc:  # noqa: BLE001 - isolated below, request by request
             logger.warning("batched verification failed (%s); isolating the failing "
@@ -278,14 +411,57 @@ class SpeculativeStep:
             emitted, failed = self._verify_each(b, logits, builder, sample_rows, sampled_ids,
                                                 drafts, meta)
             logprobs = None
+        self._record(b, step_id, sample_rows, sampled_ids, drafts, emitted)
         self._append(b, sample_rows, emitted)
         return emitted, failed, logprobs
 
-    def _verify_batch(self, logits: torch.Tensor, meta: SamplingMetadata,
-                      drafts: list[list[int]], staged: tuple | None = None,
-                      req_ids: list[str] | None = None,
-                      early: Callable[[RejectionOutput], None] | None = None
-                      ) -> tuple[list[list[int]], LogprobsArrays | None]:
+    def launch_verify(self, b: InputBatch, logits: torch.Tensor, meta: SamplingMetadata,
+                      sample_rows: np.ndarray, sampled_ids: list[str], step_id: int,
+                      propose: bool = False) -> VerifyLaunch | None:
+        """``verify`` without the wait: the rejection sampler (and an early proposal) on the
+        device, the emitted tokens on their way to the host; ``finish_verify`` takes them.
+        None where the step must be verified now (``verify``): logprobs asked for (they are
+        picked by the emitted counts), or a launch that failed (isolated there)."""
+        if meta.max_num_logprobs is not None:
+            return None
+        drafts = [self._step_drafts.get(rid, []) for rid in sampled_ids]
+        staged = self._take_staged(drafts)
+        try:
+            out, _ = self._launch(logits, meta, drafts, staged, sampled_ids, None)
+        except Exception:  # noqa: BLE001 - ``verify`` isolates the failing request(s)
+            self._staged = staged
+            return None
+        both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1)
+        copied = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = both
+        # The proposal after the copy: the host waits for the emitted tokens only, and
+        # prepares the next step while the device drafts.
+        early = self._early(b, sample_rows, propose)
+        if early is not None:
+            early(out)
+        return VerifyLaunch(step_id, sample_rows, sampled_ids, drafts, host, copied)
+
+    def finish_verify(self, b: InputBatch, launch: VerifyLaunch) -> list[list[int]]:
+        """Wait for a launched verification's emitted tokens and append them to the rows."""
+        if launch.copied is not None:
+            launch.copied.synchronize()
+        both = launch.emitted.numpy()
+        tokens, counts = both[:, :-1], both[:, -1]
+        emitted = [tokens[i, :counts[i]].tolist() for i in range(len(launch.drafts))]
+        self._record(b, launch.step_id, launch.sample_rows, launch.sampled_ids, launch.drafts,
+                     emitted)
+        self._append(b, launch.sample_rows, emitted)
+        return emitted
+
+    def _launch(self, logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
+                staged: tuple | None, req_ids: list[str] | None,
+                early: Callable[[RejectionOutput], None] | None):
         lay = verify_layout(drafts)
         dev = logits.device
         if staged is not None:
@@ -295,15 +471,26 @@ class SpeculativeStep:
             draft_ids = torch.zeros_like(index)
             num_drafts = index.new_zeros(len(drafts))
         else:
+            if (lay.draft_ids < 0).any():
+                raise RuntimeError("drafts only the device knows need the staged layout")
             index, draft_ids, num_drafts = (torch.from_numpy(a).to(dev) for a in (
                 lay.index, lay.draft_ids, lay.num_drafts))
         q = None
         if (self.drafter is not None and req_ids is not None and not meta.all_greedy
                 and lay.num_drafts.any()):
-            q = self.drafter.draft_probs(req_ids, drafts, logits.shape[1])
+            q = self.drafter.draft_probs(req_ids, drafts, logits.shape[1], draft_ids)
         out = self.sampler(logits, meta, index, draft_ids, num_drafts, q)
         if early is not None:
             early(out)
+        return out, lay
+
+    def _verify_batch(self, logits: torch.Tensor, meta: SamplingMetadata,
+                      drafts: list[list[int]], staged: tuple | None = None,
+                      req_ids: list[str] | None = None,
+                      early: Callable[[RejectionOutput], None] | None = None
+                      ) -> tuple[list[list[int]], LogprobsArrays | None]:
+        out, lay = self._launch(logits, meta, drafts, staged, req_ids, early)
+        dev = logits.device
         # The step's one wait for the device: the emitted tokens decide the next step.
         both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1).cpu().numpy()
         tokens, counts = both[:, :-1], both[:, -1]
@@ -328,6 +515,13 @@ class SpeculativeStep:
         def direct(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(arr)).to(dev, dtype=dtype)
 
+        if self._filled is not None:
+            # Drafts only the device knew: on the host now, for the per-request layouts.
+            input_ids, dst, rows, positions = self._filled
+            b.token_ids[rows, positions] = input_ids.index_select(0, dst).cpu().numpy()
+            drafts = [b.token_ids[row, n:n + len(d)].tolist() if d else []
+                      for row, n, d in zip(sample_rows.tolist(),
+                                           b.num_tokens[sample_rows].tolist(), drafts)]
         emitted: list[list[int]] = []
         failed: dict[str, str] = {}
         start = 0
@@ -363,9 +557,15 @@ class SpeculativeStep:
         b.token_ids[row_of[inside], pos[inside]] = flat[inside]
         b.num_tokens[rows] = starts + counts
 
-    def propose(self, b: InputBatch, rows: np.ndarray, emitted: list[list[int]]
-                ) -> list[list[int]]:
-        """The next step's drafts of each request of ``rows`` (that emitted tokens now)."""
+    def propose(self, b: InputBatch, rows: np.ndarray, emitted: list[list[int]],
+                defer: bool = False) -> Proposal:
+        """The next step's drafts of each request of ``rows`` (that emitted tokens now);
+        ``defer``: a drafter's uniform proposal stays on the device (``Proposal``)."""
+        self.proposal = self._propose(b, rows, emitted, defer)
+        return self.proposal
+
+    def _propose(self, b: InputBatch, rows: np.ndarray, emitted: list[list[int]],
+                 defer: bool) -> Proposal:
         n_tokens = b.num_tokens[rows]
         n_out = n_tokens - b.num_prompt_tokens[rows]
         exact = ((b.presence[rows] == 0) & (b.frequency[rows] == 0) & (b.repetition[rows] == 1)
@@ -375,7 +575,8 @@ class SpeculativeStep:
         limits = np.where(exact, np.minimum(room, self.config.num_speculative_tokens), 0)
         limits[np.array([not e for e in emitted], dtype=bool)] = 0
         if self.drafter is not None:
-            return self.drafter.propose(b, rows, limits.astype(np.int64))
+            return self.drafter.propose(b, rows, limits.astype(np.int64), defer)
         assert self.proposer is not None
-        return self.proposer.propose(b.token_ids, rows, n_tokens, limits)
+        return Proposal(rows, b.generation[rows].copy(),
+                        host=self.proposer.propose(b.token_ids, rows, n_tokens, limits))
 
