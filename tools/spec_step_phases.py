@@ -147,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     draft = tmp / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps(DRAFT_SHAPES[args.draft_shape]))
+    # Without async scheduling: the phases are timed between device synchronisations, which
+    # would serialise a pipelined step anyway (tools/bench_spec.py measures the pipelined one).
     kw: dict[str, Any] = dict(load_format="dummy", max_model_len=2048, skip_tokenizer_init=True,
-                              max_num_seqs=max(args.batch, 2),
+                              max_num_seqs=max(args.batch, 2), async_scheduling=False,
                               kv_cache_memory_bytes=args.kv_gib << 30)
     from tidal.engine_core.config import EngineArgs
 

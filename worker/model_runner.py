@@ -242,7 +242,8 @@ class ModelRunner:
             processors=LogitsProcessors(self.vocab_size, device,
                                         config.runner.logits_processors))
         # Speculative decoding: draft inputs, verification and the next drafts (spec_decode/).
-        self.spec = (SpeculativeStep(config.speculative, device)
+        self.spec = (SpeculativeStep(config.speculative, device, max_num_reqs=max_reqs,
+                                     max_model_len=config.model.max_model_len)
                      if config.speculative is not None else None)
         self.model: torch.nn.Module | None = None
         # --cpu-offload-gb: the layers whose weights stream in from host memory (cpu_offload).

@@ -1,7 +1,7 @@
 """Speculative decoding on the GPU: the uniform propose step replays its CUDA graphs
 (``spec_decode.uniform_propose``), and what it drafts is what the same step run eagerly drafts;
 greedy output stays the plain engine's; a draft that is the target itself has every draft
-accepted through the graphs.
+accepted through the graphs; the n-gram lookup runs on the device.
 
 Tiny random-weight models with 64-wide heads (what the GPU attention kernels are built for), in
 float32 so that token equality across paths is meaningful.
@@ -140,3 +140,21 @@ def test_the_target_as_its_own_draft_through_the_graphs(models, plain):
         llm.shutdown()
     assert tokens == plain
     assert n_drafted > 0 and accepted == n_drafted
+
+
+def test_ngram_lookup_runs_on_the_device(models, plain):
+    """On a GPU the prompt lookup is batched on the device (``spec_decode.ngram_device``): the
+    repeated prompts give drafts that are accepted, and greedy output is the plain engine's,
+    with and without async scheduling (n-gram steps run alone either way)."""
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": None,
+            "disable_by_acceptance": False}
+    for async_on in (True, False):
+        llm = _llm(models["target"], spec, async_scheduling=async_on)
+        try:
+            assert llm.engine.core.executor.worker.runner.spec.device_proposer is not None
+            tokens, drafts, (n_drafted, accepted) = _run(llm)
+        finally:
+            llm.shutdown()
+        assert tokens == plain
+        assert drafts and n_drafted > 0 and accepted > 0

@@ -308,6 +308,20 @@ def test_tiny_llama_greedy_identical_and_seeds_reproducible(tiny_models):
         again, _, _ = _generate(llm, [prompts[0]] * 3, seeded)
         assert first == again
         assert first[0] == first[1] and first[0] != first[2]
+        # The device lookup (a GPU's, run here on the CPU) through the same engine: the same
+        # drafts, so the same tokens, acceptance and seeded draws.
+        import torch
+
+        from tidal.worker.spec_decode.ngram_device import NgramDeviceProposer
+
+        spec = llm.engine.core.executor.worker.runner.spec
+        runner = llm.engine.core.executor.worker.runner
+        spec.device_proposer = NgramDeviceProposer(
+            4, 1, 3, runner.max_num_reqs, runner.batch.max_model_len, torch.device("cpu"))
+        spec.proposer = None
+        on_device, _, accepted_dev = _generate(llm, prompts, greedy)
+        assert on_device == want and accepted_dev == accepted
+        assert _generate(llm, [prompts[0]] * 3, seeded)[0] == first
     finally:
         llm.shutdown()
 

@@ -200,7 +200,8 @@ def test_mtp_drafts_match_reference(v3, caplog):
                         block_size=BLOCK, speculative_config=MTP).create_config()
     assert config.speculative.uses_model and config.speculative.model is None
     assert "MTP layer 2 of the target" in config.speculative.describe()
-    spec = SpeculativeStep(config.speculative, torch.device("cpu"))
+    spec = SpeculativeStep(config.speculative, torch.device("cpu"), max_num_reqs=8,
+                           max_model_len=config.model.max_model_len)
     aux = spec.aux_hidden_spec(config, 128)
     assert aux == AuxHiddenSpec((LAYERS,), 128)  # the final hidden state
     tgt = load_model(config.model, torch.device("cpu"), TorchAttention(), aux_hidden=aux)
@@ -268,7 +269,8 @@ def test_mtp_layer_missing_from_the_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     config = EngineArgs(model=str(tmp_path), device="cpu", num_kv_blocks=16, dtype="float32",
                         speculative_config=MTP).create_config()
-    spec = SpeculativeStep(config.speculative, torch.device("cpu"))
+    spec = SpeculativeStep(config.speculative, torch.device("cpu"), max_num_reqs=8,
+                           max_model_len=config.model.max_model_len)
     tgt = load_model(config.model, torch.device("cpu"), TorchAttention(),
                      aux_hidden=AuxHiddenSpec((LAYERS,), 16))
     with pytest.raises(ModelLoadError, match=r"layers\.2\.eh_proj.*no multi-token-prediction"):

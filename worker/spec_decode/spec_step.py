@@ -49,6 +49,11 @@ from tidal.worker.sample.rejection_sampler import (
 )
 from tidal.worker.sample.sampler import compute_logprobs
 from tidal.worker.spec_decode.model_drafter import ModelDrafter, Proposal
+from tidal.worker.spec_decode.ngram_device import (
+    MAX_HISTORY_BYTES,
+    NgramDeviceProposer,
+    history_bytes,
+)
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -68,12 +73,29 @@ class VerifyLaunch:
 
 
 class SpeculativeStep:
-    def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
+    def __init__(self, config: SpeculativeConfig, device: torch.device, *,
+                 max_num_reqs: int, max_model_len: int) -> None:
         self.config = config
         self.device = device
-        # n-gram lookup on the host; the model methods' drafter comes with ``load_drafter``.
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max) if not config.uses_model else None
+        # N-gram lookup: on a GPU batched on the device (a copy of the rows' tokens there),
+        # else on the host; the model methods' drafter comes with ``load_drafter``.
+        self.proposer: NgramProposer | None = None
+        self.device_proposer: NgramDeviceProposer | None = None
+        if not config.uses_model:
+            args = (config.num_speculative_tokens, config.prompt_lookup_min,
+                    config.prompt_lookup_max)
+            size = history_bytes(max_num_reqs, max_model_len)
+            if device.type == "cuda" and size <= MAX_HISTORY_BYTES:
+                self.device_proposer = NgramDeviceProposer(*args, max_num_reqs, max_model_len,
+                                                           device)
+                logger.info("n-gram lookup on the device (a %.0f MiB copy of the batch rows' "
+                            "tokens)", size / 2**20)
+            else:
+                self.proposer = NgramProposer(*args)
+                if device.type == "cuda":
+                    logger.info("n-gram lookup on the host: a device copy of %d rows of %d "
+                                "tokens would take %.1f GiB", max_num_reqs, max_model_len,
+                                size / 2**30)
         self.drafter: ModelDrafter | None = None
         self._draft_config: ModelConfig | None = None  # the draft's (model methods)
         self.sampler = RejectionSampler(
@@ -298,8 +320,7 @@ class SpeculativeStep:
         back by what it rejected. Returns the rows, -1 for requests that step failed (done
         with: they are dropped from this one)."""
         if self.rejected_step != step_id - 1:
-            raise RuntimeError(f"step {step_id} was scheduled before step {step_id - 1} came "
-                               f"back, but the last verification was step {self.rejected_step}")
+            return rows  # this worker verified nothing in that step: nothing was rejected
         held = rows >= 0
         b.num_computed[rows[held]] -= self.rejected[rows[held]]
         if self.failed_ids:
@@ -576,7 +597,10 @@ class SpeculativeStep:
         limits[np.array([not e for e in emitted], dtype=bool)] = 0
         if self.drafter is not None:
             return self.drafter.propose(b, rows, limits.astype(np.int64), defer)
-        assert self.proposer is not None
-        return Proposal(rows, b.generation[rows].copy(),
-                        host=self.proposer.propose(b.token_ids, rows, n_tokens, limits))
+        if self.device_proposer is not None:
+            drafts = self.device_proposer.propose(b, rows, n_tokens, limits)
+        else:
+            assert self.proposer is not None
+            drafts = self.proposer.propose(b.token_ids, rows, n_tokens, limits)
+        return Proposal(rows, b.generation[rows].copy(), host=drafts)
 
