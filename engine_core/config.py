@@ -49,9 +49,11 @@ from tidal.engine_core.quantization_config import (
     build_quant_config,
 )
 from tidal.engine_core.speculative_config import (
+    MAX_NGRAM_HISTORY_BYTES,
     SpeculativeConfig,
     SpeculativeConfigError,
     check_draft,
+    ngram_history_bytes,
 )
 from tidal.engine_core.tp_devices import TPDevicesError, check_mixed_tp, resolve_tp_devices
 
@@ -414,6 +416,11 @@ class EngineArgs:
         # (With speculative decoding, async scheduling pipelines only the steps that neither
         # verify nor propose drafts: ``EngineCore._inflight_limit``.)
         speculative = self._speculative_config(task, scheduler, parallel, arch)
+        if speculative is not None and speculative.method == "ngram" \
+                and speculative.prompt_lookup_on_device is None:
+            size = ngram_history_bytes(scheduler.max_num_seqs, max_model_len)
+            speculative = msgspec.structs.replace(speculative, prompt_lookup_on_device=(
+                device == "cuda" and size <= MAX_NGRAM_HISTORY_BYTES))
         if quantization is not None and speculative is not None and speculative.uses_model:
             raise ConfigError(f"--quantization: {quantization.method.upper()} with speculative "
                               f"method {speculative.method!r} (a draft model or EAGLE-3 head) "

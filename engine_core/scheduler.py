@@ -145,11 +145,15 @@ class Scheduler:
         # Async scheduling with a model drafter: a request whose step is still in flight is
         # scheduled again with placeholder drafts (-1s) for what the workers propose after
         # it, so speculative steps pipeline like plain ones (``SchedulerOutput.spec_in_flight``).
-        # (N-gram drafts are looked up on the host from the emitted tokens: those steps wait.)
+        # (N-gram drafts looked up on the host, from the emitted tokens: those steps wait.)
         spec = config.speculative
         self.async_spec = bool(config.scheduler.async_scheduling and spec is not None
-                               and spec.uses_model)
+                               and spec.drafts_on_device)
         self._k = spec.num_speculative_tokens if spec is not None else 0
+        # N-gram lookups find drafts or not, request by request: placeholders for as many as
+        # the request's last proposal seen had (the workers pad a shorter one).
+        self._proposed_len: dict[str, int] | None = (
+            {} if self.async_spec and spec is not None and spec.method == "ngram" else None)
         if config.speculative is not None:
             self.spec_off = SpecOffSwitch.from_config(config.speculative)
             logger.info("speculative decoding off-switch: %s", self.spec_off.describe())
@@ -534,10 +538,13 @@ class Scheduler:
         only): the same tests, on the fewest tokens the step can emit (one)."""
         sp = req.sampling_params
         if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
-                or len(req.output_token_ids) + 1 < sp.min_tokens):
+                or len(req.all_token_ids) - req.num_prompt_tokens + 1 < sp.min_tokens):
             return 0
         room = min(req.length_limit - max_tokens - 1, budget - 1)
-        return max(0, min(self._k, room))
+        n = max(0, min(self._k, room))
+        if self._proposed_len is not None:
+            n = min(n, self._proposed_len.get(req.request_id, n))
+        return n
 
     @property
     def drafts(self) -> dict[str, list[int]]:
@@ -597,8 +604,11 @@ class Scheduler:
             outputs.append(out)
         if result.spec_token_ids:
             requests = self.requests
+            lengths = self._proposed_len
             for rid, drafts in zip(result.req_ids, result.spec_token_ids):
                 req = requests.get(rid)
+                if lengths is not None and req is not None and not req.is_finished:
+                    lengths[rid] = len(drafts)
                 # (Not for a request scheduled again meanwhile: that step took placeholders
                 # for these drafts, and brings its own.)
                 if drafts and req is not None and req.status == RequestStatus.RUNNING \
@@ -792,6 +802,8 @@ class Scheduler:
             self.kv.free(req)
         if self._drafts:
             self._drafts.pop(req.request_id, None)
+        if self._proposed_len:
+            self._proposed_len.pop(req.request_id, None)
         if self._awaiting_first:
             self._awaiting_first.pop(req.request_id, None)
         if self._kv_loaded:
@@ -1008,7 +1020,9 @@ class Scheduler:
         logger.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
         self.kv.free(req)
         if self._drafts:
-            self._drafts.pop(req.request_id, None)  # recomputed from scratch, drafts later
+            self._drafts.pop(req.request_id, None)
+        if self._proposed_len:
+            self._proposed_len.pop(req.request_id, None)  # recomputed from scratch, drafts later
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

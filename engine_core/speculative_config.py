@@ -37,7 +37,7 @@ _DRAFTER_METHODS = ("draft_model", "eagle3", "mtp")
 _NOT_YET = ("eagle", "medusa", "mlp_speculator", "suffix")
 _REJECTION_METHODS = ("standard", "synthetic")
 _KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size",
-          "prompt_lookup_min", "prompt_lookup_max",
+          "prompt_lookup_min", "prompt_lookup_max", "prompt_lookup_on_device",
           "rejection_sample_method", "synthetic_acceptance_rate",
           "synthetic_acceptance_rates", "synthetic_acceptance_length",
           "disable_by_batch_size", "speculative_disable_by_batch_size", "disable_by_acceptance",
@@ -47,6 +47,13 @@ _KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_si
 # below batch 256, which never drafts).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 MAX_ACCEPTANCE_WINDOW = 4096
+# The n-gram lookup on the device keeps every batch row's tokens there (int32); above this
+# (e.g. 1,024 rows of a 1M-token context) it stays on the host unless asked for.
+MAX_NGRAM_HISTORY_BYTES = 2 << 30
+
+
+def ngram_history_bytes(max_num_seqs: int, max_model_len: int) -> int:
+    return max_num_seqs * max_model_len * 4
 
 
 class SpeculativeConfigError(ValueError):
@@ -62,6 +69,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft_summary: str = ""
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 1
+    # ngram: look up the drafts on the device (a copy of the batch rows' tokens there), which
+    # also lets speculative steps pipeline under async scheduling; None: decided at start-up
+    # (on a GPU, where that copy takes at most 2 GiB). tidal's field, not vLLM's.
+    prompt_lookup_on_device: bool | None = None
     rejection_sample_method: str = "standard"
     # Synthetic acceptance: per draft position i, the probability that draft i is accepted
     # given drafts 0..i-1 were (resolved from whichever synthetic_* field was given).
@@ -79,6 +90,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.rejection_sample_method == "synthetic"
 
     @property
+    def drafts_on_device(self) -> bool:
+        """The drafts stay on the workers' device between steps (a model drafter, or the
+        n-gram lookup on the device): async scheduling can pipeline speculative steps."""
+        return self.uses_model or bool(self.prompt_lookup_on_device)
+
+    @property
     def uses_model(self) -> bool:
         """Drafts come from a model (a draft model, an EAGLE-3 head or the target's MTP
         layer) run on the workers."""
@@ -93,6 +110,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                                                 if self.draft_summary else "")
         elif self.draft_summary:
             text += f", {self.draft_summary}"
+        if self.method == "ngram":
+            text += ", looked up on the device" if self.prompt_lookup_on_device else \
+                ", looked up on the host"
         if self.synthetic:
             rates = ", ".join(f"{r:.3f}" for r in self.synthetic_conditional_rates)
             text += (f", SYNTHETIC acceptance (per-position conditional rates {rates}): outputs "
@@ -170,6 +190,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise SpeculativeConfigError(
                 f"--speculative-config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
                 f"({hi})")
+        on_device = raw.get("prompt_lookup_on_device")
+        if on_device is not None and (not isinstance(on_device, bool) or method != "ngram"):
+            raise SpeculativeConfigError(
+                "--speculative-config: prompt_lookup_on_device must be true, false or null, "
+                f"for method 'ngram' only (got {on_device!r} with method {method!r})")
         rejection = raw.get("rejection_sample_method", "standard")
         if rejection not in _REJECTION_METHODS:
             raise SpeculativeConfigError(
@@ -184,7 +209,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"--speculative-config: {synthetic_fields[0]} needs rejection_sample_method "
                 "'synthetic'")
         return cls(method=method, num_speculative_tokens=k, model=model, prompt_lookup_min=lo,
-                   prompt_lookup_max=hi, rejection_sample_method=rejection,
+                   prompt_lookup_max=hi, prompt_lookup_on_device=on_device,
+                   rejection_sample_method=rejection,
                    synthetic_conditional_rates=rates, **_off_switch(raw))
 
 

@@ -49,7 +49,7 @@ from tidal.worker.sample.metadata import (
 from tidal.worker.sample.grammar_mask import MaskStaging, grammar_rows
 from tidal.worker.sample.logits_processors import LogitsProcessors
 from tidal.worker.sample.sampler import Sampler, SamplerOutput
-from tidal.worker.spec_decode.model_drafter import Proposal
+from tidal.worker.spec_decode.proposal import Proposal
 from tidal.worker.spec_decode.spec_step import SpeculativeStep, VerifyLaunch
 from tidal.worker.step_buffers import StepBuffers, to_device
 
@@ -1028,7 +1028,7 @@ class ModelRunner:
         if so.grammar_req_ids:  # one mask per verify position
             self._attach_grammar(so, later.sampling, later.sampled_ids,
                                  so.scheduled_spec_decode_tokens)
-        elif self.defer_output and spec.drafter is not None:
+        elif self.defer_output and spec.config.drafts_on_device:
             launch = spec.launch_verify(self.batch, later.logits, later.sampling,
                                         later.sample_rows, later.sampled_ids, so.step_id,
                                         propose=so.propose_drafts)

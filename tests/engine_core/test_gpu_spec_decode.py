@@ -145,7 +145,8 @@ def test_the_target_as_its_own_draft_through_the_graphs(models, plain):
 def test_ngram_lookup_runs_on_the_device(models, plain):
     """On a GPU the prompt lookup is batched on the device (``spec_decode.ngram_device``): the
     repeated prompts give drafts that are accepted, and greedy output is the plain engine's,
-    with and without async scheduling (n-gram steps run alone either way)."""
+    with async scheduling (n-gram steps pipelined, their drafts left on the device) and
+    without."""
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "disable_by_batch_size": None,
             "disable_by_acceptance": False}

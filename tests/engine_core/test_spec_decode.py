@@ -47,6 +47,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
      "needs rejection_sample_method 'synthetic'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
       "synthetic_acceptance_rates": [0.5, 0.7]}, "non-increasing"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_on_device": "yes"},
+     "prompt_lookup_on_device must be true, false or null"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_on_device": True},
+     "for method 'ngram' only"),
 ])
 def test_bad_speculative_configs_name_the_field(raw, needle):
     with pytest.raises(SpeculativeConfigError, match="speculative-config") as info:
@@ -81,6 +85,13 @@ def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
     both = EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
                       speculative_config=NGRAM).create_config()
     assert both.scheduler.async_scheduling and both.max_concurrent_batches == 2
+    # The n-gram lookup's place is decided once: on the host on a CPU (on a GPU on the
+    # device, unless the rows' tokens would take over 2 GiB there), unless asked for.
+    assert both.speculative.prompt_lookup_on_device is False
+    assert "looked up on the host" in both.speculative.describe()
+    asked = EngineArgs(model=str(tiny_models["llama"][0]), speculative_config={
+        **NGRAM, "prompt_lookup_on_device": True}).create_config()
+    assert asked.speculative.prompt_lookup_on_device and asked.speculative.drafts_on_device
     with pytest.raises(ConfigError, match="not yet"):
         EngineArgs(model=str(tiny_models["llama"][0]),
                    speculative_config={"method": "medusa",
@@ -373,6 +384,57 @@ def test_async_scheduling_pipelines_only_steps_that_do_not_speculate(tiny_models
     assert any(d == 2 for d, _ in depths)
     for (d, _), (_, prev_spec) in zip(depths[1:], depths):
         assert not (d == 2 and prev_spec)
+
+
+@pytest.mark.slow
+def test_async_scheduling_pipelines_ngram_steps_looked_up_on_the_device(tiny_models):
+    """``prompt_lookup_on_device`` (a GPU's default): the drafts stay on the device, so with
+    async scheduling n-gram steps pipeline like a model drafter's; the scheduler gives each
+    request as many placeholders as its last proposal seen had (the worker pads a shorter
+    lookup: verification stays exact). Greedy output stays the plain engine's, also with
+    logprobs (verified at once, the next step still scheduled ahead)."""
+    from tidal.frontend import LLM
+
+    folder = str(tiny_models["llama"][0])
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
+               {"prompt_token_ids": [11, 12, 13, 11, 12, 13, 11, 12]},
+               {"prompt_token_ids": [30, 31, 32] * 5},
+               {"prompt_token_ids": list(range(20, 40))}]
+    kw = dict(skip_tokenizer_init=True, max_num_seqs=4, kv_cache_memory_bytes=64 << 20,
+              async_scheduling=True)
+    rounds = [[SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=lp)
+               for n in (40, 12, 30, 8)] for lp in (None, 1)]
+    plain = LLM(folder, **kw)
+    try:
+        wants = [_generate(plain, prompts, params)[:2] for params in rounds]
+    finally:
+        plain.shutdown()
+    spec = {**NGRAM, "prompt_lookup_on_device": True, "disable_by_batch_size": None,
+            "disable_by_acceptance": False}
+    llm = LLM(folder, speculative_config=spec, **kw)
+    core = llm.engine.core
+    assert core.executor.worker.runner.spec.device_proposer is not None
+    ahead: list[int] = []
+    launch = core.executor.execute_model
+
+    def recording(sched, *args, **kwargs):
+        if sched.spec_in_flight:
+            assert core.batch_queue
+            ahead.append(sum(len(d) for d in sched.scheduled_spec_decode_tokens.values()))
+        return launch(sched, *args, **kwargs)
+
+    core.executor.execute_model = recording
+    try:
+        for params, (want, want_outs) in zip(rounds, wants):
+            ahead.clear()
+            got, got_outs, accepted = _generate(llm, prompts, params)
+            assert got == want
+            if params[0].logprobs is not None:
+                for w, g in zip(want_outs, got_outs):
+                    assert [list(p) for p in g.logprobs] == [list(p) for p in w.logprobs]
+            assert accepted > 0 and len(ahead) > 5 and sum(ahead) > 0
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.slow

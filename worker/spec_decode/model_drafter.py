@@ -36,6 +36,7 @@ from tidal.engine_core.speculative_config import SpeculativeConfig
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.sample.metadata import position_seed
 from tidal.worker.spec_decode.draft_proposer import DraftProposer, make_batch
+from tidal.worker.spec_decode.proposal import Proposal
 from tidal.worker.spec_decode.uniform_propose import ProposeGraphs, UniformBuffers, UniformHost
 from tidal.worker.step_buffers import to_device
 
@@ -43,58 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Mixed into a request's seed for its draft draws (the verify step's draws use the seed as is).
 _DRAFT_SALT = 0x5D3A_F7C1
-
-
-@dataclass(slots=True, eq=False)
-class Proposal:
-    """The drafts proposed after a step, for the next: host lists, or (a uniform proposal
-    under async scheduling) the drafter's device output, its copy to the host on its way.
-    The next step, scheduled before this one came back, takes its drafts from the device."""
-
-    rows: np.ndarray  # batch rows, parallel to the drafts
-    generations: np.ndarray  # the rows' generations then (a reused row is another request)
-    host: list[list[int]] | None = None
-    dev: torch.Tensor | None = None  # int64 [n, k]: the drafter's output
-    src: np.ndarray | None = None  # int64 per row: its row of ``dev`` (-1: no drafts)
-    limits: np.ndarray | None = None  # int64 per row: how many of its drafts count
-    copy: torch.Tensor | None = None  # ``dev`` on the host (pinned), once ``copied``
-    copied: torch.cuda.Event | None = None
-    _where: dict[int, int] | None = None
-
-    @classmethod
-    def on_device(cls, b: InputBatch, rows: np.ndarray, dev: torch.Tensor, src: np.ndarray,
-                  limits: np.ndarray) -> Proposal:
-        """Starts the host copy, in stream order right after the drafter: the drafter's next
-        run overwrites ``dev``."""
-        if dev.is_cuda:
-            copy = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-            copy.copy_(dev, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            copy, copied = dev.clone(), None
-        return cls(rows, b.generation[rows].copy(), dev=dev, src=src, limits=limits,
-                   copy=copy, copied=copied)
-
-    def lists(self) -> list[list[int]]:
-        """The drafts on the host (waits for their copy), parallel to ``rows``."""
-        if self.host is None:
-            assert self.copy is not None and self.src is not None and self.limits is not None
-            if self.copied is not None:
-                self.copied.synchronize()
-            tokens = self.copy.numpy()
-            self.host = [tokens[s, :n].tolist() if s >= 0 else []
-                         for s, n in zip(self.src.tolist(), self.limits.tolist())]
-        return self.host
-
-    def find(self, b: InputBatch, row: int) -> int | None:
-        """Where ``row``'s drafts are (its index in ``rows``), if they are its request's."""
-        if self._where is None:
-            self._where = {int(r): i for i, r in enumerate(self.rows.tolist())}
-        i = self._where.get(row)
-        if i is None or self.generations[i] != b.generation[row]:
-            return None
-        return i
 
 
 @dataclass(slots=True)

@@ -17,16 +17,8 @@ import numpy as np
 import torch
 
 from tidal.worker.input_batch import InputBatch
+from tidal.worker.spec_decode.proposal import Proposal
 from tidal.worker.step_buffers import to_device
-
-
-# Above this, the device copy of the rows' tokens would take memory the KV cache needs more
-# (e.g. 1,024 rows of a 1M-token context): the lookup stays on the host.
-MAX_HISTORY_BYTES = 2 << 30
-
-
-def history_bytes(max_num_reqs: int, max_model_len: int) -> int:
-    return max_num_reqs * max_model_len * 4
 
 
 class NgramDeviceProposer:
@@ -100,24 +92,27 @@ class NgramDeviceProposer:
         return drafts, counts
 
     def propose(self, b: InputBatch, rows: np.ndarray, lengths: np.ndarray,
-                limits: np.ndarray | None = None) -> list[list[int]]:
+                limits: np.ndarray | None = None, defer: bool = False) -> Proposal:
         """``NgramProposer.propose`` for the batch ``b``: drafts of each of ``rows`` (their
-        first ``lengths[i]`` tokens), at most ``limits[i]`` (0: none), default ``k``."""
+        first ``lengths[i]`` tokens), at most ``limits[i]`` (0: none), default ``k``.
+        ``defer``: left on the device (``Proposal.on_device``), for a next step scheduled
+        before this one's output is collected."""
         lengths = np.asarray(lengths, dtype=np.int64)
         cap = np.full(len(rows), self.k, dtype=np.int64)
         if limits is not None:
             cap = np.minimum(cap, np.asarray(limits, dtype=np.int64))
         live = cap > 0
-        out: list[list[int]] = [[] for _ in range(len(rows))]
+        generations = b.generation[rows].copy()
         if not live.any():
-            return out
+            return Proposal(rows, generations, host=[[] for _ in range(len(rows))])
         sel = rows[live].astype(np.int64)
         lens = lengths[live]
         self._sync(b, sel, lens)
         both = to_device(np.concatenate((sel, lens)), self.device)
         drafts, counts = self.lookup(both[:len(sel)], both[len(sel):], int(lens.max()))
-        host = torch.cat((drafts, counts.unsqueeze(1)), dim=1).cpu().numpy()
-        for j, i in enumerate(np.flatnonzero(live).tolist()):
-            n = min(int(host[j, -1]), int(cap[i]))
-            out[i] = host[j, :n].tolist()
-        return out
+        src = np.full(len(rows), -1, dtype=np.int64)
+        src[live] = np.arange(len(sel), dtype=np.int64)
+        proposal = Proposal.on_device(b, rows, drafts, src, cap, counts)
+        if not defer:
+            proposal.lists()
+        return proposal

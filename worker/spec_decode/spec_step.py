@@ -30,7 +30,7 @@ import torch
 
 from tidal.engine_core.config import EngineConfig, ModelConfig
 from tidal.engine_core.protocol import LogprobsArrays
-from tidal.engine_core.speculative_config import SpeculativeConfig
+from tidal.engine_core.speculative_config import SpeculativeConfig, ngram_history_bytes
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.input_batch import InputBatch
 from tidal.worker.models.decoder import AuxHiddenSpec
@@ -48,13 +48,10 @@ from tidal.worker.sample.rejection_sampler import (
     verify_layout,
 )
 from tidal.worker.sample.sampler import compute_logprobs
-from tidal.worker.spec_decode.model_drafter import ModelDrafter, Proposal
-from tidal.worker.spec_decode.ngram_device import (
-    MAX_HISTORY_BYTES,
-    NgramDeviceProposer,
-    history_bytes,
-)
+from tidal.worker.spec_decode.model_drafter import ModelDrafter
+from tidal.worker.spec_decode.ngram_device import NgramDeviceProposer
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
+from tidal.worker.spec_decode.proposal import Proposal
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +81,13 @@ class SpeculativeStep:
         if not config.uses_model:
             args = (config.num_speculative_tokens, config.prompt_lookup_min,
                     config.prompt_lookup_max)
-            size = history_bytes(max_num_reqs, max_model_len)
-            if device.type == "cuda" and size <= MAX_HISTORY_BYTES:
+            if config.prompt_lookup_on_device:
                 self.device_proposer = NgramDeviceProposer(*args, max_num_reqs, max_model_len,
                                                            device)
                 logger.info("n-gram lookup on the device (a %.0f MiB copy of the batch rows' "
-                            "tokens)", size / 2**20)
+                            "tokens)", ngram_history_bytes(max_num_reqs, max_model_len) / 2**20)
             else:
                 self.proposer = NgramProposer(*args)
-                if device.type == "cuda":
-                    logger.info("n-gram lookup on the host: a device copy of %d rows of %d "
-                                "tokens would take %.1f GiB", max_num_reqs, max_model_len,
-                                size / 2**30)
         self.drafter: ModelDrafter | None = None
         self._draft_config: ModelConfig | None = None  # the draft's (model methods)
         self.sampler = RejectionSampler(
@@ -598,9 +590,8 @@ class SpeculativeStep:
         if self.drafter is not None:
             return self.drafter.propose(b, rows, limits.astype(np.int64), defer)
         if self.device_proposer is not None:
-            drafts = self.device_proposer.propose(b, rows, n_tokens, limits)
-        else:
-            assert self.proposer is not None
-            drafts = self.proposer.propose(b.token_ids, rows, n_tokens, limits)
-        return Proposal(rows, b.generation[rows].copy(), host=drafts)
+            return self.device_proposer.propose(b, rows, n_tokens, limits, defer)
+        assert self.proposer is not None
+        return Proposal(rows, b.generation[rows].copy(),
+                        host=self.proposer.propose(b.token_ids, rows, n_tokens, limits))
 
