@@ -140,15 +140,19 @@ class Scheduler:
         # Per step, whether the drafts at hand are worth verifying (batch size, acceptance).
         self.spec_off: SpecOffSwitch | None = None
         self._proposed_last = True  # whether the workers proposed drafts after the last step
-        # The id of the last step scheduled if it verified drafts and is not back yet.
+        # The id of the last step scheduled if it verified drafts and is not back yet; the id
+        # of the last step scheduled while it is not back.
         self._verifying_step: int | None = None
+        self._unseen_step: int | None = None
         # Async scheduling with a model drafter: a request whose step is still in flight is
         # scheduled again with placeholder drafts (-1s) for what the workers propose after
         # it, so speculative steps pipeline like plain ones (``SchedulerOutput.spec_in_flight``).
         # (N-gram drafts looked up on the host, from the emitted tokens: those steps wait.)
         spec = config.speculative
+        # (Not with sliding-window layers: their blocks below the window are freed by the
+        # computed count, which would run ahead of what the step in flight still reads.)
         self.async_spec = bool(config.scheduler.async_scheduling and spec is not None
-                               and spec.drafts_on_device)
+                               and spec.drafts_on_device and not self.hybrid_kv)
         self._k = spec.num_speculative_tokens if spec is not None else 0
         # N-gram lookups find drafts or not, request by request: placeholders for as many as
         # the request's last proposal seen had (the workers pad a shorter one).
@@ -236,7 +240,8 @@ class Scheduler:
         spec_off = self.spec_off
         # Drafts the workers propose after the step in flight (if it proposes), for requests
         # scheduled again before it is back: placeholders.
-        ahead = self.async_spec and self._proposed_last
+        ahead = (self.async_spec and self._proposed_last
+                 and self._unseen_step == self._step_id - 1)
         if spec_off is not None and (drafts_of or not self._proposed_last or ahead) \
                 and not spec_off.decide(len(running)):
             # Not worth verifying this step: plain decodes (the fast path included). (A step
@@ -467,6 +472,7 @@ class Scheduler:
             self._attach_connector_meta(out)
         self._proposed_last = out.propose_drafts
         self._verifying_step = self._step_id if spec_tokens else None
+        self._unseen_step = self._step_id
         self._finished_ids = []
         self._step_id += 1
         self._step_tokens.append(total)
@@ -562,6 +568,8 @@ class Scheduler:
         if self.connector is not None and (result.kv_finished_sending
                                            or result.kv_finished_recving):
             self._connector_output(result)
+        if sched.step_id == self._unseen_step and sched.total_num_scheduled_tokens:
+            self._unseen_step = None
         if sched.scheduled_spec_decode_tokens:
             self._verified(sched.scheduled_spec_decode_tokens, result)
             if sched.step_id == self._verifying_step:

@@ -79,7 +79,7 @@ def spec_config(tiny_models):
                       speculative_config=NGRAM).create_config()
 
 
-def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
+def test_engine_config_keeps_async_scheduling(tiny_models, spec_config, tmp_path):
     assert spec_config.speculative.num_speculative_tokens == 4
     assert not spec_config.scheduler.async_scheduling  # (its CPU default)
     both = EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
@@ -92,6 +92,17 @@ def test_engine_config_keeps_async_scheduling(tiny_models, spec_config):
     asked = EngineArgs(model=str(tiny_models["llama"][0]), speculative_config={
         **NGRAM, "prompt_lookup_on_device": True}).create_config()
     assert asked.speculative.prompt_lookup_on_device and asked.speculative.drafts_on_device
+    # Speculative steps pipeline with drafts on the device, except over sliding-window layers
+    # (their blocks below the window are freed by the optimistic computed count).
+    from tidal.engine_core.scheduler import Scheduler
+
+    spec = {**NGRAM, "prompt_lookup_on_device": True}
+    assert Scheduler(EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
+                                num_kv_blocks=64,
+                                speculative_config=spec).create_config()).async_spec
+    reference.make_tiny_model("gemma2", tmp_path)
+    assert not Scheduler(EngineArgs(model=str(tmp_path), async_scheduling=True, num_kv_blocks=64,
+                                    speculative_config=spec).create_config()).async_spec
     with pytest.raises(ConfigError, match="not yet"):
         EngineArgs(model=str(tiny_models["llama"][0]),
                    speculative_config={"method": "medusa",

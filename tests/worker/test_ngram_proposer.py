@@ -62,14 +62,17 @@ class _Batch:
 
 
 @pytest.mark.parametrize("n_min,n_max,k", [(1, 1, 4), (1, 3, 2), (2, 5, 5), (3, 3, 8)])
-def test_device_lookup_equals_the_host_one(n_min, n_max, k):
+def test_device_lookup_equals_the_host_one(n_min, n_max, k, monkeypatch):
     """The batched device lookup (worker/spec_decode/ngram_device.py, torch ops: run here on
     the CPU) proposes what the host one does, row by row, while rows grow by a few tokens per
     round (only the new ones are copied over), are reused by other requests, and have limits."""
     import torch
 
+    from tidal.worker.spec_decode import ngram_device
     from tidal.worker.spec_decode.ngram_device import NgramDeviceProposer
 
+    if k == 8:  # (lookups in chunks of rows: two rows of 96 positions at a time)
+        monkeypatch.setattr(ngram_device, "LOOKUP_ELEMENTS", 2 * 96)
     rng = np.random.default_rng(7 + n_min + 10 * n_max + 100 * k)
     rows_total, width = 6, 96
     host = NgramProposer(k, n_min, n_max)

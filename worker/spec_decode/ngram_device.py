@@ -21,6 +21,10 @@ from tidal.worker.spec_decode.proposal import Proposal
 from tidal.worker.step_buffers import to_device
 
 
+# Rows x positions a lookup compares at once (its temporaries: about 10 bytes each).
+LOOKUP_ELEMENTS = 16 << 20
+
+
 class NgramDeviceProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int, max_num_reqs: int, max_model_len: int,
@@ -59,11 +63,21 @@ class NgramDeviceProposer:
     def lookup(self, rows: torch.Tensor, lengths: torch.Tensor, width: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts ``[R, k]`` and their counts ``[R]`` (0 .. k) of batch ``rows`` whose tokens
-        are their first ``lengths`` (all <= ``width``), from the device's copy."""
-        hist = self.history[:, :width].index_select(0, rows).to(torch.int64)
+        are their first ``lengths`` (all <= ``width``), from the device's copy; in chunks of
+        rows, so the temporaries (a few bytes per row and position) stay bounded."""
+        step = max(1, LOOKUP_ELEMENTS // max(width, 1))
+        if len(rows) <= step:
+            return self._lookup(rows, lengths, width)
+        parts = [self._lookup(rows[i:i + step], lengths[i:i + step], width)
+                 for i in range(0, len(rows), step)]
+        return torch.cat([d for d, _ in parts]), torch.cat([c for _, c in parts])
+
+    def _lookup(self, rows: torch.Tensor, lengths: torch.Tensor, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hist = self.history[:, :width].index_select(0, rows)  # int32 [R, W]
         n_rows = hist.shape[0]
         dev = hist.device
-        pos = torch.arange(width, device=dev)
+        pos = torch.arange(width, dtype=torch.int32, device=dev)
         lengths = lengths.to(torch.int64)
         last = lengths - 1
         # Candidate end positions of an earlier occurrence: before the last token.
@@ -71,16 +85,16 @@ class NgramDeviceProposer:
         best_end = torch.full((n_rows,), -1, dtype=torch.int64, device=dev)
         best_n = torch.zeros(n_rows, dtype=torch.int64, device=dev)
         for i in range(self.n_max):
-            # The suffix's i-th token from the end against each candidate's i-th one back.
+            # The suffix's i-th token from the end against each candidate's i-th one back
+            # (none whose n-gram would start before token 0).
             want = hist.gather(1, (last - i).clamp(min=0).unsqueeze(1))
             if i:
-                back = torch.full_like(hist, -1)
-                back[:, i:] = hist[:, :width - i]
+                ok[:, i:] &= hist[:, :width - i] == want
+                ok[:, :i] = False
             else:
-                back = hist
-            # (Before token 0 ``back`` is -1: no candidate's n-gram starts there.)
-            ok = ok & (back == want) & (last - i >= 0).unsqueeze(1)
-            end = torch.where(ok, pos.unsqueeze(0), -1).amax(dim=1)
+                ok &= hist == want
+            ok &= (last - i >= 0).unsqueeze(1)
+            end = torch.where(ok, pos.unsqueeze(0), -1).amax(dim=1).to(torch.int64)
             found = end >= 0
             best_end = torch.where(found, end, best_end)
             best_n = torch.where(found, i + 1, best_n)
@@ -88,7 +102,7 @@ class NgramDeviceProposer:
         start = best_end + 1
         counts = torch.where(hit, (lengths - start).clamp(0, self.k), 0)
         cols = (start.unsqueeze(1) + torch.arange(self.k, device=dev)).clamp(max=width - 1)
-        drafts = hist.gather(1, cols)
+        drafts = hist.gather(1, cols).to(torch.int64)
         return drafts, counts
 
     def propose(self, b: InputBatch, rows: np.ndarray, lengths: np.ndarray,

@@ -13,6 +13,13 @@
    positions would need what the verify step does not model: penalties (they count earlier
    outputs) and min_tokens not yet reached (stop tokens banned at some positions only).
 
+With async scheduling and drafts kept on the device (a model drafter, or the n-gram lookup on
+the device), ``launch_verify`` replaces ``verify``: the next step is scheduled while this one
+runs, and its ``execute_model`` first takes this one's emitted tokens (``finish_verify``),
+steps the scheduler's optimistic computed counts back by the rejected drafts (``step_back``)
+and fills its placeholder drafts from the proposal left on the device (``write_drafts``,
+``fill_device_drafts``).
+
 For the model methods the runner also calls ``aux_hidden_spec`` (the target records what an
 EAGLE-3 head or an MTP layer reads), ``load_drafter`` after the target is loaded, ``bind_kv_cache`` with the
 pool, and ``observe`` after each forward pass (``propose`` with no rows after a step that
@@ -282,15 +289,17 @@ class SpeculativeStep:
     def device_draft_sources(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """For the step's inputs the host does not know (``rows`` / ``positions``: drafts
         ``write_drafts`` left to the device), their indices in the flattened proposal."""
-        src = np.empty(len(rows), dtype=np.int64)
         found = self._from_device
-        for j, (row, pos) in enumerate(zip(rows.tolist(), positions.tolist())):
-            at = found.get(row)
-            if at is None:
-                raise RuntimeError(f"an input token of batch row {row} is unknown and not a "
-                                   "draft the device holds")
-            src[j] = at[1] + pos - at[0]
-        return src
+        keys = np.fromiter(found, dtype=np.int64, count=len(found))
+        at = np.array(list(found.values()), dtype=np.int64).reshape(-1, 2)
+        order = np.argsort(keys)
+        keys, at = keys[order], at[order]
+        i = np.minimum(np.searchsorted(keys, rows), len(keys) - 1)
+        missing = keys[i] != rows
+        if missing.any():
+            raise RuntimeError(f"an input token of batch row {int(rows[missing][0])} is unknown "
+                               "and not a draft the device holds")
+        return at[i, 1] + positions.astype(np.int64) - at[i, 0]
 
     def fill_device_drafts(self, input_ids: torch.Tensor, dst: torch.Tensor,
                            src: torch.Tensor, rows: np.ndarray, positions: np.ndarray) -> None:
