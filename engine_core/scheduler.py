@@ -144,9 +144,10 @@ class Scheduler:
         # of the last step scheduled while it is not back.
         self._verifying_step: int | None = None
         self._unseen_step: int | None = None
-        # Async scheduling with a model drafter: a request whose step is still in flight is
-        # scheduled again with placeholder drafts (-1s) for what the workers propose after
-        # it, so speculative steps pipeline like plain ones (``SchedulerOutput.spec_in_flight``).
+        # Async scheduling with drafts kept on the device (a model drafter, or the n-gram lookup
+        # there): a request whose step is still in flight is scheduled again with placeholder
+        # drafts (-1s) for what the workers propose after it, so speculative steps pipeline
+        # like plain ones (``SchedulerOutput.spec_in_flight``).
         # (N-gram drafts looked up on the host, from the emitted tokens: those steps wait.)
         spec = config.speculative
         # (Not with sliding-window layers: their blocks below the window are freed by the
@@ -1028,9 +1029,9 @@ class Scheduler:
         logger.debug("preempting %s (%d tokens computed)", req.request_id, req.num_computed_tokens)
         self.kv.free(req)
         if self._drafts:
-            self._drafts.pop(req.request_id, None)
+            self._drafts.pop(req.request_id, None)  # recomputed from scratch, drafts later
         if self._proposed_len:
-            self._proposed_len.pop(req.request_id, None)  # recomputed from scratch, drafts later
+            self._proposed_len.pop(req.request_id, None)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
