@@ -178,10 +178,10 @@ def test_killing_one_rank_ends_the_server(dp_server):
     children = psutil.Process(dp_server.pid).children(recursive=True)
     assert rank1 in {c.pid for c in children}
 
-    async def main() -> list[BaseException | None]:
+    async def main() -> list[BaseException | str | None]:
         client = openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="unused",
                                     max_retries=0)
-        errors: list[BaseException | None] = []
+        errors: list[BaseException | str | None] = []
         try:
             # Both streams are under way when the rank dies: whichever rank runs each, both
             # fail (the engine is one to the client; a half engine is not served).
@@ -194,19 +194,22 @@ def test_killing_one_rank_ends_the_server(dp_server):
                     break
             psutil.Process(rank1).kill()
             for stream in streams:
-                error = None
+                error, finish = None, None
                 try:
-                    async for _ in stream:
-                        pass
+                    async for chunk in stream:
+                        finish = chunk.choices[0].finish_reason if chunk.choices else finish
                 except Exception as exc:  # noqa: BLE001 - the error is what the test wants
                     error = exc
-                errors.append(error)
+                # (A stream on the live rank may end whole before the death is noticed: the
+                # tiny model is fast and a loaded machine slow to see the process go.)
+                errors.append(error if error is not None or finish != "length" else "complete")
         finally:
             await client.close()
         return errors
 
     errors = asyncio.run(main())
-    assert all(e is not None and "engine" in str(e) for e in errors), errors
+    failed = [e for e in errors if e != "complete"]
+    assert failed and all(e is not None and "engine" in str(e) for e in failed), errors
     assert dp_server.proc.wait(60) == 1
     log = dp_server.log_path.read_text(errors="replace")
     assert "data-parallel rank 1" in log
