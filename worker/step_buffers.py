@@ -35,6 +35,19 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying a small device tensor to the host, in stream order after the work that
+    made it (pinned, with an event to wait on: nothing later on the stream is waited for);
+    off a GPU a copy at once (``t`` may be overwritten by later work)."""
+    if not t.is_cuda:
+        return t.clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
 _DTYPES = (torch.int64, torch.int32, torch.float32)
 _MAX_CACHED_VIEWS = 256
 

@@ -152,9 +152,7 @@ def test_draft_model_greedy_identical_through_chunked_prefill_and_preemption(dra
         assert _uniform_steps(llm) > 0
         # The draft's cache, caught up in passes and refilled after preemption, drafts what
         # the draft run alone (HF) does after each sequence.
-        for tokens, drafts_then in proposed[::5]:
-            want = reference.hf_greedy(drafts["small_hf"], tokens, K)[0]
-            assert drafts_then == want[:len(drafts_then)], len(tokens)
+        _check_drafts_alone(drafts, "draft_model", proposed)
     finally:
         llm.shutdown()
     # (Preemption changes which steps draft, so seeds are checked on an engine without it.)
@@ -281,6 +279,17 @@ def _eagle3_from_scratch(target: str, head: str, tokens: list[int]) -> list[int]
     return proposer.propose(batch).token_ids[0].tolist()
 
 
+def _check_drafts_alone(drafts, method: str, proposed) -> None:
+    """Every few recorded proposals: the drafts equal what the draft model (HF) or the EAGLE-3
+    head (one fresh pass) drafts after that sequence alone."""
+    for tokens, drafts_then in proposed[::5 if method == "draft_model" else 7]:
+        if method == "draft_model":
+            want = reference.hf_greedy(drafts["small_hf"], tokens, K)[0]
+        else:
+            want = _eagle3_from_scratch(str(drafts["target"]), str(drafts["eagle3"]), tokens)
+        assert drafts_then == want[:len(drafts_then)], len(tokens)
+
+
 @pytest.mark.slow
 def test_eagle3_greedy_identical_and_seeds_reproducible(drafts, plain):
     from tidal.frontend import LLM
@@ -296,9 +305,7 @@ def test_eagle3_greedy_identical_and_seeds_reproducible(drafts, plain):
         assert n_drafts > 0 and _uniform_steps(llm) > 0
         # The head's cache, filled step by step over prompt chunks, verify rows (rejected
         # ones overwritten later) and chains, drafts what a fresh pass over each sequence does.
-        for tokens, drafts_then in proposed[::7]:
-            want = _eagle3_from_scratch(str(drafts["target"]), str(drafts["eagle3"]), tokens)
-            assert drafts_then == want[:len(drafts_then)], len(tokens)
+        _check_drafts_alone(drafts, "eagle3", proposed)
         _check_seeds(llm)
     finally:
         llm.shutdown()
@@ -373,15 +380,9 @@ def test_async_scheduling_pipelines_speculative_steps(drafts, plain, method):
         assert len(ahead) > 5 and sum(ahead) > 0 and sum(fills) > 0
         if method == "draft_model":  # (the random EAGLE-3 head's drafts are all rejected)
             assert accepted > 0
-            want = [reference.hf_greedy(drafts["small_hf"], t, K)[0] for t, _ in proposed[::5]]
-        else:
-            want = [_eagle3_from_scratch(str(drafts["target"]), str(model), t)
-                    for t, _ in proposed[::7]]
         # What the drafter left on the device (and copied to the host for the output) is
         # what it drafts from each sequence alone.
-        for (tokens, drafts_then), w in zip(proposed[::5 if method == "draft_model" else 7],
-                                            want):
-            assert drafts_then == w[:len(drafts_then)], len(tokens)
+        _check_drafts_alone(drafts, method, proposed)
         _check_seeds(llm)
     finally:
         llm.shutdown()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tidal.worker.input_batch import InputBatch
+from tidal.worker.step_buffers import to_host
 
 
 @dataclass(slots=True, eq=False)
@@ -36,14 +37,8 @@ class Proposal:
         """Starts the host copy, in stream order right after the drafter: the drafter's next
         run overwrites ``dev``. ``counts``: how many of each output row's drafts are real
         (the rest pad: a placeholder takes them all, verification stays exact)."""
-        both = dev if counts is None else torch.cat((dev, counts.unsqueeze(1)), dim=1)
-        if both.is_cuda:
-            copy = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            copy.copy_(both, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            copy, copied = both.clone(), None
+        copy, copied = to_host(dev if counts is None
+                               else torch.cat((dev, counts.unsqueeze(1)), dim=1))
         return cls(rows, b.generation[rows].copy(), dev=dev, src=src, limits=limits,
                    copy=copy, copied=copied, counts=counts is not None)
 

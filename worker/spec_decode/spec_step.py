@@ -59,8 +59,16 @@ from tidal.worker.spec_decode.model_drafter import ModelDrafter
 from tidal.worker.spec_decode.ngram_device import NgramDeviceProposer
 from tidal.worker.spec_decode.ngram_proposer import NgramProposer
 from tidal.worker.spec_decode.proposal import Proposal
+from tidal.worker.step_buffers import to_host
 
 logger = logging.getLogger(__name__)
+
+
+def _emitted(both: np.ndarray) -> list[list[int]]:
+    """Each request's emitted tokens from the rejection sampler's ``[B, K + 2]`` output on the
+    host (the tokens, -1 padded, then their count)."""
+    tokens, counts = both[:, :-1], both[:, -1]
+    return [tokens[i, :counts[i]].tolist() for i in range(len(both))]
 
 
 @dataclass(slots=True, eq=False)
@@ -453,15 +461,7 @@ class SpeculativeStep:
         except Exception:  # noqa: BLE001 - ``verify`` isolates the failing request(s)
             self._staged = staged
             return None
-        both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1)
-        copied = None
-        if both.is_cuda:
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host = both
+        host, copied = to_host(torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1))
         # The proposal after the copy: the host waits for the emitted tokens only, and
         # prepares the next step while the device drafts.
         early = self._early(b, sample_rows, propose)
@@ -473,9 +473,7 @@ class SpeculativeStep:
         """Wait for a launched verification's emitted tokens and append them to the rows."""
         if launch.copied is not None:
             launch.copied.synchronize()
-        both = launch.emitted.numpy()
-        tokens, counts = both[:, :-1], both[:, -1]
-        emitted = [tokens[i, :counts[i]].tolist() for i in range(len(launch.drafts))]
+        emitted = _emitted(launch.emitted.numpy())
         self._record(b, launch.step_id, launch.sample_rows, launch.sampled_ids, launch.drafts,
                      emitted)
         self._append(b, launch.sample_rows, emitted)
@@ -516,7 +514,7 @@ class SpeculativeStep:
         # The step's one wait for the device: the emitted tokens decide the next step.
         both = torch.cat((out.token_ids, out.num_emitted.unsqueeze(1)), dim=1).cpu().numpy()
         tokens, counts = both[:, :-1], both[:, -1]
-        emitted = [tokens[i, :counts[i]].tolist() for i in range(len(drafts))]
+        emitted = _emitted(both)
         if out.logprobs is None or meta.max_num_logprobs is None:
             return emitted, None
         # The emitted tokens' verify positions, request by request (row-major order).
