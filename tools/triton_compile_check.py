@@ -9,7 +9,7 @@ not after a device call. Covers the batch-1 GEMV in each of its roles (plain, pr
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
 the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
 LoRA's one-row shrink of partial sums (norming its row or not) and its grouped decode kernels,
-the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
+the few-row GEMV (tensor-core and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
 residual add and sums of squares, and as an all-gather), the one-row add + norm, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps). Exits non-zero if any fails.
@@ -203,6 +203,24 @@ def main() -> int:
                       w4._w4a16_gemv_rows, sig, consts))
     cases += _decode_chain_cases()
     cases += _lora_grouped_cases()
+    from tidal.worker.ops import triton_gemv_rows as tr
+
+    rows_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
+    for gated, pdl in ((False, False), (False, True), (True, True)):
+        consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=False, GATED=gated,
+                      GELU=False, EVICT="evict_first", PDL=pdl)
+        sig = {n: "constexpr" if n in consts else rows_types.get(n, "i32")
+               for n in tr._gemv_rows_kernel.arg_names}
+        cases.append((f"few-row GEMV, tensor cores{' + SiLU' if gated else ''}"
+                      f"{' + PDL prefetch' if pdl else ''}", tr._gemv_rows_kernel, sig, consts))
+    for gated, even, prefetch in ((False, True, 2), (True, False, 1), (True, True, 2)):
+        consts = dict(BLOCK_M=4, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=not gated, GATED=gated,
+                      GELU=False, EVEN=even, EVICT="evict_first", PREFETCH=prefetch, PDL=True)
+        sig = {n: "constexpr" if n in consts else rows_types.get(n, "i32")
+               for n in tr._gemv_rows_fma_kernel.arg_names}
+        cases.append((f"few-row GEMV, elementwise{' + SiLU' if gated else ' + bias'}"
+                      f"{'' if even else ', masked'}, {prefetch} chunk(s) before the PDL wait",
+                      tr._gemv_rows_fma_kernel, sig, consts))
     from tidal.worker.ops import triton_moe
 
     for label, consts in (

@@ -55,7 +55,9 @@ def _check(out, ref64, torch_out, dtype, label) -> None:
 
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("act", list(ACTS), ids=str)
-def test_random_shapes(dtype, act) -> None:
+@pytest.mark.parametrize("pdl_dot", [False, True], ids=["plain", "pdl"])
+def test_random_shapes(dtype, act, pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tr, "PDL_DOT", pdl_dot)
     rng = random.Random(hash((str(dtype), act)) & 0xFFFF)
     gen = torch.Generator(device=DEVICE).manual_seed(rng.randrange(1 << 30))
     for case in range(6):
@@ -70,6 +72,29 @@ def test_random_shapes(dtype, act) -> None:
         out = tr.gemv_rows(x, w, b, act=act)
         assert out.shape == (m, n)
         _check(out, *_reference(x, w, b, act), dtype, f"{m}x{k} @ {n}x{k} {act} bias={bias}")
+
+
+@pytest.mark.parametrize("config", [tr.FmaLaunch(2, 512, 4, 1), tr.FmaLaunch(4, 512, 4, 2),
+                                    tr.FmaLaunch(8, 1024, 8, 2)], ids=str)
+def test_elementwise_kernel_random_shapes(config) -> None:
+    """The elementwise kernel (``FmaLaunch``) over 2-8 rows, ragged N and K (masked tiles, a
+    K shorter than two chunks), bias and both gated epilogues; 16 rows fall back to the
+    tensor-core kernel."""
+    rng = random.Random(config.block_n)
+    gen = torch.Generator(device=DEVICE).manual_seed(rng.randrange(1 << 30))
+    dt = torch.bfloat16
+    for case, act in enumerate((None, "silu", "gelu_tanh", None, None, "silu")):
+        m = (2, 3, 4, 8, 16, 5)[case]
+        n, k = rng.randrange(1, 700), rng.choice([rng.randrange(1, 1500), 2048])
+        bias = case == 3
+        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+             ).to(dt)
+        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dt)
+        b = torch.randn(n, device=DEVICE, generator=gen).to(dt) if bias else None
+        _poison(m * n * 2)
+        out = tr.gemv_rows(x, w, b, act=act, config=config)
+        assert out.shape == (m, n)
+        _check(out, *_reference(x, w, b, act), dt, f"{config} {m}x{k} @ {n}x{k} {act}")
 
 
 # Each launch shape of the table with the kind of weight it serves (a gated one reads two tiles
@@ -97,20 +122,30 @@ def test_every_launch_shape(config, gated) -> None:
         _check(out, *_reference(x, w, None, act), dt, f"{config} {n}x{k} {act}")
 
 
-def test_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("config,pdl_dot", [(None, False), (None, True),
+                                            (tr.FmaLaunch(4, 256, 4, 2), False)], ids=str)
+def test_in_a_cuda_graph(config, pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured and replayed, back to back with itself (the first weight chunk prefetched
+    under programmatic dependent launch, where the device has it: the elementwise kernel's
+    always, the tensor-core one's with ``PDL_DOT``)."""
+    monkeypatch.setattr(tr, "PDL_DOT", pdl_dot)
     gen = torch.Generator(device=DEVICE).manual_seed(5)
     dt = torch.bfloat16
     w = (torch.randn((768, 512), device=DEVICE, generator=gen) / 512 ** 0.5).to(dt)
+    w2 = (torch.randn((256, 384), device=DEVICE, generator=gen) / 384 ** 0.5).to(dt)
     x = torch.randn((4, 512), device=DEVICE, generator=gen).to(dt)
-    tr.gemv_rows(x, w)  # compiled outside the capture
+    tr.gemv_rows(tr.gemv_rows(x, w, act="silu", config=config), w2, config=config)  # compiled
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tr.gemv_rows(x, w, act="silu")
+        h = tr.gemv_rows(x, w, act="silu", config=config)
+        out = tr.gemv_rows(h, w2, config=config)
     for _ in range(2):
         x.copy_(torch.randn((4, 512), device=DEVICE, generator=gen).to(dt))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, *_reference(x, w, None, "silu"), dt, "graph replay")
+        h_ref = tr.gemv_rows(x, w, act="silu", config=config)
+        _check(h, *_reference(x, w, None, "silu"), dt, "graph replay, first")
+        assert torch.equal(out, tr.gemv_rows(h_ref, w2, config=config)), "second in the graph"
 
 
 def test_bad_arguments_raise() -> None:
@@ -161,3 +196,12 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     K.linear(torch.randn((9, 4096), device=DEVICE, dtype=dt), w)
     K.linear(torch.randn((1, 4096), device=DEVICE, dtype=dt), w)
     assert calls == []
+    # A weight whose launch shape is the elementwise kernel's, measured at four rows: takes it
+    # up to four rows, stays on cuBLAS past them.
+    sq = (torch.randn((2048, 2048), device=DEVICE, generator=gen) / 45).to(dt)
+    assert isinstance(tr.ROWS_CONFIGS[(2048, 2048, False)], tr.FmaLaunch)
+    for rows, taken in ((2, True), (4, True), (5, False), (8, False)):
+        calls.clear()
+        x = torch.randn((rows, 2048), device=DEVICE, generator=gen).to(dt)
+        _check(K.linear(x, sq), *_reference(x, sq, None, None), dt, f"square {rows}")
+        assert calls == ([None] if taken else []), (rows, calls)

@@ -285,7 +285,7 @@ class Kernels:
         if rows is None or not rows.gemv_rows_supported(x, weight):
             return False
         n = weight.shape[0] // 2 if gated else weight.shape[0]
-        return ((n, weight.shape[1], gated) in rows.ROWS_CONFIGS
+        return (rows.tuned_for(n, weight.shape[1], gated, x.numel() // x.shape[-1])
                 and weight.numel() * weight.element_size() <= self._gemv_max_bytes
                 and not torch.compiler.is_compiling())
 

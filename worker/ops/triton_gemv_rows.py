@@ -4,8 +4,12 @@ than one row: decode at batch 2 to 8, a speculative verify at batch 1 (1 + k tok
 
 The rows are padded to 16 and multiplied on the tensor cores (``tl.dot``), so the accumulators
 stay small whatever the row count, and the K loop's weight loads are software-pipelined
-(``num_stages``). A register-only version with one elementwise accumulator per row (the
-one-row GEMV's plan) was measured first: as fast at two rows, 0.73-0.86x cuBLAS at four.
+(``num_stages``). The one-row GEMV's plan (``_gemv_rows_fma_kernel``: few weight rows per
+program, one elementwise accumulator per input row, weights prefetched before the
+programmatic-dependent-launch wait) loses to it at four rows on every Llama-3.1-8B weight
+(H100 sweep, 2026-11-28: none in any shape's four best) but wins where the tensor-core grid is
+too small to cover the chip (a 2048 x 2048 weight: 64 programs); ``ROWS_CONFIGS`` picks it
+per shape.
 
 H100, Llama-3.1-8B's projections, device time per call in a CUDA graph, weights cycled past
 the L2 cache (``tools/bench_gemv_rows.py``; cuBLAS -> this, us): four rows q/k/v 20.6 -> 20.0,
@@ -16,18 +20,35 @@ and eight rows within 1 % of those. Optional bias, and the gated epilogue of a f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import gated_product
+from tidal.worker.ops.triton_decode import gated_product, launch, pdl_enabled
 
 MAX_ROWS = 8  # measured up to here (the tile holds 16)
+# The table's elementwise launch shapes were measured at four rows; past that their per-row
+# accumulators crowd the registers, and such calls stay on cuBLAS (``tuned_for``).
+FMA_TUNED_ROWS = 4
 
-# Launch shapes (BLOCK_N, BLOCK_K, num_warps, num_stages) per (N outputs, K, gated), from the
-# sweep above (H100); others take DEFAULT_CONFIG (the gated weights' best, which reads two
-# tiles per stage and so fits any of these in the shared memory).
-ROWS_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
+
+class FmaLaunch(NamedTuple):
+    """A launch shape of the elementwise kernel (``_gemv_rows_fma_kernel``); a plain 4-tuple
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) is one of the tensor-core kernel."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    prefetch: int  # weight chunks loaded before the wait for the previous kernel (1 or 2)
+
+
+# Launch shapes per (N outputs, K, gated), from the sweep above (H100): the tensor-core kernel's
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), or an ``FmaLaunch``; others take DEFAULT_CONFIG
+# (the gated weights' best, which reads two tiles per stage and so fits any of these in the
+# shared memory).
+ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (6144, 4096, False): (64, 256, 4, 3),
     (4096, 4096, False): (32, 512, 4, 5),
     (14336, 4096, True): (32, 256, 4, 3),
@@ -37,15 +58,32 @@ ROWS_CONFIGS: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {
     # q/k/v, o and down projections stayed faster on cuBLAS (0.77-0.93x): not here.
     (3072, 1024, True): (32, 128, 4, 5),
     (151936, 1024, False): (64, 256, 4, 3),
+    # Speculative drafters' first pass (four rows at batch 1, k = 3; H100, cuBLAS -> this, us).
+    # Llama-3.2-1B as a draft model: o 6.36 -> 5.75 (the elementwise kernel: 64 tensor-core
+    # programs cannot cover the chip), gate/up + SiLU 31.3 -> 24.8, down 15.2 -> 15.0, LM head
+    # 189.8 -> 171.8; its q/k/v stayed faster on cuBLAS (7.0 against 7.5).
+    (2048, 2048, False): FmaLaunch(4, 512, 4, 2),
+    (8192, 2048, True): (64, 128, 4, 3),
+    (2048, 8192, False): (16, 512, 4, 5),
+    (128256, 2048, False): (32, 512, 4, 5),
+    # Llama-3.1-8B's EAGLE-3 head: fc over three hidden states 38.9 -> 37.0, q/k/v over two
+    # 39.0 -> 37.4, its LM head over the 32k draft vocabulary 98.0 -> 88.7.
+    (4096, 12288, False): (32, 512, 4, 5),
+    (6144, 8192, False): (64, 256, 4, 3),
+    (32000, 4096, False): (64, 256, 4, 5),
 }
 DEFAULT_CONFIG = (32, 256, 4, 3)
+# Programmatic dependent launch for the tensor-core kernel (its first weight chunk loaded before
+# the wait). Not yet measured on a GPU: tools/bench_gemv_rows.py --pdl both times each launch
+# shape with and without it; off until that shows it pays.
+PDL_DOT = False
 
 
 @triton.jit
 def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w, stride_o,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                      EVICT: tl.constexpr):
+                      EVICT: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -58,7 +96,22 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
     x_rows = x_ptr + ms[:, None] * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PDL:
+        # The first weight chunk depends on nothing the previous kernel writes: it streams in
+        # while that kernel finishes (the loop's pipeline starts after the wait).
+        km0 = cols < K
+        w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & km0[None, :], other=0.0,
+                     eviction_policy=EVICT)
+        if GATED:
+            wu0 = tl.load(wu_rows + cols[None, :], mask=row_ok[:, None] & km0[None, :],
+                          other=0.0, eviction_policy=EVICT)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # x comes from it; our output may reuse memory it reads
+        x0 = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & km0[None, :], other=0.0)
+        acc = tl.dot(x0, tl.trans(w0), acc)
+        if GATED:
+            acc_up = tl.dot(x0, tl.trans(wu0), acc_up)
+    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
         kk = k0 + cols
         km = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
@@ -79,6 +132,91 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
              mask=m_ok[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _gemv_rows_fma_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w, stride_o,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+                          EVEN: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr):
+    """The one-row GEMV's plan for a few rows: few weight rows per program (a grid that covers
+    the chip many times over, every program's loads in flight at once), each weight chunk
+    multiplied elementwise into one float32 accumulator per input row, summed once at the end.
+    The first ``PREFETCH`` weight chunks depend on nothing the previous kernel writes: with
+    programmatic dependent launch they stream in while it finishes."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w  # (GATED: [gate; up])
+    x_rows = x_ptr + ms[:, None] * stride_x
+    km0 = cols < K
+    w0 = _rows_w_chunk(w_rows, cols, row_ok, km0, EVEN, EVICT)
+    if GATED:
+        wu0 = _rows_w_chunk(wu_rows, cols, row_ok, km0, EVEN, EVICT)
+    if PREFETCH > 1:  # (the wrapper checks that K holds a second chunk)
+        kk1 = BLOCK_K + cols
+        km1 = kk1 < K
+        w1 = _rows_w_chunk(w_rows, kk1, row_ok, km1, EVEN, EVICT)
+        if GATED:
+            wu1 = _rows_w_chunk(wu_rows, kk1, row_ok, km1, EVEN, EVICT)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        # x comes from the previous kernel, and our output may reuse memory it still reads.
+        tl.extra.cuda.gdc_wait()
+    x = _rows_x_chunk(x_rows, cols, m_ok, km0, EVEN)
+    acc = w0.to(tl.float32)[None, :, :] * x
+    if GATED:
+        acc_up = wu0.to(tl.float32)[None, :, :] * x
+    if PREFETCH > 1:
+        x = _rows_x_chunk(x_rows, kk1, m_ok, km1, EVEN)
+        acc += w1.to(tl.float32)[None, :, :] * x
+        if GATED:
+            acc_up += wu1.to(tl.float32)[None, :, :] * x
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+        kk = k0 + cols
+        km = kk < K
+        x = _rows_x_chunk(x_rows, kk, m_ok, km, EVEN)
+        acc += _rows_w_chunk(w_rows, kk, row_ok, km, EVEN, EVICT).to(tl.float32)[None, :, :] * x
+        if GATED:
+            acc_up += _rows_w_chunk(wu_rows, kk, row_ok, km, EVEN, EVICT
+                                    ).to(tl.float32)[None, :, :] * x
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        y = gated_product(y, tl.sum(acc_up, axis=2), out_ptr, GELU)
+    tl.store(out_ptr + ms[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _rows_w_chunk(w_rows, kk, row_ok, km, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    if EVEN:
+        return tl.load(w_rows + kk[None, :], eviction_policy=EVICT)
+    return tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
+                   eviction_policy=EVICT)
+
+
+@triton.jit
+def _rows_x_chunk(x_rows, kk, m_ok, km, EVEN: tl.constexpr):
+    """Columns ``kk`` of every input row, float32, as [BLOCK_M, 1, BLOCK_K] (rows past M: 0)."""
+    if EVEN:
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
+    return x.to(tl.float32)[:, None, :]
+
+
+def tuned_for(n: int, k: int, gated: bool, rows: int) -> bool:
+    """Whether ``ROWS_CONFIGS`` has a launch shape measured for this weight at ``rows`` rows
+    (``n``: the outputs, half a gated weight's rows)."""
+    cfg = ROWS_CONFIGS.get((n, k, gated))
+    return cfg is not None and (rows <= FMA_TUNED_ROWS or not isinstance(cfg, FmaLaunch))
+
+
 def gemv_rows_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``gemv_rows`` takes these: 2 to ``MAX_ROWS`` rows of 16-bit floats on the GPU,
     the weight 2-D and row-major, of the same dtype, width and device."""
@@ -91,12 +229,11 @@ def gemv_rows_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              act: str | None = None, config: tuple[int, int, int, int] | None = None
-              ) -> torch.Tensor:
+              act: str | None = None, config: tuple | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2 to ``MAX_ROWS`` rows; with ``act`` ("silu" or
     "gelu_tanh") ``weight`` is a fused ``[gate; up]`` one and the result ``act(gate) * up``
-    ([..., N / 2]). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages), else the tuned or
-    default one."""
+    ([..., N / 2]). ``config``: a launch shape (``FmaLaunch``, or the tensor-core kernel's
+    (BLOCK_N, BLOCK_K, num_warps, num_stages)), else the tuned or default one."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -109,11 +246,26 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"unknown gated activation {act!r}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
-    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-        out, x2, weight, bias if bias is not None else x2, m, n, k, x2.stride(0),
-        weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), HAS_BIAS=bias is not None,
-        GATED=gated, GELU=act == "gelu_tanh", EVICT="evict_first", num_warps=warps,
-        num_stages=stages)
+    cfg = config or ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
+    common = dict(HAS_BIAS=bias is not None, GATED=gated, GELU=act == "gelu_tanh",
+                  EVICT="evict_first")
+    args = (out, x2, weight, bias if bias is not None else x2, m, n, k, x2.stride(0),
+            weight.stride(0), out.stride(0))
+    if isinstance(cfg, FmaLaunch) and m <= MAX_ROWS:
+        block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+        launch(_gemv_rows_fma_kernel, (triton.cdiv(n, cfg.block_n),), args,
+               dict(common, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
+                    BLOCK_K=block_k, EVEN=n % cfg.block_n == 0 and k % block_k == 0,
+                    PREFETCH=2 if cfg.prefetch > 1 and k >= 2 * block_k else 1,
+                    num_warps=cfg.warps),
+               pdl_enabled(x.device))
+    else:
+        if isinstance(cfg, FmaLaunch):  # (more rows than its accumulators were sized for)
+            cfg = DEFAULT_CONFIG
+        block_n, block_k, warps, stages = cfg
+        launch(_gemv_rows_kernel, (triton.cdiv(n, block_n),), args,
+               dict(common, BLOCK_M=16, BLOCK_N=block_n,
+                    BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
+                    num_warps=warps, num_stages=stages),
+               pdl_enabled(x.device) and PDL_DOT)
     return out.view(*x.shape[:-1], n)
