@@ -150,6 +150,8 @@ def test_draft_model_greedy_identical_through_chunked_prefill_and_preemption(dra
         assert got == plain
         assert n_drafts > 0 and preempted
         assert _uniform_steps(llm) > 0
+        # Proposals launched from the verify step's outputs, before the host has them.
+        assert _early_steps(llm) > 0
         # The draft's cache, caught up in passes and refilled after preemption, drafts what
         # the draft run alone (HF) does after each sequence.
         _check_drafts_alone(drafts, "draft_model", proposed)
@@ -216,6 +218,12 @@ def test_nothing_is_proposed_where_the_off_switch_would_drop_it(drafts, plain):
         assert alone == plain[:2] and n_drafts > 0 and any(calls)
     finally:
         llm.shutdown()
+
+
+def _early_steps(llm) -> int:
+    """Uniform proposals launched from the verify step's device outputs (``propose_early``;
+    on a CPU the same step, run from the tensors' values)."""
+    return llm.engine.core.executor.worker.runner.spec.drafter.early_steps
 
 
 def _uniform_steps(llm) -> int:
@@ -379,7 +387,7 @@ def test_async_scheduling_pipelines_speculative_steps(drafts, plain, method):
         # worker took from the device.
         assert len(ahead) > 5 and sum(ahead) > 0 and sum(fills) > 0
         if method == "draft_model":  # (the random EAGLE-3 head's drafts are all rejected)
-            assert accepted > 0
+            assert accepted > 0 and _early_steps(llm) > 0
         # What the drafter left on the device (and copied to the host for the output) is
         # what it drafts from each sequence alone.
         _check_drafts_alone(drafts, method, proposed)

@@ -95,6 +95,8 @@ class ModelDrafter:
         self.uniform_steps = 0  # (counted for tests and benchmarks)
         self.early_steps = 0  # of which launched by ``propose_early``
         self._early: StepRows | None = None  # the step ``propose_early`` launched for
+        # A draft model's: the batch rows ``propose_early`` launched for.
+        self._early_rows: np.ndarray | None = None
         # ``propose(defer=True)``: a uniform proposal left on the device, (the rows' indices
         # into the output, their limits, the output).
         self._defer = False
@@ -143,6 +145,7 @@ class ModelDrafter:
                 aux: torch.Tensor | None) -> None:
         """The target step just run (EAGLE-3 drafts from its hidden states)."""
         self._early = None
+        self._early_rows = None
         if self.eagle:
             assert aux is not None
             self._step = StepRows(rows, cu, seq_lens, aux[:int(cu[-1])])
@@ -192,6 +195,9 @@ class ModelDrafter:
 
     def _propose_draft_model(self, b: InputBatch, rows: np.ndarray, limits: np.ndarray,
                              where: np.ndarray, out: list[list[int]]) -> None:
+        early, self._early_rows = self._early_rows, None
+        if early is not None and self._pick_up_early(b, rows, limits, where, out, early):
+            return
         fresh = self._seen_generation[rows] != b.generation[rows]
         self._seen[rows[fresh]] = 0
         self._seen_generation[rows] = b.generation[rows]
@@ -242,6 +248,25 @@ class ModelDrafter:
         self._seen[rows] = np.minimum(n_tokens, own)
         for j, i in enumerate(where.tolist()):
             out[i] = drafts[j]
+
+    def _pick_up_early(self, b: InputBatch, rows: np.ndarray, limits: np.ndarray,
+                       where: np.ndarray, out: list[list[int]], early: np.ndarray) -> bool:
+        """A draft model's proposal launched by ``propose_early`` (for the batch rows
+        ``early``): the drafts of ``rows`` from it, or False where it does not cover them."""
+        index = {int(r): i for i, r in enumerate(early.tolist())}
+        src = [index.get(int(r)) for r in rows.tolist()]
+        if any(i is None for i in src) or bool(
+                (self._seen_generation[rows] != b.generation[rows]).any()):
+            return False
+        own = b.num_blocks[rows].astype(np.int64) * self.block_size
+        self._seen[rows] = np.minimum(b.num_tokens[rows].astype(np.int64), own)
+        if self._defer:
+            self._keep_on_device(len(out), where, src, limits, len(early))
+            return True
+        tokens = self._uniform_out(len(early))
+        for j, i in enumerate(where.tolist()):
+            out[i] = tokens[src[j], :int(limits[j])].tolist()
+        return True
 
     def _run(self, b: InputBatch, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray,
              table: torch.Tensor, part: np.ndarray, chain: np.ndarray,
@@ -330,29 +355,35 @@ class ModelDrafter:
         return self._uniform_out(len(rows))
 
     def _launch_uniform(self, b: InputBatch, rows: np.ndarray, ids: np.ndarray | torch.Tensor,
-                        starts: np.ndarray, last: np.ndarray | torch.Tensor) -> None:
-        """Fill the uniform buffers and run the step; ``ids`` / ``last`` may already be on
-        the device (``propose_early``: only where a graph replays, which needs no host
-        copies of them)."""
+                        starts: np.ndarray | torch.Tensor, last: np.ndarray | torch.Tensor
+                        ) -> None:
+        """Fill the uniform buffers and run the step; ``ids``, ``starts`` and ``last`` may
+        already be on the device (``propose_early``: only where a graph replays, which needs
+        no host copies of them)."""
         u = self._uniform
         assert u is not None
         n_req, q = len(rows), u.q
         t = n_req * q
         on_host = isinstance(ids, np.ndarray)
-        host_last = last
-        parts = [starts, rows.astype(np.int64), b.num_blocks[rows].astype(np.int64)]
+        starts_on_host = isinstance(starts, np.ndarray)
+        host_starts, host_last = starts, last
+        parts = [rows.astype(np.int64), b.num_blocks[rows].astype(np.int64)]
+        if starts_on_host:
+            parts.append(starts)  # type: ignore[arg-type]
         if on_host:
             parts += [last, ids]  # type: ignore[list-item]
         packed = to_device(np.concatenate(parts), self.device)
-        starts_d, rows_d, blocks_d = packed[:n_req], packed[n_req:2 * n_req], \
-            packed[2 * n_req:3 * n_req]
+        rows_d, blocks_d = packed[:n_req], packed[n_req:2 * n_req]
+        at = 2 * n_req
+        if starts_on_host:
+            starts, at = packed[at:at + n_req], at + n_req
         if on_host:
-            last, ids = packed[3 * n_req:4 * n_req], packed[4 * n_req:]
+            last, ids = packed[at:at + n_req], packed[at + n_req:]
         u.ids[:t].copy_(ids.reshape(t))  # type: ignore[union-attr]
         u.last[:n_req].copy_(last)  # type: ignore[arg-type]
         size = self.graphs.size_for(n_req) if self.graphs is not None else None
         n = size or n_req
-        u.pos_start[:n_req].copy_(starts_d)
+        u.pos_start[:n_req].copy_(starts)  # type: ignore[arg-type]
         u.table[:n_req].copy_(self._tables_from(rows_d, blocks_d))
         u.valid[:n] = u.qsl1[:n] < n_req
         if n > n_req:  # padding requests: one short query each, nothing written
@@ -361,9 +392,9 @@ class ModelDrafter:
         if size is not None:
             self.graphs.replay(size)  # type: ignore[union-attr]
         else:
-            assert on_host, "an early launch needs its graph"
+            assert on_host and starts_on_host, "an early launch needs its graph"
             self.proposer.propose_uniform(  # type: ignore[attr-defined]
-                u, n_req, UniformHost(starts, host_last))
+                u, n_req, UniformHost(host_starts, host_last))  # type: ignore[arg-type]
         self.uniform_steps += 1
 
     def _uniform_out(self, n_req: int) -> np.ndarray:
@@ -376,9 +407,12 @@ class ModelDrafter:
         before the host has them (one wait for both): row j of a request holds token j of
         what it emitted (its accepted drafts, then the target's token), the chain starts at
         its last emitted one. Only for a step whose graph is captured; ``propose`` then
-        picks the drafts up. Returns whether it launched."""
+        picks the drafts up. Returns whether it launched. A draft model's: see
+        ``_propose_early_draft_model``."""
+        if not self.eagle:
+            return self._propose_early_draft_model(b, sample_rows, token_ids, num_emitted)
         step, u = self._step, self._uniform
-        if not self.eagle or step is None or u is None or self.graphs is None:
+        if step is None or u is None or self.graphs is None:
             return False
         q = self.k + 1
         n_req = len(step.rows)
@@ -392,6 +426,53 @@ class ModelDrafter:
         self._launch_uniform(b, step.rows, token_ids.clamp(min=0), starts,
                              (num_emitted - 1).clamp(min=0))
         self._early = step
+        self.early_steps += 1
+        return True
+
+    def forget_early(self) -> None:
+        """The step's early launch is not to be picked up (its verification was redone)."""
+        self._early = None
+        self._early_rows = None
+
+    def _propose_early_draft_model(self, b: InputBatch, rows: np.ndarray,
+                                   token_ids: torch.Tensor, num_emitted: torch.Tensor) -> bool:
+        """A draft model's uniform step launched from the verify step's device outputs: each
+        request's newest k + 1 tokens, once its ``e`` emitted ones are appended, are the last
+        k + 1 of [its k + 1 newest tokens before the step (on the host), the emitted ones],
+        i.e. that window from ``e`` on; they start at position (tokens before) - (k + 1) + e.
+        For requests whose draft has seen every token before the step (as a uniform step
+        needs), greedy ones. Under a captured graph nothing waits for the device; on a CPU
+        (no graphs, the wait free) the same step runs eagerly from the tensors' values."""
+        u = self._uniform
+        q = self.k + 1
+        n_req = len(rows)
+        cpu = self.device.type == "cpu"
+        if (u is None or not n_req or n_req > u.max_reqs
+                or tuple(token_ids.shape) != (n_req, q)):
+            return False
+        if not cpu and (self.graphs is None or self.graphs.size_for(n_req) is None):
+            return False
+        before = b.num_tokens[rows].astype(np.int64)
+        if (bool((before < q).any()) or bool((b.temperature[rows] > 0).any())
+                or bool((self._seen_generation[rows] != b.generation[rows]).any())
+                or bool((self._seen[rows] != before).any())):
+            return False
+        older = b.token_ids[np.repeat(rows, q),
+                            ((before - q)[:, None] + np.arange(q)).ravel()].astype(np.int64)
+        packed = to_device(np.concatenate((older, before - q)), self.device)
+        window = torch.cat((packed[:n_req * q].view(n_req, q), token_ids.to(torch.int64)), 1)
+        emitted = num_emitted.to(torch.int64)
+        ids = window.gather(1, emitted.unsqueeze(1)
+                            + torch.arange(q, device=window.device).unsqueeze(0))
+        starts = packed[n_req * q:] + emitted
+        if self.graphs is None or self.graphs.size_for(n_req) is None:  # (a CPU)
+            self._launch_uniform(b, rows, ids.reshape(-1).numpy(), starts.numpy(),
+                                 np.full(n_req, q - 1, dtype=np.int64))
+        else:
+            self._launch_uniform(b, rows, ids.reshape(-1), starts,
+                                 torch.full((n_req,), q - 1, dtype=torch.int64,
+                                            device=self.device))
+        self._early_rows = rows.copy()
         self.early_steps += 1
         return True
 

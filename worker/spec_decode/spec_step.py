@@ -438,6 +438,8 @@ class SpeculativeStep:
         except Exception as exc:  # noqa: BLE001 - isolated below, request by request
             logger.warning("batched verification failed (%s); isolating the failing "
                            "request(s)", exc)
+            if self.drafter is not None:
+                self.drafter.forget_early()
             emitted, failed = self._verify_each(b, logits, builder, sample_rows, sampled_ids,
                                                 drafts, meta)
             logprobs = None
