@@ -164,6 +164,7 @@ KERNEL_ENV: dict[str, str] = {
     "gemv_max_mb": "TIDAL_GEMV_MAX_MB",
     "gemv_stream": "TIDAL_GEMV_STREAM",
     "gemv_rows": "TIDAL_GEMV_ROWS",
+    "gemv_rows_pdl": "TIDAL_GEMV_ROWS_PDL",
     "gemv_configs": "TIDAL_GEMV_CONFIGS",
     "norm_apart": "TIDAL_NORM_APART",
     "pdl": "TIDAL_PDL",

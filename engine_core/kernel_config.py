@@ -49,6 +49,9 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # 2 to 8 rows (decode at batch 2-8, a speculative verify) on the few-row tensor-core GEMV
     # (worker/ops/triton_gemv_rows.py; Hopper, where it was measured), not cuBLAS.
     gemv_rows: bool = True
+    # The few-row GEMV's first weight chunk loaded before the programmatic-dependent-launch wait
+    # (with ``pdl``); off until measured to pay (tools/bench_gemv_rows.py --pdl both).
+    gemv_rows_pdl: bool = False
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
     attn_fused_merge: bool = False  # split-decode partials merged inside the attention kernel

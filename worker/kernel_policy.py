@@ -112,6 +112,7 @@ class KernelPolicy:
     lora_grouped_min_tokens: int = 0
     # 2 to 8 rows of a linear on the few-row tensor-core GEMV (``triton_gemv_rows``).
     gemv_rows: bool = False
+    gemv_rows_pdl: bool = False  # its tensor-core kernel under programmatic dependent launch
     # MoE calls of at most this many (token, expert) pairs may take the direct GEMV path
     # (moe_configs.use_direct); 0: never.
     moe_direct_max_pairs: int = 0
@@ -272,6 +273,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
         gemv_rows=gemv_rows,
+        gemv_rows_pdl=gemv_rows and kc.gemv_rows_pdl and kc.pdl,
         custom_ops=custom,
         # (Only where used: the policy is part of the compile cache's key.)
         custom_op_impl=native if custom else "torch",
@@ -352,7 +354,8 @@ def describe(policy: KernelPolicy) -> list[str]:
         lines.append(f"variants: pdl {on(policy.pdl)}, gemv_stream {on(policy.gemv_stream)}, "
                      f"gemv_configs {len(policy.gemv_configs)} override(s), attn_fused_merge "
                      f"{on(policy.attn_fused_merge)}, attn_preload {on(policy.attn_preload)}, "
-                     f"attn_split_stages {policy.attn_split_stages}")
+                     f"attn_split_stages {policy.attn_split_stages}, gemv_rows_pdl "
+                     f"{on(policy.gemv_rows_pdl)}")
     if policy.all_reduce == "symmetric":
         ar = (f"symmetric memory (one-shot up to {policy.symm_allreduce_max_bytes >> 10} KiB, "
               f"signal-free {policy.lamport_allreduce}, fused into GEMVs "
@@ -379,6 +382,10 @@ def apply_tuning(policy: KernelPolicy) -> None:
     triton_attention_kernels.configure(fused_merge=policy.attn_fused_merge,
                                        preload=policy.attn_preload)
     attention_plan.SPLIT_STAGES = policy.attn_split_stages
+    if policy.gemv_rows:
+        from tidal.worker.ops import triton_gemv_rows
+
+        triton_gemv_rows.PDL_DOT = policy.gemv_rows_pdl
 
 
 def log_policy(policy: KernelPolicy, rank: int = 0) -> None:

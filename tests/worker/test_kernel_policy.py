@@ -135,15 +135,23 @@ def test_moe_direct_path_limit_follows_the_config(arch, monkeypatch) -> None:
     import sys
     import types
 
-    for name in ("attention_plan", "triton_attention_kernels", "triton_decode"):
+    for name in ("attention_plan", "triton_attention_kernels", "triton_decode",
+                 "triton_gemv_rows"):
         stub = types.SimpleNamespace(configure=lambda **_: None)
         monkeypatch.setitem(sys.modules, f"tidal.worker.ops.{name}", stub)
         monkeypatch.setattr(sys.modules["tidal.worker.ops"], name, stub, raising=False)
+    rows = sys.modules["tidal.worker.ops.triton_gemv_rows"]
     try:
         apply_tuning(off)
         assert not moe_configs.use_direct(1, 128, 8)
         apply_tuning(resolve(KernelConfig(), GPU, arch))
         assert moe_configs.use_direct(1, 128, 8)
+        # The few-row GEMV's dependent launch follows its field (and needs ``pdl``).
+        assert rows.PDL_DOT is False
+        apply_tuning(resolve(KernelConfig(gemv_rows_pdl=True), GPU, arch))
+        assert rows.PDL_DOT is True
+        policy = resolve(KernelConfig(gemv_rows_pdl=True, pdl=False), GPU, arch)
+        assert not policy.gemv_rows_pdl and "gemv_rows_pdl off" in " ".join(describe(policy))
     finally:
         moe_configs.configure_direct(reset=True)
 

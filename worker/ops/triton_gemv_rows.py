@@ -74,8 +74,9 @@ ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
 }
 DEFAULT_CONFIG = (32, 256, 4, 3)
 # Programmatic dependent launch for the tensor-core kernel (its first weight chunk loaded before
-# the wait). Not yet measured on a GPU: tools/bench_gemv_rows.py --pdl both times each launch
-# shape with and without it; off until that shows it pays.
+# the wait): KernelConfig.gemv_rows_pdl, set at start-up (``kernel_policy.apply_tuning``). Not
+# yet measured on a GPU (tools/bench_gemv_rows.py --pdl both times each launch shape with and
+# without it); off until that shows it pays.
 PDL_DOT = False
 
 
