@@ -10,7 +10,7 @@ pushes its rows, consumer that polls and sums them, with and without the SiLU ep
 the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
 LoRA's one-row shrink of partial sums (norming its row or not) and its grouped decode kernels,
 the few-row GEMV (tensor-core and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
-residual add and sums of squares, and as an all-gather), the one-row add + norm, and the
+residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps). Exits non-zero if any fails.
 """
@@ -190,8 +190,10 @@ def main() -> int:
         cases.append((label, ta._lamport_all_reduce_kernel, sig, consts))
     consts = dict(BLOCK=4096, HAS_RES=True, PDL=True)
     sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "out_ptr": "*bf16",
-           "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", **{k: "constexpr" for k in consts}}
-    cases.append(("add + norm row", td._add_rms_norm_row_kernel, sig, consts))
+           "res_out_ptr": "*bf16", "n": "i32", "eps": "fp32", "stride_x": "i32",
+           "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
+           **{k: "constexpr" for k in consts}}
+    cases.append(("add + norm rows", td._add_rms_norm_row_kernel, sig, consts))
     from tidal.worker.ops import triton_w4a16 as w4
 
     for bias in (False, True):

@@ -158,9 +158,12 @@ def test_bad_arguments_raise() -> None:
 
 @pytest.mark.skipif(not HOPPER, reason="the policy runs the few-row GEMV on Hopper only "
                                        "(where its launch shapes were measured)")
-def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pdl_dot", [False, True], ids=["plain", "pdl"])
+def test_dispatch(pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
     """2-8 rows of a measured shape take the kernel in every op that can; 1 row takes the
-    one-row GEMV, 9 rows, an unmeasured shape or the policy off stay on cuBLAS."""
+    one-row GEMV, 9 rows, an unmeasured shape or the policy off stay on cuBLAS. With
+    ``PDL_DOT`` the norm before it is the Triton one (rounded the same: the residual exact)."""
+    monkeypatch.setattr(tr, "PDL_DOT", pdl_dot)
     K = kernels_for(DEVICE, KernelConfig(ops="triton"))
     off = kernels_for(DEVICE, KernelConfig(ops="triton", gemv_rows=False))
     assert K.policy.gemv_rows and not off.policy.gemv_rows

@@ -681,6 +681,24 @@ def test_add_rms_norm_row(dtype: torch.dtype) -> None:
         td.add_rms_norm_row(torch.ones(2, 8, device=DEVICE, dtype=dtype), None, w[:8], 1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_rows(dtype: torch.dtype) -> None:
+    """The same kernel over a few rows (one program each), strided inputs included."""
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    for rows, n in ((4, 4096), (3, 1000), (8, 16384)):
+        x, r = (torch.randn(2, rows, n, generator=gen, device=DEVICE) * 3).to(dtype)
+        w = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+        _poison(16 * rows * n)
+        y, new_res = td.add_rms_norm_rows(x, r, w, 1e-5)
+        want_y, want_res = torch_ops.fused_add_rms_norm(x, r, w, 1e-5)
+        assert y.shape == x.shape and torch.equal(new_res, want_res), (rows, n)
+        _close(y, want_y, f"{rows}x{n} with residual")
+        wide = torch.randn(rows, 2 * n, generator=gen, device=DEVICE).to(dtype)[:, :n]
+        y, same = td.add_rms_norm_rows(wide, None, w, 1e-5)  # rows 2n apart
+        assert same is wide
+        _close(y, torch_ops.rms_norm(wide, w, 1e-5), f"{rows}x{n} strided, no residual")
+
+
 def test_kernels_add_rms_norm_row_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``Kernels.add_rms_norm_row`` (a MoE layer's norm before its router): one 16-bit row in
     the one-row kernel (new tensors, the inputs untouched), anything else the fused add + norm,

@@ -508,7 +508,17 @@ class Kernels:
             y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
                              eps=eps, silu=silu, parts=parts, weight_scale=weight_scale)
             return y.view(*x.shape[:-1], n), res
-        if residual is None:
+        rows_gemv = (weight_scale is None and self.rows_gemv_applies(x, weight, gated=silu)
+                     and (bias is None or (bias.dtype == x.dtype and not silu))
+                     and not (silu and weight.shape[0] % 2))
+        if (rows_gemv and self._rows.PDL_DOT and norm_weight.dtype == x.dtype
+                and x.shape[-1] <= td.ADD_NORM_MAX
+                and (residual is None
+                     or (residual.dtype == x.dtype and residual.shape == x.shape))):
+            # The few-row GEMV under dependent launch: its weights stream in while the norm
+            # (the Triton one, a dependent launch too) runs.
+            h, residual = td.add_rms_norm_rows(x, residual, norm_weight, eps)
+        elif residual is None:
             h, residual = self.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)

@@ -752,22 +752,27 @@ def sum_parts(parts: PartsArgs, residual: torch.Tensor | None = None,
 
 
 @triton.jit
-def _add_rms_norm_row_kernel(x_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, n, eps,
-                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_row_kernel(x_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, n, eps, stride_x,
+                             stride_r, stride_o, stride_ro, BLOCK: tl.constexpr,
+                             HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    """One row per program (``stride_*``: between rows of each tensor)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
     idx = tl.arange(0, BLOCK)
     m = idx < n
-    h = tl.load(x_ptr + idx, mask=m, other=0.0)
+    h = tl.load(x_ptr + row * stride_x + idx, mask=m, other=0.0)
     if HAS_RES:
-        h = (h.to(tl.float32) + tl.load(res_ptr + idx, mask=m, other=0.0).to(tl.float32)).to(dt)
-        tl.store(res_out_ptr + idx, h, mask=m)
+        h = (h.to(tl.float32) + tl.load(res_ptr + row * stride_r + idx, mask=m, other=0.0
+                                        ).to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row * stride_ro + idx, h, mask=m)
     hf = h.to(tl.float32)
     inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / n + eps)
     nw = tl.load(nw_ptr + idx, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + idx, ((hf * inv).to(dt).to(tl.float32) * nw).to(dt), mask=m)
+    tl.store(out_ptr + row * stride_o + idx, ((hf * inv).to(dt).to(tl.float32) * nw).to(dt),
+             mask=m)
 
 
 ADD_NORM_MAX = 16384  # elements of the row one program norms
@@ -782,14 +787,34 @@ def add_rms_norm_row(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     n = x.shape[-1]
     if x.numel() != n or not 0 < n <= ADD_NORM_MAX:
         raise ValueError(f"one row of 1..{ADD_NORM_MAX} elements, not {tuple(x.shape)}")
-    xr = x.reshape(n).contiguous()
-    out = torch.empty_like(xr)
+    return add_rms_norm_rows(x, residual, weight, eps)
+
+
+def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm_row`` over every row of ``x`` (one program each), launched as a
+    programmatic dependent: before the few-row GEMV of a speculative verify (or a decode of a
+    few rows), whose weights then stream in while this runs, as they cannot after the CUDA
+    norm kernel."""
+    n = x.shape[-1]
+    if not 0 < n <= ADD_NORM_MAX or not x.numel():
+        raise ValueError(f"rows of 1..{ADD_NORM_MAX} elements, not {tuple(x.shape)}")
+    xr = x.reshape(-1, n)
+    if xr.stride(-1) != 1:
+        xr = xr.contiguous()
+    rows = xr.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if residual is None:
         res, res_out = xr, xr
     else:
-        res, res_out = residual.reshape(n).contiguous(), torch.empty_like(xr)
+        res = residual.reshape(-1, n)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
+        res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = next_pow2(n)
-    launch(_add_rms_norm_row_kernel, (1,), (xr, res, weight, out, res_out, n, float(eps)),
+    launch(_add_rms_norm_row_kernel, (rows,),
+           (xr, res, weight, out, res_out, n, float(eps), xr.stride(0), res.stride(0),
+            out.stride(0), res_out.stride(0)),
            dict(BLOCK=block, HAS_RES=residual is not None, num_warps=max(4, min(16, block // 512))),
            pdl_enabled(x.device))
     return out.view(x.shape), (x if residual is None else res_out.view(x.shape))
