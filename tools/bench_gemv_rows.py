@@ -42,6 +42,9 @@ SHAPES = {  # (N outputs of the weight, K, gated): a model's decode projections 
 # The tensor-core kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages)
 SWEEP = [(bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512),
                                                               (3, 5))]
+# ... and split over K (a fifth element: programs per tile)
+SPLIT_SWEEP = [(bn, bk, 4, st, sp) for bn, bk, st, sp in itertools.product(
+    (32, 64), (128, 256), (3, 4), (2, 4))]
 # The elementwise kernel's (``FmaLaunch``: BLOCK_N, BLOCK_K, num_warps, prefetch)
 FMA_SWEEP = list(itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (1, 2)))
 
@@ -69,12 +72,17 @@ def _time(fn, copies: int, calls: int = 50, repeats: int = 5) -> float:
     return statistics.median(out)
 
 
+def _kind(label: tuple) -> str:
+    """A sweep label's kernel: the tensor-core one (whole K or split), or the elementwise."""
+    return "fma" if label[0] == "FmaLaunch" else "split" if len(label[1]) == 5 else "dot"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--sweep", choices=("dot", "fma", "both"), default="both",
-                   help="which kernel's launch shapes to sweep")
+                   help="which kernel's launch shapes to sweep (dot: also split over K)")
     p.add_argument("--pdl", choices=("off", "on", "both"), default="off",
                    help="the tensor-core kernel's programmatic dependent launch (PDL_DOT)")
     p.add_argument("--out", default=None)
@@ -88,7 +96,7 @@ def main() -> None:
 
     sweep: list[tuple] = []
     if args.sweep in ("dot", "both"):
-        sweep += SWEEP
+        sweep += SWEEP + SPLIT_SWEEP
     if args.sweep in ("fma", "both"):
         sweep += [FmaLaunch(*c) for c in FMA_SWEEP]
 
@@ -143,8 +151,8 @@ def main() -> None:
                    "top": [(round(t, 2), *c) for t, c in sorted(timed, key=lambda r: r[0])[:6]],
                    # Each kernel's own best (the elementwise one's too where it lost).
                    "best_by_kernel": {kind: min(((round(t, 2), *c) for t, c in timed
-                                                 if c[0] == kind), default=None)
-                                      for kind in ("tuple", "FmaLaunch")}}
+                                                 if _kind(c) == kind), default=None)
+                                      for kind in ("dot", "split", "fma")}}
             print(row, flush=True)
             results.append(row)
         ws.clear()

@@ -9,7 +9,7 @@ not after a device call. Covers the batch-1 GEMV in each of its roles (plain, pr
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
 the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
 LoRA's one-row shrink of partial sums (norming its row or not) and its grouped decode kernels,
-the few-row GEMV (tensor-core and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
+the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
 residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps). Exits non-zero if any fails.
@@ -207,14 +207,18 @@ def main() -> int:
     cases += _lora_grouped_cases()
     from tidal.worker.ops import triton_gemv_rows as tr
 
-    rows_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16"}
-    for gated, pdl in ((False, False), (False, True), (True, True)):
-        consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=False, GATED=gated,
-                      GELU=False, EVICT="evict_first", PDL=pdl)
+    rows_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
+                  "ws_ptr": "*fp32", "count_ptr": "*i32"}
+    for gated, pdl, split in ((False, False, 1), (False, True, 1), (True, True, 1),
+                              (False, False, 4), (True, True, 2)):
+        consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=not gated, GATED=gated,
+                      GELU=False, EVICT="evict_first", PDL=pdl, SPLIT=split)
         sig = {n: "constexpr" if n in consts else rows_types.get(n, "i32")
                for n in tr._gemv_rows_kernel.arg_names}
-        cases.append((f"few-row GEMV, tensor cores{' + SiLU' if gated else ''}"
-                      f"{' + PDL prefetch' if pdl else ''}", tr._gemv_rows_kernel, sig, consts))
+        cases.append((f"few-row GEMV, tensor cores{' + SiLU' if gated else ' + bias'}"
+                      f"{' + PDL prefetch' if pdl else ''}"
+                      f"{f', K split {split} ways' if split > 1 else ''}",
+                      tr._gemv_rows_kernel, sig, consts))
     for gated, even, prefetch in ((False, True, 2), (True, False, 1), (True, True, 2)):
         consts = dict(BLOCK_M=4, BLOCK_N=4, BLOCK_K=512, HAS_BIAS=not gated, GATED=gated,
                       GELU=False, EVEN=even, EVICT="evict_first", PREFETCH=prefetch, PDL=True)

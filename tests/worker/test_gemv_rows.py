@@ -97,6 +97,48 @@ def test_elementwise_kernel_random_shapes(config) -> None:
         _check(out, *_reference(x, w, b, act), dt, f"{config} {m}x{k} @ {n}x{k} {act}")
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("pdl_dot", [False, True], ids=["plain", "pdl"])
+def test_split_k(split, pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor-core kernel with K split over several programs per tile (partial sums in the
+    workspace, the tile's last program adding them in order): right for ragged shapes (slices
+    of K that end mid-chunk or hold nothing), bitwise the same run after run, back to back in a
+    CUDA graph (each tile's counter back at zero after every call)."""
+    monkeypatch.setattr(tr, "PDL_DOT", pdl_dot)
+    rng = random.Random(split)
+    gen = torch.Generator(device=DEVICE).manual_seed(rng.randrange(1 << 30))
+    dt = torch.bfloat16
+    for case, act in enumerate((None, "silu", None, "gelu_tanh")):
+        m = (4, 2, 8, 3)[case]
+        n, k = rng.randrange(1, 700), rng.choice([rng.randrange(1, 1500), 4096])
+        bias = case == 2
+        cfg = (32, 128, 4, 3, split)
+        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+             ).to(dt)
+        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dt)
+        b = torch.randn(n, device=DEVICE, generator=gen).to(dt) if bias else None
+        _poison(m * n * 2)
+        out = tr.gemv_rows(x, w, b, act=act, config=cfg)
+        _check(out, *_reference(x, w, b, act), dt, f"split {split} {m}x{k} @ {n}x{k} {act}")
+        assert torch.equal(out, tr.gemv_rows(x, w, b, act=act, config=cfg)), "not repeatable"
+    w = (torch.randn((1024, 2048), device=DEVICE, generator=gen) / 45).to(dt)
+    w2 = (torch.randn((512, 1024), device=DEVICE, generator=gen) / 32).to(dt)
+    x = torch.randn((4, 2048), device=DEVICE, generator=gen).to(dt)
+    cfg = (32, 128, 4, 3, split)
+    tr.gemv_rows(tr.gemv_rows(x, w, config=cfg), w2, config=cfg)  # compiled outside
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = tr.gemv_rows(x, w, config=cfg)
+        out = tr.gemv_rows(h, w2, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn((4, 2048), device=DEVICE, generator=gen).to(dt))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(h, *_reference(x, w, None, None), dt, "graph replay, first")
+        assert torch.equal(out, tr.gemv_rows(h, w2, config=cfg)), "second in the graph"
+    assert not tr._split_ws[(DEVICE.type, torch.cuda.current_device())][1].any()
+
+
 # Each launch shape of the table with the kind of weight it serves (a gated one reads two tiles
 # per pipeline stage: the plain weights' deepest shapes would not fit the shared memory), and
 # the default with both.

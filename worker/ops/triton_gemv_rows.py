@@ -9,7 +9,12 @@ program, one elementwise accumulator per input row, weights prefetched before th
 programmatic-dependent-launch wait) loses to it at four rows on every Llama-3.1-8B weight
 (H100 sweep, 2026-11-28: none in any shape's four best) but wins where the tensor-core grid is
 too small to cover the chip (a 2048 x 2048 weight: 64 programs); ``ROWS_CONFIGS`` picks it
-per shape.
+per shape. Two more variants of the tensor-core kernel wait for a GPU sweep (2026-11-28, not
+in the table yet): K split over several programs per tile (a fifth element of the launch
+shape; a float32 workspace of partial sums, the tile's last program adds them in order), for
+the projections whose grids hold fewer than four programs per SM (q/k/v, o, down of
+Llama-3.1-8B, at 2.3-2.8 TB/s where the LM head's 4,008 programs reach 3.1); and
+programmatic dependent launch (``PDL_DOT``).
 
 H100, Llama-3.1-8B's projections, device time per call in a CUDA graph, weights cycled past
 the L2 cache (``tools/bench_gemv_rows.py``; cuBLAS -> this, us): four rows q/k/v 20.6 -> 20.0,
@@ -32,6 +37,24 @@ MAX_ROWS = 8  # measured up to here (the tile holds 16)
 # The table's elementwise launch shapes were measured at four rows; past that their per-row
 # accumulators crowd the registers, and such calls stay on cuBLAS (``tuned_for``).
 FMA_TUNED_ROWS = 4
+
+
+# Split-K launches (a fifth element of a tensor-core launch shape): one float32 workspace of
+# partial sums and one set of tile counters per device, shared by every call (the calls on a
+# device run one after another on its stream; a tile's last program re-zeroes its counter).
+SPLIT_WS_FLOATS = 1 << 22  # 16 MiB
+SPLIT_WS_TILES = 1 << 14
+_split_ws: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device.type, device.index)
+    ws = _split_ws.get(key)
+    if ws is None:
+        ws = _split_ws[key] = (
+            torch.empty(SPLIT_WS_FLOATS, dtype=torch.float32, device=device),
+            torch.zeros(SPLIT_WS_TILES, dtype=torch.int32, device=device))
+    return ws
 
 
 class FmaLaunch(NamedTuple):
@@ -82,9 +105,15 @@ PDL_DOT = False
 
 @triton.jit
 def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w, stride_o,
+                      ws_ptr, count_ptr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                      EVICT: tl.constexpr, PDL: tl.constexpr):
+                      EVICT: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+    """``SPLIT`` > 1: program (n, s) sums the s-th of ``SPLIT`` slices of K into a float32
+    workspace (``ws_ptr``: [SPLIT, M, N, or 2N gated]); the last of a tile's programs to count
+    itself in (``count_ptr``, one zeroed counter per tile, re-zeroed by it) adds the slices in
+    order and writes the tile: a grid of SPLIT times as many programs for weights too small to
+    cover the chip, the result independent of which program finishes last."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -95,26 +124,34 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
     # Gated: the weight is [gate; up], the up row of output j is row N + j.
     wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + ms[:, None] * stride_x
+    k_lo = 0
+    k_hi = K
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(1) * per
+        k_hi = tl.minimum(K, k_lo + per)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PDL:
         # The first weight chunk depends on nothing the previous kernel writes: it streams in
         # while that kernel finishes (the loop's pipeline starts after the wait).
-        km0 = cols < K
-        w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & km0[None, :], other=0.0,
+        kk0 = k_lo + cols
+        km0 = kk0 < k_hi
+        w0 = tl.load(w_rows + kk0[None, :], mask=row_ok[:, None] & km0[None, :], other=0.0,
                      eviction_policy=EVICT)
         if GATED:
-            wu0 = tl.load(wu_rows + cols[None, :], mask=row_ok[:, None] & km0[None, :],
+            wu0 = tl.load(wu_rows + kk0[None, :], mask=row_ok[:, None] & km0[None, :],
                           other=0.0, eviction_policy=EVICT)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x comes from it; our output may reuse memory it reads
-        x0 = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & km0[None, :], other=0.0)
+        x0 = tl.load(x_rows + kk0[None, :], mask=m_ok[:, None] & km0[None, :], other=0.0)
         acc = tl.dot(x0, tl.trans(w0), acc)
         if GATED:
             acc_up = tl.dot(x0, tl.trans(wu0), acc_up)
-    for k0 in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+        k_lo += BLOCK_K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + cols
-        km = kk < K
+        km = kk < k_hi
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
                     eviction_policy=EVICT)
@@ -123,14 +160,42 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
             wu = tl.load(wu_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
                          eviction_policy=EVICT)
             acc_up = tl.dot(x, tl.trans(wu), acc_up)
-    dt = out_ptr.dtype.element_ty
+    tile_ok = m_ok[:, None] & row_ok[None, :]
+    if SPLIT > 1:
+        width = 2 * N if GATED else N
+        slot = ws_ptr + ms[:, None] * width + rows[None, :]
+        tl.store(slot + tl.program_id(1) * M * width, acc, mask=tile_ok)
+        if GATED:
+            tl.store(slot + tl.program_id(1) * M * width + N, acc_up, mask=tile_ok)
+        tl.debug_barrier()  # every thread's slice stored before the count (released with it)
+        seen = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if seen == SPLIT - 1:  # the tile's last: the others' slices are visible (acquired)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(slot + s * M * width, mask=tile_ok, other=0.0,
+                               cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(slot + s * M * width + N, mask=tile_ok, other=0.0,
+                                      cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
+                           HAS_BIAS, GATED, GELU)
+    else:
+        _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
+                       HAS_BIAS, GATED, GELU)
+
+
+@triton.jit
+def _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr):
     y = acc
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
         y = gated_product(y, acc_up, out_ptr, GELU)
-    tl.store(out_ptr + ms[:, None] * stride_o + rows[None, :], y.to(dt),
-             mask=m_ok[:, None] & row_ok[None, :])
+    tl.store(out_ptr + ms[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=tile_ok)
 
 
 @triton.jit
@@ -263,10 +328,16 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     else:
         if isinstance(cfg, FmaLaunch):  # (more rows than its accumulators were sized for)
             cfg = DEFAULT_CONFIG
-        block_n, block_k, warps, stages = cfg
-        launch(_gemv_rows_kernel, (triton.cdiv(n, block_n),), args,
-               dict(common, BLOCK_M=16, BLOCK_N=block_n,
-                    BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))),
+        block_n, block_k, warps, stages, *more = cfg
+        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        tiles = triton.cdiv(n, block_n)
+        split = min(more[0] if more else 1, triton.cdiv(k, block_k))
+        if split > 1 and (split * m * (2 * n if gated else n) > SPLIT_WS_FLOATS
+                          or tiles > SPLIT_WS_TILES):
+            split = 1  # (beyond the workspace: whole rows of K per program)
+        ws, counts = _split_workspace(x.device) if split > 1 else (x2, x2)
+        launch(_gemv_rows_kernel, (tiles, split), args + (ws, counts),
+               dict(common, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
                     num_warps=warps, num_stages=stages),
                pdl_enabled(x.device) and PDL_DOT)
     return out.view(*x.shape[:-1], n)
