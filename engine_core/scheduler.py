@@ -632,6 +632,7 @@ class Scheduler:
         emitted = dict(zip(result.req_ids, result.sampled_token_ids))
         per_pos = self._spec_per_pos
         spec_off = self.spec_off
+        lengths = self._proposed_len
         for rid, drafts in spec.items():
             tokens = emitted.get(rid)
             req = self.requests.get(rid)
@@ -642,13 +643,20 @@ class Scheduler:
             req.num_placeholders = max(req.num_placeholders - len(drafts), 0)
             if req.status == RequestStatus.RUNNING:  # (preempted: recomputed from 0)
                 req.num_computed_tokens -= len(drafts) - accepted
-            self._spec_drafts += 1
-            self._spec_draft_tokens += len(drafts)
-            self._spec_accepted += accepted
-            for i in range(min(accepted, len(per_pos))):
+            # The counters count proposed drafts only: placeholders past a shorter n-gram
+            # lookup were padding (its length reached us with the step before's output), and
+            # a pad that happens to match the target's token is no accepted draft.
+            proposed = len(drafts)
+            if lengths is not None and drafts[0] < 0:
+                proposed = min(proposed, lengths.get(rid, proposed))
+            hits = min(accepted, proposed)
+            self._spec_drafts += proposed > 0
+            self._spec_draft_tokens += proposed
+            self._spec_accepted += hits
+            for i in range(min(hits, len(per_pos))):
                 per_pos[i] += 1
             if spec_off is not None:
-                spec_off.observe(len(drafts), accepted)
+                spec_off.observe(proposed, hits)
 
     def _apply_plain_tokens(self, result: ModelRunnerOutput,
                             outputs: list[EngineCoreOutput]) -> int:

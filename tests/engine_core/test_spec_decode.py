@@ -181,6 +181,38 @@ def test_drafts_are_verified_and_rejected_ones_rolled_back(spec_config):
     assert not so.scheduled_spec_decode_tokens and so.num_scheduled_tokens == [1]
 
 
+def test_counters_count_proposed_drafts_not_padding(tiny_models):
+    """Async n-gram steps on the device: a request takes as many placeholders as its last
+    proposal seen had, and a shorter lookup after it is padded by the workers. The acceptance
+    counters (and the off-switch) count the drafts proposed, whose length reached the scheduler
+    with the step before's output; a pad that happens to match the target is no accepted
+    draft. Drafts the scheduler holds as lists count in full."""
+    cfg = EngineArgs(model=str(tiny_models["llama"][0]), async_scheduling=True,
+                     num_kv_blocks=64, speculative_config={
+                         **NGRAM, "prompt_lookup_on_device": True,
+                         "disable_by_batch_size": None}).create_config()
+    s = Scheduler(cfg)
+    assert s.async_spec and s._proposed_len is not None
+    for rid in "abc":
+        add(s, rid, [10, 11, 12, 13, 14])
+    step(s, {}, {})  # (their prompts: now running)
+    s.make_stats()
+    s._proposed_len.update(a=2, b=0)  # the lookups after the step before: 2 and 0 drafts
+    for rid in "abc":
+        s.requests[rid].num_placeholders = 5
+    s._verified({"a": [-1, -1, -1, -1], "b": [-1, -1], "c": [21, 22, 23]},
+                ModelRunnerOutput(req_ids=["a", "b", "c"],
+                                  sampled_token_ids=[[5, 6, 7, 8], [9, 1], [21, 30]]))
+    stats = s.make_stats()
+    # a: 2 proposed of 4 placeholders, 3 matched (the third a pad): 2 accepted; b: only pads
+    # (a matched one among them), no draft; c: 3 proposed, 1 accepted.
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+            stats.spec_num_accepted_tokens) == (2, 5, 3)
+    assert stats.spec_accepted_per_pos == [2, 1, 0, 0]
+    # The worker's own bookkeeping still covers every placeholder it verified.
+    assert [s.requests[r].num_placeholders for r in "abc"] == [1, 3, 2]
+
+
 def test_stop_token_and_max_tokens_exact_at_any_acceptance(spec_config):
     s = Scheduler(spec_config)
     add(s, "stop", [10, 11, 12], stop_token_ids=[99])
