@@ -205,10 +205,12 @@ def test_dispatch(pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
     """2-8 rows of a measured shape take the kernel in every op that can; 1 row takes the
     one-row GEMV, 9 rows, an unmeasured shape or the policy off stay on cuBLAS. With
     ``PDL_DOT`` the norm before it is the Triton one (rounded the same: the residual exact)."""
-    monkeypatch.setattr(tr, "PDL_DOT", pdl_dot)
-    K = kernels_for(DEVICE, KernelConfig(ops="triton"))
+    # (``kernels_for`` sets the module's PDL_DOT from the policy: restored after the test.)
+    monkeypatch.setattr(tr, "PDL_DOT", tr.PDL_DOT)
+    K = kernels_for(DEVICE, KernelConfig(ops="triton", gemv_rows_pdl=pdl_dot))
     off = kernels_for(DEVICE, KernelConfig(ops="triton", gemv_rows=False))
     assert K.policy.gemv_rows and not off.policy.gemv_rows
+    assert K.policy.gemv_rows_pdl == pdl_dot and tr.PDL_DOT == pdl_dot
     calls: list[str | None] = []
     real = tr.gemv_rows
     monkeypatch.setattr(tr, "gemv_rows",
