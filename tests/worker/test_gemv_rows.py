@@ -53,6 +53,17 @@ def _check(out, ref64, torch_out, dtype, label) -> None:
         f"{label}: error {err:.3g}, torch {base:.3g}"
 
 
+def _operands(gen, m, n, k, act, bias, dtype):
+    """Random weight ([2n, k] for a gated ``act``), input [m, k] and bias (or None), and the
+    output's memory poisoned."""
+    w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+         ).to(dtype)
+    x = torch.randn((m, k), device=DEVICE, generator=gen).to(dtype)
+    b = torch.randn(n, device=DEVICE, generator=gen).to(dtype) if bias else None
+    _poison(m * n * 2)
+    return w, x, b
+
+
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("act", list(ACTS), ids=str)
 @pytest.mark.parametrize("pdl_dot", [False, True], ids=["plain", "pdl"])
@@ -64,11 +75,7 @@ def test_random_shapes(dtype, act, pdl_dot, monkeypatch: pytest.MonkeyPatch) -> 
         m = rng.choice([2, 3, 4, 5, 8, 16])
         n, k = rng.randrange(1, 700), rng.randrange(1, 1500)
         bias = act is None and case % 2 == 1
-        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
-             ).to(dtype)
-        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dtype)
-        b = torch.randn(n, device=DEVICE, generator=gen).to(dtype) if bias else None
-        _poison(m * n * 2)
+        w, x, b = _operands(gen, m, n, k, act, bias, dtype)
         out = tr.gemv_rows(x, w, b, act=act)
         assert out.shape == (m, n)
         _check(out, *_reference(x, w, b, act), dtype, f"{m}x{k} @ {n}x{k} {act} bias={bias}")
@@ -87,11 +94,7 @@ def test_elementwise_kernel_random_shapes(config) -> None:
         m = (2, 3, 4, 8, 16, 5)[case]
         n, k = rng.randrange(1, 700), rng.choice([rng.randrange(1, 1500), 2048])
         bias = case == 3
-        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
-             ).to(dt)
-        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dt)
-        b = torch.randn(n, device=DEVICE, generator=gen).to(dt) if bias else None
-        _poison(m * n * 2)
+        w, x, b = _operands(gen, m, n, k, act, bias, dt)
         out = tr.gemv_rows(x, w, b, act=act, config=config)
         assert out.shape == (m, n)
         _check(out, *_reference(x, w, b, act), dt, f"{config} {m}x{k} @ {n}x{k} {act}")
@@ -113,11 +116,7 @@ def test_split_k(split, pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
         n, k = rng.randrange(1, 700), rng.choice([rng.randrange(1, 1500), 4096])
         bias = case == 2
         cfg = (32, 128, 4, 3, split)
-        w = (torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
-             ).to(dt)
-        x = torch.randn((m, k), device=DEVICE, generator=gen).to(dt)
-        b = torch.randn(n, device=DEVICE, generator=gen).to(dt) if bias else None
-        _poison(m * n * 2)
+        w, x, b = _operands(gen, m, n, k, act, bias, dt)
         out = tr.gemv_rows(x, w, b, act=act, config=cfg)
         _check(out, *_reference(x, w, b, act), dt, f"split {split} {m}x{k} @ {n}x{k} {act}")
         assert torch.equal(out, tr.gemv_rows(x, w, b, act=act, config=cfg)), "not repeatable"

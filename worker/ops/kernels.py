@@ -522,12 +522,9 @@ class Kernels:
             h, residual = self.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        if rows_gemv:  # (h: x's shape and dtype)
+            return self._rows.gemv_rows(h, weight, bias, act="silu" if silu else None), residual
         if weight_scale is None:
-            if (self.rows_gemv_applies(h, weight, gated=silu)
-                    and (bias is None or (bias.dtype == h.dtype and not silu))
-                    and not (silu and weight.shape[0] % 2)):
-                return self._rows.gemv_rows(h, weight, bias, act="silu" if silu else None), \
-                    residual
             y = F.linear(h, weight, bias)
         else:
             y = self.fp8_linear(h, weight, weight_scale, bias, input_scale)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import gated_product, launch, pdl_enabled
+from tidal.worker.ops.triton_decode import _w_chunk, gated_product, launch, pdl_enabled
 
 MAX_ROWS = 8  # measured up to here (the tile holds 16)
 # The table's elementwise launch shapes were measured at four rows; past that their per-row
@@ -137,11 +137,9 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
         # while that kernel finishes (the loop's pipeline starts after the wait).
         kk0 = k_lo + cols
         km0 = kk0 < k_hi
-        w0 = tl.load(w_rows + kk0[None, :], mask=row_ok[:, None] & km0[None, :], other=0.0,
-                     eviction_policy=EVICT)
+        w0 = _w_chunk(w_rows, kk0, row_ok, km0, False, EVICT)
         if GATED:
-            wu0 = tl.load(wu_rows + kk0[None, :], mask=row_ok[:, None] & km0[None, :],
-                          other=0.0, eviction_policy=EVICT)
+            wu0 = _w_chunk(wu_rows, kk0, row_ok, km0, False, EVICT)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x comes from it; our output may reuse memory it reads
         x0 = tl.load(x_rows + kk0[None, :], mask=m_ok[:, None] & km0[None, :], other=0.0)
@@ -153,13 +151,9 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
         kk = k0 + cols
         km = kk < k_hi
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
-                    eviction_policy=EVICT)
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(_w_chunk(w_rows, kk, row_ok, km, False, EVICT)), acc)
         if GATED:
-            wu = tl.load(wu_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
-                         eviction_policy=EVICT)
-            acc_up = tl.dot(x, tl.trans(wu), acc_up)
+            acc_up = tl.dot(x, tl.trans(_w_chunk(wu_rows, kk, row_ok, km, False, EVICT)), acc_up)
     tile_ok = m_ok[:, None] & row_ok[None, :]
     if SPLIT > 1:
         width = 2 * N if GATED else N
@@ -219,15 +213,15 @@ def _gemv_rows_fma_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, strid
     wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w  # (GATED: [gate; up])
     x_rows = x_ptr + ms[:, None] * stride_x
     km0 = cols < K
-    w0 = _rows_w_chunk(w_rows, cols, row_ok, km0, EVEN, EVICT)
+    w0 = _w_chunk(w_rows, cols, row_ok, km0, EVEN, EVICT)
     if GATED:
-        wu0 = _rows_w_chunk(wu_rows, cols, row_ok, km0, EVEN, EVICT)
+        wu0 = _w_chunk(wu_rows, cols, row_ok, km0, EVEN, EVICT)
     if PREFETCH > 1:  # (the wrapper checks that K holds a second chunk)
         kk1 = BLOCK_K + cols
         km1 = kk1 < K
-        w1 = _rows_w_chunk(w_rows, kk1, row_ok, km1, EVEN, EVICT)
+        w1 = _w_chunk(w_rows, kk1, row_ok, km1, EVEN, EVICT)
         if GATED:
-            wu1 = _rows_w_chunk(wu_rows, kk1, row_ok, km1, EVEN, EVICT)
+            wu1 = _w_chunk(wu_rows, kk1, row_ok, km1, EVEN, EVICT)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         # x comes from the previous kernel, and our output may reuse memory it still reads.
@@ -245,9 +239,9 @@ def _gemv_rows_fma_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, strid
         kk = k0 + cols
         km = kk < K
         x = _rows_x_chunk(x_rows, kk, m_ok, km, EVEN)
-        acc += _rows_w_chunk(w_rows, kk, row_ok, km, EVEN, EVICT).to(tl.float32)[None, :, :] * x
+        acc += _w_chunk(w_rows, kk, row_ok, km, EVEN, EVICT).to(tl.float32)[None, :, :] * x
         if GATED:
-            acc_up += _rows_w_chunk(wu_rows, kk, row_ok, km, EVEN, EVICT
+            acc_up += _w_chunk(wu_rows, kk, row_ok, km, EVEN, EVICT
                                     ).to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
@@ -256,14 +250,6 @@ def _gemv_rows_fma_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, strid
         y = gated_product(y, tl.sum(acc_up, axis=2), out_ptr, GELU)
     tl.store(out_ptr + ms[:, None] * stride_o + rows[None, :], y.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & row_ok[None, :])
-
-
-@triton.jit
-def _rows_w_chunk(w_rows, kk, row_ok, km, EVEN: tl.constexpr, EVICT: tl.constexpr):
-    if EVEN:
-        return tl.load(w_rows + kk[None, :], eviction_policy=EVICT)
-    return tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & km[None, :], other=0.0,
-                   eviction_policy=EVICT)
 
 
 @triton.jit

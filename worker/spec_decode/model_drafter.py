@@ -465,7 +465,7 @@ class ModelDrafter:
         ids = window.gather(1, emitted.unsqueeze(1)
                             + torch.arange(q, device=window.device).unsqueeze(0))
         starts = packed[n_req * q:] + emitted
-        if self.graphs is None or self.graphs.size_for(n_req) is None:  # (a CPU)
+        if cpu:
             self._launch_uniform(b, rows, ids.reshape(-1).numpy(), starts.numpy(),
                                  np.full(n_req, q - 1, dtype=np.int64))
         else:
