@@ -50,7 +50,7 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (worker/ops/triton_gemv_rows.py; Hopper, where it was measured), not cuBLAS.
     gemv_rows: bool = True
     # The few-row GEMV's first weight chunk loaded before the programmatic-dependent-launch wait
-    # (with ``pdl``); off until measured to pay (tools/bench_gemv_rows.py --pdl both).
+    # (with ``pdl``); off: 2-7 % per call on an H200, nothing end to end (EAGLE-3 batch 1).
     gemv_rows_pdl: bool = False
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)

@@ -2,7 +2,8 @@
 (issue 23): each of a shape's projections, group 128, one activation row, under the split-K
 kernel (what the engine ran before ``_w4a16_gemv_rows``), the whole-row kernel's default rule
 and a sweep of its launch shapes, in CUDA graphs over enough weight copies to stream from HBM.
-Prints the best per projection and the ``GEMV_ROWS_CONFIGS`` entries to commit in
+Then the group-tiled kernel (``_w4a16_gemv_groups``) over its launch shapes. Prints the best
+per projection and the ``GEMV_ROWS_CONFIGS`` / ``GEMV_GROUPS_CONFIGS`` entries to commit in
 ``worker/ops/triton_w4a16.py``.
 
     python tools/sweep_int4_gemv.py --shape llama8b --out int4_gemv.json
@@ -23,6 +24,14 @@ sys.path.insert(0, str(REPO / "tools"))
 # (BLOCK_N, BLOCK_K, num_warps) of the whole-row kernel.
 SWEEP = [(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (1, 2, 4)
          if 2048 <= bn * bk <= 16384 and bn * bk // 8 >= 32 * w]  # fmt: skip
+# (BLOCK_N, groups a chunk, num_warps, num_stages, prefetch, K splits) of the group-tiled kernel
+# at group 128 (16 packed words a group): one warp of 16 to 64 rows (the fewest instructions a
+# weight in its sm_90 SASS: the rows share each activation value), at most 64 words a thread
+# (32 rows x 8 groups spills), K split for the narrow weights' grids; and two warps.
+GROUPS_SWEEP = [(bn, gpc, w, 1, pf, sp) for w in (1, 2) for bn in (16, 32, 64)
+                for gpc in (1, 2, 4) for pf in (False, True) for sp in (1, 2, 4, 8)
+                if 8 * 32 * w <= bn * gpc * 16 <= 64 * 32 * w
+                and (w == 1 or (not pf and sp in (1, 4)))]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama8b", help="prefix of gpu_kernel_check's GEMV names")
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--out", default=None)
+    p.add_argument("--rows-only", action="store_true", help="skip the group-tiled kernel")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -57,15 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn((1, k), device=dev, dtype=dt)
         rows: list[dict[str, Any]] = []
 
-        def timed(label: str, config: tuple[int, int, int] | None) -> None:
-            saved = dict(w4.GEMV_ROWS_CONFIGS), w4.ROWS_MAX_GROUP
+        def timed(label: str, config: tuple | None) -> None:
+            saved = (dict(w4.GEMV_ROWS_CONFIGS), w4.ROWS_MAX_GROUP,
+                     dict(w4.GEMV_GROUPS_CONFIGS))
             try:
                 w4.GEMV_ROWS_CONFIGS.clear()
+                w4.GEMV_GROUPS_CONFIGS.clear()
                 if label == "split_k":
                     w4.ROWS_MAX_GROUP = 0  # the whole-row kernel takes nothing
+                elif label == "groups":
+                    w4.GEMV_GROUPS_CONFIGS[(n, k, group)] = config
                 elif config is not None:
                     w4.GEMV_ROWS_CONFIGS[(n, k, group)] = config
-                used = None if label == "split_k" else w4.gemv_rows_config(n, k, group)
+                used = (None if label == "split_k" else config if label == "groups"
+                        else w4.gemv_rows_config(n, k, group))
                 t = time_calls([(lambda q=q, s=s, z=z: w4.w4a16_linear(x, q, s, z, group))
                                 for q, s, z in weights])
             except Exception as exc:  # a launch shape that does not compile
@@ -75,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 w4.GEMV_ROWS_CONFIGS.clear()
                 w4.GEMV_ROWS_CONFIGS.update(saved[0])
                 w4.ROWS_MAX_GROUP = saved[1]
+                w4.GEMV_GROUPS_CONFIGS.clear()
+                w4.GEMV_GROUPS_CONFIGS.update(saved[2])
             rows.append({"kernel": label, "config": used, "ms": t["ms"],
                          "GBps": nbytes / t["ms"] / 1e6})
 
@@ -83,8 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         for c in SWEEP:
             if c[1] <= max(1024, 1 << (k - 1).bit_length()):
                 timed("rows", c)
+        if w4.groups_kernel_takes(group) and not args.rows_only:
+            for c in GROUPS_SWEEP:
+                timed("groups", c)
         ok = [r for r in rows if "ms" in r]
-        top = min((r for r in ok if r["kernel"] != "split_k"), key=lambda r: r["ms"])
+        top = min((r for r in ok if r["kernel"] == "rows" or r["kernel"] == "rows_default"),
+                  key=lambda r: r["ms"])
+        top_groups = min((r for r in ok if r["kernel"] == "groups"), key=lambda r: r["ms"],
+                         default=None)
         old = next(r for r in ok if r["kernel"] == "split_k")
         default = next(r for r in ok if r["kernel"] == "rows_default")
         print(f"{name:18s} {n}x{k} g{group}: split-K {old['ms'] * 1e3:.1f} us "
@@ -93,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
               f"({top['GBps']:.0f} GB/s)", flush=True)
         best[name] = {"n": n, "k": k, "config": top["config"], "us": top["ms"] * 1e3,
                       "default_us": default["ms"] * 1e3, "split_k_us": old["ms"] * 1e3}
+        if top_groups is not None:
+            print(f"{'':18s} group-tiled best {top_groups['config']} "
+                  f"{top_groups['ms'] * 1e3:.1f} us ({top_groups['GBps']:.0f} GB/s)", flush=True)
+            best[name]["groups_config"] = top_groups["config"]
+            best[name]["groups_us"] = top_groups["ms"] * 1e3
         results.append({"gemv": name, "n": n, "k": k, "rows": rows})
         weights.clear()
         torch.cuda.empty_cache()
@@ -101,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         c = b["config"]
         print(f"    ({b['n']}, {b['k']}, {group}): ({c[0]}, {c[1]}, {c[2]}),"
               f"  # {name}: {b['default_us']:.1f} -> {b['us']:.1f} us")
+    print("GEMV_GROUPS_CONFIGS entries (where faster than the whole-row kernel's best):")
+    for name, b in best.items():
+        if b.get("groups_us", math.inf) < b["us"]:
+            print(f"    ({b['n']}, {b['k']}, {group}): {tuple(b['groups_config'])},"
+                  f"  # {name}: {b['us']:.1f} -> {b['groups_us']:.1f} us")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0),
                                               "group": group,

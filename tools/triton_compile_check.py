@@ -9,7 +9,7 @@ not after a device call. Covers the batch-1 GEMV in each of its roles (plain, pr
 pushes its rows, consumer that polls and sums them, with and without the SiLU epilogue, with
 the GeGLU one, with the LoRA term: plain, SiLU and the norm prologue, q/k/v slices, GeGLU),
 LoRA's one-row shrink of partial sums (norming its row or not) and its grouped decode kernels,
-the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMV, the partial-sum kernel, the signal-free all-reduce (also with the
+the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMVs (whole rows, tiled by groups), the partial-sum kernel, the signal-free all-reduce (also with the
 residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps). Exits non-zero if any fails.
@@ -199,10 +199,20 @@ def main() -> int:
     for bias in (False, True):
         consts = dict(GROUP=128, HAS_BIAS=bias, BLOCK_N=4, BLOCK_K=1024)
         sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
-               "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "NG": "i32",
-               **{k: "constexpr" for k in consts}}
+               "b_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "K8": "i32",
+               "NG": "i32", **{k: "constexpr" for k in consts}}
         cases.append(("INT4 GEMV over whole rows" + (" + bias" if bias else ""),
                       w4._w4a16_gemv_rows, sig, consts))
+    for prefetch, split in ((False, 1), (True, 1), (True, 4)):
+        consts = dict(GROUP=128, HAS_BIAS=split > 1, BLOCK_N=16, GPC=4, PREFETCH=prefetch,
+                      SPLIT=split)
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
+               "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
+               "N": "i32", "K8": "i32", "NG": "i32", "one_bits": "i32",
+               **{k: "constexpr" for k in consts}}
+        cases.append(("INT4 GEMV tiled by groups" + (", next chunk ahead" if prefetch else "")
+                      + (", K split + bias" if split > 1 else ""),
+                      w4._w4a16_gemv_groups, sig, consts))
     cases += _decode_chain_cases()
     cases += _lora_grouped_cases()
     from tidal.worker.ops import triton_gemv_rows as tr

@@ -199,6 +199,58 @@ def test_triton_whole_row_gemv(monkeypatch, bias, n, k, group, config):
     _check_kernel(m, n, k, group, torch.float32, act_order=False, bias=bias, seed=n + bias)
 
 
+@triton_kernel
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k,group,config", [
+    (40, 2120, 128, (16, 4, 4, 1, False, 1)),  # 17 groups (the last partial) in chunks of 4
+    (40, 2120, 128, (16, 2, 2, 2, True, 1)),  # the same with the next chunk loaded ahead
+    (40, 2120, 128, (32, 2, 1, 1, True, 3)),  # K in 3 shares of 6, 6 and 5 groups
+    (40, 2120, 128, (16, 4, 1, 1, False, 8)),  # 8 shares of 4 groups: the last 3 empty
+    (8, 256, 256, (8, 1, 1, 1, True, 1)),  # one group a row
+    (32, 64, 8, (4, 8, 2, 1, False, 1)),  # one packed word a group, eight groups a chunk
+    (24, 96, 32, (16, 2, 4, 1, True, 2)),  # 3 groups in chunks of 2, split in two
+])  # fmt: skip
+def test_triton_group_tiled_gemv(monkeypatch, bias, n, k, group, config):
+    """The batch-1 GEMV tiled by quantization groups (``_w4a16_gemv_groups``): a last partial
+    group, a last chunk of fewer groups, a ragged last block of rows, the prefetching variant,
+    K split over programs (shares of unequal size, empty ones), per-channel and one-word
+    groups; every nibble position is exercised by the random weights (both halves of each
+    two-nibble shift)."""
+    from tidal.worker.ops import triton_w4a16
+
+    assert triton_w4a16.groups_kernel_takes(group)
+    monkeypatch.setitem(triton_w4a16.GEMV_GROUPS_CONFIGS, (n, k, group), config)
+    called = []
+    kernel = triton_w4a16._w4a16_gemv_groups
+    monkeypatch.setattr(triton_w4a16, "_w4a16_gemv_groups", _Recording(kernel, called))
+    _check_kernel(1, n, k, group, torch.float32, act_order=False, bias=bias, seed=n + bias)
+    assert called and called[0][1] == config[5]  # (the table sent the call here, split so)
+    if config[5] > 1:  # every row block's last program re-zeroed its counter
+        from tidal.worker.ops import triton_gemv_rows
+
+        counts = triton_gemv_rows._split_workspace(torch.device(DEV))[1]
+        assert int(counts[: -(-n // config[0])].abs().sum()) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the kernel module imports it)")
+def test_group_tiled_gemv_takes_power_of_two_word_groups():
+    from tidal.worker.ops import triton_w4a16
+
+    takes = [g for g in range(1, 2049) if triton_w4a16.groups_kernel_takes(g)]
+    assert takes == [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+class _Recording:
+    """A launchable (``kernel[grid](...)``) that records its launches."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -9,12 +9,12 @@ program, one elementwise accumulator per input row, weights prefetched before th
 programmatic-dependent-launch wait) loses to it at four rows on every Llama-3.1-8B weight
 (H100 sweep, 2026-11-28: none in any shape's four best) but wins where the tensor-core grid is
 too small to cover the chip (a 2048 x 2048 weight: 64 programs); ``ROWS_CONFIGS`` picks it
-per shape. Two more variants of the tensor-core kernel wait for a GPU sweep (2026-11-28, not
-in the table yet): K split over several programs per tile (a fifth element of the launch
-shape; a float32 workspace of partial sums, the tile's last program adds them in order), for
-the projections whose grids hold fewer than four programs per SM (q/k/v, o, down of
-Llama-3.1-8B, at 2.3-2.8 TB/s where the LM head's 4,008 programs reach 3.1); and
-programmatic dependent launch (``PDL_DOT``).
+per shape. Two more variants of the tensor-core kernel, not in the table: K split over several
+programs per tile (a fifth element of the launch shape; a float32 workspace of partial sums,
+the tile's last program adds them in order), for the projections whose grids hold fewer than
+four programs per SM; and programmatic dependent launch (``PDL_DOT``). Together they took
+Llama-3.1-8B's four-row q/k/v, o and down 2-7 % lower per call on an H200 (2026-11-28), and
+an EAGLE-3 batch-1 run no faster (1.91x -> 1.89x), so neither is on.
 
 H100, Llama-3.1-8B's projections, device time per call in a CUDA graph, weights cycled past
 the L2 cache (``tools/bench_gemv_rows.py``; cuBLAS -> this, us): four rows q/k/v 20.6 -> 20.0,
@@ -97,9 +97,8 @@ ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
 }
 DEFAULT_CONFIG = (32, 256, 4, 3)
 # Programmatic dependent launch for the tensor-core kernel (its first weight chunk loaded before
-# the wait): KernelConfig.gemv_rows_pdl, set at start-up (``kernel_policy.apply_tuning``). Not
-# yet measured on a GPU (tools/bench_gemv_rows.py --pdl both times each launch shape with and
-# without it); off until that shows it pays.
+# the wait): KernelConfig.gemv_rows_pdl, set at start-up (``kernel_policy.apply_tuning``). Off:
+# on an H200 it paid per call (tools/bench_gemv_rows.py --pdl both) but not end to end.
 PDL_DOT = False
 
 

@@ -10,6 +10,9 @@ the activation dtype, as the torch reference does), accumulated in float32.
   kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into the mantissa
   of 1.0 (no integer-to-float conversion); each packed word contributes ``s * (sum((q - z) *
   x))`` over its 8 values, from ``sum((1 + q / 16) * x)`` and ``sum(x)``.
+- ``_w4a16_gemv_groups``: the same plan on a tile shaped by the quantization groups (one
+  scale and zero a row a group, not a gather per word), for the shapes where it measured
+  faster (``GEMV_GROUPS_CONFIGS``).
 - ``_w4a16_gemv``: one program per (row, column block, K split) without ``tl.dot``, for the
   decode steps the kernel above does not take (2-4 rows, act-order, groups over
   ``ROWS_MAX_GROUP``); its K splits give the GPU enough programs for a narrow weight.
@@ -23,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tidal.worker.ops.triton_gemv_rows import SPLIT_WS_FLOATS, SPLIT_WS_TILES, _split_workspace
 
 GEMV_MAX_ROWS = 4  # more rows: the tl.dot kernel (reading each weight tile once for 16 rows)
 SPLITK_MAX_ROWS = 16  # up to here the dot kernel splits K for more programs
@@ -95,7 +100,7 @@ def _rows_chunk(qw_ptr, s_ptr, z_ptr, rows64, row_ok, k0, offs_w, k8, NG,
 
 
 @triton.jit
-def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, NG,
+def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, K8, NG,
                      GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     """Output rows ``[BLOCK_N]`` of one activation row over the whole K; ``GROUP`` is a
@@ -108,7 +113,7 @@ def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, NG,
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
-    k8 = K // 8
+    k8 = K8
     offs_w = tl.arange(0, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -131,6 +136,119 @@ def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, NG,
             sx += x
         acc += s * (16.0 * dot - (16.0 + z) * sx[None, :])
     y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, N, K8,
+                       NG, one_bits, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, GPC: tl.constexpr, PREFETCH: tl.constexpr,
+                       SPLIT: tl.constexpr):
+    """``_w4a16_gemv_rows`` with the chunk shaped by the quantization groups: a
+    ``[rows, GPC groups, GROUP / 8 words]`` tile, so each row's scale and zero are loaded
+    once a group (``[rows, GPC]``) instead of gathered for every packed word, and applied to
+    the group's sum after an in-tile reduction over its words. ``GROUP / 8`` and ``GPC`` are
+    powers of two.
+
+    Fewer instructions per weight than the whole-row kernel (its SASS loop, compiled for sm_90
+    on the CPU: about 7.5 a weight there, 3.6 to 4.8 here at one warp of 16 to 64 rows):
+    - One shift serves two nibbles: nibble 2p + 1 lands in bits 19-22 of the float's mantissa
+      (``1 + q / 16``) and nibble 2p in bits 15-18 (``1 + q / 256``; its activation is scaled
+      by 16, exactly, so both products are ``x + q x / 16`` in the same units). Each nibble's
+      unit part is at most 256 / q times its ``q`` part, eight bits of float32's 24.
+    - The exponent bits come from ``one_bits`` (0x3F800000, an argument): as a register it
+      lets the mask and the or be one LOP3 (two immediates take two).
+    - Rows share the activation: a one-warp program of 16 to 64 rows converts each
+      activation value once for all of them.
+
+    ``PREFETCH``: the next chunk's words are loaded before this one is computed (a manual
+    double buffer). ``SPLIT`` > 1: program (n, s) sums the s-th share of the groups into a
+    float32 workspace (``ws_ptr`` [SPLIT, N]); the last of a row block's programs to count
+    itself in (``count_ptr``, zeroed, re-zeroed by it) adds the shares in order, so the result
+    does not depend on which finishes last (as ``triton_gemv_rows``'s split).
+
+    (Reading the activation as contiguous runs of eight, one vector load per packed word, with
+    each word unpacked along a fourth axis, measured slower on every Llama-3.1-8B projection:
+    H200, 2026-11-28.)"""
+    WPG: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    g_off = tl.arange(0, GPC)
+    w_off = tl.arange(0, WPG)
+    w_base = qw_ptr + rows64[:, None, None] * K8
+    g_lo = 0
+    g_hi = NG
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(NG, SPLIT), GPC) * GPC
+        g_lo = tl.program_id(1) * per
+        g_hi = tl.minimum(NG, g_lo + per)
+    acc = tl.zeros((BLOCK_N, GPC), dtype=tl.float32)
+    if PREFETCH:
+        words = _groups_chunk(w_base, row_ok, g_lo + g_off, w_off, g_hi, K8, WPG)
+    for g0 in range(g_lo, g_hi, GPC):
+        gi = g0 + g_off
+        wi = gi[:, None] * WPG + w_off[None, :]
+        w_ok = (gi[:, None] < g_hi) & (wi < K8)
+        if PREFETCH:
+            nxt = _groups_chunk(w_base, row_ok, gi + GPC, w_off, g_hi, K8, WPG)
+        else:
+            words = _groups_chunk(w_base, row_ok, gi, w_off, g_hi, K8, WPG)
+        sz = rows64[:, None] * NG + gi[None, :]
+        sz_ok = row_ok[:, None] & (gi < g_hi)[None, :]
+        s = tl.load(s_ptr + sz, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz, mask=sz_ok, other=0).to(tl.float32)
+        dot = tl.zeros((BLOCK_N, GPC, WPG), dtype=tl.float32)
+        sx = tl.zeros((GPC, WPG), dtype=tl.float32)  # the unit parts: x_hi + 16 x_lo
+        sx1 = tl.zeros((GPC, WPG), dtype=tl.float32)  # sum(x), for the zero points
+        for p in tl.static_range(4):
+            if 15 - 8 * p >= 0:
+                t = words << (15 - 8 * p)
+            else:
+                t = words >> (8 * p - 15)
+            x_hi = tl.load(x_ptr + wi * 8 + (2 * p + 1), mask=w_ok, other=0.0).to(tl.float32)
+            x_lo = tl.load(x_ptr + wi * 8 + 2 * p, mask=w_ok, other=0.0).to(tl.float32)
+            f_hi = ((t & 0x00780000) | one_bits).to(tl.float32, bitcast=True)
+            f_lo = ((t & 0x00078000) | one_bits).to(tl.float32, bitcast=True)
+            dot += f_hi * x_hi[None, :, :]
+            dot += f_lo * (16.0 * x_lo)[None, :, :]
+            sx += x_hi + 16.0 * x_lo
+            sx1 += x_hi + x_lo
+        # sum(q x) = 16 (sum(f x) - unit parts); minus z sum(x)
+        acc += s * (16.0 * (tl.sum(dot, axis=2) - tl.sum(sx, axis=1)[None, :])
+                    - z * tl.sum(sx1, axis=1)[None, :])
+        if PREFETCH:
+            words = nxt
+    y = tl.sum(acc, axis=1)
+    if SPLIT > 1:
+        tl.store(ws_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
+        tl.debug_barrier()  # every thread's share stored before the count (released with it)
+        seen = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if seen == SPLIT - 1:  # the block's last: the others' shares are visible (acquired)
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT):
+                y += tl.load(ws_ptr + sp * N + rows, mask=row_ok, other=0.0,
+                             cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
+    else:
+        _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
+
+
+@triton.jit
+def _groups_chunk(w_base, row_ok, gi, w_off, g_hi, K8, WPG: tl.constexpr):
+    """Packed words ``[rows, groups gi, WPG]`` (groups from ``g_hi`` on read as 0)."""
+    wi = gi[:, None] * WPG + w_off[None, :]
+    ok = (gi[:, None] < g_hi) & (wi < K8)
+    return tl.load(w_base + wi[None, :, :], mask=row_ok[:, None, None] & ok[None, :, :],
+                   other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -209,6 +327,18 @@ GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
     (28672, 4096, 128): (8, 512, 1),
     (4096, 14336, 128): (8, 2048, 4),
 }
+# Launch shapes (BLOCK_N, GPC, num_warps, num_stages, prefetch, K splits) of
+# ``_w4a16_gemv_groups`` per (N, K, group) where it measured faster than ``_w4a16_gemv_rows``
+# (tools/sweep_int4_gemv.py times both); the others keep the whole-row kernel. Llama-3.1-8B at
+# group 128 (H200, 2026-11-28): gate/up 44.4 -> 36.7 us; q/k/v (12.1 against 11.9), o (9.4 /
+# 9.0) and down (27.0 / 27.1) no better. That sweep ran the kernel before its two-nibble
+# shifts, register exponent and K splits (SASS loop about 7.5 -> 3.8-4.8 instructions a
+# weight); the one-warp, 16-32-row, split shapes those favour are not measured yet.
+GEMV_GROUPS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, bool, int]] = {
+    (28672, 4096, 128): (16, 4, 2, 1, True, 1),
+}
+ONE_BITS = 0x3F800000  # float32 1.0
+GROUPS_MAX_GROUP = 1024
 ROWS_MAX_GROUP = 1 << 20  # per-channel scales (one group over the whole K) included
 
 
@@ -216,6 +346,13 @@ def rows_kernel_takes(group: int) -> bool:
     """Whether ``_w4a16_gemv_rows`` handles weights of this group size: a multiple of 8 (one
     packed word) up to ``ROWS_MAX_GROUP``."""
     return 8 <= group <= ROWS_MAX_GROUP and group % 8 == 0
+
+
+def groups_kernel_takes(group: int) -> bool:
+    """Whether ``_w4a16_gemv_groups`` handles this group size: a power-of-two number of packed
+    words (8 to ``GROUPS_MAX_GROUP`` values)."""
+    words = group // 8
+    return group % 8 == 0 and 1 <= words and words & (words - 1) == 0 and group <= GROUPS_MAX_GROUP
 
 
 def gemv_rows_config(n: int, k: int, group: int) -> tuple[int, int, int]:
@@ -245,11 +382,25 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     group = 1 if has_gidx else group_size  # (a launch constant: one compile per group size)
     if m == 0:
         return x.new_empty(*lead, n)
+    groups_cfg = GEMV_GROUPS_CONFIGS.get((n, k, group)) if m == 1 and not has_gidx else None
+    if groups_cfg is not None and groups_kernel_takes(group):
+        block_n, gpc, warps, stages, prefetch, split = groups_cfg
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        blocks = triton.cdiv(n, block_n)
+        if split > 1 and (split * n > SPLIT_WS_FLOATS or blocks > SPLIT_WS_TILES):
+            split = 1  # (beyond the shared workspace: every program takes all of K)
+        ws, counts = _split_workspace(x.device) if split > 1 else (out, out)
+        _w4a16_gemv_groups[(blocks, split)](
+            x2, qweight, scales, qzeros, bias if bias is not None else x2, out, ws, counts,
+            n, k // 8, ng, ONE_BITS, GROUP=group, HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, GPC=gpc, PREFETCH=prefetch, SPLIT=split, num_warps=warps,
+            num_stages=stages)
+        return out.reshape(*lead, n)
     if m == 1 and not has_gidx and rows_kernel_takes(group):
         block_n, block_k, warps = gemv_rows_config(n, k, group)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
         _w4a16_gemv_rows[(triton.cdiv(n, block_n),)](
-            x2, qweight, scales, qzeros, bias if bias is not None else x2, out, n, k, ng,
+            x2, qweight, scales, qzeros, bias if bias is not None else x2, out, n, k, k // 8, ng,
             GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps)
         return out.reshape(*lead, n)
