@@ -333,7 +333,7 @@ GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
 # group 128 (H200, 2026-11-28): gate/up 44.4 -> 36.7 us; q/k/v (12.1 against 11.9), o (9.4 /
 # 9.0) and down (27.0 / 27.1) no better. That sweep ran the kernel before its two-nibble
 # shifts, register exponent and K splits (SASS loop about 7.5 -> 3.8-4.8 instructions a
-# weight); the one-warp, 16-32-row, split shapes those favour are not measured yet.
+# weight); the one-warp, 16-64-row, split shapes those favour are not measured yet.
 GEMV_GROUPS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, bool, int]] = {
     (28672, 4096, 128): (16, 4, 2, 1, True, 1),
 }
