@@ -1,8 +1,8 @@
 """Launch shapes of the INT4 (W4A16) GEMV for the batch-1 decode of an AWQ / GPTQ model
 (issue 23): each of a shape's projections, group 128, one activation row, under the split-K
 kernel (what the engine ran before ``_w4a16_gemv_rows``), the whole-row kernel's default rule
-and a sweep of its launch shapes, in CUDA graphs over enough weight copies to stream from HBM.
-Then the group-tiled kernel (``_w4a16_gemv_groups``) over its launch shapes. Prints the best
+and a sweep of its launch shapes, in CUDA graphs over enough weight copies to stream from HBM,
+each launch shape's output first checked against the torch reference. Then the group-tiled kernel (``_w4a16_gemv_groups``) over its launch shapes. Prints the best
 per projection and the ``GEMV_ROWS_CONFIGS`` / ``GEMV_GROUPS_CONFIGS`` entries to commit in
 ``worker/ops/triton_w4a16.py``.
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gpu_kernel_check import DECODE1_GEMVS, time_calls
+    from tidal.worker.ops import int4_torch
     from tidal.worker.ops import triton_w4a16 as w4
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(copies)]  # fmt: skip
         x = torch.randn((1, k), device=dev, dtype=dt)
         rows: list[dict[str, Any]] = []
+        # Every launch shape's output is checked against the torch reference (float32 from the
+        # same dequantized weights) before it is timed: a wrong one is listed, never a winner.
+        q0, s0, z0 = weights[0]
+        ref = x.float() @ int4_torch.dequantize(q0, s0, z0, group, None, dt).float().t()
+        ref_scale = float(ref.abs().amax().clamp_min(1.0))
 
         def timed(label: str, config: tuple | None) -> None:
             saved = (dict(w4.GEMV_ROWS_CONFIGS), w4.ROWS_MAX_GROUP,
@@ -81,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                     w4.GEMV_ROWS_CONFIGS[(n, k, group)] = config
                 used = (None if label == "split_k" else config if label == "groups"
                         else w4.gemv_rows_config(n, k, group))
+                err = float((w4.w4a16_linear(x, q0, s0, z0, group).float() - ref).abs().max())
+                if err > 1e-2 * ref_scale:
+                    rows.append({"kernel": label, "config": config,
+                                 "error": f"wrong output: max error {err:.3g} of {ref_scale:.3g}"})
+                    print(f"  {label} {config}: wrong output ({err:.3g} of {ref_scale:.3g})",
+                          flush=True)
+                    return
                 t = time_calls([(lambda q=q, s=s, z=z: w4.w4a16_linear(x, q, s, z, group))
                                 for q, s, z in weights])
             except Exception as exc:  # a launch shape that does not compile
