@@ -283,9 +283,15 @@ def test_the_prompt_prefills_while_the_grammar_compiles(llm, monkeypatch):
     seen: dict[str, int] = {}
 
     def after_the_prefill(p):
-        # (The pool thread: the engine keeps stepping in the test's thread meanwhile.)
-        rid = next(r for r, (req, _) in list(mgr.pending.items())
-                   if req.sampling_params.structured_outputs == p)
+        # (The pool thread: the engine keeps stepping in the test's thread meanwhile. It records
+        # the request as pending just after submitting the compile, so this may run first.)
+        rid = None
+        for _ in range(500):
+            rid = next((r for r, (req, _) in list(mgr.pending.items())
+                        if req.sampling_params.structured_outputs == p), None)
+            if rid is not None:
+                break
+            time.sleep(0.01)
         req = core.scheduler.requests[rid]
         for _ in range(500):
             if req.num_computed_tokens >= len(prompt) - 1 and not core.batch_queue:
