@@ -183,12 +183,15 @@ def test_killing_one_rank_ends_the_server(dp_server):
                                     max_retries=0)
         errors: list[BaseException | str | None] = []
         try:
-            # Both streams are under way when the rank dies: whichever rank runs each, both
-            # fail (the engine is one to the client; a half engine is not served).
+            # Every stream is under way when the rank dies: whichever rank runs each, they
+            # fail (the engine is one to the client; a half engine is not served). Four, so
+            # that rank 1 runs one whatever the split over the two API servers: each routes
+            # by its own in-flight count, and two streams, one per API server, both went to
+            # rank 0 in a CI run (and both ended whole on the fast tiny model).
             streams = [await client.completions.create(
                 model="", prompt=f"Count for a long time {i}:", max_tokens=LONG,
                 temperature=0.0, stream=True, extra_body={"ignore_eos": True})
-                for i in range(2)]
+                for i in range(4)]
             for stream in streams:
                 async for _ in stream:
                     break
