@@ -57,6 +57,33 @@ def _split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return ws
 
 
+@triton.jit
+def split_share(total, SPLIT: tl.constexpr, STEP: tl.constexpr):
+    """[lo, hi) of ``total`` that program ``program_id(1)`` of ``SPLIT`` sums: equal shares in
+    whole ``STEP``s (the last ones shorter or empty); all of it when ``SPLIT`` is 1."""
+    lo = 0
+    hi = total
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(total, SPLIT), STEP) * STEP
+        lo = tl.program_id(1) * per
+        hi = tl.minimum(total, lo + per)
+    return lo, hi
+
+
+@triton.jit
+def split_arrive(count_ptr, tile, SPLIT: tl.constexpr):
+    """Counts this program's share of ``tile`` as stored; True for the tile's last, to which
+    the others' stores are then visible. That one re-zeroes the counter (``split_done``)."""
+    tl.debug_barrier()  # every thread's share stored before the count (released with it)
+    seen = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return seen == SPLIT - 1
+
+
+@triton.jit
+def split_done(count_ptr, tile):
+    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
 class FmaLaunch(NamedTuple):
     """A launch shape of the elementwise kernel (``_gemv_rows_fma_kernel``); a plain 4-tuple
     (BLOCK_N, BLOCK_K, num_warps, num_stages) is one of the tensor-core kernel."""
@@ -123,12 +150,7 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
     # Gated: the weight is [gate; up], the up row of output j is row N + j.
     wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + ms[:, None] * stride_x
-    k_lo = 0
-    k_hi = K
-    if SPLIT > 1:
-        per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-        k_lo = tl.program_id(1) * per
-        k_hi = tl.minimum(K, k_lo + per)
+    k_lo, k_hi = split_share(K, SPLIT, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PDL:
@@ -160,9 +182,7 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
         tl.store(slot + tl.program_id(1) * M * width, acc, mask=tile_ok)
         if GATED:
             tl.store(slot + tl.program_id(1) * M * width + N, acc_up, mask=tile_ok)
-        tl.debug_barrier()  # every thread's slice stored before the count (released with it)
-        seen = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if seen == SPLIT - 1:  # the tile's last: the others' slices are visible (acquired)
+        if split_arrive(count_ptr, pid, SPLIT):  # the tile's last: all slices visible
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLIT):
@@ -171,7 +191,7 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
                 if GATED:
                     acc_up += tl.load(slot + s * M * width + N, mask=tile_ok, other=0.0,
                                       cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+            split_done(count_ptr, pid)
             _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
                            HAS_BIAS, GATED, GELU)
     else:

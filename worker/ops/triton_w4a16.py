@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_gemv_rows import SPLIT_WS_FLOATS, SPLIT_WS_TILES, _split_workspace
+from tidal.worker.ops.triton_gemv_rows import (SPLIT_WS_FLOATS, SPLIT_WS_TILES, _split_workspace,
+                                              split_arrive, split_done, split_share)
 
 GEMV_MAX_ROWS = 4  # more rows: the tl.dot kernel (reading each weight tile once for 16 rows)
 SPLITK_MAX_ROWS = 16  # up to here the dot kernel splits K for more programs
@@ -180,12 +181,7 @@ def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, coun
     g_off = tl.arange(0, GPC)
     w_off = tl.arange(0, WPG)
     w_base = qw_ptr + rows64[:, None, None] * K8
-    g_lo = 0
-    g_hi = NG
-    if SPLIT > 1:
-        per = tl.cdiv(tl.cdiv(NG, SPLIT), GPC) * GPC
-        g_lo = tl.program_id(1) * per
-        g_hi = tl.minimum(NG, g_lo + per)
+    g_lo, g_hi = split_share(NG, SPLIT, GPC)
     acc = tl.zeros((BLOCK_N, GPC), dtype=tl.float32)
     if PREFETCH:
         words = _groups_chunk(w_base, row_ok, g_lo + g_off, w_off, g_hi, K8, WPG)
@@ -225,14 +221,12 @@ def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, coun
     y = tl.sum(acc, axis=1)
     if SPLIT > 1:
         tl.store(ws_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
-        tl.debug_barrier()  # every thread's share stored before the count (released with it)
-        seen = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if seen == SPLIT - 1:  # the block's last: the others' shares are visible (acquired)
+        if split_arrive(count_ptr, pid, SPLIT):  # the block's last: all shares visible
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for sp in tl.static_range(SPLIT):
                 y += tl.load(ws_ptr + sp * N + rows, mask=row_ok, other=0.0,
                              cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
+            split_done(count_ptr, pid)
             _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
     else:
         _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
