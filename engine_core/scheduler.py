@@ -266,8 +266,9 @@ class Scheduler:
                 not async_ok  # its next input token is still being sampled
                 # its grammar mask needs that token first
                 or (req.structured and not self.grammar_in_flight_ok)
-                # stop once the tokens in flight already reach the length limit
-                or n_tokens + placeholders >= req.length_limit
+                # stop once the token in flight surely reaches the length limit (drafts in
+                # flight may be rejected: a step ahead then still has tokens to emit)
+                or n_tokens + min(placeholders, 1) >= req.length_limit
             ):
                 continue
             computed = req.num_computed_tokens
@@ -288,10 +289,12 @@ class Scheduler:
                         num_new += n
             elif drafts_of and num_new == 1 and rid in drafts_of:
                 # A decode with drafts verifies them too: its last token and the drafts are
-                # this step's inputs, and it may emit up to 1 + len(drafts) tokens, so never
-                # more drafts than its length limit or the budget leave room for.
+                # this step's inputs, so never more drafts than its row (max_model_len) or the
+                # budget leave room for. Its max_tokens does not cut them: what it emits past
+                # that is dropped (``_append_tokens``), and every request verifying k drafts
+                # keeps the step uniform, which the proposer replays as one graph.
                 drafts = drafts_of.pop(rid)
-                room = min(req.length_limit - n_tokens - 1, budget - 1)
+                room = min(self.max_model_len - n_tokens - 1, budget - 1)
                 if len(drafts) > room:
                     drafts = drafts[:max(room, 0)]
                 num_new += len(drafts)
@@ -509,7 +512,7 @@ class Scheduler:
             placeholders = req.num_placeholders
             if placeholders and (not async_ok
                                  or (req.structured and not self.grammar_in_flight_ok)
-                                 or n_tokens + placeholders >= req.length_limit):
+                                 or n_tokens + min(placeholders, 1) >= req.length_limit):
                 skipped += 1  # as in the general loop: its tokens in flight come first
                 continue
             computed = req.num_computed_tokens
@@ -547,7 +550,8 @@ class Scheduler:
         if (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0
                 or len(req.all_token_ids) - req.num_prompt_tokens + 1 < sp.min_tokens):
             return 0
-        room = min(req.length_limit - max_tokens - 1, budget - 1)
+        # (As for drafts at hand: max_model_len bounds them, not the request's max_tokens.)
+        room = min(self.max_model_len - max_tokens - 1, budget - 1)
         n = max(0, min(self._k, room))
         if self._proposed_len is not None:
             n = min(n, self._proposed_len.get(req.request_id, n))

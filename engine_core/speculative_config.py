@@ -42,10 +42,11 @@ _KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_si
           "synthetic_acceptance_rates", "synthetic_acceptance_length",
           "disable_by_batch_size", "speculative_disable_by_batch_size", "disable_by_acceptance",
           "verify_token_cost", "acceptance_window", "acceptance_probe_interval")
-# The off-switch (spec_off_switch.py). 32 running requests: a conservative guess, not measured,
-# for where decode stops being memory bound enough for verify tokens to come nearly free (well
-# below batch 256, which never drafts).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# The off-switch (spec_off_switch.py): no drafts above 64 running requests. Measured on an
+# H200 (Llama-3.1-8B shape, EAGLE-3, synthetic acceptance 0.8, k = 3, drafting every step):
+# 1.24x plain decode throughput at batch 64, 0.97x at 128, 0.67x at 256
+# (tools/results/spec_h200_llama8b_eagle3_*).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 MAX_ACCEPTANCE_WINDOW = 4096
 # The n-gram lookup on the device keeps every batch row's tokens there (int32); above this
 # (e.g. 1,024 rows of a 1M-token context) it stays on the host unless asked for.

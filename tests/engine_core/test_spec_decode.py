@@ -223,13 +223,13 @@ def test_stop_token_and_max_tokens_exact_at_any_acceptance(spec_config):
          {r: [1, 1, 1, 1] for r in ("stop", "eos", "len", "min")})
     so, outs = step(s, {"stop": [21, 99, 23, 24], "eos": [21, EOS, 5], "len": [1, 1, 1, 1, 1],
                         "min": [EOS, EOS, EOS]}, {})
-    # Only what the length limit leaves room for is verified: 4 - 1 tokens out, so 2 drafts.
-    assert so.scheduled_spec_decode_tokens["len"] == [1, 1]
+    # Every draft is verified, past what max_tokens leaves room for (4 - 1 tokens out): the
+    # step stays uniform (k drafts a request); what it emits past the limit is dropped.
+    assert so.scheduled_spec_decode_tokens["len"] == [1, 1, 1, 1]
     assert outs["stop"].new_token_ids == [21, 99]
     assert outs["stop"].finish_reason == FinishReason.STOP and outs["stop"].stop_reason == 99
     assert outs["eos"].new_token_ids == [21, EOS]
     assert outs["eos"].finish_reason == FinishReason.STOP
-    # (The fake model ignored the length limit; tokens past max_tokens are dropped.)
     assert outs["len"].new_token_ids == [1, 1, 1]
     assert outs["len"].finish_reason == FinishReason.LENGTH
     # min_tokens=3: the first EOS (2nd output token) does not stop it, the next one does.

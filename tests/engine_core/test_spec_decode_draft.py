@@ -401,6 +401,37 @@ def test_async_scheduling_pipelines_speculative_steps(drafts, plain, method):
 
 
 @pytest.mark.slow
+def test_requests_near_max_tokens_keep_the_proposal_uniform(drafts, plain):
+    """Requests ending at different lengths verify k drafts up to their last step (what they
+    emit past max_tokens is dropped), and one whose drafts in flight may still be rejected is
+    scheduled behind them: every step verifies k drafts a request, so every proposal after a
+    verify step is the uniform one (one graph replay on a GPU). The general path, whose host
+    work and launches cost a batch-64 step milliseconds there, runs for prompt rows only."""
+    from tidal.frontend import LLM
+
+    lengths = (13, 22, 17, 30)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    llm = LLM(str(drafts["target"]), speculative_config=_spec("eagle3", drafts["eagle3"]),
+              kv_cache_memory_bytes=64 << 20, async_scheduling=True, **KW)
+    drafter = llm.engine.core.executor.worker.runner.spec.drafter
+    general: list[list[int]] = []  # each general step's rows a request
+    draft = drafter._draft
+
+    def recording(b, rows, ids, counts, *args, **kwargs):
+        general.append(counts.tolist())
+        return draft(b, rows, ids, counts, *args, **kwargs)
+
+    drafter._draft = recording
+    try:
+        got, (n_drafts, _, _) = _generate(llm, params)
+        assert got == [p[:n] for p, n in zip(plain, lengths)]
+        assert n_drafts > 0 and _uniform_steps(llm) >= max(lengths) - 2
+        assert general and all(max(c) > K + 1 for c in general), general
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
 def test_async_speculative_steps_through_worker_processes(drafts, plain):
     """The same with the worker in its own process (the multiprocess executor): it resolves
     the step in flight before the next one, and sends a step's output only once the next step

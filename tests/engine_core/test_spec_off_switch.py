@@ -100,8 +100,8 @@ def test_batch_size_limit_and_switches_turned_off():
 
 def test_config_defaults_and_vllm_name():
     spec = SpeculativeConfig.parse(NGRAM)
-    # A conservative guess (nothing measured on a GPU): batch 256 never drafts.
-    assert spec.disable_by_batch_size == 32
+    # Where EAGLE-3 measured a gain on an H200 (batch 64: 1.35x; 128: 0.97x; 256 never drafts).
+    assert spec.disable_by_batch_size == 64
     assert (spec.disable_by_acceptance, spec.verify_token_cost) == (True, 0.1)
     assert SpeculativeConfig.parse(
         {**NGRAM, "speculative_disable_by_batch_size": 4}).disable_by_batch_size == 4

@@ -193,6 +193,7 @@ def test_triton_whole_row_gemv(monkeypatch, bias, n, k, group, config):
     from tidal.worker.ops import triton_w4a16
 
     assert triton_w4a16.rows_kernel_takes(group)
+    monkeypatch.setattr(triton_w4a16, "GROUPS_MAX_GROUP", 0)  # (else the group-tiled one)
     if config is not None:
         monkeypatch.setitem(triton_w4a16.GEMV_ROWS_CONFIGS, (n, k, group), config)
     m = 1
@@ -230,6 +231,56 @@ def test_triton_group_tiled_gemv(monkeypatch, bias, n, k, group, config):
 
         counts = triton_gemv_rows._split_workspace(torch.device(DEV))[1]
         assert int(counts[: -(-n // config[0])].abs().sum()) == 0
+
+
+@triton_kernel
+@pytest.mark.parametrize("n,k,group,split", [
+    (40, 2120, 128, 4),  # 17 groups, 9 chunks of two: four shares of two or three
+    (8, 2048, 128, 4),  # 8 chunks: four shares of two (1 row block; 4 SMs in the interpreter)
+    (8, 384, 128, 1),  # 2 chunks: too few for two shares of two
+    (24, 96, 24, None),  # three-word groups: the whole-row kernel
+])  # fmt: skip
+def test_group_tiled_gemv_is_the_batch1_default(monkeypatch, n, k, group, split):
+    """With no measured launch shape, one row goes to the group-tiled GEMV under the rule's
+    shape (K split while the grid is small and each share keeps two chunks), unless its group
+    size is not a power-of-two number of words."""
+    from tidal.worker.ops import triton_w4a16
+
+    assert (n, k, group) not in triton_w4a16.GEMV_GROUPS_CONFIGS
+    called = []
+    kernel = triton_w4a16._w4a16_gemv_groups
+    monkeypatch.setattr(triton_w4a16, "_w4a16_gemv_groups", _Recording(kernel, called))
+    _check_kernel(1, n, k, group, torch.float32, act_order=False, bias=False, seed=n)
+    if split is None:
+        assert not called
+    else:
+        assert called and called[0][1] == split
+        assert triton_w4a16.gemv_groups_config(n, k, group, torch.device(DEV))[5] == split
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the kernel module imports it)")
+def test_group_tiled_rule_on_the_llama8b_shapes():
+    """The rule's K splits for Llama-3.1-8B's projections on a 132-SM GPU: what the H200 sweeps
+    found best or within 2-8 % of it (tools/results/int4_gemv_groups{2,3}_h200_llama8b.json)."""
+    from tidal.worker.ops import triton_w4a16
+
+    dev = torch.device("cuda", 7)  # (the SM count is read from the cache, never the device)
+    old = triton_w4a16._SM_COUNT.get(7)
+    triton_w4a16._SM_COUNT[7] = 132
+    saved = dict(triton_w4a16.GEMV_GROUPS_CONFIGS)
+    triton_w4a16.GEMV_GROUPS_CONFIGS.clear()
+    try:
+        rule = {shape: triton_w4a16.gemv_groups_config(*shape, dev)[5]
+                for shape in ((6144, 4096, 128), (4096, 4096, 128), (28672, 4096, 128),
+                              (4096, 14336, 128))}
+    finally:
+        triton_w4a16.GEMV_GROUPS_CONFIGS.update(saved)
+        if old is None:
+            del triton_w4a16._SM_COUNT[7]
+        else:
+            triton_w4a16._SM_COUNT[7] = old
+    assert rule == {(6144, 4096, 128): 8, (4096, 4096, 128): 8, (28672, 4096, 128): 2,
+                    (4096, 14336, 128): 8}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the kernel module imports it)")

@@ -4,15 +4,16 @@ act-order ``g_idx`` [K]), the 4-bit values dequantized in registers (``(q - z) *
 the activation dtype, as the torch reference does), accumulated in float32.
 
 - ``_w4a16_mm``: a tiled GEMM on ``tl.dot`` for prefill (and, with split-K, for 5-16 rows).
-- ``_w4a16_gemv_rows``: batch-1 decode (grouped weights, no act-order): each program owns
-  ``BLOCK_N`` output rows and streams their whole K extent in long chunks, as the 16-bit GEMV
-  does (``triton_decode.gemv``); no partial sums, the bias and the cast to the dtype in the
-  kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into the mantissa
+- ``_w4a16_gemv_rows``: batch-1 decode for the other group sizes (no act-order): each
+  program owns ``BLOCK_N`` output rows and streams their whole K extent in long chunks, as the
+  16-bit GEMV does (``triton_decode.gemv``); no partial sums, the bias and the cast to the
+  dtype in the kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into the mantissa
   of 1.0 (no integer-to-float conversion); each packed word contributes ``s * (sum((q - z) *
   x))`` over its 8 values, from ``sum((1 + q / 16) * x)`` and ``sum(x)``.
 - ``_w4a16_gemv_groups``: the same plan on a tile shaped by the quantization groups (one
-  scale and zero a row a group, not a gather per word), for the shapes where it measured
-  faster (``GEMV_GROUPS_CONFIGS``).
+  scale and zero a row a group, not a gather per word), with fewer instructions a weight:
+  batch-1 decode wherever the group is a power-of-two number of packed words (1.3-1.6x the
+  whole-row kernel on every Llama-3.1-8B projection, H200).
 - ``_w4a16_gemv``: one program per (row, column block, K split) without ``tl.dot``, for the
   decode steps the kernel above does not take (2-4 rows, act-order, groups over
   ``ROWS_MAX_GROUP``); its K splits give the GPU enough programs for a narrow weight.
@@ -313,23 +314,20 @@ def _splits(programs: int, k_blocks: int, device: torch.device) -> int:
 
 
 # Launch shapes (BLOCK_N, BLOCK_K, num_warps) of ``_w4a16_gemv_rows`` per (N, K, group), where
-# the sweep (tools/sweep_int4_gemv.py) found better than the default rule.
-# Llama-3.1-8B at group 128 (H100): o 9.7 -> 8.9 us, gate/up 45.4 -> 43.7, down 28.7 -> 27.1
-# (q/k/v, 12.1 us, keeps the rule); the split-K kernel took 35.0 / 192.1 / 105.2 / 51.8.
-GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
-    (4096, 4096, 128): (8, 2048, 4),
-    (28672, 4096, 128): (8, 512, 1),
-    (4096, 14336, 128): (8, 2048, 4),
-}
+# a sweep (tools/sweep_int4_gemv.py) found better than its default rule. The kernel now runs
+# only the group sizes ``_w4a16_gemv_groups`` does not take, which no measured model has.
+GEMV_ROWS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # Launch shapes (BLOCK_N, GPC, num_warps, num_stages, prefetch, K splits) of
-# ``_w4a16_gemv_groups`` per (N, K, group) where it measured faster than ``_w4a16_gemv_rows``
-# (tools/sweep_int4_gemv.py times both); the others keep the whole-row kernel. Llama-3.1-8B at
-# group 128 (H200, 2026-11-28): gate/up 44.4 -> 36.7 us; q/k/v (12.1 against 11.9), o (9.4 /
-# 9.0) and down (27.0 / 27.1) no better. That sweep ran the kernel before its two-nibble
-# shifts, register exponent and K splits (SASS loop about 7.5 -> 3.8-4.8 instructions a
-# weight); the one-warp, 16-64-row, split shapes those favour are not measured yet.
+# ``_w4a16_gemv_groups`` per (N, K, group), where the sweep found better than
+# ``gemv_groups_config``'s rule. Llama-3.1-8B at group 128, H200 (2026-11-28,
+# tools/results/int4_gemv_groups3_h200_llama8b.json; the rule's shape, then the whole-row
+# kernel's best): q/k/v 8.7 us (8.9; 12.2), o 7.2 (7.8; 9.3), gate/up 29.1 (30.2; 45.3), down
+# 17.6 (18.8; 26.8). Two pipeline stages measured no faster on any of them.
 GEMV_GROUPS_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, bool, int]] = {
-    (28672, 4096, 128): (16, 4, 2, 1, True, 1),
+    (6144, 4096, 128): (64, 1, 1, 1, False, 16),
+    (4096, 4096, 128): (32, 1, 1, 1, False, 16),
+    (28672, 4096, 128): (32, 2, 1, 1, False, 4),
+    (4096, 14336, 128): (32, 1, 1, 1, False, 16),
 }
 ONE_BITS = 0x3F800000  # float32 1.0
 GROUPS_MAX_GROUP = 1024
@@ -347,6 +345,25 @@ def groups_kernel_takes(group: int) -> bool:
     words (8 to ``GROUPS_MAX_GROUP`` values)."""
     words = group // 8
     return group % 8 == 0 and 1 <= words and words & (words - 1) == 0 and group <= GROUPS_MAX_GROUP
+
+
+def gemv_groups_config(n: int, k: int, group: int,
+                       device: torch.device) -> tuple[int, int, int, int, bool, int]:
+    """The group-tiled GEMV's launch shape for an ``n`` x ``k`` INT4 weight: a measured one,
+    else one warp of 32 rows over two groups a chunk, K split in two until the grid holds
+    about eight programs an SM (at most 8 shares, each of at least two chunks). On the
+    Llama-3.1-8B sweeps (H200) this rule came within 2-8 % of the best shape of every
+    projection: one-warp programs of few rows need many of them in flight to cover the memory
+    latency."""
+    hit = GEMV_GROUPS_CONFIGS.get((n, k, group))
+    if hit is not None:
+        return hit
+    block_n, gpc = 32, 2
+    blocks, chunks = triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, group), gpc)
+    split = 1
+    while split < 8 and blocks * split < 8 * _sm_count(device) and chunks >= 4 * split:
+        split *= 2
+    return block_n, gpc, 1, 1, False, split
 
 
 def gemv_rows_config(n: int, k: int, group: int) -> tuple[int, int, int]:
@@ -376,9 +393,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     group = 1 if has_gidx else group_size  # (a launch constant: one compile per group size)
     if m == 0:
         return x.new_empty(*lead, n)
-    groups_cfg = GEMV_GROUPS_CONFIGS.get((n, k, group)) if m == 1 and not has_gidx else None
-    if groups_cfg is not None and groups_kernel_takes(group):
-        block_n, gpc, warps, stages, prefetch, split = groups_cfg
+    if m == 1 and not has_gidx and groups_kernel_takes(group):
+        block_n, gpc, warps, stages, prefetch, split = gemv_groups_config(n, k, group, x.device)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
         blocks = triton.cdiv(n, block_n)
         if split > 1 and (split * n > SPLIT_WS_FLOATS or blocks > SPLIT_WS_TILES):
