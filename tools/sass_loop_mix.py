@@ -97,7 +97,7 @@ def _int4_groups(bn: int, gpc: int, warps: int, prefetch: int,
     from tidal.worker.ops import triton_w4a16 as w4
 
     consts = dict(GROUP=128, HAS_BIAS=False, BLOCK_N=bn, GPC=gpc, PREFETCH=bool(prefetch),
-                  SPLIT=split)
+                  SPLIT=split, GATED=False, GELU=False)
     sig = {**_INT4, "ws_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K8": "i32",
            "NG": "i32", "one_bits": "i32"}
     return w4._w4a16_gemv_groups, sig, consts, warps, bn * gpc * 128 / (32 * warps)

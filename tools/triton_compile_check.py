@@ -203,15 +203,17 @@ def main() -> int:
                "NG": "i32", **{k: "constexpr" for k in consts}}
         cases.append(("INT4 GEMV over whole rows" + (" + bias" if bias else ""),
                       w4._w4a16_gemv_rows, sig, consts))
-    for prefetch, split in ((False, 1), (True, 1), (True, 4)):
+    for prefetch, split, gated in ((False, 1, False), (True, 1, False), (True, 4, False),
+                                   (False, 4, True)):
         consts = dict(GROUP=128, HAS_BIAS=split > 1, BLOCK_N=16, GPC=4, PREFETCH=prefetch,
-                      SPLIT=split)
+                      SPLIT=split, GATED=gated, GELU=False)
         sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8",
                "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32",
                "N": "i32", "K8": "i32", "NG": "i32", "one_bits": "i32",
                **{k: "constexpr" for k in consts}}
         cases.append(("INT4 GEMV tiled by groups" + (", next chunk ahead" if prefetch else "")
-                      + (", K split + bias" if split > 1 else ""),
+                      + (", K split + bias" if split > 1 else "")
+                      + (", SiLU epilogue" if gated else ""),
                       w4._w4a16_gemv_groups, sig, consts))
     cases += _decode_chain_cases()
     cases += _lora_grouped_cases()

@@ -101,8 +101,8 @@ class KernelPolicy:
     # pass, ``triton_fp8_quant``) for cuBLASLt; where the one-row GEMV applies it reads the
     # FP8 weights itself (weight-only).
     fp8_norm_quant: bool = False
-    # INT4 (AWQ/GPTQ) linears on the Triton W4A16 kernels (``triton_w4a16``: a GEMM, a
-    # split-K GEMV for decode rows); else the torch reference (dequantize and matmul).
+    # INT4 (AWQ/GPTQ) linears on the Triton W4A16 kernels (``triton_w4a16``: a GEMM, GEMVs
+    # for decode rows); else the torch reference (dequantize and matmul).
     triton_w4a16: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
@@ -336,7 +336,8 @@ def describe(policy: KernelPolicy) -> list[str]:
              else "torch reference" + (" (compute capability < 8.9)"
                                        if policy.device == "cuda" else "")),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
-        line("w4a16_linear", "triton (GEMM; split-K GEMV for decode rows)"
+        line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
+             "one row, split-K GEMV for 2-4)"
              if policy.triton_w4a16 else "torch reference"),
         # Kernels.lora_shrink / lora_expand (--enable-lora only).
         line("lora", "triton (per-token shrink / expand; segmented for eager steps"

@@ -234,6 +234,34 @@ def test_triton_group_tiled_gemv(monkeypatch, bias, n, k, group, config):
 
 
 @triton_kernel
+@pytest.mark.parametrize("n,k,group,config,act,bias", [
+    (72, 2120, 128, (16, 4, 1, 1, False, 1), "silu", False),  # 36 outputs: 4.5 row blocks
+    (72, 2120, 128, (32, 2, 1, 1, True, 3), "silu", True),  # K split in 3, the last ragged
+    (48, 256, 32, (16, 2, 2, 1, False, 2), "gelu_tanh", True),  # Gemma's GeGLU
+])  # fmt: skip
+def test_group_tiled_gemv_with_the_gated_activation(monkeypatch, n, k, group, config, act, bias):
+    """``act(gate) * up`` as the group-tiled GEMV's epilogue over a fused ``[gate; up]`` INT4
+    weight (a program's rows: half gate, half the matching up rows): what the GEMV and then
+    the activation give, through a ragged last block and K splits."""
+    from tidal.worker.ops import torch_ops, triton_w4a16
+
+    monkeypatch.setitem(triton_w4a16.GEMV_GROUPS_CONFIGS, (n, k, group), config)
+    qweight, s32, qzeros, _ = _kernel_weights(n, k, group, False)
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(DEV)
+    b = torch.randn(n, generator=gen).to(DEV) if bias else None
+    assert triton_w4a16.gated_gemv_applies(x, qweight, group, None)
+    y = triton_w4a16.w4a16_gated_gemv(x, qweight, s32, qzeros, group, act, b)
+    lin = triton_w4a16.w4a16_linear(x, qweight, s32, qzeros, group, None, b)
+    ref = (torch_ops.silu_and_mul(lin) if act == "silu" else torch_ops.gelu_tanh_and_mul(lin))
+    assert y.shape == (1, n // 2) and y.dtype == x.dtype
+    torch.testing.assert_close(y, ref, rtol=2e-5, atol=2e-5)
+    odd = qweight[:-1]  # (an odd number of rows is no [gate; up] pair)
+    assert not triton_w4a16.gated_gemv_applies(x, odd, group, None)
+    assert not triton_w4a16.gated_gemv_applies(x.expand(2, k), qweight, group, None)
+
+
+@triton_kernel
 @pytest.mark.parametrize("n,k,group,split", [
     (40, 2120, 128, 4),  # 17 groups, 9 chunks of two: four shares of two or three
     (8, 2048, 128, 4),  # 8 chunks: four shares of two (1 row block; 4 SMs in the interpreter)

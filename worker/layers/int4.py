@@ -87,6 +87,17 @@ def matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> tor
                                       layer.g_idx if layout.act_order else None, bias)
 
 
+def gated_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                 act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``matmul`` over a fused ``[gate; up]`` layer (one row on the
+    GPU: the activation is the GEMV's epilogue)."""
+    layout = layer.w4a16
+    return layer.kernels.w4a16_gated_linear(x, layer.qweight, layer.scales, layer.qzeros,
+                                            layout.group_size,
+                                            layer.g_idx if layout.act_order else None, bias,
+                                            act)
+
+
 def _materialize(t: Any) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t.materialize()
 

@@ -21,6 +21,7 @@ from tidal.worker.cpu_offload import layer_built
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
+from tidal.worker.layers import int4
 from tidal.worker.layers.activation import GatedActivation, SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -194,8 +195,9 @@ class NormLinear:
         # FP8 weights: one row on the GPU goes through the same fused GEMV paths (reading the
         # FP8 weights, weight-only); other rows take the norm that quantizes for the FP8 GEMM.
         self._fp8 = getattr(linear, "weight_scale", None) is not None
-        # INT4 weights (AWQ/GPTQ) never reach the fused GEMV paths: the plain norm, then the
-        # layer's own W4A16 matmul.
+        # INT4 weights (AWQ/GPTQ) never reach the fused 16-bit GEMV paths: the plain norm,
+        # then the layer's own W4A16 matmul (with SiLU-and-mul as its epilogue for one row on
+        # the GPU).
         self._int4 = getattr(linear, "w4a16", None) is not None
 
     def __call__(self, x: torch.Tensor | PendingSum,
@@ -236,7 +238,10 @@ class NormLinear:
             h, residual = kernels.rms_norm(x, norm.weight, norm.eps), x
         else:
             h, residual = kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        y = self._linear(h)
+        linear = self._linear
+        if self._silu and self._int4 and linear.lora is None:
+            return int4.gated_matmul(linear, h, linear.bias, "silu"), residual
+        y = linear(h)
         return (kernels.silu_and_mul(y) if self._silu else y), residual
 
 

@@ -401,6 +401,21 @@ class Kernels:
             return self._w4.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
         return int4_torch.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
 
+    def w4a16_gated_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None,
+                           bias: torch.Tensor | None, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of ``w4a16_linear`` over a fused ``[gate; up]`` INT4 weight
+        (``act``: "silu" or "gelu_tanh"): one row on the GPU runs the group-tiled GEMV with
+        the activation as its epilogue (no separate activation kernel); else the linear, then
+        the activation."""
+        if act not in GATED_ACTS:
+            raise ValueError(f"unknown gated activation {act!r}; known: {', '.join(GATED_ACTS)}")
+        if (self._w4 is not None and x.is_cuda
+                and self._w4.gated_gemv_applies(x, qweight, group_size, g_idx)):
+            return self._w4.w4a16_gated_gemv(x, qweight, scales, qzeros, group_size, act, bias)
+        y = self.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
+        return self.silu_and_mul(y) if act == "silu" else self.gelu_tanh_and_mul(y)
+
     def rms_norm_fp8_linear(
         self,
         x: torch.Tensor,

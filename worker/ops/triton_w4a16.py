@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.worker.ops.triton_decode import gated_product
 from tidal.worker.ops.triton_gemv_rows import (SPLIT_WS_FLOATS, SPLIT_WS_TILES, _split_workspace,
                                               split_arrive, split_done, split_share)
 
@@ -147,7 +148,7 @@ def _w4a16_gemv_rows(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, N, K, K8, NG,
 def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, count_ptr, N, K8,
                        NG, one_bits, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_N: tl.constexpr, GPC: tl.constexpr, PREFETCH: tl.constexpr,
-                       SPLIT: tl.constexpr):
+                       SPLIT: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr):
     """``_w4a16_gemv_rows`` with the chunk shaped by the quantization groups: a
     ``[rows, GPC groups, GROUP / 8 words]`` tile, so each row's scale and zero are loaded
     once a group (``[rows, GPC]``) instead of gathered for every packed word, and applied to
@@ -171,13 +172,26 @@ def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, coun
     itself in (``count_ptr``, zeroed, re-zeroed by it) adds the shares in order, so the result
     does not depend on which finishes last (as ``triton_gemv_rows``'s split).
 
+    ``GATED``: the weight is a fused ``[gate; up]`` one (N rows, N / 2 outputs) and the output
+    ``act(gate) * up`` (SiLU, or tanh-GELU with ``GELU``), rounded as the unfused ops round: a
+    program's first ``BLOCK_N / 2`` rows are gate rows, the others the matching up rows, so
+    the activation is the epilogue of the program (or of a row block's last split) that holds
+    both, and the launch the separate activation kernel took is saved.
+
     (Reading the activation as contiguous runs of eight, one vector load per packed word, with
     each word unpacked along a fourth axis, measured slower on every Llama-3.1-8B projection:
     H200, 2026-11-28.)"""
     WPG: tl.constexpr = GROUP // 8
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        i = tl.arange(0, BLOCK_N)
+        col = pid * HALF + i % HALF  # the output each row feeds
+        rows = tl.where(i < HALF, col, col + N // 2)
+        row_ok = col < N // 2
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
     rows64 = rows.to(tl.int64)
     g_off = tl.arange(0, GPC)
     w_off = tl.arange(0, WPG)
@@ -228,9 +242,10 @@ def _w4a16_gemv_groups(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, coun
                 y += tl.load(ws_ptr + sp * N + rows, mask=row_ok, other=0.0,
                              cache_modifier=".cg")
             split_done(count_ptr, pid)
-            _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
+            _groups_store(out_ptr, b_ptr, y, rows, row_ok, N, pid, HAS_BIAS, BLOCK_N, GATED,
+                          GELU)
     else:
-        _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS)
+        _groups_store(out_ptr, b_ptr, y, rows, row_ok, N, pid, HAS_BIAS, BLOCK_N, GATED, GELU)
 
 
 @triton.jit
@@ -243,10 +258,21 @@ def _groups_chunk(w_base, row_ok, gi, w_off, g_hi, K8, WPG: tl.constexpr):
 
 
 @triton.jit
-def _groups_store(out_ptr, b_ptr, y, rows, row_ok, HAS_BIAS: tl.constexpr):
+def _groups_store(out_ptr, b_ptr, y, rows, row_ok, N, pid, HAS_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if GATED:  # (rows: the gate half, then the up half; see _w4a16_gemv_groups)
+        HALF: tl.constexpr = BLOCK_N // 2
+        halves = tl.reshape(y, (2, HALF))
+        which = tl.arange(0, 2)[:, None]
+        g = tl.sum(tl.where(which == 0, halves, 0.0), axis=0)
+        u = tl.sum(tl.where(which == 1, halves, 0.0), axis=0)
+        cols = pid * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + cols, gated_product(g, u, out_ptr, GELU).to(out_ptr.dtype.element_ty),
+                 mask=cols < N // 2)
+    else:
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -376,6 +402,47 @@ def gemv_rows_config(n: int, k: int, group: int) -> tuple[int, int, int]:
     return 8, 1024, 2
 
 
+def gated_gemv_applies(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
+                       g_idx: torch.Tensor | None) -> bool:
+    """Whether ``w4a16_gated_gemv`` takes ``x`` times this fused ``[gate; up]`` weight: one
+    row, no act-order, a group the group-tiled GEMV takes, an even number of rows."""
+    return (x.numel() == x.shape[-1] and g_idx is None and groups_kernel_takes(group_size)
+            and qweight.shape[0] % 2 == 0 and qweight.shape[1] * 8 == x.shape[-1])
+
+
+def w4a16_gated_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     qzeros: torch.Tensor, group_size: int, act: str,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(gate) * up`` (``act``: "silu" or "gelu_tanh") of one row ``x`` [..., K] times a
+    fused ``[gate; up]`` INT4 weight, the activation the GEMV's epilogue
+    (``gated_gemv_applies`` first)."""
+    x2 = x.reshape(1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _groups_gemv(x2, qweight, scales, qzeros, group_size, bias, act)
+    return out.reshape(*x.shape[:-1], qweight.shape[0] // 2)
+
+
+def _groups_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 qzeros: torch.Tensor, group: int, bias: torch.Tensor | None,
+                 act: str | None) -> torch.Tensor:
+    """``_w4a16_gemv_groups`` over one row ``x2`` [1, K]; ``act``: gated (see the kernel)."""
+    n, k, ng = qweight.shape[0], x2.shape[1], scales.shape[1]
+    block_n, gpc, warps, stages, prefetch, split = gemv_groups_config(n, k, group, x2.device)
+    gated = act is not None
+    out = torch.empty(1, n // 2 if gated else n, dtype=x2.dtype, device=x2.device)
+    blocks = triton.cdiv(n // 2, block_n // 2) if gated else triton.cdiv(n, block_n)
+    if split > 1 and (split * n > SPLIT_WS_FLOATS or blocks > SPLIT_WS_TILES):
+        split = 1  # (beyond the shared workspace: every program takes all of K)
+    ws, counts = _split_workspace(x2.device) if split > 1 else (out, out)
+    _w4a16_gemv_groups[(blocks, split)](
+        x2, qweight, scales, qzeros, bias if bias is not None else x2, out, ws, counts,
+        n, k // 8, ng, ONE_BITS, GROUP=group, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, GPC=gpc, PREFETCH=prefetch, SPLIT=split, GATED=gated,
+        GELU=act == "gelu_tanh", num_warps=warps, num_stages=stages)
+    return out
+
+
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,18 +461,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return x.new_empty(*lead, n)
     if m == 1 and not has_gidx and groups_kernel_takes(group):
-        block_n, gpc, warps, stages, prefetch, split = gemv_groups_config(n, k, group, x.device)
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        blocks = triton.cdiv(n, block_n)
-        if split > 1 and (split * n > SPLIT_WS_FLOATS or blocks > SPLIT_WS_TILES):
-            split = 1  # (beyond the shared workspace: every program takes all of K)
-        ws, counts = _split_workspace(x.device) if split > 1 else (out, out)
-        _w4a16_gemv_groups[(blocks, split)](
-            x2, qweight, scales, qzeros, bias if bias is not None else x2, out, ws, counts,
-            n, k // 8, ng, ONE_BITS, GROUP=group, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, GPC=gpc, PREFETCH=prefetch, SPLIT=split, num_warps=warps,
-            num_stages=stages)
-        return out.reshape(*lead, n)
+        return _groups_gemv(x2, qweight, scales, qzeros, group, bias, None).reshape(*lead, n)
     if m == 1 and not has_gidx and rows_kernel_takes(group):
         block_n, block_k, warps = gemv_rows_config(n, k, group)
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
