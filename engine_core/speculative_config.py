@@ -44,8 +44,8 @@ _KNOWN = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_si
           "verify_token_cost", "acceptance_window", "acceptance_probe_interval")
 # The off-switch (spec_off_switch.py): no drafts above 64 running requests. Measured on an
 # H200 (Llama-3.1-8B shape, EAGLE-3, synthetic acceptance 0.8, k = 3, drafting every step):
-# 1.24x plain decode throughput at batch 64, 0.97x at 128, 0.67x at 256
-# (tools/results/spec_h200_llama8b_eagle3_*).
+# 1.33-1.35x plain decode throughput at batch 64 (1.24x in one run on a freshly started
+# machine), 0.97x at 128, 0.67x at 256 (tools/results/spec_h200_llama8b_eagle3_*).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 MAX_ACCEPTANCE_WINDOW = 4096
 # The n-gram lookup on the device keeps every batch row's tokens there (int32); above this

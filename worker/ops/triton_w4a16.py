@@ -7,9 +7,9 @@ the activation dtype, as the torch reference does), accumulated in float32.
 - ``_w4a16_gemv_rows``: batch-1 decode for the other group sizes (no act-order): each
   program owns ``BLOCK_N`` output rows and streams their whole K extent in long chunks, as the
   16-bit GEMV does (``triton_decode.gemv``); no partial sums, the bias and the cast to the
-  dtype in the kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into the mantissa
-  of 1.0 (no integer-to-float conversion); each packed word contributes ``s * (sum((q - z) *
-  x))`` over its 8 values, from ``sum((1 + q / 16) * x)`` and ``sum(x)``.
+  dtype in the kernel. The 4-bit values become the floats ``1 + q / 16`` by moving them into
+  the mantissa of 1.0 (no integer-to-float conversion); each packed word contributes
+  ``s * (sum((q - z) * x))`` over its 8 values, from ``sum((1 + q / 16) * x)`` and ``sum(x)``.
 - ``_w4a16_gemv_groups``: the same plan on a tile shaped by the quantization groups (one
   scale and zero a row a group, not a gather per word), with fewer instructions a weight:
   batch-1 decode wherever the group is a power-of-two number of packed words (1.3-1.6x the
