@@ -61,6 +61,11 @@ def _triton_module(name: str) -> ModuleType | None:
         return None
 
 
+def _check_gated_act(act: str) -> None:
+    if act not in GATED_ACTS:
+        raise ValueError(f"unknown gated activation {act!r}; known: {', '.join(GATED_ACTS)}")
+
+
 class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
@@ -408,12 +413,15 @@ class Kernels:
         (``act``: "silu" or "gelu_tanh"): one row on the GPU runs the group-tiled GEMV with
         the activation as its epilogue (no separate activation kernel); else the linear, then
         the activation."""
-        if act not in GATED_ACTS:
-            raise ValueError(f"unknown gated activation {act!r}; known: {', '.join(GATED_ACTS)}")
+        _check_gated_act(act)
         if (self._w4 is not None and x.is_cuda
                 and self._w4.gated_gemv_applies(x, qweight, group_size, g_idx)):
             return self._w4.w4a16_gated_gemv(x, qweight, scales, qzeros, group_size, act, bias)
         y = self.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
+        return self._gated_act(y, act)
+
+    def _gated_act(self, y: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` over a fused ``[gate | up]`` input (``act`` checked)."""
         return self.silu_and_mul(y) if act == "silu" else self.gelu_tanh_and_mul(y)
 
     def rms_norm_fp8_linear(
@@ -452,8 +460,7 @@ class Kernels:
         """``act(gate) * up`` of ``F.linear(x, weight)``, ``weight`` a fused ``[gate; up]`` one
         and ``act`` ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU); a single row on the GPU runs
         the GEMV kernel with the activation as its epilogue."""
-        if act not in GATED_ACTS:
-            raise ValueError(f"unknown gated activation {act!r}; known: {', '.join(GATED_ACTS)}")
+        _check_gated_act(act)
         n = weight.shape[0] // 2
         if (self.gemv_applies(x, weight) and weight.dtype == x.dtype
                 and weight.shape[0] % 2 == 0):
@@ -462,7 +469,7 @@ class Kernels:
         if self.rows_gemv_applies(x, weight, gated=True) and weight.shape[0] % 2 == 0:
             return self._rows.gemv_rows(x, weight, act=act)
         y = F.linear(x, weight)
-        return self.silu_and_mul(y) if act == "silu" else self.gelu_tanh_and_mul(y)
+        return self._gated_act(y, act)
 
     def rms_norm_linear(
         self,
