@@ -452,8 +452,7 @@ class EngineArgs:
                 enabled=self.enable_expert_parallel, enable_dbo=self.enable_dbo, arch=arch,
                 tensor_parallel_size=parallel.tensor_parallel_size,
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
-                data_parallel_size=parallel.data_parallel_size, device=device,
-                enforce_eager=runner.enforce_eager, compiled=compilation.enabled,
+                data_parallel_size=parallel.data_parallel_size, compiled=compilation.enabled,
                 speculative=speculative is not None, lora=lora is not None)
             dbo_threshold = check_dbo_threshold(self.dbo_token_threshold,
                                                 enable_dbo=self.enable_dbo)

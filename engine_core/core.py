@@ -9,7 +9,7 @@ import gc
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tidal.engine_core import control, envs
@@ -129,6 +129,9 @@ class EngineCore:
         self.max_inflight = max(1, getattr(self.executor, "max_concurrent_batches", 1))
         self.batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self.forwards = 0  # steps launched on the workers (dp_lockstep counts them)
+        # Called with each step's scheduler output just before the workers get it, empty
+        # steps included (dp_lockstep: the engines agree there on how the step runs).
+        self.before_forward: Callable[[SchedulerOutput], None] | None = None
         self.speculative = config.speculative is not None
         # With steps in flight and a worker in this process, a constrained request runs every
         # step: its step is launched first, and its mask is filled from its previous token
@@ -245,6 +248,8 @@ class EngineCore:
                         mask_later = self._sampling_constrained(sched)
                     else:
                         self._attach_grammar_masks(sched)
+                if self.before_forward is not None:
+                    self.before_forward(sched)
                 if mask_later:
                     pending = launched_pending = self.executor.execute_model(
                         sched, non_block=True, defer_sample=True)
@@ -329,7 +334,10 @@ class EngineCore:
         """A step of no tokens through the workers, for expert parallelism across DP ranks:
         their MoE layers join the other ranks' exchange with no tokens (worker/layers/moe_ep)."""
         self._sample_deferred()
-        self.executor.execute_model(SchedulerOutput(step_id=-1))
+        sched = SchedulerOutput(step_id=-1)
+        if self.before_forward is not None:
+            self.before_forward(sched)
+        self.executor.execute_model(sched)
 
     def poll_kv_transfers(self, force: bool = False) -> None:
         """Run an empty step so the workers report finished KV sends (a producer's blocks held

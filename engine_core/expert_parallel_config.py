@@ -45,8 +45,8 @@ def check_dbo_threshold(threshold: int | None, *, enable_dbo: bool = True) -> in
 
 def check_expert_parallel(*, enabled: bool, enable_dbo: bool, arch: ArchSpec,
                           tensor_parallel_size: int, pipeline_parallel_size: int,
-                          data_parallel_size: int, device: str, enforce_eager: bool,
-                          compiled: bool, speculative: bool, lora: bool) -> bool:
+                          data_parallel_size: int, compiled: bool, speculative: bool,
+                          lora: bool) -> bool:
     """Whether expert parallelism is on (the flag, on a model with experts); raises
     ``ExpertParallelConfigError`` for what it cannot run with."""
     if not enabled:
@@ -75,12 +75,11 @@ def check_expert_parallel(*, enabled: bool, enable_dbo: bool, arch: ArchSpec,
         logger.warning("--enable-expert-parallel with one worker (DP x TP = 1): every expert "
                        "stays on it")
     if dp > 1:
-        # Every rank must run every MoE layer's exchange in every step with the token counts
-        # agreed in that step (host code): not inside replayed graphs or compiled pieces.
+        # Every rank must run every MoE layer's exchange in every step with shapes agreed for
+        # that step: decode graphs are agreed per step (engine_core/dp_lockstep), compiled
+        # pieces and the drafters' and adapters' steps are not.
         what = ("speculative decoding" if speculative else "LoRA" if lora
-                else "torch.compile (--compilation-config)" if compiled
-                else "CUDA graphs (add --enforce-eager)"
-                if device == "cuda" and not enforce_eager else None)
+                else "torch.compile (--compilation-config)" if compiled else None)
         if what is not None:
             raise ExpertParallelConfigError(
                 f"--enable-expert-parallel across data-parallel engines with {what} is not "

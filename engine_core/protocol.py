@@ -351,6 +351,12 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # KV connector only: its scheduler side's ``KVConnectorMetadata`` for this step, msgpack
     # bytes the worker side decodes as its ``metadata_type`` (engine_core/kv_transfer).
     kv_connector_metadata: bytes = b""
+    # Expert parallelism across data-parallel engines (worker/layers/moe_ep): the largest
+    # decode batch over the engines this step, when every engine runs a decode batch (agreed
+    # before the step, engine_core/dp_lockstep); each then replays the CUDA graph of the size
+    # that batch pads to, the exchange of that many rows per engine inside. 0: every engine
+    # runs this step eagerly, exchanging its real token count.
+    dp_graph_batch: int = 0
 
     @property
     def req_ids(self) -> list[str]:

@@ -173,6 +173,9 @@ def one_side(ns: argparse.Namespace, model_dir: str, dp: int, log: Path,
         rep = bench_serve.run_bench(bench_serve.build_parser().parse_args(argv),
                                     on_start=watch.start)
         per_rank = watch.stop()
+        if rep["result"].get("failed"):
+            print(f"bench_dp: {rep['result']['failed']} requests failed on {server.name}; its "
+                  f"log ends:\n{server.log_tail(150)}", file=sys.stderr)
         engines = _engine_pids(server)
         time.sleep(1.0)  # the last requests' going-idle reports
         before = _cpu_seconds(engines)
@@ -192,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", choices=("dp", "ep"), default="dp",
                    help="dp: DP=N against DP=1; ep: EP=2 over DP=2 against TP=2")
     p.add_argument("--tp-eager", action="store_true",
-                   help="--case ep: the TP side without CUDA graphs too")
+                   help="--case ep: the TP side without CUDA graphs")
+    p.add_argument("--ep-eager", action="store_true",
+                   help="--case ep: the EP side(s) without CUDA graphs (decode steps replay "
+                        "graphs agreed between the engines otherwise)")
     p.add_argument("--dbo-threshold", type=int, default=None,
                    help="--case ep: a third side, EP with --enable-dbo from this many tokens "
                         "per step (target: >= 1.1x EP without it)")
@@ -290,7 +296,7 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
         raise SystemExit("bench_dp: --tokenizer DIR is needed with a dummy shape (the server "
                          "detokenizes), e.g. tests/data/qwen3")
     tp_flags = ("--tensor-parallel-size", "2", *(("--enforce-eager",) if ns.tp_eager else ()))
-    ep_flags = ("--enable-expert-parallel", "--enforce-eager")
+    ep_flags = ("--enable-expert-parallel", *(("--enforce-eager",) if ns.ep_eager else ()))
     with tempfile.TemporaryDirectory(prefix="tidal-bench-ep-") as tmp:
         if ns.model is not None:
             model_dir = ns.model
@@ -317,7 +323,8 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
         verdicts["ep_speedup"] = {"target": f">= {TARGET_EP_SPEEDUP}", "value": speedup,
                                   "verdict": "PASS" if speedup >= TARGET_EP_SPEEDUP else "MISS"}
         print(f"TP=2{' (eager)' if ns.tp_eager else ''} {tp['output_throughput']:,.0f} output "
-              f"tok/s, EP=2 over DP=2 (eager) {ep['output_throughput']:,.0f} output tok/s: "
+              f"tok/s, EP=2 over DP=2{' (eager)' if ns.ep_eager else ''} "
+              f"{ep['output_throughput']:,.0f} output tok/s: "
               f"{speedup:.2f}x", file=sys.stderr)
     if dbo is not None:
         gain = dbo["output_throughput"] / ep["output_throughput"]
@@ -330,7 +337,8 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
     result = {
         "case": "ep", "shape": ns.model or ns.shape, "num_prompts": ns.num_prompts,
         "input_len": ns.input_len, "output_len": ns.output_len, "smoke": ns.smoke,
-        "tp_eager": ns.tp_eager, "output_tok_s": tok_s, "verdicts": verdicts,
+        "tp_eager": ns.tp_eager, "ep_eager": ns.ep_eager, "output_tok_s": tok_s,
+        "verdicts": verdicts,
         "sides": [v for v in sides.values() if v is not None],
     }
     text = json.dumps(result, indent=1)

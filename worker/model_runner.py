@@ -255,6 +255,7 @@ class ModelRunner:
         self.kv_hooks = ConnectorHooks.create(config, self.tp.ranks[self.tp.rank])
         # Expert parallelism (worker/layers/moe_ep.py), set up with the model; None: off.
         self.ep: moe_ep.ExpertParallel | None = None
+        self.exchange_graph_replays = 0  # decode graphs replayed as agreed between the engines
         # Per-expert routing counts for /metrics (MoE models; layers/expert_load).
         self.expert_load: ExpertLoad | None = None
         self.graphs: CudaGraphRunner | None = None
@@ -465,7 +466,10 @@ class ModelRunner:
                       max(self._mixed_graph_sizes(), default=0) if full else 0,
                       max(self._piecewise_sizes(), default=0))
         share = activations * largest / max(1, self.config.scheduler.max_num_batched_tokens)
-        return int(2 * share) + (64 << 20)
+        # Decode graphs holding the experts' exchange keep the rows of every engine in their
+        # pool (the profile saw this engine's alone).
+        exchange = self.ep.exchange_headroom(largest) if self.ep is not None and full else 0
+        return int(2 * share) + exchange + (64 << 20)
 
     @torch.inference_mode()
     def _profile_run(self) -> int:
@@ -584,9 +588,28 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     def capture_graphs_if_enabled(self) -> bool:
-        if not self._graphs_enabled():
+        if not self._graphs_enabled() or self.graphs_wait_for_engines():
             return False
         self.capture_graphs()
+        return True
+
+    def graphs_wait_for_engines(self) -> bool:
+        """Whether the decode graphs hold the experts' exchange with the other data-parallel
+        engines (layers/moe_ep): those are captured once the engines meet
+        (``capture_exchange_graphs``, after warm-up, which runs each engine alone)."""
+        return self.ep is not None and self.ep.dp is not None and self._graphs_enabled()
+
+    def capture_exchange_graphs(self) -> bool:
+        """Capture the decode graphs with the cross-engine exchange inside; every engine's
+        workers call this together after ``ExpertParallel.activate`` (the same sizes in the same
+        order: each capture's collectives meet the other engines')."""
+        if not self.graphs_wait_for_engines():
+            return False
+        assert self.ep is not None
+        if not self.ep.active:
+            return False
+        with self.ep.static_exchange():
+            self.capture_graphs()
         return True
 
     @torch.inference_mode()
@@ -717,6 +740,10 @@ class ModelRunner:
         """Token counts of the mixed-step graphs: none unless the attention backend plans a
         mixed batch from its token and request counts alone (Triton; the CUDA backend splits
         the batch on the host)."""
+        if self.ep is not None and self.ep.dp is not None:
+            # Experts exchanged across data-parallel engines: the engines agree on decode
+            # graphs only (engine_core/dp_lockstep); mixed steps run eagerly.
+            return []
         if self.attn_impl.name != "triton" or self.arch.is_mla \
                 or self.config.runner.compilation.cudagraph_mode == "PIECEWISE":
             # MLA's prefill (expanded) path walks its requests on the host. Under
@@ -752,12 +779,7 @@ class ModelRunner:
         def prepare(size: int) -> None:
             if self.lora is not None:  # the LoRA kernels this size replays
                 self.lora.capture_layout(size)
-            # A dummy decode batch: one context token per request, nothing written to the cache.
-            bufs.meta32[: size + 1] = torch.arange(size + 1, dtype=torch.int32,
-                                                   device=self.device)
-            bufs.meta32[r + 1:r + 1 + size] = 1
-            bufs.slot_mappings[:, :size] = -1
-            bufs.step_block_tables[:, :size] = 0
+            self._dummy_decode_batch(size)
 
         def forward(size: int) -> torch.Tensor:
             assert self.model is not None
@@ -798,6 +820,32 @@ class ModelRunner:
             # (A propose step's first pass is a mixed batch: the CUDA backend plans those on
             # the host, so with it proposals run eagerly.)
             self.spec.capture_graphs(self._max_graph_batch())
+
+    def _dummy_decode_batch(self, size: int) -> None:
+        """Fill the fixed buffers with a decode batch of ``size`` requests of one context token
+        each (read from block 0), nothing written to the cache, no token counted as real."""
+        bufs = self.bufs
+        r = self.max_num_reqs
+        bufs.meta32[: size + 1] = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        bufs.meta32[r + 1:r + 1 + size] = 1
+        bufs.num_tokens.zero_()
+        bufs.slot_mappings[:, :size] = -1
+        bufs.step_block_tables[:, :size] = 0
+
+    def _replay_empty_graph(self, batch: int) -> None:
+        """Replay the decode graph ``batch`` pads to on a dummy batch: this engine has no
+        request in a step the data-parallel engines agreed to run as that graph (its experts'
+        exchange must meet theirs). Without graphs (a CPU) or past the largest, every engine
+        runs the step eagerly: this one joins with no tokens."""
+        size = None if self.graphs is None else self.graphs.size_for(batch)
+        if size is None:
+            assert self.ep is not None
+            self.ep.run_empty_step()
+            return
+        assert self.graphs is not None
+        self.launch_due()  # (the step before, if unsampled, reads the buffers rewritten here)
+        self._dummy_decode_batch(size)
+        self.graphs.replay(size)
 
     def _graph_meta(self, size: int, num_reqs: int | None = None,
                     max_query_len: int = 1) -> AttentionMetadata:
@@ -937,8 +985,14 @@ class ModelRunner:
             total = None
         # (Before any early return: the host tier's stores of this step must happen.)
         kv_meta = self.kv_hooks.before_forward(so) if self.kv_hooks is not None else None
+        # Experts exchanged across data-parallel engines: a decode graph only where the engines
+        # agreed on one, of the size they agreed on (0: this step runs eagerly everywhere).
+        graph_batch = (so.dp_graph_batch if self.ep is not None and self.ep.active
+                       else None)
         if not req_ids:
-            if self.ep is not None:  # the other data-parallel ranks' MoE layers wait for ours
+            if graph_batch:  # the other engines replay the graph of a decode batch
+                self._replay_empty_graph(graph_batch)
+            elif self.ep is not None:  # the other data-parallel ranks' MoE layers wait for ours
                 self.ep.run_empty_step()
             result = ModelRunnerOutput(failed=failed)
             if kv_meta is not None:  # an empty step of the connector's: finished transfers
@@ -953,8 +1007,21 @@ class ModelRunner:
             n_draft = self.spec.write_drafts(b, rows, req_ids, so.scheduled_spec_decode_tokens)
         elif self.spec is not None:
             self.spec.write_drafts(b, rows[:0], [], {})  # (none: forget the last step's)
-        inputs = self.prepare_inputs(rows, n_sched, total, n_draft)
+        inputs = self.prepare_inputs(rows, n_sched, total, n_draft, graph_batch)
         assert self.model is not None
+        if graph_batch and inputs.graph_size is None and self.graphs is not None \
+                and self.graphs.size_for(graph_batch) is not None:
+            # Run eagerly, this step's exchange would wait forever for the other engines'.
+            raise RuntimeError("expert parallel: the data-parallel engines agreed on a decode "
+                               f"graph for batch {graph_batch}, but this engine's step is not a "
+                               "decode batch")
+        if graph_batch and inputs.graph_size is not None:
+            if not self.exchange_graph_replays:
+                logger.info("expert parallel: first decode step replaying the graph agreed "
+                            "with the other data-parallel engines (%d requests here, %d at "
+                            "most on an engine, graph of %d)", len(req_ids), graph_batch,
+                            inputs.graph_size)
+            self.exchange_graph_replays += 1
         num_tokens = inputs.meta.num_actual_tokens
         if self.lora is not None:
             graph = inputs.graph_size or inputs.mixed_graph_tokens
@@ -1161,12 +1228,15 @@ class ModelRunner:
 
     def prepare_inputs(self, rows: np.ndarray, n_sched: np.ndarray,
                        total: int | None = None,
-                       n_draft: np.ndarray | None = None) -> StepInputs:
+                       n_draft: np.ndarray | None = None,
+                       graph_batch: int | None = None) -> StepInputs:
         """Gather this step's inputs from the persistent batch (numpy), stage them in pinned
         memory, copy them over in a few transfers, and finish on the device: block-table
-        updates, slot mapping, the step's block table, placeholder fills. ``total``: the sum of ``n_sched``, if known.
-        ``n_draft``: draft tokens per request (speculative decoding): logits and sampling rows
-        at each verify position."""
+        updates, slot mapping, the step's block table, placeholder fills. ``total``: the sum
+        of ``n_sched``, if known. ``n_draft``: draft tokens per request (speculative
+        decoding): logits and sampling rows at each verify position. ``graph_batch``: the
+        batch size whose decode graph this step replays (0: none, the step runs eagerly;
+        None: this step's own, if captured)."""
         b = self.batch
         bufs = self.bufs
         bs = self.block_size
@@ -1194,9 +1264,10 @@ class ModelRunner:
         ids = b.token_ids[token_rows, positions]
         graph_size = mixed_tokens = None
         padded_reqs, padded_tokens = num_reqs, total
-        if self.graphs is not None:
+        if self.graphs is not None and graph_batch != 0:
             if decode_only:
-                graph_size = self.graphs.size_for(num_reqs)
+                graph_size = self.graphs.size_for(num_reqs if graph_batch is None
+                                                  else max(graph_batch, num_reqs))
                 if graph_size is not None:
                     padded_reqs = padded_tokens = graph_size
             elif self.mixed_graphs_on:

@@ -256,11 +256,10 @@ class Worker:
                 with self.startup.phase("graph capture") as note:
                     reason = runner.graphs_off_reason()
                     if reason is None and runner.capture_graphs_if_enabled():
-                        graphs = runner.graphs
-                        assert graphs is not None
-                        note.detail = (f"{len(graphs)} graphs, decode batches "
-                                       f"{graphs.sizes[0]}..{graphs.sizes[-1]}, "
-                                       f"{graphs.pool_bytes / 2**20:.0f} MiB")
+                        note.detail = self._graphs_detail()
+                    elif reason is None and runner.graphs_wait_for_engines():
+                        note.detail = ("decode graphs after warm-up, once the data-parallel "
+                                       "engines meet (the experts' exchange is inside them)")
                     else:
                         note.detail = f"none, decode steps run eagerly: {reason}"
                     piecewise = runner.capture_piecewise_graphs()
@@ -279,9 +278,24 @@ class Worker:
             # Start-up's forwards ran on this engine alone; serving ones meet the other DP
             # engines' (layers/moe_ep).
             runner.ep.activate()
+            if runner.graphs_wait_for_engines():
+                with JIT_WATCH.warming(), \
+                        self.startup.phase("exchange graph capture") as note:
+                    runner.capture_exchange_graphs()
+                    note.detail = self._graphs_detail()
         if isinstance(runner, ModelRunner) and runner.expert_load is not None:
             runner.expert_load.reset()  # (/metrics counts serving's routing, not start-up's)
         self._mark_ready()
+
+    def _graphs_detail(self) -> str:
+        graphs = self.runner.graphs
+        if graphs is None:
+            return "none"
+        # (The pool is measured as the growth of reserved memory: after warm-up the allocator
+        # may hand cached blocks back meanwhile, and the growth can come out negative.)
+        pool = (f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs.pool_bytes >= 0
+                else "pool size not measured")
+        return f"{len(graphs)} graphs, decode batches {graphs.sizes[0]}..{graphs.sizes[-1]}, {pool}"
 
     def _mark_ready(self) -> None:
         self.ready = True

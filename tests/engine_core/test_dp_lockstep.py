@@ -120,6 +120,64 @@ def test_the_wave_watcher_fails_the_engine_when_the_store_goes(monkeypatch):
         group.close()
 
 
+def test_ranks_agree_on_a_decode_graph_only_when_every_rank_decodes():
+    """``agree_graph_batch``: the largest decode batch when every rank runs one or nothing,
+    else 0 (eager everywhere): a prompt step or drafts on any rank make the step eager, and so
+    does a step with no token anywhere."""
+    import threading
+
+    from tidal.engine_core.dp_lockstep import graph_batch_proposal
+    from tidal.engine_core.protocol import SchedulerOutput
+    from tidal.frontend.dp_engines import serve_rendezvous_store
+
+    def decode(n: int) -> SchedulerOutput:
+        return SchedulerOutput(step_id=1, num_scheduled_tokens=[1] * n,
+                               total_num_scheduled_tokens=n)
+
+    prompt = SchedulerOutput(step_id=1, num_scheduled_tokens=[1, 7],
+                             total_num_scheduled_tokens=8)
+    drafts = SchedulerOutput(step_id=1, num_scheduled_tokens=[1],
+                             total_num_scheduled_tokens=1,
+                             scheduled_spec_decode_tokens={"a": [3]})
+    assert graph_batch_proposal(decode(3)) == 3
+    assert graph_batch_proposal(drafts) > 1 << 30
+    store = serve_rendezvous_store()
+    groups: list[DPGroup | None] = [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = DPGroup(rank, 2, store.port)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        for a, b, want in ((decode(3), decode(5), 5), (decode(4), decode(1), 4),
+                           (decode(3), prompt, 0), (SchedulerOutput(step_id=-1), decode(2), 2),
+                           (SchedulerOutput(step_id=-1), prompt, 0),
+                           (SchedulerOutput(step_id=-1), SchedulerOutput(step_id=-1), 0),
+                           (drafts, decode(2), 0)):
+            got = [0, 0]
+
+            def agree(rank: int, so: SchedulerOutput) -> None:
+                group = groups[rank]
+                assert group is not None
+                got[rank] = group.agree_graph_batch(graph_batch_proposal(so))
+
+            pair = [threading.Thread(target=agree, args=(0, a)),
+                    threading.Thread(target=agree, args=(1, b))]
+            for t in pair:
+                t.start()
+            for t in pair:
+                t.join(30)
+            assert got == [want, want], (a, b, got)
+    finally:
+        for g in groups:
+            if g is not None:
+                g.close()
+
+
 def test_a_rank_that_cannot_meet_its_peers_fails_its_start_up(tiny_models):
     from tidal.frontend.mp_client import EngineConnection, EngineStartupError
 

@@ -24,8 +24,8 @@ DENSE = arch_from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]}, "qwen
 
 def _check(**kw) -> bool:
     args = dict(enabled=True, enable_dbo=False, arch=MOE, tensor_parallel_size=1,
-                pipeline_parallel_size=1, data_parallel_size=2, device="cpu",
-                enforce_eager=True, compiled=False, speculative=False, lora=False)
+                pipeline_parallel_size=1, data_parallel_size=2, compiled=False,
+                speculative=False, lora=False)
     return check_expert_parallel(**{**args, **kw})
 
 
@@ -33,10 +33,6 @@ def test_accepted_layouts() -> None:
     assert _check()
     assert _check(data_parallel_size=1, tensor_parallel_size=2)
     assert _check(data_parallel_size=2, tensor_parallel_size=4)  # 8 ranks, one expert each
-    assert _check(device="cuda", enforce_eager=True)
-    # Within one engine the CUDA graphs stay: the layer has no host-side exchange.
-    assert _check(data_parallel_size=1, tensor_parallel_size=2, device="cuda",
-                  enforce_eager=False)
     assert not _check(enabled=False)
     assert _check(enable_dbo=True)  # across engines: the exchange to overlap
     assert check_dbo_threshold(1) == 1
@@ -54,7 +50,6 @@ def test_accepted_layouts() -> None:
     (dict(data_parallel_size=3), "8 experts do not split over 3"),
     (dict(data_parallel_size=4, tensor_parallel_size=4), "over 16 expert-parallel ranks"),
     (dict(pipeline_parallel_size=2), "pipeline-parallel-size > 1 is not yet supported"),
-    (dict(device="cuda", enforce_eager=False), r"CUDA graphs \(add --enforce-eager\)"),
     (dict(compiled=True), "torch.compile"),
     (dict(speculative=True), "speculative decoding"),
     (dict(lora=True), "LoRA"),

@@ -289,13 +289,24 @@ def test_ep_across_two_dp_engines_matches_hf(qwen3_moe, capfd) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs: one engine on each, exchanging tokens over NCCL")
-@pytest.mark.parametrize("dbo", [False, True], ids=["one-exchange", "dual-batch-overlap"])
-def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo) -> None:
+@pytest.mark.parametrize("dbo, eager", [(False, True), (True, True), (True, False)],
+                         ids=["one-exchange", "dual-batch-overlap", "decode-graphs"])
+def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo, eager,
+                                                         capfd) -> None:
+    """Over NCCL, eagerly (with and without the overlap) and with the decode graphs agreed
+    between the engines (the prompt steps overlap, eagerly; decode steps replay graphs, the
+    idle engine's in the first round on a dummy batch)."""
     prompts = qwen3_moe.prompts
     got, routed = _generate_dp(qwen3_moe.folder, prompts, alone=1, device="cuda",
-                               enforce_eager=True, enable_dbo=dbo, dbo_token_threshold=4)
+                               enforce_eager=eager, enable_dbo=dbo,
+                               dbo_token_threshold=4 if dbo else None)
     mh.assert_matches(got, qwen3_moe.refs, prompts, tol=mh.GPU_LOGPROB_TOL)
     assert min(routed) >= 1, routed
+    log = capfd.readouterr().err
+    replayed = "first decode step replaying the graph agreed with the other data-parallel"
+    assert (replayed in log) != eager, log[-3000:]
+    if not eager:
+        assert "exchange graph capture" in log, log[-3000:]
 
 
 def test_exchange_headroom_covers_every_engines_rows() -> None:

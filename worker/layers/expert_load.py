@@ -51,8 +51,11 @@ class CountInto:
         if self.valid is None:
             weight = torch.ones(t * k, dtype=torch.int32, device=ids.device)
         else:
-            real = (self.rows[:t] < self.valid).to(torch.int32)
-            weight = real.unsqueeze(1).expand(t, k).reshape(-1)
+            real = self.rows[:t] < self.valid
+            weight = real.to(torch.int32).unsqueeze(1).expand(t, k).reshape(-1)
+            # A padding row's router read garbage (a NaN row's ids are out of range): count
+            # it, with weight 0, at expert 0.
+            ids = torch.where(real.unsqueeze(1), ids, 0)
         self.counts.index_add_(0, ids.reshape(-1), weight)
 
 
@@ -71,14 +74,12 @@ class ExpertLoad:
         self.counts = torch.zeros(len(layers), num_experts, dtype=torch.int32, device=device)
         rows = torch.arange(max_rows, dtype=torch.int32, device=device)
         self._into = [CountInto(self.counts[i], valid, rows) for i in range(len(layers))]
-        self._into_all = [CountInto(self.counts[i], None, rows) for i in range(len(layers))]
         for index, moe in enumerate(layers):
             moe.expert_load, moe.expert_load_index = self, index
 
-    def into(self, layer: int, *, all_rows: bool = False) -> CountInto:
-        """Layer ``layer``'s ``CountInto``; ``all_rows``: every row is a token (the gathered
-        rows of an expert-parallel exchange)."""
-        return (self._into_all if all_rows else self._into)[layer]
+    def into(self, layer: int) -> CountInto:
+        """Layer ``layer``'s ``CountInto``."""
+        return self._into[layer]
 
     def snapshot(self) -> torch.Tensor:
         """Each expert's routings since the last snapshot, summed over the layers, as a device

@@ -31,6 +31,12 @@ and the first's reduce-scatter while the second's run (async collectives: NCCL's
 gloo's threads). Attention is not split. Router logits of another dtype than the hidden
 states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
 
+CUDA graphs (decode steps): once the engines meet, each captures its decode graphs with the
+exchange inside (``static_exchange``: every rank holds the graph's full row count, padding
+included, so no counts are exchanged and every gathered row is kept); the engines agree
+before each step whether all of them replay the graph of one size (``SchedulerOutput.
+dp_graph_batch``) or all run eagerly as above. Dual batch overlap applies to the eager steps.
+
 Memory: start-up's profile forward runs each engine alone, so the KV cache sizing reserves
 what the exchange adds at the largest step (``exchange_headroom_bytes``): every engine's rows
 gathered, and the experts' activations over all of them.
@@ -181,6 +187,8 @@ class ExpertParallel:
         # the first forward: an empty step's exchange must match the other ranks'.
         self.logits_dtype: torch.dtype | None = None
         self._step_tokens = 0  # the current forward's tokens over all engines
+        # Inside ``static_exchange`` (graph capture): every rank's forward has as many rows.
+        self._static = False
 
     # --- start-up -----------------------------------------------------------------------------
 
@@ -203,6 +211,17 @@ class ExpertParallel:
     def activate(self) -> None:
         """The worker is ready: from now on every forward exchanges tokens across engines."""
         self.active = self.dp is not None and bool(self.layers)
+
+    @contextmanager
+    def static_exchange(self) -> Iterator[None]:
+        """Forwards inside run with every rank's row count equal to this rank's (the decode
+        graphs' capture, on every rank at the same sizes in the same order): nothing is
+        exchanged on the host, so the collectives are all the graph holds."""
+        self._static = True
+        try:
+            yield
+        finally:
+            self._static = False
 
     def exchange_headroom(self, tokens: int) -> int:
         """``exchange_headroom_bytes`` for this model's largest MoE layer at ``tokens`` tokens
@@ -278,11 +297,16 @@ class ExpertParallel:
         if moe is self.layers[0]:
             self._next = 0
             assert self.dp is not None
+            self._halves = None
+            if self._static:
+                self._whole = Exchange(tokens, tokens, None, self.dp_rank * tokens)
+                self._step_tokens = tokens * self.dp_size
+                self._next = 1
+                return
             counts = self.dp.token_counts(tokens)
             device = moe.w13.device
             self._whole = Exchange.of(counts, self.dp_rank, device)
             self._step_tokens = sum(counts)
-            self._halves = None
             # (Two micro-batches need two tokens on some rank; the decision is every rank's.)
             if self.dbo_threshold is not None and sum(counts) >= self.dbo_threshold \
                     and max(counts) >= 2:
@@ -398,8 +422,9 @@ class ExpertParallel:
         count = load.into(moe.expert_load_index) if load is not None and mine is None else None
         weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias, count)
         if load is not None and mine is not None:
-            load.into(moe.expert_load_index, all_rows=True).add(
-                ids[mine.offset:mine.offset + mine.tokens])
+            # (Its rows among the gathered ones: a graph's padding rows at their end are left
+            # out by the step's real token count, as without the exchange.)
+            load.into(moe.expert_load_index).add(ids[mine.offset:mine.offset + mine.tokens])
         partial = len(moe.local_experts) != moe.num_experts
         if partial:
             ids = local_expert_ids(ids, moe.local_experts)
