@@ -37,6 +37,13 @@ def test_padding_rows_count_nothing_and_snapshots_start_again():
     load.into(1).add(ids[:2].to(torch.int32))
     load.into(0).add(torch.empty(0, 2, dtype=torch.int64))
     assert load.snapshot().tolist() == [1, 2, 0, 1]
+    # A graph of 4 rows with 3 real ones, in two micro-batches of 2 (dual batch overlap):
+    # the second's rows are rows 2 and 3 of the step, the last a padding row.
+    graph = torch.tensor([[0, 1], [1, 3], [2, 3], [9, -1]])
+    valid.fill_(3)
+    load.into(0).add(graph[:2], start=0)
+    load.into(0).add(graph[2:], start=2)
+    assert load.snapshot().tolist() == [1, 2, 1, 2]
     with pytest.raises(ValueError, match="expert counts"):
         ExpertLoad([SimpleNamespace(num_experts=4), SimpleNamespace(num_experts=8)], None, 8,
                    torch.device("cpu"))

@@ -43,15 +43,16 @@ class CountInto:
     valid: torch.Tensor | None
     rows: torch.Tensor  # int32 0..max_rows-1, to tell rows past ``valid``
 
-    def add(self, ids: torch.Tensor) -> None:
-        """Count the routing ``ids [T, k]`` (global expert ids)."""
+    def add(self, ids: torch.Tensor, start: int = 0) -> None:
+        """Count the routing ``ids [T, k]`` (global expert ids) of the step's rows ``start``
+        to ``start + T``."""
         t, k = ids.shape
         if t == 0:
             return
         if self.valid is None:
             weight = torch.ones(t * k, dtype=torch.int32, device=ids.device)
         else:
-            real = self.rows[:t] < self.valid
+            real = self.rows[start:start + t] < self.valid
             weight = real.to(torch.int32).unsqueeze(1).expand(t, k).reshape(-1)
             # A padding row's router read garbage (a NaN row's ids are out of range): count
             # it, with weight 0, at expert 0.

@@ -35,7 +35,9 @@ CUDA graphs (decode steps): once the engines meet, each captures its decode grap
 exchange inside (``static_exchange``: every rank holds the graph's full row count, padding
 included, so no counts are exchanged and every gathered row is kept); the engines agree
 before each step whether all of them replay the graph of one size (``SchedulerOutput.
-dp_graph_batch``) or all run eagerly as above. Dual batch overlap applies to the eager steps.
+dp_graph_batch``) or all run eagerly as above. Dual batch overlap applies inside the graphs
+too, from the same threshold (the graph's rows over all engines, padding included): the two
+micro-batches' collectives are captured on NCCL's stream beside the experts' work.
 
 Memory: start-up's profile forward runs each engine alone, so the KV cache sizing reserves
 what the exchange adds at the largest step (``exchange_headroom_bytes``): every engine's rows
@@ -104,22 +106,24 @@ def local_expert_ids(ids: torch.Tensor, experts: range) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Exchange:
     """The shape of one cross-engine exchange: this rank's token rows, the largest rank's
-    (every rank's rows are padded to it), which gathered rows are tokens (None: all), and
-    where this rank's rows start among the gathered tokens (padding dropped)."""
+    (every rank's rows are padded to it), which gathered rows are tokens (None: all), where
+    this rank's rows start among the gathered tokens (padding dropped), and where they start
+    among this rank's rows of the step (the second micro-batch's are after the first's)."""
 
     tokens: int
     tmax: int
     valid: torch.Tensor | None
     offset: int = 0
+    start: int = 0
 
     @staticmethod
-    def of(counts: list[int], rank: int, device: torch.device) -> Exchange:
+    def of(counts: list[int], rank: int, device: torch.device, start: int = 0) -> Exchange:
         tmax = max(counts)
         valid = None
         if any(c != tmax for c in counts):
             valid = torch.cat([torch.arange(r * tmax, r * tmax + c)
                                for r, c in enumerate(counts)]).to(device)
-        return Exchange(counts[rank], tmax, valid, sum(counts[:rank]))
+        return Exchange(counts[rank], tmax, valid, sum(counts[:rank]), start)
 
 
 def exchange_headroom_bytes(*, dp_size: int, tokens: int, hidden: int, num_experts: int,
@@ -182,7 +186,7 @@ class ExpertParallel:
         self._next = 0  # the layer the current forward reaches next
         self._whole = Exchange(0, 0, None)  # the current forward's exchange
         self._halves: tuple[Exchange, Exchange] | None = None  # ... as two (overlap on)
-        self.overlapped_steps = 0  # forwards that exchanged in two micro-batches
+        self.overlapped_steps = 0  # eager forwards that exchanged in two micro-batches
         # The router logits' dtype (DeepSeek-V2's are float32 in a bfloat16 model), seen at
         # the first forward: an empty step's exchange must match the other ranks'.
         self.logits_dtype: torch.dtype | None = None
@@ -260,7 +264,7 @@ class ExpertParallel:
         else:
             self._enter(moe, x.shape[0])
             if self._halves is not None:
-                if moe is self.layers[0]:
+                if moe is self.layers[0] and not self._static:  # (not a graph's capture)
                     self._count_overlap()
                 out = self._overlapped(moe, x, router_logits, correction_bias)
             else:
@@ -297,22 +301,20 @@ class ExpertParallel:
         if moe is self.layers[0]:
             self._next = 0
             assert self.dp is not None
-            self._halves = None
-            if self._static:
-                self._whole = Exchange(tokens, tokens, None, self.dp_rank * tokens)
-                self._step_tokens = tokens * self.dp_size
-                self._next = 1
-                return
-            counts = self.dp.token_counts(tokens)
+            # (Inside a capture every rank holds as many rows: nothing to ask the others.)
+            counts = ([tokens] * self.dp_size if self._static
+                      else self.dp.token_counts(tokens))
             device = moe.w13.device
             self._whole = Exchange.of(counts, self.dp_rank, device)
             self._step_tokens = sum(counts)
+            self._halves = None
             # (Two micro-batches need two tokens on some rank; the decision is every rank's.)
             if self.dbo_threshold is not None and sum(counts) >= self.dbo_threshold \
                     and max(counts) >= 2:
                 first, second = split_counts(counts)
                 self._halves = (Exchange.of(first, self.dp_rank, device),
-                                Exchange.of(second, self.dp_rank, device))
+                                Exchange.of(second, self.dp_rank, device,
+                                            start=first[self.dp_rank]))
         elif self._next >= len(self.layers) or moe is not self.layers[self._next]:
             raise RuntimeError("expert parallel: MoE layers ran out of order (every rank must "
                                "run every layer's collectives in the same order)")
@@ -424,7 +426,8 @@ class ExpertParallel:
         if load is not None and mine is not None:
             # (Its rows among the gathered ones: a graph's padding rows at their end are left
             # out by the step's real token count, as without the exchange.)
-            load.into(moe.expert_load_index).add(ids[mine.offset:mine.offset + mine.tokens])
+            load.into(moe.expert_load_index).add(ids[mine.offset:mine.offset + mine.tokens],
+                                                 start=mine.start)
         partial = len(moe.local_experts) != moe.num_experts
         if partial:
             ids = local_expert_ids(ids, moe.local_experts)
