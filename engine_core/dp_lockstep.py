@@ -71,7 +71,7 @@ _RENDEZVOUS_S = 600.0
 _COLLECTIVE_S = 1800.0
 _WAVE_WAIT_S = 3600.0
 # A forward's proposal in ``agree_graph_batch`` when it cannot replay a decode graph (prompt
-# tokens, or no tokens): larger than any batch, so the MAX over the ranks says "eager".
+# tokens, drafts): larger than any batch, so the MAX over the ranks says "eager".
 _EAGER = 1 << 40
 
 
