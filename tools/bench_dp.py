@@ -317,6 +317,16 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
             raise
     sides = {"tp2": tp, "ep2_dp2": ep, "ep2_dp2_dbo": dbo}
     tok_s = {k: v["output_throughput"] for k, v in sides.items() if v is not None}
+    for name, side in sides.items():
+        if side is None:
+            continue
+        # (The lone request is bench_serve's warm-up: one engine busy, the other idle.)
+        res, lone = side["bench"]["result"], side["bench"].get("ceiling") or {}
+        tpot = (res.get("tpot_ms") or {}).get("median")
+        print(f"{name}: {side['output_throughput']:,.0f} output tok/s, median TPOT "
+              f"{tpot if tpot is None else f'{tpot:.2f}'} ms, a lone request "
+              f"{lone.get('lone_tpot_ms', float('nan')):.2f} ms a token, "
+              f"{res.get('failed', 0)} failed", file=sys.stderr)
     verdicts = {}
     if tp is not None:
         speedup = ep["output_throughput"] / tp["output_throughput"]
