@@ -210,14 +210,11 @@ class LockstepEngineCoreProc(EngineCoreProc):
         # Experts split across the ranks (worker/layers/moe_ep): every step reaches the workers,
         # which replay decode graphs only when every rank does, at the same size.
         self._expert_parallel = parallel.enable_expert_parallel
-        self.graph_steps = 0  # forwards agreed to replay decode graphs
         if self._expert_parallel:
             core.before_forward = self._agree_forward
 
     def _agree_forward(self, sched: Any) -> None:
         sched.dp_graph_batch = self.group.agree_graph_batch(graph_batch_proposal(sched))
-        if sched.dp_graph_batch:
-            self.graph_steps += 1
 
     def run(self) -> int:
         self.group.watch_waves(self._inputs)

@@ -82,30 +82,38 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
         errors.append(exc)
 
 
-@pytest.mark.parametrize("dbo, logits_dtype", [
-    (None, torch.float32), (6, torch.float32), (None, torch.float64), (6, torch.float64)],
-    ids=["one-exchange", "dual-batch-overlap", "one-exchange-mixed-dtypes",
-         "dual-batch-overlap-mixed-dtypes"])
-def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
+def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torch.Tensor]],
+               logits_dtype: torch.dtype = torch.float32, static: bool = False) -> dict:
+    """``_rank`` on ranks 0 and 1 as two threads meeting through a fresh store; each rank's
+    results (fails the test with any rank's error)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    full = _full_layers()
-    gen = torch.Generator().manual_seed(1)
-    # Per forward, each rank's tokens: unequal (padding), one rank empty (the empty step), and
-    # a small step (below the overlap threshold of 6 tokens over both ranks).
-    counts = [(5, 3), (6, 0), (0, 2), (2, 1)]
-    tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
     results: dict = {}
     errors: list = []
     threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
-                                                    results, errors, logits_dtype))
+                                                    results, errors, logits_dtype, static))
                for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("dbo, logits_dtype", [
+    (None, torch.float32), (6, torch.float32), (None, torch.float64), (6, torch.float64)],
+    ids=["one-exchange", "dual-batch-overlap", "one-exchange-mixed-dtypes",
+         "dual-batch-overlap-mixed-dtypes"])
+def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(1)
+    # Per forward, each rank's tokens: unequal (padding), one rank empty (the empty step), and
+    # a small step (below the overlap threshold of 6 tokens over both ranks).
+    counts = [(5, 3), (6, 0), (0, 2), (2, 1)]
+    tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
+    results = _run_ranks(full, dbo, tokens, logits_dtype)
     for r in (0, 1):
         outs, overlapped, before, after, _ = results[r]
         # Steps of 8 and 6 tokens overlap at a threshold of 6; those of 2 and 3 do not.
@@ -127,23 +135,11 @@ def test_static_exchange_needs_no_counts_and_gives_the_same_outputs(dbo) -> None
     """Inside ``static_exchange`` (the decode graphs' capture: every rank holds the graph's
     rows) the layers exchange without asking the others' counts, in one or two micro-batches,
     and each rank still gets the full layers' outputs for its rows."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     full = _full_layers()
     gen = torch.Generator().manual_seed(2)
     counts = [4, 3, 1]  # per forward, on both ranks: 8 and 6 tokens overlap at 6, 2 not
     tokens = {r: [torch.randn(c, H, generator=gen) for c in counts] for r in (0, 1)}
-    results: dict = {}
-    errors: list = []
-    threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
-                                                    results, errors, torch.float32, True))
-               for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    results = _run_ranks(full, dbo, tokens, static=True)
     for r in (0, 1):
         outs, overlapped, _, _, halves = results[r]
         assert overlapped == 0  # (a capture is not a served step)
