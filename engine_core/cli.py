@@ -108,7 +108,9 @@ _HELP = {
     "enable_dbo": "dual batch overlap (with --enable-expert-parallel across DP engines): a "
                   "step's MoE exchange runs as two micro-batches, one's gather or reduce-"
                   "scatter in flight while the other's experts compute (attention is not "
-                  "split)",
+                  "split); it pays only where the exchange is slow: on two H200s over NVLink "
+                  "it measured 0.60x at decode and 0.90x on prefill steps, hence off by "
+                  "default",
     "dbo_token_threshold": "--enable-dbo applies to steps of at least this many tokens over "
                            "all engines (default 128; only with --enable-dbo)",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "

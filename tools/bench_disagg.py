@@ -98,9 +98,11 @@ def _layout(args: argparse.Namespace) -> tuple[int, tuple[int, ...], int]:
 
 
 def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, blocks: int,
-                 dst_dev: torch.device, prefix: str = "") -> list[float]:
+                 dst_dev: torch.device, prefix: str = "",
+                 phases: list[dict[str, float]] | None = None) -> list[float]:
     """Each rep pulls request ``{prefix}r{rep}`` (the producer's blocks 0.., into local 4..):
-    the seconds of each after the first (a warm-up, which also builds a pair)."""
+    the seconds of each after the first (a warm-up, which also builds a pair); ``phases``
+    collects each timed pull's host phases (``KVPullClient.last_phases_ms``)."""
     times = []
     local = list(range(4, blocks + 4))  # other pool blocks than the source's
     for rep in range(args.reps + 1):
@@ -110,11 +112,20 @@ def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, b
         _sync(dst_dev)
         if rep:
             times.append(time.perf_counter() - start)
+            if phases is not None:
+                phases.append(dict(client.last_phases_ms))
     return times
 
 
+def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the pulls (ms from the pull's start)."""
+    keys = dict.fromkeys(k for p in phases for k in p)
+    return {k: round(statistics.median(p[k] for p in phases if k in p), 3) for k in keys}
+
+
 def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.device,
-                     dst_dev: torch.device) -> tuple[list[float], bool, float]:
+                     dst_dev: torch.device
+                     ) -> tuple[list[float], bool, float, dict[str, float]]:
     layers, cache, blocks = _layout(args)
     src = [torch.randn(cache, device=src_dev).to(torch.bfloat16) for _ in range(layers)]
     dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
@@ -125,14 +136,15 @@ def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.devi
         for rep in range(args.reps + 1):
             server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
         _sync(src_dev)
-        times = _timed_pulls(client, server.address, args, blocks, dst_dev)
+        phases: list[dict[str, float]] = []
+        times = _timed_pulls(client, server.address, args, blocks, dst_dev, phases=phases)
         ok = all(torch.equal(d[:, 4:blocks + 4].cpu(), s_[:, :blocks].cpu())
                  for s_, d in zip(src, dst))
         direct = client.bytes_direct / max(1, client.bytes_received)
     finally:
         client.close()
         server.close()
-    return times, ok, direct
+    return times, ok, direct, _median_phases(phases)
 
 
 # The producer of an NCCL pull: its own process (one NCCL rank per process and GPU). Its cache
@@ -191,7 +203,8 @@ def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: 
 
 
 def _pull_nccl(args: argparse.Namespace
-               ) -> tuple[dict[int, list[float]], bool, float, list[float]]:
+               ) -> tuple[dict[int, list[float]], bool, float, list[float],
+                          dict[int, dict[str, float]]]:
     """Producer on GPU 0 (a subprocess), consumer here on GPU 1: the pulls with each number
     of NCCL communicators per pair in ``--nccl-streams`` (a fresh pair each), and, with
     ``--nccl-raw``, plain NCCL receives of the same bytes over the first pair."""
@@ -205,6 +218,7 @@ def _pull_nccl(args: argparse.Namespace
                             stdout=subprocess.PIPE, text=True)
     address = f"tcp://127.0.0.1:{port}"
     times: dict[int, list[float]] = {}
+    phases: dict[int, list[dict[str, float]]] = {}
     raw: list[float] = []
     direct = 0.0
     ok = True
@@ -220,7 +234,9 @@ def _pull_nccl(args: argparse.Namespace
                 d.zero_()
             client = KVPullClient(dst, 600.0, "nccl", n)
             try:
-                times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}")
+                phases[n] = []
+                times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}",
+                                        phases[n])
                 direct = client.bytes_direct / max(1, client.bytes_received)
                 if args.nccl_raw and k == 0:
                     raw = _raw_nccl(client, address, proc, args.reps, nbytes)
@@ -229,12 +245,13 @@ def _pull_nccl(args: argparse.Namespace
             got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
             ok = ok and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(got, sums))
             progress(f"  {n} NCCL stream(s): pull "
-                     f"{nbytes / statistics.median(times[n]) / 1e9:.1f} GB/s")
+                     f"{nbytes / statistics.median(times[n]) / 1e9:.1f} GB/s; host phases "
+                     f"(ms from the pull's start): {_median_phases(phases[n])}")
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(60)
-    return times, ok, direct, raw
+    return times, ok, direct, raw, {n: _median_phases(p) for n, p in phases.items()}
 
 
 def nbytes_of(layers: int, cache: tuple[int, ...], blocks: int) -> int:
@@ -252,16 +269,19 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                            "min_direct_bytes": int(args.min_direct_bytes)}
     raw: list[float] = []
     if backend == "nccl":
-        by_streams, ok, direct, raw = _pull_nccl(args)
+        by_streams, ok, direct, raw, phases = _pull_nccl(args)
         out["pull_GBps_by_nccl_streams"] = {
             n: round(nbytes / statistics.median(t) / 1e9, 3) for n, t in by_streams.items()}
+        # Host ms from a pull's start to its first reply, all receives posted, all landed.
+        out["pull_phases_ms_by_nccl_streams"] = phases
         # The headline: the connector's default number of communicators (else the first).
         streams = DEFAULT_NCCL_STREAMS if DEFAULT_NCCL_STREAMS in by_streams \
             else next(iter(by_streams))
         out["nccl_streams"] = streams
         times = by_streams[streams]
     else:
-        times, ok, direct = _pull_in_process(args, backend, src_dev, dst_dev)
+        times, ok, direct, phases_in = _pull_in_process(args, backend, src_dev, dst_dev)
+        out["pull_phases_ms"] = phases_in
     # The share of the bytes sent cache to cache (runs consecutive on both sides), not staged.
     out["direct_fraction"] = round(direct, 4)
     if not ok:
@@ -286,7 +306,7 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     if raw:
         out["nccl_raw_GBps"] = round(nbytes / statistics.median(raw) / 1e9, 3)
     if backend != "zmq":
-        zmq_times, ok, _ = _pull_in_process(args, "zmq", src_dev, dst_dev)
+        zmq_times, ok, _, _ = _pull_in_process(args, "zmq", src_dev, dst_dev)
         out["zmq_pull_GBps"] = round(nbytes / statistics.median(zmq_times) / 1e9, 3)
     return out
 

@@ -387,7 +387,10 @@ async def one_request(endpoint: Endpoint, args: argparse.Namespace,
         result.e2el = stream.last - result.send
         result.ok = result.ttft is not None
         if not result.ok:
-            result.error = "the stream carried no text"
+            # (Its usage tells an empty answer from tokens that decode to no text, e.g.
+            # special tokens from dummy weights.)
+            result.error = (f"the stream carried no text ({result.output_tokens} output "
+                            "tokens in its usage)")
     return result
 
 

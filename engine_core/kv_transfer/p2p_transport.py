@@ -637,6 +637,9 @@ class KVPullClient:
         self._pairs: dict[str, tuple[str, PairGroup]] = {}  # address -> (key, group)
         self.bytes_received = 0
         self.bytes_direct = 0  # of those, received straight into the cache (no staging)
+        # Host milliseconds of the last pull from its start: first reply in, every receive
+        # posted, everything landed (where a slow pull loses its time; benchmarks read it).
+        self.last_phases_ms: dict[str, float] = {}
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
         # Direct runs need slices the pair's backend reads in place (NCCL: GPU, gloo: host).
         self._direct = backend in BACKENDS and all_contiguous(kv_caches) and \
@@ -695,6 +698,8 @@ class KVPullClient:
         received. Raises ``KVTransferError`` (nothing is released on the producer then but by
         its timeout; the caller recomputes)."""
         end_block = start_block + len(local_block_ids)
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         deadline = time.monotonic() + self.timeout_s
         caches = self.kv_caches
         index = torch.tensor(local_block_ids, dtype=torch.long, device=caches[0].device)
@@ -709,6 +714,7 @@ class KVPullClient:
                 sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk,
                                          key, runs, self._auth)))
                 frames = self._recv(sock, deadline)
+                phases.setdefault("first_reply", time.perf_counter() - t0)
                 reply = _to_consumer.decode(frames[0].buffer)
                 if not isinstance(reply, KVChunk):
                     raise KVTransferError("the producer answered a pull with something else")
@@ -749,9 +755,12 @@ class KVPullClient:
                 if reply.first_layer + reply.num_layers >= len(caches):
                     break
                 chunk += 1
+            phases["posted"] = time.perf_counter() - t0
             while inflight:
                 self._land(group, inflight.popleft())
+            phases["landed"] = time.perf_counter() - t0
             sock.send(_encode(KVDone(request_id, digest, self._auth)))
+            self.last_phases_ms = {k: round(v * 1e3, 3) for k, v in phases.items()}
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self._drop(address)
             raise KVTransferError(f"undecodable reply from the producer: {exc}") from None

@@ -31,4 +31,7 @@ def test_transfer_smoke_moves_the_bytes_in_chunks():
     # tiny shape: 2 layers x 16 blocks of 16 tokens x 2 KV heads x 64 x (K, V) x bf16.
     assert tr["bytes"] == 2 * 16 * 16 * 2 * 64 * 2 * 2
     assert tr["pull_GBps"] > 0 and tr["copy_GBps"] > 0
+    # Where a pull's host time goes, in order (ms from its start).
+    ph = tr["pull_phases_ms"]
+    assert 0 < ph["first_reply"] <= ph["posted"] <= ph["landed"]
     assert result["verdicts"]["itl_p99_ratio"]["verdict"] == "n/a"

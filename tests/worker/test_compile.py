@@ -329,6 +329,29 @@ def test_a_model_with_a_graph_break_runs_eagerly_and_says_why(tiny_models, caplo
     assert all(layer.op_index is None for layer in runner.model.attention_layers())
 
 
+def test_a_backend_failure_is_named_by_its_cause():
+    """Dynamo wraps a backend's error (``BackendCompilerFailed``: its first line names only the
+    backend; the error is its ``inner_exception`` and its cause); the fallback's reason names
+    the error underneath."""
+    from tidal.worker.compilation.compiled_model import _root_cause
+
+    class Wrapped(Exception):  # (Dynamo's class; its constructor differs across torch)
+        def __init__(self, inner):
+            super().__init__("backend='PiecewiseBackend' raised:\n" + str(inner))
+            self.inner_exception = inner
+
+    inner = ValueError("piece 3: an op Inductor cannot lower\nmore detail")
+    assert _root_cause(Wrapped(inner)) == "ValueError: piece 3: an op Inductor cannot lower"
+    try:
+        try:
+            raise inner
+        except ValueError as err:
+            raise RuntimeError("outer") from err
+    except RuntimeError as exc:
+        assert _root_cause(exc).startswith("ValueError: piece 3")
+    assert _root_cause(RuntimeError("plain")) == "RuntimeError: plain"
+
+
 def test_inductor_fuses_the_norm_and_the_activation(compiled):
     """Evidence for leaning on Inductor instead of custom FX passes: in the saved pieces (the
     generated C++ kernels are named for the ops they fuse) the residual add and the RMSNorm

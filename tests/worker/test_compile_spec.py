@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import reference
 from tidal.engine_core.sampling_params import SamplingParams
@@ -38,9 +39,9 @@ def _prompts() -> list[dict]:
             for n in (1, 5, 16, 9)]
 
 
-def _run(models, spec, cc):
+def _run(models, spec, cc, device="cpu"):
     """(tokens per prompt, the drafts of every step, the compiled forward's stats or None)."""
-    llm = LLM(str(models / "target"), skip_tokenizer_init=True, dtype="float32", device="cpu",
+    llm = LLM(str(models / "target"), skip_tokenizer_init=True, dtype="float32", device=device,
               num_kv_blocks=256, max_num_seqs=8, max_model_len=256, cpu_threads=1,
               speculative_config=spec, compilation_config=cc)
     try:
@@ -62,19 +63,23 @@ def _run(models, spec, cc):
 
 
 @pytest.mark.slow
-def test_ngram_and_eagle3_with_a_compiled_target(models, tmp_path):
-    plain, _, _ = _run(models, None, None)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ngram_and_eagle3_with_a_compiled_target(models, tmp_path, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the compiled target's Triton pieces and CUDA graphs")
+    # (On a GPU the verification steps also replay CUDA graphs of the compiled forward.)
+    plain, _, _ = _run(models, None, None, device)
     eagle3 = {"method": "eagle3", "model": str(models / "eagle3"), "num_speculative_tokens": 3}
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     cc = {"mode": 3, "cache_dir": str(tmp_path)}
 
-    tokens, drafts, stats = _run(models, ngram, cc)
+    tokens, drafts, stats = _run(models, ngram, cc, device)
     assert tokens == plain
     assert stats is not None and stats.dynamo_traces == 1
     assert sum(len(d) for step in drafts for d in step) > 0  # it did speculate
 
-    eager_tokens, eager_drafts, _ = _run(models, eagle3, None)
-    tokens, drafts, stats = _run(models, eagle3, cc)
+    eager_tokens, eager_drafts, _ = _run(models, eagle3, None, device)
+    tokens, drafts, stats = _run(models, eagle3, cc, device)
     assert tokens == eager_tokens == plain
     assert drafts == eager_drafts and sum(len(d) for step in drafts for d in step) > 0
     # Its own entry (the n-gram run's pieces do not record the hidden states): compiled

@@ -188,10 +188,10 @@ class CompiledForward:
         try:
             result = self(input_ids, positions, meta)
         except Exception as exc:  # noqa: BLE001 - any failure: say why and run eagerly
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             self.failure = (f"{type(self.model).__name__} could not be compiled as one graph "
-                            f"({type(exc).__name__}: {first[:300]})")
+                            f"({_root_cause(exc)})")
             logger.warning("compilation: falling back to the eager model: %s", self.failure)
+            logger.debug("compilation failure", exc_info=True)
             for layer in self.layers:
                 layer.op_index = None
             self._agree(False)  # (the other ranks' ``_save_plan`` asks once: no check forward)
@@ -313,3 +313,19 @@ class CompiledForward:
                 f"Inductor {s.inductor_compiles} piece(s) in "
                 f"{s.compile_s:.2f} s, cache hits {s.cache_hits} loaded in {s.load_s:.2f} s, "
                 f"{s.shared} sharing an identical piece, rebuilt {s.cache_rebuilt}{where}")
+
+
+def _root_cause(exc: BaseException) -> str:
+    """``Type: first line`` of the error underneath ``exc``: a backend's failure reaches us
+    wrapped by Dynamo (``BackendCompilerFailed``, whose own first line names only the
+    backend), the cause chained or held as ``inner_exception``."""
+    seen = {id(exc)}
+    while True:
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        exc = inner
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first[:300]}"

@@ -417,8 +417,6 @@ class DecoderForCausalLM(nn.Module):
         """The layer loop, copying the residual stream entering the chosen layers into the
         first rows of ``aux_hidden_states`` (a fixed buffer: CUDA graphs replay into it)."""
         buf = self.aux_hidden_states
-        n = positions.shape[0]
-        _check_aux_rows(n, buf)
         width = self.arch.hidden_size
         for layer, cols in self._aux_plan:
             if cols:
@@ -426,6 +424,10 @@ class DecoderForCausalLM(nn.Module):
                     hidden = hidden.wait()
                 # tidal's layers hand on the residual add unfinished; the stream is the sum.
                 state = hidden if residual is None else hidden + residual
+                # (Rows counted on the copied state, not on ``positions``: compiled, the two
+                # are separate unbacked sizes, and torch 2.11 cannot guard their equality.)
+                n = state.shape[0]
+                _check_aux_rows(n, buf)
                 for c in cols:
                     buf[:n, c:c + width].copy_(state)
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -518,12 +520,13 @@ class DecoderForCausalLM(nn.Module):
 def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
     """The step's tokens fit the auxiliary hidden-state buffer (``ValueError``; while Dynamo
     traces, a ``torch._check``: the token count is symbolic there, so a Python ``if`` on it
-    cannot be traced)."""
+    cannot be traced; the eager path's check names the limit)."""
     rows = buf.shape[0]
     if not torch.compiler.is_compiling():
         if n > rows:
             raise ValueError(f"{n} tokens exceed the {rows} rows of the auxiliary hidden "
                              "state buffer")
         return
-    why = f"a step's tokens exceed the {rows} rows of the auxiliary hidden state buffer"
-    torch._check(n <= rows, lambda: why)
+    # (No message: torch 2.11's Dynamo cannot trace one built from a local ("Can't extract
+    # message from torch._check()") and then gives up the whole graph.)
+    torch._check(n <= rows)
