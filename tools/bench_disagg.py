@@ -12,7 +12,8 @@
    too, for reference. The long prompt's blocks are one run on both sides, so a pair sends them
    cache to cache (``direct_fraction``); ``--min-direct-bytes 1e18`` stages every block (the
    path before direct runs); ``--nccl-raw`` adds plain NCCL receives of the same bytes over
-   the same pair (``nccl_raw_GBps``: the transport's ceiling).
+   the same pair, as one receive (``nccl_raw_GBps``: the transport's ceiling) and as many as
+   the pull's sends (``nccl_raw_pull_ops_GBps``: the cost of the operations alone).
 2. Decode under long prompts: ``--streams`` requests decode (``--stream-prompt-len`` prompt,
    ``--stream-tokens`` output each) while long prompts (``--prompt-len`` tokens, a few output
    tokens) arrive every ``--long-interval`` s. Colocated: one ``tidal serve`` (GPU 0) does it
@@ -164,9 +165,9 @@ torch.cuda.synchronize()
 sums = [float(c[:, :blocks].double().sum()) for c in src]
 print(json.dumps(sums), flush=True)
 line = sys.stdin.readline()
-if line.startswith("raw"):
-    # The NCCL ceiling: whole tensors over the pair the first pulls built (the only one so
-    # far), no protocol around them.
+while line.startswith("raw"):
+    # The NCCL ceiling: tensors over the pair the first pulls built (the only one so far), on
+    # its first communicator, no protocol around them: "raw N BYTES" sends N of BYTES each.
     n, nbytes = map(int, line.split()[1:])
     pair = next(iter(server._pairs.values()))
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
@@ -175,25 +176,31 @@ if line.startswith("raw"):
         pair.finish(w, "send")
     torch.cuda.synchronize()
     print("raw-done", flush=True)
-    sys.stdin.readline()
+    line = sys.stdin.readline()
 server.close()
 """
 
 
 def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: int,
-              nbytes: int) -> list[float]:
+              nbytes: int, ops: int = 1) -> list[float]:
     """Seconds of each plain receive of ``nbytes`` over the pull's own NCCL pair (after a
-    warm-up): what NCCL itself does between the two GPUs, the pull's ceiling."""
+    warm-up), as ``ops`` receives one after another on its first communicator: what NCCL
+    itself does between the two GPUs, the pull's ceiling (with ``ops`` = the pull's sends:
+    the ceiling of that many operations, no protocol)."""
     _, group = client._pairs[address]
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(f"raw {reps + 1} {nbytes}\n")
+    part = nbytes // ops
+    proc.stdin.write(f"raw {(reps + 1) * ops} {part}\n")
     proc.stdin.flush()
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    buf = torch.empty(part * ops, dtype=torch.uint8, device="cuda:1")
+    views = [buf[i * part:(i + 1) * part] for i in range(ops)]
     times = []
     for rep in range(reps + 1):
         torch.cuda.synchronize(1)
         start = time.perf_counter()
-        group.recv(buf)
+        # (One communicator runs its operations in order: the last one done, all are.)
+        works = [group.start_recv(v) for v in views]
+        group.finish(works[-1], "receive")
         torch.cuda.synchronize(1)
         if rep:
             times.append(time.perf_counter() - start)
@@ -203,7 +210,7 @@ def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: 
 
 
 def _pull_nccl(args: argparse.Namespace
-               ) -> tuple[dict[int, list[float]], bool, float, list[float],
+               ) -> tuple[dict[int, list[float]], bool, float, tuple[list[float], list[float]],
                           dict[int, dict[str, float]]]:
     """Producer on GPU 0 (a subprocess), consumer here on GPU 1: the pulls with each number
     of NCCL communicators per pair in ``--nccl-streams`` (a fresh pair each), and, with
@@ -220,6 +227,7 @@ def _pull_nccl(args: argparse.Namespace
     times: dict[int, list[float]] = {}
     phases: dict[int, list[dict[str, float]]] = {}
     raw: list[float] = []
+    raw_ops: list[float] = []
     direct = 0.0
     ok = True
     try:
@@ -240,6 +248,8 @@ def _pull_nccl(args: argparse.Namespace
                 direct = client.bytes_direct / max(1, client.bytes_received)
                 if args.nccl_raw and k == 0:
                     raw = _raw_nccl(client, address, proc, args.reps, nbytes)
+                    # The same bytes as the pull's sends (each layer's K and V).
+                    raw_ops = _raw_nccl(client, address, proc, args.reps, nbytes, 2 * layers)
             finally:
                 client.close()
             got = [float(d[:, 4:blocks + 4].double().sum()) for d in dst]
@@ -251,7 +261,7 @@ def _pull_nccl(args: argparse.Namespace
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(60)
-    return times, ok, direct, raw, {n: _median_phases(p) for n, p in phases.items()}
+    return times, ok, direct, (raw, raw_ops), {n: _median_phases(p) for n, p in phases.items()}
 
 
 def nbytes_of(layers: int, cache: tuple[int, ...], blocks: int) -> int:
@@ -268,8 +278,9 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                            "send_buffer_bytes": int(args.send_buffer),
                            "min_direct_bytes": int(args.min_direct_bytes)}
     raw: list[float] = []
+    raw_ops: list[float] = []
     if backend == "nccl":
-        by_streams, ok, direct, raw, phases = _pull_nccl(args)
+        by_streams, ok, direct, (raw, raw_ops), phases = _pull_nccl(args)
         out["pull_GBps_by_nccl_streams"] = {
             n: round(nbytes / statistics.median(t) / 1e9, 3) for n, t in by_streams.items()}
         # Host ms from a pull's start to its first reply, all receives posted, all landed.
@@ -305,6 +316,10 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
                 "ratio": round(pull_gbps / copy_gbps, 4)})
     if raw:
         out["nccl_raw_GBps"] = round(nbytes / statistics.median(raw) / 1e9, 3)
+    if raw_ops:
+        # As many receives as the pull's sends, back to back: the per-operation cost alone.
+        out["nccl_raw_pull_ops"] = 2 * layers
+        out["nccl_raw_pull_ops_GBps"] = round(nbytes / statistics.median(raw_ops) / 1e9, 3)
     if backend != "zmq":
         zmq_times, ok, _, _ = _pull_in_process(args, "zmq", src_dev, dst_dev)
         out["zmq_pull_GBps"] = round(nbytes / statistics.median(zmq_times) / 1e9, 3)
