@@ -17,7 +17,9 @@ Engines (dummy weights, one in-process worker), each built, measured and shut do
   per capture size (default sizes: up to 512 tokens or the token budget), attention eager
   between them, for decode and mixed steps alike;
 - ``compiled_full_and_piecewise`` (GPU): FULL_AND_PIECEWISE: pure decode steps replay the
-  whole-model graphs of the compiled forward, every other step the piecewise ones.
+  whole-model graphs of the compiled forward, every other step the piecewise ones;
+- ``compiled_custom_ops`` (GPU): the same with ``custom_ops: ["all"]``: the kernel policy's
+  hand-written fused ops stay in the compiled graph as opaque custom ops.
 
 The engines share one compile cache (its key leaves the graph mode out), so only the first
 compiled engine runs Inductor. The targets judge the fastest compiled engine of each leg
@@ -85,6 +87,10 @@ def engines(device: str) -> dict[str, dict[str, Any] | None]:
         "compiled_piecewise": {"mode": 3, "cudagraph_mode": "PIECEWISE"} if gpu else None,
         "compiled_full_and_piecewise": ({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}
                                         if gpu else None),
+        # The same with the policy's hand-written kernels kept as opaque custom ops inside the
+        # compiled graph (Qwen3's eager engine beats the compiled one with them).
+        "compiled_custom_ops": ({"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE",
+                                 "custom_ops": ["all"]} if gpu else None),
     }
 
 

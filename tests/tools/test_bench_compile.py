@@ -45,3 +45,12 @@ def test_engines_per_device():
     assert cpu["compiled_piecewise"] is None and cpu["compiled_full_and_piecewise"] is None
     assert gpu["compiled_piecewise"] == {"mode": 3, "cudagraph_mode": "PIECEWISE"}
     assert gpu["compiled_full_and_piecewise"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    # Every GPU engine's compilation config is one the engine accepts.
+    from tidal.engine_core.compilation_config import build_compilation_config
+
+    assert cpu["compiled_custom_ops"] is None
+    cc = build_compilation_config(gpu["compiled_custom_ops"])
+    assert cc.custom_ops and cc.cudagraph_mode == "FULL_AND_PIECEWISE"
+    for name, raw in gpu.items():
+        if raw is not None:
+            build_compilation_config({k: v for k, v in raw.items() if k != "_llm_kwargs"})
