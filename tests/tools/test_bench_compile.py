@@ -51,6 +51,6 @@ def test_engines_per_device():
     assert cpu["compiled_custom_ops"] is None
     cc = build_compilation_config(gpu["compiled_custom_ops"])
     assert cc.custom_ops and cc.cudagraph_mode == "FULL_AND_PIECEWISE"
-    for name, raw in gpu.items():
+    for raw in gpu.values():
         if raw is not None:
             build_compilation_config({k: v for k, v in raw.items() if k != "_llm_kwargs"})
