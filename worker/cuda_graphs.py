@@ -131,9 +131,17 @@ class CudaGraphRunner:
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
         mixed = (f", mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens"
                  if self._mixed else ", mixed steps eager")
-        logger.info("captured %d CUDA graphs (decode batches %d..%d%s) in %.2f s, %.0f MiB",
+        logger.info("captured %d CUDA graphs (decode batches %d..%d%s) in %.2f s, %s",
                     len(self), self.sizes[0], self.sizes[-1], mixed, self.capture_seconds,
-                    self.pool_bytes / 2**20)
+                    self.pool_size())
+
+    def pool_size(self) -> str:
+        """The graphs' pool for the start-up log. It is measured as the growth of reserved
+        memory over the capture: after warm-up the allocator may hand cached blocks back
+        meanwhile, and the growth can come out negative."""
+        if self.pool_bytes < 0:
+            return "pool size not measured"
+        return f"{self.pool_bytes / 2**20:.0f} MiB"
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of ``size``; returns its (static) output, ``size`` rows."""

@@ -291,11 +291,8 @@ class Worker:
         graphs = self.runner.graphs
         if graphs is None:
             return "none"
-        # (The pool is measured as the growth of reserved memory: after warm-up the allocator
-        # may hand cached blocks back meanwhile, and the growth can come out negative.)
-        pool = (f"{graphs.pool_bytes / 2**20:.0f} MiB" if graphs.pool_bytes >= 0
-                else "pool size not measured")
-        return f"{len(graphs)} graphs, decode batches {graphs.sizes[0]}..{graphs.sizes[-1]}, {pool}"
+        return (f"{len(graphs)} graphs, decode batches {graphs.sizes[0]}..{graphs.sizes[-1]}, "
+                f"{graphs.pool_size()}")
 
     def _mark_ready(self) -> None:
         self.ready = True
