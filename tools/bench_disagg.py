@@ -46,6 +46,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,10 +101,13 @@ def _layout(args: argparse.Namespace) -> tuple[int, tuple[int, ...], int]:
 
 def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, blocks: int,
                  dst_dev: torch.device, prefix: str = "",
-                 phases: list[dict[str, float]] | None = None) -> list[float]:
+                 phases: list[dict[str, float]] | None = None,
+                 serve_phases: Callable[[], dict[str, float]] | None = None) -> list[float]:
     """Each rep pulls request ``{prefix}r{rep}`` (the producer's blocks 0.., into local 4..):
     the seconds of each after the first (a warm-up, which also builds a pair); ``phases``
-    collects each timed pull's host phases (``KVPullClient.last_phases_ms``)."""
+    collects each timed pull's host phases (``KVPullClient.last_phases_ms``), with the
+    producer's (``serve_phases``: its ``KVSendServer.last_serve_ms``, from the last chunk's
+    arrival there) as ``producer_*``."""
     times = []
     local = list(range(4, blocks + 4))  # other pool blocks than the source's
     for rep in range(args.reps + 1):
@@ -115,6 +119,8 @@ def _timed_pulls(client: KVPullClient, address: str, args: argparse.Namespace, b
             times.append(time.perf_counter() - start)
             if phases is not None:
                 phases.append(dict(client.last_phases_ms))
+                if serve_phases is not None:
+                    phases[-1].update({f"producer_{k}": v for k, v in serve_phases().items()})
     return times
 
 
@@ -132,13 +138,14 @@ def _pull_in_process(args: argparse.Namespace, backend: str, src_dev: torch.devi
     dst = [torch.zeros(cache, dtype=torch.bfloat16, device=dst_dev) for _ in range(layers)]
     server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", args.send_buffer, 600.0,
                           int(args.min_direct_bytes))
-    client = KVPullClient(dst, 600.0, backend)
+    client = KVPullClient(dst, 600.0, backend, min_direct_bytes=int(args.min_direct_bytes))
     try:
         for rep in range(args.reps + 1):
             server.register(f"r{rep}", list(range(blocks)), "d", ready=True)
         _sync(src_dev)
         phases: list[dict[str, float]] = []
-        times = _timed_pulls(client, server.address, args, blocks, dst_dev, phases=phases)
+        times = _timed_pulls(client, server.address, args, blocks, dst_dev, phases=phases,
+                             serve_phases=lambda: server.last_serve_ms)
         ok = all(torch.equal(d[:, 4:blocks + 4].cpu(), s_[:, :blocks].cpu())
                  for s_, d in zip(src, dst))
         direct = client.bytes_direct / max(1, client.bytes_received)
@@ -165,7 +172,11 @@ torch.cuda.synchronize()
 sums = [float(c[:, :blocks].double().sum()) for c in src]
 print(json.dumps(sums), flush=True)
 line = sys.stdin.readline()
-while line.startswith("raw"):
+while line.startswith(("raw", "phases")):
+    if line.startswith("phases"):  # the last chunk's host phases here
+        print(json.dumps(server.last_serve_ms), flush=True)
+        line = sys.stdin.readline()
+        continue
     # The NCCL ceiling: tensors over the pair the first pulls built (the only one so far), on
     # its first communicator, no protocol around them: "raw N BYTES" sends N of BYTES each.
     n, nbytes = map(int, line.split()[1:])
@@ -209,6 +220,14 @@ def _raw_nccl(client: KVPullClient, address: str, proc: subprocess.Popen, reps: 
     return times
 
 
+def _ask_phases(proc: subprocess.Popen) -> dict[str, float]:
+    """The NCCL producer's host phases of the last chunk it served."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("phases\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
 def _pull_nccl(args: argparse.Namespace
                ) -> tuple[dict[int, list[float]], bool, float, tuple[list[float], list[float]],
                           dict[int, dict[str, float]]]:
@@ -240,11 +259,12 @@ def _pull_nccl(args: argparse.Namespace
         for k, n in enumerate(streams):
             for d in dst:
                 d.zero_()
-            client = KVPullClient(dst, 600.0, "nccl", n)
+            client = KVPullClient(dst, 600.0, "nccl", n,
+                                  min_direct_bytes=int(args.min_direct_bytes))
             try:
                 phases[n] = []
                 times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}",
-                                        phases[n])
+                                        phases[n], lambda: _ask_phases(proc))
                 direct = client.bytes_direct / max(1, client.bytes_received)
                 if args.nccl_raw and k == 0:
                     raw = _raw_nccl(client, address, proc, args.reps, nbytes)

@@ -17,6 +17,8 @@ half, one slice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # A direct send shorter than this (one layer's K or V over the run) is staged instead: each
@@ -96,15 +98,33 @@ def staged_positions(n: int, runs: list[tuple[int, int]]) -> list[int]:
     return [i for i in range(n) if not covered[i]]
 
 
-def run_slices(cache: torch.Tensor, first_block: int, length: int) -> list[torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class CacheBytes:
+    """One contiguous layer cache as flat bytes, with where its blocks lie: a run's slice is
+    one ``narrow`` of ``flat`` (a pull cuts 64 of them for an 8k prompt of a 32-layer model,
+    on its latency path: one cheap op each, not three indexing ops)."""
+
+    flat: torch.Tensor  # uint8, 1-D, the cache's storage in place
+    halves: int  # K and V (``[2, blocks, ...]``), or 1 (MLA's ``[blocks, ...]``)
+    half_bytes: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, cache: torch.Tensor) -> CacheBytes:
+        halves = 1 if cache.dim() == 3 else cache.shape[0]
+        blocks = cache.shape[0] if cache.dim() == 3 else cache.shape[1]
+        flat = cache.view(torch.uint8).reshape(-1)  # (a view: the cache is contiguous)
+        half = flat.numel() // halves
+        return cls(flat, halves, half, half // max(1, blocks))
+
+
+def run_slices(cache: CacheBytes, first_block: int, length: int) -> list[torch.Tensor]:
     """The contiguous slices of ``length`` blocks from ``first_block`` of one layer's cache:
-    one per K / V half (``[2, blocks, ...]``), or one (MLA's ``[blocks, ...]``); viewed as
-    bytes, as the staging tensor is (a group may know no float8 type)."""
-    if cache.dim() == 3:
-        parts = [cache[first_block:first_block + length]]
-    else:
-        parts = [cache[h, first_block:first_block + length] for h in range(cache.shape[0])]
-    return [p.view(torch.uint8) for p in parts]
+    one per K / V half (``[2, blocks, ...]``), or one (MLA's ``[blocks, ...]``); as flat bytes,
+    as the staging tensor is (a group may know no float8 type)."""
+    start, size = first_block * cache.block_bytes, length * cache.block_bytes
+    return [cache.flat.narrow(0, h * cache.half_bytes + start, size)
+            for h in range(cache.halves)]
 
 
 def min_direct_blocks(caches: list[torch.Tensor], min_bytes: int) -> int:

@@ -141,17 +141,21 @@ class PairGroup:
         except RuntimeError as exc:
             raise PairError(f"{self.backend} receive failed: {exc}") from None
 
-    def start_sends(self, tensors: list[torch.Tensor]) -> Any:
-        """Queue every tensor to the peer, in order; one work for them all (``finish``)."""
-        return self._start_many(self.start_send, tensors, "send")
+    def start_sends(self, tensors: list[torch.Tensor], first: int = 0) -> Any:
+        """Queue every tensor to the peer, in order; one work for them all (``finish``).
+        ``first``: the first tensor's place in a batch the peer receives in one call (the
+        communicators are taken round-robin from there, as the peer's are)."""
+        return self._start_many(self.start_send, tensors, "send", first)
 
-    def start_recvs(self, tensors: list[torch.Tensor]) -> Any:
+    def start_recvs(self, tensors: list[torch.Tensor], first: int = 0) -> Any:
         """Post receives into every tensor, in the peer's send order; one work for them all."""
-        return self._start_many(self.start_recv, tensors, "receive")
+        return self._start_many(self.start_recv, tensors, "receive", first)
 
-    def _start_many(self, start: Any, tensors: list[torch.Tensor], what: str) -> Any:
+    def _start_many(self, start: Any, tensors: list[torch.Tensor], what: str,
+                    first: int = 0) -> Any:
+        n = len(self.groups)
         if len(tensors) == 1:
-            return start(tensors[0])
+            return start(tensors[0], first % n)
         if self.backend == "gloo":
             # (One by one: each send completes once the peer has posted its receive, and the
             # peer posts them in this order.)
@@ -160,9 +164,8 @@ class PairGroup:
             return start(tensors[-1])
         # NCCL: op after op, not one group call (a group of many ops to one peer ran at less
         # than 60 % of the same ops queued), spread round-robin over the communicators.
-        n = len(self.groups)
         last: list[Any] = [None] * n
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(tensors, first):
             last[i % n] = start(t, i % n)
         return _Works([w for w in last if w is not None])
 

@@ -25,6 +25,15 @@ K / V slice of such a run goes straight from one cache into the other (``p2p_dir
 fresh long prompt is usually one run), and a chunk's sends go one by one, round-robin over the
 pair's NCCL communicators (``PairGroup``); only the scattered rest is staged (and bounded by
 the buffer). Control messages stay on ZMQ either way.
+
+A pull into one run of blocks here (a fresh prompt's usual case, at least ``min_direct_bytes``
+a slice) is *posted*: the consumer posts every layer's K / V receives straight into its cache,
+then asks (``KVPull.posted`` says what it posted), then reads the header. The producer answers
+and sends exactly those slices, from its cache where its blocks are one run too, else gathered
+a few layers at a time within the send buffer; when it refuses it sends zeros of the posted
+sizes instead (``KVChunk.filled``), so the pair stays in step. The round trip and the
+producer's planning are then off the pull's latency (measured on two H200s: the first reply
+came 1.3 ms into a 1 GiB pull before, a third of the pull).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import math
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -46,6 +56,7 @@ import zmq
 
 from tidal.engine_core.kv_transfer.p2p_direct_runs import (
     DIRECT_MIN_BYTES,
+    CacheBytes,
     all_contiguous,
     check_direct,
     min_direct_blocks,
@@ -73,6 +84,7 @@ _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 # Most blocks one pull may ask for (a request's blocks are bounded by max_model_len anyway; this
 # bounds what a malformed message can make the producer stage).
 MAX_PULL_BLOCKS = 1 << 20
+MAX_POSTED_LAYERS = 4096  # (layers a posted pull may name)
 # Pairs one producer keeps (one per consumer process that pulled over gloo / nccl), and the
 # longest a pair's build or one chunk's send/receive may take.
 MAX_PAIRS = 64
@@ -113,6 +125,11 @@ class KVPull(msgspec.Struct, tag="pull", **_WIRE):
     # so runs consecutive on both sides go cache to cache (``p2p_direct_runs``); empty: none.
     runs: list[int] = []
     auth: str = ""  # the shared secret ($TIDAL_KV_AUTH_KEY), when the producer asks one
+    # Over a pair, receives posted before this was sent (``KVPullClient`` does, for a pull into
+    # one run of blocks): per layer [halves, one half's block bytes], flat. The consumer posted
+    # each layer's halves of the whole pull, in order, straight into its cache; the producer
+    # sends exactly those (or zeros of their sizes, saying why: ``KVChunk.filled``).
+    posted: list[int] = []
 
 
 class KVPairHello(msgspec.Struct, tag="hello", **_WIRE):
@@ -160,6 +177,9 @@ class KVChunk(msgspec.Struct, tag="chunk", **_WIRE):
     # Over a pair: flat [offset, length, ...] of the asked blocks sent straight between the
     # caches after the staging tensor (which holds only the other blocks; 0 bytes if none).
     direct: list[int] = []
+    # An error to a pull with posted receives: they were filled with zeros, so the pair is
+    # still in step (the consumer drops the blocks and may use the pair again).
+    filled: bool = False
 
 
 _ToProducer = KVPull | KVDone | KVPairHello
@@ -184,6 +204,30 @@ def block_axis(cache: torch.Tensor) -> int:
 def layer_block_bytes(cache: torch.Tensor) -> int:
     """Bytes one block of this layer's cache holds."""
     return cache.numel() // cache.shape[block_axis(cache)] * cache.element_size()
+
+
+# Largest receive a pull may say it posted (one layer's half of its blocks): what a malformed
+# message can make a producer send zeros of.
+MAX_POSTED_BYTES = 1 << 31
+
+
+def _posted_sizes(msg: KVPull) -> list[int]:
+    """The byte sizes of a pull's posted receives, in order (per layer, per half). Raises
+    ``ValueError`` for a malformed list."""
+    posted, n = msg.posted, msg.end_block - msg.start_block
+    if len(posted) % 2 or not 0 < n <= MAX_PULL_BLOCKS or len(posted) > 2 * MAX_POSTED_LAYERS:
+        raise ValueError("malformed posted receives")
+    sizes = []
+    for k in range(0, len(posted), 2):
+        halves, block_bytes = posted[k], posted[k + 1]
+        if halves not in (1, 2) or not 0 < block_bytes * n <= MAX_POSTED_BYTES:
+            raise ValueError("malformed posted receives")
+        sizes += [block_bytes * n] * halves
+    return sizes
+
+
+def _none() -> list[torch.Tensor]:
+    return []
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -222,6 +266,7 @@ class KVSendServer:
         # Runs of at least this many blocks go cache to cache over a pair (not staged).
         self.min_direct_blocks = min_direct_blocks(kv_caches, min_direct_bytes)
         self._contiguous = all_contiguous(kv_caches)
+        self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._contiguous else []
         self.direct_bytes = 0  # sent straight from the cache, over every pull
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -239,6 +284,10 @@ class KVSendServer:
         # The largest chunk staged so far (bytes): what the bounded send buffer really held.
         self.peak_staged_bytes = 0
         self.chunks_sent = 0
+        # Host milliseconds of the last chunk served over a pair, from its message's arrival:
+        # earlier sends out of the window, chunk planned, header answered, every send posted
+        # (the producer's half of a pull's phases).
+        self.last_serve_ms: dict[str, float] = {}
         # Pairs (gloo / nccl), built on a consumer's hello; the serving thread alone uses them.
         self._host = self.address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
         self._store: PairStoreHost | None = None
@@ -328,6 +377,7 @@ class KVSendServer:
                 if not poller.poll(100):
                     continue
                 frames = recv_frames(self._sock, copy=True)
+                arrived = time.perf_counter()
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -355,14 +405,14 @@ class KVSendServer:
                         self._finished.add(msg.request_id)
                 continue
             if msg.pair:
-                self._serve_pair_chunk(peer, msg)
+                self._serve_pair_chunk(peer, msg, arrived)
                 continue
             try:
                 reply, tensors = self._chunk(msg)
             except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
                 logger.exception("serving KV of %s failed", msg.request_id)
-                reply, tensors = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
-            self._answer(peer, [_encode(reply)] + [t.numpy() for t in tensors],
+                reply, tensors = KVChunk(msg.request_id, msg.chunk, error=str(exc)), _none
+            self._answer(peer, [_encode(reply)] + [t.numpy() for t in tensors()],
                          msg.request_id)
 
     def _refuse_unauthorized(self, peer: bytes, msg: KVPull | KVDone | KVPairHello) -> None:
@@ -427,7 +477,7 @@ class KVSendServer:
         except PairError as exc:
             logger.warning("P2P KV pair with a consumer failed: %s", exc)
 
-    def _serve_pair_chunk(self, peer: bytes, msg: KVPull) -> None:
+    def _serve_pair_chunk(self, peer: bytes, msg: KVPull, arrived: float) -> None:
         """One chunk over the pair: the header on ZMQ, then on the group the staging tensor
         (blocks not in a direct run) and the direct runs' cache slices, op by op."""
         pair = self._pairs.get(msg.pair)
@@ -441,6 +491,9 @@ class KVSendServer:
             return
         self._pairs[msg.pair] = self._pairs.pop(msg.pair)  # most recently used now
         sending = self._sending.setdefault(msg.pair, collections.deque())
+        if msg.posted:
+            self._serve_posted(peer, msg, pair, sending, arrived)
+            return
         try:
             # Back-pressure: a new chunk is staged only while fewer than the pair's window of
             # sends are unfinished (NCCL's run on while the next chunk is gathered).
@@ -449,14 +502,20 @@ class KVSendServer:
         except PairError as exc:
             self._pair_failed(msg, exc)
             return
+        waited = time.perf_counter()
         try:
-            reply, staged = self._chunk(msg, pair.backend)
+            reply, tensors = self._chunk(msg, pair.backend)
         except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
             logger.exception("serving KV of %s failed", msg.request_id)
-            reply, staged = KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
+            reply, tensors = KVChunk(msg.request_id, msg.chunk, error=str(exc)), _none
+        chunked = time.perf_counter()
         # (The header goes first: a pair's first NCCL op initialises its communicator, which
         # blocks until the consumer, on reading the header, does the same.)
-        if not self._answer(peer, [_encode(reply)], msg.request_id) or not staged:
+        if not self._answer(peer, [_encode(reply)], msg.request_id):
+            return
+        answered = time.perf_counter()
+        staged = tensors()
+        if not staged:
             return
         try:
             # (The tensors stay referenced until their send is finished.)
@@ -465,6 +524,10 @@ class KVSendServer:
                     sending.append((pair.start_sends(staged), staged))
             else:
                 sending.append((pair.start_sends(staged), staged))
+            self.last_serve_ms = {
+                k: round((t - arrived) * 1e3, 3) for k, t in (
+                    ("window", waited), ("chunk", chunked), ("header", answered),
+                    ("posted", time.perf_counter()))}
             last = reply.first_layer + reply.num_layers >= reply.num_total_layers
             while sending and (last or len(sending) >= pair.window):
                 # (After a pull's last chunk nothing stays staged between pulls.)
@@ -484,8 +547,103 @@ class KVSendServer:
         if pair is not None:
             pair.close()
 
-    def _chunk(self, msg: KVPull, backend: str = "zmq"
-               ) -> tuple[KVChunk, list[torch.Tensor]]:
+    def _serve_posted(self, peer: bytes, msg: KVPull, pair: PairGroup,
+                      sending: collections.deque, arrived: float) -> None:
+        """A pull whose receives the consumer posted before asking: answer the header, then
+        send each layer's halves of the asked blocks, in order (straight from the cache when
+        the blocks are one run here, else gathered a few layers at a time within the send
+        buffer); on a refusal, zeros of the posted sizes (the pair stays in step)."""
+        try:
+            sizes = _posted_sizes(msg)
+        except ValueError as exc:
+            # (Malformed: what it posted is unknown, so nothing is sent; it drops the pair.)
+            self._answer(peer, [_encode(KVChunk(msg.request_id, 0, error=str(exc)))],
+                         msg.request_id)
+            return
+        try:
+            reply, ids, computed = self._posted_plan(msg)
+        except Exception as exc:  # noqa: BLE001 - answered, the server keeps serving
+            logger.exception("serving KV of %s failed", msg.request_id)
+            reply, ids, computed = KVChunk(msg.request_id, 0, error=str(exc)), [], None
+        if reply.error is not None:
+            reply.filled = True
+        if not self._answer(peer, [_encode(reply)], msg.request_id):
+            return
+        answered = time.perf_counter()
+        try:
+            if reply.error is not None:
+                self._send_zeros(pair, sending, sizes)
+            else:
+                self._wait_computed(computed)
+                ctx = torch.cuda.stream(self._stream) if self._stream is not None \
+                    else contextlib.nullcontext()
+                with ctx:
+                    self._send_posted(pair, sending, ids, msg.end_block - msg.start_block)
+            self.last_serve_ms = {"header": round((answered - arrived) * 1e3, 3),
+                                  "posted": round((time.perf_counter() - arrived) * 1e3, 3)}
+            while sending:  # (nothing stays staged between pulls)
+                pair.finish(sending.popleft()[0], "send")
+        except PairError as exc:
+            self._pair_failed(msg, exc)
+
+    def _posted_plan(self, msg: KVPull
+                     ) -> tuple[KVChunk, list[int], torch.cuda.Event | None]:
+        """The header of a posted pull (or why not), its source block ids and the event of
+        the step that computed them."""
+        ids, computed, error = self._asked(msg)
+        if error is not None:
+            return KVChunk(msg.request_id, 0, error=error), [], None
+        caches = self.kv_caches
+        layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
+        if not self._contiguous or msg.posted != layout:
+            return KVChunk(msg.request_id, 0, error="the posted receives do not match this "
+                           "KV cache's layout (a different model?)"), [], None
+        shapes = []
+        for cache in caches:
+            shape = list(cache.shape)
+            shape[block_axis(cache)] = len(ids)
+            shapes.append(shape)
+        self.chunks_sent += 1
+        return KVChunk(msg.request_id, 0, 0, len(caches), len(caches),
+                       str(caches[0].dtype).removeprefix("torch."), shapes,
+                       direct=[0, len(ids)]), ids, computed
+
+    def _send_posted(self, pair: PairGroup, sending: collections.deque, ids: list[int],
+                     n: int) -> None:
+        if run_lengths(ids) == [n]:
+            parts = [p for b in self._bytes for p in run_slices(b, ids[0], n)]
+            sending.append((pair.start_sends(parts), parts))
+            self.direct_bytes += sum(p.numel() for p in parts)
+            return
+        caches = self.kv_caches
+        per_layer = max(layer_block_bytes(c) for c in caches) * n
+        step = max(1, self.buffer_bytes // per_layer)
+        sent = 0  # (parts so far: the consumer posted them all in one batch)
+        for first in range(0, len(caches), step):
+            group = caches[first:first + step]
+            while len(sending) >= pair.window:  # (bounds the staged layers: back-pressure)
+                pair.finish(sending.popleft()[0], "send")
+            flat = self._stage_flat(group, ids, pair.backend)
+            self.peak_staged_bytes = max(self.peak_staged_bytes, flat.numel())
+            parts = []
+            offset = 0
+            for b in self._bytes[first:first + step]:
+                for _ in range(b.halves):
+                    parts.append(flat.narrow(0, offset, n * b.block_bytes))
+                    offset += n * b.block_bytes
+            sending.append((pair.start_sends(parts, sent), flat))
+            sent += len(parts)
+
+    def _send_zeros(self, pair: PairGroup, sending: collections.deque,
+                    sizes: list[int]) -> None:
+        """Fill a refused pull's posted receives (its blocks are dropped there)."""
+        zeros = torch.zeros(max(sizes), dtype=torch.uint8,
+                            device=staging_device(pair.backend, self.kv_caches[0].device))
+        parts = [zeros.narrow(0, 0, size) for size in sizes]
+        sending.append((pair.start_sends(parts), zeros))
+
+    def _asked(self, msg: KVPull) -> tuple[list[int], torch.cuda.Event | None, str | None]:
+        """The source block ids a pull asks for and their step's event, or why not."""
         with self._lock:
             entry = self._outgoing.get(msg.request_id)
             blocks = None if entry is None or not entry.ready else entry.block_ids
@@ -493,16 +651,23 @@ class KVSendServer:
             computed = None if entry is None else entry.computed
         if blocks is None:
             why = "unknown" if entry is None else "not computed yet"
-            return KVChunk(msg.request_id, msg.chunk,
-                           error=f"request {msg.request_id!r} is {why} here"), []
+            return [], None, f"request {msg.request_id!r} is {why} here"
         if msg.digest != digest:
-            return KVChunk(msg.request_id, msg.chunk,
-                           error="the pull's prompt differs from the request's"), []
+            return [], None, "the pull's prompt differs from the request's"
         if not 0 <= msg.start_block < msg.end_block <= min(len(blocks), MAX_PULL_BLOCKS):
-            return KVChunk(msg.request_id, msg.chunk,
-                           error=f"blocks [{msg.start_block}, {msg.end_block}) are out of the "
-                                 f"request's {len(blocks)}"), []
-        ids = blocks[msg.start_block:msg.end_block]
+            return [], None, (f"blocks [{msg.start_block}, {msg.end_block}) are out of the "
+                              f"request's {len(blocks)}")
+        return blocks[msg.start_block:msg.end_block], computed, None
+
+    def _chunk(self, msg: KVPull, backend: str = "zmq"
+               ) -> tuple[KVChunk, Callable[[], list[torch.Tensor]]]:
+        """The chunk ``msg`` asks for: its header, and what makes its tensors (called after the
+        header is answered: a chunk of direct runs alone is cut then, so that the consumer's
+        cutting of its own slices overlaps ours; anything staged is staged before, so that a
+        staging failure is answered as an error)."""
+        ids, computed, error = self._asked(msg)
+        if error is not None:
+            return KVChunk(msg.request_id, msg.chunk, error=error), _none
         caches = self.kv_caches
         direct: list[int] = []
         if backend != "zmq" and msg.runs and self._contiguous and \
@@ -510,7 +675,7 @@ class KVSendServer:
             try:
                 direct = plan_direct(ids, msg.runs, self.min_direct_blocks)
             except ValueError as exc:
-                return KVChunk(msg.request_id, msg.chunk, error=str(exc)), []
+                return KVChunk(msg.request_id, msg.chunk, error=str(exc)), _none
         runs = [(direct[k], direct[k + 1]) for k in range(0, len(direct), 2)]
         staged_ids = [ids[i] for i in staged_positions(len(ids), runs)]
         per_layer = max(layer_block_bytes(c) for c in caches) * len(staged_ids)
@@ -519,7 +684,7 @@ class KVSendServer:
         layers = max(1, self.buffer_bytes // per_layer) if per_layer else len(caches)
         first = msg.chunk * layers
         if not 0 <= first < len(caches):
-            return KVChunk(msg.request_id, msg.chunk, error=f"no chunk {msg.chunk}"), []
+            return KVChunk(msg.request_id, msg.chunk, error=f"no chunk {msg.chunk}"), _none
         last = min(len(caches), first + layers)
         dtype = str(caches[0].dtype).removeprefix("torch.")
         if backend != "zmq":
@@ -529,20 +694,25 @@ class KVSendServer:
                 shape[block_axis(cache)] = len(ids)
                 shapes.append(shape)
             self._wait_computed(computed)
-            tensors: list[torch.Tensor] = []
+            flat = None
             if staged_ids:
                 flat = self._stage_flat(caches[first:last], staged_ids, backend)
                 self.peak_staged_bytes = max(self.peak_staged_bytes, flat.numel())
-                tensors.append(flat)
-            for cache in caches[first:last]:
-                for offset, length in runs:
-                    for part in run_slices(cache, ids[offset], length):
-                        tensors.append(part)
-                        self.direct_bytes += part.numel() * part.element_size()
+            views = self._bytes[first:last]
+
+            def tensors() -> list[torch.Tensor]:
+                out = [] if flat is None else [flat]
+                for view in views:
+                    for offset, length in runs:
+                        out += run_slices(view, ids[offset], length)
+                self.direct_bytes += sum(length for _, length in runs) * \
+                    sum(v.block_bytes * v.halves for v in views)
+                return out
+
             self.chunks_sent += 1
-            nbytes = tensors[0].numel() if staged_ids else 0
             return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
-                           dtype, shapes, nbytes=nbytes, direct=direct), tensors
+                           dtype, shapes, nbytes=0 if flat is None else flat.numel(),
+                           direct=direct), tensors
         if computed is not None:
             computed.synchronize()  # the forward that wrote these blocks has run
         index = torch.tensor(ids, dtype=torch.long, device=caches[0].device)
@@ -556,7 +726,7 @@ class KVSendServer:
                                      sum(t.numel() for t in staged))
         self.chunks_sent += 1
         return KVChunk(msg.request_id, msg.chunk, first, last - first, len(caches),
-                       dtype, shapes), staged
+                       dtype, shapes), lambda: staged
 
     def _wait_computed(self, computed: torch.cuda.Event | None) -> None:
         """Order the serving stream (a GPU cache) after the forward that wrote the blocks:
@@ -626,7 +796,8 @@ class KVPullClient:
     consumer's pull thread)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
-                 backend: str = "zmq", streams: int = 1, auth_key: str | None = None) -> None:
+                 backend: str = "zmq", streams: int = 1, auth_key: str | None = None,
+                 min_direct_bytes: int = DIRECT_MIN_BYTES) -> None:
         self.kv_caches = kv_caches
         self.timeout_s = timeout_s
         self._auth = auth_key or ""  # sent with every message (a producer may ask for it)
@@ -637,13 +808,20 @@ class KVPullClient:
         self._pairs: dict[str, tuple[str, PairGroup]] = {}  # address -> (key, group)
         self.bytes_received = 0
         self.bytes_direct = 0  # of those, received straight into the cache (no staging)
-        # Host milliseconds of the last pull from its start: first reply in, every receive
-        # posted, everything landed (where a slow pull loses its time; benchmarks read it).
+        # Host milliseconds of the last pull from its start: first ask sent, first reply in
+        # and checked, every receive posted, everything landed (where a slow pull loses its
+        # time; benchmarks read it).
         self.last_phases_ms: dict[str, float] = {}
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
         # Direct runs need slices the pair's backend reads in place (NCCL: GPU, gloo: host).
         self._direct = backend in BACKENDS and all_contiguous(kv_caches) and \
             staging_device(backend, device) == device
+        self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._direct else []
+        # A pull into one run of at least this many blocks posts its receives before asking
+        # (``KVPull.posted``): the producer's planning and the round trip leave its latency.
+        self.min_posted_blocks = min_direct_blocks(kv_caches, min_direct_bytes) \
+            if self._direct else 0
+        self._layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._socks.get(address)
@@ -702,7 +880,6 @@ class KVPullClient:
         phases: dict[str, float] = {}
         deadline = time.monotonic() + self.timeout_s
         caches = self.kv_caches
-        index = torch.tensor(local_block_ids, dtype=torch.long, device=caches[0].device)
         runs = run_lengths(local_block_ids) if self._direct else []
         received = direct = 0
         chunk = 0
@@ -710,9 +887,16 @@ class KVPullClient:
         try:
             key, group = ("", None) if self.backend == "zmq" else self._pair(address, deadline)
             sock = self._socket(address)
-            while True:
+            # (A fresh prompt's usual case: one run here, long enough to go cache to cache.)
+            posted = group is not None and len(runs) == 1 and runs[0] >= self.min_posted_blocks
+            if posted:
+                received = direct = self._pull_posted(sock, group, key, request_id,
+                                                      start_block, local_block_ids, digest,
+                                                      deadline, phases, t0)
+            while not posted:
                 sock.send(_encode(KVPull(request_id, start_block, end_block, digest, chunk,
                                          key, runs, self._auth)))
+                phases.setdefault("asked", time.perf_counter() - t0)
                 frames = self._recv(sock, deadline)
                 phases.setdefault("first_reply", time.perf_counter() - t0)
                 reply = _to_consumer.decode(frames[0].buffer)
@@ -740,7 +924,10 @@ class KVPullClient:
                         raise KVTransferError(
                             f"layer {reply.first_layer + k}: the producer sent {reply.dtype} "
                             f"{reply.shapes[k]}, this cache holds {cache.dtype} {want}")
+                phases.setdefault("checked", time.perf_counter() - t0)
                 if group is None:
+                    index = torch.tensor(local_block_ids, dtype=torch.long,
+                                         device=caches[0].device)
                     received += self._copy_frames(frames[1:], layers, reply.shapes, index)
                 else:
                     if reply.direct and not runs:
@@ -755,10 +942,10 @@ class KVPullClient:
                 if reply.first_layer + reply.num_layers >= len(caches):
                     break
                 chunk += 1
-            phases["posted"] = time.perf_counter() - t0
+            phases.setdefault("posted", time.perf_counter() - t0)
             while inflight:
                 self._land(group, inflight.popleft())
-            phases["landed"] = time.perf_counter() - t0
+            phases.setdefault("landed", time.perf_counter() - t0)
             sock.send(_encode(KVDone(request_id, digest, self._auth)))
             self.last_phases_ms = {k: round(v * 1e3, 3) for k, v in phases.items()}
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -779,6 +966,50 @@ class KVPullClient:
         self.bytes_direct += direct
         return received
 
+    def _pull_posted(self, sock: zmq.Socket, group: PairGroup, key: str, request_id: str,
+                     start_block: int, local_block_ids: list[int], digest: str,
+                     deadline: float, phases: dict[str, float], t0: float) -> int:
+        """A pull into one run of blocks: ask, post every layer's halves straight into the
+        cache, then read the header (the producer sends exactly those, or zeros on a
+        refusal). Returns the bytes received."""
+        n = len(local_block_ids)
+        sock.send(_encode(KVPull(request_id, start_block, start_block + n, digest, 0, key,
+                                 [n], self._auth, self._layout)))
+        phases["asked"] = time.perf_counter() - t0
+        parts = [p for b in self._bytes for p in run_slices(b, local_block_ids[0], n)]
+        work = group.start_recvs(parts)
+        phases["posted"] = time.perf_counter() - t0
+        frames = self._recv(sock, deadline)
+        phases["first_reply"] = time.perf_counter() - t0
+        reply = _to_consumer.decode(frames[0].buffer)
+        if not isinstance(reply, KVChunk) or len(frames) != 1:
+            raise KVTransferError("the producer answered a pull with something else")
+        if reply.error is not None:
+            if reply.error == UNKNOWN_PAIR:
+                raise KVTransferError("the producer dropped our pair")
+            if not reply.filled:  # (our receives stay posted: the pair is out of step)
+                raise KVTransferError(f"the producer refused: {reply.error}")
+            group.finish(work, "receive")  # (zeros, into blocks the caller drops)
+            raise KVRefused(f"the producer refused: {reply.error}")
+        caches = self.kv_caches
+        if (reply.request_id != request_id or reply.first_layer != 0
+                or reply.num_layers != len(caches) or reply.num_total_layers != len(caches)
+                or reply.direct != [0, n] or reply.nbytes or len(reply.shapes) != len(caches)):
+            raise KVTransferError("the producer's reply does not match the pull (a "
+                                  "different model or KV layout?)")
+        for k, cache in enumerate(caches):
+            want = list(cache.shape)
+            want[block_axis(cache)] = n
+            if reply.shapes[k] != want or \
+                    reply.dtype != str(cache.dtype).removeprefix("torch."):
+                raise KVTransferError(
+                    f"layer {k}: the producer sent {reply.dtype} {reply.shapes[k]}, this "
+                    f"cache holds {cache.dtype} {want}")
+        phases["checked"] = time.perf_counter() - t0
+        group.finish(work, "receive")
+        phases["landed"] = time.perf_counter() - t0
+        return sum(p.numel() for p in parts)
+
     @staticmethod
     def _copy_frames(frames: list[zmq.Frame], layers: list[torch.Tensor],
                      shapes: list[list[int]], index: torch.Tensor) -> int:
@@ -795,8 +1026,7 @@ class KVPullClient:
             received += raw.numel()
         return received
 
-    @staticmethod
-    def _start_recv(group: PairGroup, layers: list[torch.Tensor], reply: KVChunk,
+    def _start_recv(self, group: PairGroup, layers: list[torch.Tensor], reply: KVChunk,
                     inflight: collections.deque, local_block_ids: list[int]
                     ) -> tuple[int, int]:
         """Post the receives of the chunk off the pair: its staging tensor (the blocks outside
@@ -824,12 +1054,12 @@ class KVPullClient:
                                device=staging_device(group.backend, device))
             index = torch.tensor(staged, dtype=torch.long, device=device)
             tensors.append(flat)
-        direct = 0
-        for cache in layers:
+        views = self._bytes[reply.first_layer:reply.first_layer + len(layers)]
+        for view in views:
             for offset, length in runs:
-                for part in run_slices(cache, local_block_ids[offset], length):
-                    tensors.append(part)
-                    direct += part.numel() * part.element_size()
+                tensors += run_slices(view, local_block_ids[offset], length)
+        direct = sum(length for _, length in runs) * \
+            sum(v.block_bytes * v.halves for v in views)
         inflight.append((group.start_recvs(tensors), flat, index, layers, shapes, sizes))
         return reply.nbytes, direct
 

@@ -34,4 +34,6 @@ def test_transfer_smoke_moves_the_bytes_in_chunks():
     # Where a pull's host time goes, in order (ms from its start).
     ph = tr["pull_phases_ms"]
     assert 0 < ph["first_reply"] <= ph["posted"] <= ph["landed"]
+    # ... and the producer's, from the chunk's arrival there.
+    assert 0 < ph["producer_header"] <= ph["producer_posted"]
     assert result["verdicts"]["itl_p99_ratio"]["verdict"] == "n/a"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tidal.engine_core.kv_transfer.p2p_direct_runs import (
+    CacheBytes,
     check_direct,
     min_direct_blocks,
     plan_direct,
@@ -99,12 +100,15 @@ def test_a_cut_that_does_not_fit_the_consumer_is_refused(direct: list[int]) -> N
 def test_slices_are_the_run_of_each_half_in_place() -> None:
     kv = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4)
     kv = kv.view(2, 6, 2, 2)  # [K/V, blocks, block_size, dim]
-    parts = run_slices(kv, 2, 3)
+    parts = run_slices(CacheBytes.of(kv), 2, 3)
     assert len(parts) == 2 and all(p.is_contiguous() for p in parts)
     assert parts[1].data_ptr() == kv[1, 2].data_ptr()  # a view, not a copy
-    assert torch.equal(parts[0].view(torch.float32), kv[0, 2:5])  # its bytes
-    mla = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
-    assert [p.shape for p in run_slices(mla, 1, 2)] == [torch.Size([2, 2, 16])]
+    assert torch.equal(parts[0].view(torch.float32), kv[0, 2:5].reshape(-1))  # its bytes
+    assert torch.equal(parts[1].view(torch.float32), kv[1, 2:5].reshape(-1))
+    mla = torch.arange(6 * 2 * 8, dtype=torch.bfloat16).view(6, 2, 8)
+    (part,) = run_slices(CacheBytes.of(mla), 1, 2)
+    assert part.numel() == 2 * 2 * 8 * 2 and torch.equal(part.view(torch.bfloat16),
+                                                         mla[1:3].reshape(-1))
     # One K half of one block of these caches is 2*2*4 bytes = 16: 40 bytes need 3 blocks.
     assert min_direct_blocks([kv], 40) == 3 and min_direct_blocks([kv], 0) == 1
 
@@ -163,11 +167,11 @@ def test_the_producer_refuses_runs_that_do_not_cover_the_pull(gloo_pair) -> None
     src, _, server, _ = gloo_pair
     server.register("r1", [1, 2, 3], "d", ready=True)
     reply, tensors = server._chunk(KVPull("r1", 0, 3, "d", 0, "k", [5]), "gloo")
-    assert "do not cover" in reply.error and tensors == []
+    assert "do not cover" in reply.error and tensors() == []
     # Over ZMQ frames the runs mean nothing (every block is staged through host memory).
     reply, tensors = server._chunk(KVPull("r1", 0, 3, "d", 0, "", [5]), "zmq")
     assert reply.error is None and reply.direct == []
-    assert len(tensors) == reply.num_layers  # one frame a layer
+    assert len(tensors()) == reply.num_layers  # one frame a layer
 
 
 def test_the_one_run_shortcut_agrees_with_the_walk():

@@ -206,6 +206,8 @@ _NCCL_PRODUCER = textwrap.dedent("""
     server.register("r1", [3, 1, 8], "d", ready=True)
     server.register("r2", [3, 1, 8], "d", ready=True)
     server.register("r3", [4, 5, 6, 9], "d", ready=True)
+    server.register("r4", [7, 2, 10], "d", ready=True)
+    server.register("r5", [4, 5, 6], "d", ready=True)
     print("ready", flush=True)
     sys.stdin.readline()  # until the test is done
     server.close()
@@ -215,12 +217,12 @@ _NCCL_PRODUCER = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs (NCCL pairs need a distinct GPU per rank)")
-@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("streams", [1, 2, 4])
 def test_nccl_pull_between_two_processes(streams: int) -> None:
     """The producer in its own process on GPU 0, the consumer here on GPU 1: the blocks go
     GPU to GPU over a two-rank NCCL pair (of ``streams`` communicators, the sends spread over
     them), chunked (a buffer of one layer) when scattered, cache to cache where both sides'
-    blocks are consecutive."""
+    blocks are consecutive; a pull into one run of 2+ blocks posts its receives first."""
     port = _free_port()
     shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
     one_layer = 3 * layer_block_bytes(_caches(0)[0])
@@ -231,7 +233,8 @@ def test_nccl_pull_between_two_processes(streams: int) -> None:
     try:
         assert proc.stdout.readline().strip() == "ready"
         dst = [c.cuda(1) for c in _caches(None)]
-        client = KVPullClient(dst, timeout_s=60.0, backend="nccl", streams=streams)
+        client = KVPullClient(dst, timeout_s=60.0, backend="nccl", streams=streams,
+                              min_direct_bytes=2 * BLOCK * HEADS * DIM * 2)
         got = client.pull(f"tcp://127.0.0.1:{port}", "r1", 0, [0, 7, 5], "d")
         torch.cuda.synchronize(1)
         src = _caches(0)
@@ -253,6 +256,16 @@ def test_nccl_pull_between_two_processes(streams: int) -> None:
         assert client.bytes_direct == 3 * LAYERS * layer_block_bytes(src[0])
         for s_, d in zip(src, dst):
             assert torch.equal(d[:, [9, 10, 11, 3]].cpu(), s_[:, [4, 5, 6, 9]])
+        # Posted pulls (one run here): scattered there, gathered a layer at a time (the
+        # sends of each layer continue the receives' round-robin over the communicators),
+        # then one run there too, cache to cache.
+        for rid, local, remote in (("r4", [4, 5, 6], [7, 2, 10]), ("r5", [0, 1, 2], [4, 5, 6])):
+            got = client.pull(f"tcp://127.0.0.1:{port}", rid, 0, local, "d")
+            torch.cuda.synchronize(1)
+            assert got == 3 * LAYERS * layer_block_bytes(src[0])
+            assert client.last_phases_ms["posted"] <= client.last_phases_ms["first_reply"]
+            for s_, d in zip(src, dst):
+                assert torch.equal(d[:, local].cpu(), s_[:, remote])
         client.close()
     finally:
         proc.stdin.close()
