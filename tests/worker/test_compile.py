@@ -352,6 +352,34 @@ def test_a_backend_failure_is_named_by_its_cause():
     assert _root_cause(RuntimeError("plain")) == "RuntimeError: plain"
 
 
+def test_a_trace_failure_names_the_model_line_it_stopped_at():
+    """A Dynamo failure inside the model says which line of it (its ``real_stack`` or the
+    "from user code:" part of its message), so the fallback's warning points at the code."""
+    from tidal.worker.compilation.compiled_model import _root_cause
+
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        n = x.nonzero().shape[0]
+        if n == 1:  # a Python branch on a data-dependent size: no graph can hold it
+            return x + 1
+        return x - 1
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as err:
+        torch.compile(branchy, fullgraph=True, backend="eager")(torch.tensor([0.0, 1.0, 2.0]))
+    line = branchy.__code__.co_firstlineno + 2
+    why = _root_cause(err.value)
+    assert why.endswith(f"test_compile.py:{line} in branchy"), why
+
+    class Plain(Exception):  # (the message's form, when no stack is attached)
+        pass
+
+    text = ('Could not guard\n\nfrom user code:\n   File "/x/tidal/worker/models/decoder.py", '
+            'line 9, in forward\n    h = a + b\n   File "/x/tidal/worker/models/decoder.py", '
+            'line 431, in _run_layers_aux\n    state = hidden + residual\n')
+    assert _root_cause(Plain(text)) == \
+        "Plain: Could not guard at tidal/worker/models/decoder.py:431 in _run_layers_aux"
+
+
 def test_inductor_fuses_the_norm_and_the_activation(compiled):
     """Evidence for leaning on Inductor instead of custom FX passes: in the saved pieces (the
     generated C++ kernels are named for the ops they fuse) the residual add and the RMSNorm

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import types
 from collections.abc import Callable
@@ -318,14 +319,41 @@ class CompiledForward:
 def _root_cause(exc: BaseException) -> str:
     """``Type: first line`` of the error underneath ``exc``: a backend's failure reaches us
     wrapped by Dynamo (``BackendCompilerFailed``, whose own first line names only the
-    backend), the cause chained or held as ``inner_exception``."""
+    backend), the cause chained or held as ``inner_exception``; then, where Dynamo says it,
+    the model code it was tracing (``at file:line in function``)."""
     seen = {id(exc)}
+    where = _user_frame(exc)
     while True:
         inner = getattr(exc, "inner_exception", None) or exc.__cause__
         if inner is None or id(inner) in seen:
             break
         seen.add(id(inner))
         exc = inner
+        where = _user_frame(exc) or where
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
-    return f"{type(exc).__name__}: {first[:300]}"
+    return f"{type(exc).__name__}: {first[:300]}" + (f" at {where}" if where else "")
+
+
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost model frame Dynamo was tracing when ``exc`` was raised (its
+    ``real_stack``, else the "from user code:" part of its message), as ``file:line in
+    function`` with the path from the package on; "" when it says none."""
+    stack = getattr(exc, "real_stack", None)
+    frames = [(f.filename, f.lineno, f.name) for f in stack] if stack else []
+    if not frames:
+        text = str(exc)
+        at = text.find("from user code:")
+        if at >= 0:
+            frames = [(m[0], int(m[1]), m[2]) for m in _USER_FRAME.findall(text[at:])]
+    if not frames:
+        return ""
+    path, line, name = frames[-1]
+    for root in ("/tidal/", "/worker/", "/engine_core/"):
+        if root in path:
+            path = path[path.rindex(root) + 1:]
+            break
+    return f"{path}:{line} in {name}"

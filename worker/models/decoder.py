@@ -402,7 +402,7 @@ class DecoderForCausalLM(nn.Module):
         n, width = hidden.shape[0], self.arch.hidden_size
         _check_aux_rows(n, buf)
         for c in self._aux_final_cols:
-            buf[:n, c:c + width].copy_(hidden)
+            _aux_cols(buf, n, c, width).copy_(hidden)
 
     def _run_layers_plain(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
                           residual: torch.Tensor | None, meta: AttentionMetadata
@@ -429,7 +429,7 @@ class DecoderForCausalLM(nn.Module):
                 n = state.shape[0]
                 _check_aux_rows(n, buf)
                 for c in cols:
-                    buf[:n, c:c + width].copy_(state)
+                    _aux_cols(buf, n, c, width).copy_(state)
             hidden, residual = layer(positions, hidden, residual, meta)
         return hidden, residual
 
@@ -515,6 +515,14 @@ class DecoderForCausalLM(nn.Module):
         # Embedding / head / final norm held by another pipeline stage.
         head = name.split(".")[0]
         return head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None
+
+
+def _aux_cols(buf: torch.Tensor, n: int, col: int, width: int) -> torch.Tensor:
+    """Rows [0, n), columns [col, col + width) of the auxiliary hidden-state buffer. (By
+    ``narrow``, not a slice: compiled, a slice's length is a new unbacked size, and copying
+    the state into it makes torch 2.11 guard whether that size is 1, for broadcasting, which
+    it cannot; ``narrow``'s length is ``n`` itself, the state's own row count.)"""
+    return buf.narrow(0, 0, n).narrow(1, col, width)
 
 
 def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
