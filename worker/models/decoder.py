@@ -399,10 +399,9 @@ class DecoderForCausalLM(nn.Module):
     def _record_final(self, hidden: torch.Tensor) -> None:
         buf = self.aux_hidden_states
         assert buf is not None
-        n, width = hidden.shape[0], self.arch.hidden_size
-        _check_aux_rows(n, buf)
+        _check_aux_rows(hidden.shape[0], buf)
         for c in self._aux_final_cols:
-            _aux_cols(buf, n, c, width).copy_(hidden)
+            _store_aux(buf, hidden, c)
 
     def _run_layers_plain(self, positions: torch.Tensor, hidden: torch.Tensor | PendingSum,
                           residual: torch.Tensor | None, meta: AttentionMetadata
@@ -417,7 +416,6 @@ class DecoderForCausalLM(nn.Module):
         """The layer loop, copying the residual stream entering the chosen layers into the
         first rows of ``aux_hidden_states`` (a fixed buffer: CUDA graphs replay into it)."""
         buf = self.aux_hidden_states
-        width = self.arch.hidden_size
         for layer, cols in self._aux_plan:
             if cols:
                 if isinstance(hidden, PendingSum):
@@ -426,10 +424,9 @@ class DecoderForCausalLM(nn.Module):
                 state = hidden if residual is None else hidden + residual
                 # (Rows counted on the copied state, not on ``positions``: compiled, the two
                 # are separate unbacked sizes, and torch 2.11 cannot guard their equality.)
-                n = state.shape[0]
-                _check_aux_rows(n, buf)
+                _check_aux_rows(state.shape[0], buf)
                 for c in cols:
-                    _aux_cols(buf, n, c, width).copy_(state)
+                    _store_aux(buf, state, c)
             hidden, residual = layer(positions, hidden, residual, meta)
         return hidden, residual
 
@@ -517,12 +514,25 @@ class DecoderForCausalLM(nn.Module):
         return head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None
 
 
-def _aux_cols(buf: torch.Tensor, n: int, col: int, width: int) -> torch.Tensor:
-    """Rows [0, n), columns [col, col + width) of the auxiliary hidden-state buffer. (By
-    ``narrow``, not a slice: compiled, a slice's length is a new unbacked size, and copying
-    the state into it makes torch 2.11 guard whether that size is 1, for broadcasting, which
-    it cannot; ``narrow``'s length is ``n`` itself, the state's own row count.)"""
-    return buf.narrow(0, 0, n).narrow(1, col, width)
+@torch.library.custom_op("tidal::store_aux_hidden", mutates_args=("buf",))
+def _store_aux_op(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
+    buf.narrow(0, 0, state.shape[0]).narrow(1, col, state.shape[1]).copy_(state)
+
+
+@_store_aux_op.register_fake
+def _(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
+    return None
+
+
+def _store_aux(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
+    """``state`` into rows [0, n), columns [col, col + width) of the auxiliary hidden-state
+    buffer. Compiled, as one opaque op: written as a view copy, torch 2.11's piece compiler
+    guarded whether the step's (unbacked) token count is 1, for broadcasting, and gave up the
+    whole graph (measured on an H200; torch 2.13 on the CPU compiled it either way)."""
+    if torch.compiler.is_compiling():
+        _store_aux_op(buf, state, col)
+    else:
+        buf.narrow(0, 0, state.shape[0]).narrow(1, col, state.shape[1]).copy_(state)
 
 
 def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
