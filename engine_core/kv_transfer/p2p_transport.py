@@ -585,6 +585,11 @@ class KVSendServer:
                 pair.finish(sending.popleft()[0], "send")
         except PairError as exc:
             self._pair_failed(msg, exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory staging: keep serving
+            # (Part of what the consumer posted may never come: it times out on this pair
+            # and recomputes; the pair is not used again.)
+            logger.exception("sending KV of %s failed", msg.request_id)
+            self._pair_failed(msg, PairError(str(exc)))
 
     def _posted_plan(self, msg: KVPull
                      ) -> tuple[KVChunk, list[int], torch.cuda.Event | None]:

@@ -5,12 +5,17 @@ a cut that does not fit the pull is refused on either side."""
 
 from __future__ import annotations
 
-import socket
-import time
 
 import pytest
 import torch
 
+from tests.engine_core.kv_transfer.p2p_helpers import (
+    LAYERS,
+    caches,
+    check_landed,
+    finished,
+    free_port,
+)
 from tidal.engine_core.kv_transfer.p2p_direct_runs import (
     CacheBytes,
     check_direct,
@@ -26,33 +31,6 @@ from tidal.engine_core.kv_transfer.p2p_transport import (
     KVSendServer,
     layer_block_bytes,
 )
-
-NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 12, 4, 2, 8, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _caches(seed: int | None) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
-    if seed is None:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-
-
-def _finished(server: KVSendServer) -> set[str]:
-    """The first non-empty ``take_finished`` (the consumer's last message is asynchronous)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        done = server.take_finished()
-        if done:
-            return done
-        time.sleep(0.005)
-    return set()
 
 
 def _runs_by_hand(src: list[int], dst: list[int], min_blocks: int) -> list[int]:
@@ -115,11 +93,11 @@ def test_slices_are_the_run_of_each_half_in_place() -> None:
 
 @pytest.fixture
 def gloo_pair():
-    src, dst = _caches(0), _caches(None)
+    src, dst = caches(0), caches(None)
     block_bytes = layer_block_bytes(src[0])
     # Runs of 2+ blocks direct (one K half of a block is half a layer's block bytes); a buffer
     # of one staged block per layer: one layer a chunk while anything is staged.
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", buffer_bytes=block_bytes,
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", buffer_bytes=block_bytes,
                           send_timeout_s=2.0, min_direct_bytes=block_bytes)
     client = KVPullClient(dst, timeout_s=5.0, backend="gloo")
     yield src, dst, server, client
@@ -127,24 +105,17 @@ def gloo_pair():
     server.close()
 
 
-def _check_landed(src, dst, remote: list[int], local: list[int]) -> None:
-    for s, d in zip(src, dst):
-        for r, loc in zip(remote, local):
-            assert torch.equal(d[:, loc], s[:, r])
-        assert not d[:, [b for b in range(NUM_BLOCKS) if b not in local]].any()
-
-
 def test_a_consecutive_pull_is_never_staged(gloo_pair) -> None:
     src, dst, server, client = gloo_pair
     remote, local = [2, 3, 4, 5], [6, 7, 8, 9]
     server.register("r1", remote, "d", ready=True)
     got = client.pull(server.address, "r1", 0, local, "d")
-    _check_landed(src, dst, remote, local)
+    check_landed(src, dst, remote, local)
     total = len(remote) * LAYERS * layer_block_bytes(src[0])
     assert got == total and client.bytes_direct == total == server.direct_bytes
     assert server.peak_staged_bytes == 0
     assert server.chunks_sent == 1  # nothing staged: every layer in one chunk
-    assert _finished(server) == {"r1"}
+    assert finished(server) == {"r1"}
 
 
 def test_scattered_blocks_are_staged_beside_direct_runs(gloo_pair) -> None:
@@ -155,7 +126,7 @@ def test_scattered_blocks_are_staged_beside_direct_runs(gloo_pair) -> None:
     local = [6, 7, 8, 0, 1, 11]
     server.register("r1", table, "d", ready=True)
     got = client.pull(server.address, "r1", 1, local, "d")
-    _check_landed(src, dst, table[1:], local)
+    check_landed(src, dst, table[1:], local)
     block = layer_block_bytes(src[0])
     assert got == len(local) * LAYERS * block
     assert client.bytes_direct == 5 * LAYERS * block

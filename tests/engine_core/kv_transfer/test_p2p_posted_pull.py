@@ -6,12 +6,18 @@ in step. Gloo pair on the CPU; the NCCL pair in test_p2p_transport's gpu-marked 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
-import torch
 
+from tests.engine_core.kv_transfer.p2p_helpers import (
+    DIM,
+    LAYERS,
+    caches,
+    check_landed,
+    finished,
+    free_port,
+)
 from tidal.engine_core.kv_transfer.p2p_transport import (
     KVPull,
     KVPullClient,
@@ -22,39 +28,13 @@ from tidal.engine_core.kv_transfer.p2p_transport import (
     layer_block_bytes,
 )
 
-NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 12, 4, 2, 8, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _caches(seed: int | None, dim: int = DIM) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK, HEADS, dim)
-    if seed is None:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-
-
-def _finished(server: KVSendServer) -> set[str]:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        done = server.take_finished()
-        if done:
-            return done
-        time.sleep(0.005)
-    return set()
-
 
 @pytest.fixture
 def posted_pair():
-    src, dst = _caches(0), _caches(None)
+    src, dst = caches(0), caches(None)
     block = layer_block_bytes(src[0])
     # A send buffer of one layer of 4 blocks: scattered blocks are gathered layer by layer.
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", buffer_bytes=4 * block,
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", buffer_bytes=4 * block,
                           send_timeout_s=2.0, min_direct_bytes=block // 2)
     # Posted from 2 blocks up (one K half of a block is half a layer's block bytes).
     client = KVPullClient(dst, timeout_s=5.0, backend="gloo", min_direct_bytes=block)
@@ -63,25 +43,18 @@ def posted_pair():
     server.close()
 
 
-def _check_landed(src, dst, remote: list[int], local: list[int]) -> None:
-    for s, d in zip(src, dst):
-        for r, loc in zip(remote, local):
-            assert torch.equal(d[:, loc], s[:, r])
-        assert not d[:, [b for b in range(NUM_BLOCKS) if b not in local]].any()
-
-
 def test_a_pull_into_one_run_posts_its_receives_before_the_answer(posted_pair) -> None:
     src, dst, server, client = posted_pair
     remote, local = [2, 3, 4, 5], [6, 7, 8, 9]
     server.register("r1", remote, "d", ready=True)
     got = client.pull(server.address, "r1", 0, local, "d")
-    _check_landed(src, dst, remote, local)
+    check_landed(src, dst, remote, local)
     total = len(remote) * LAYERS * layer_block_bytes(src[0])
     assert got == total and client.bytes_direct == total == server.direct_bytes
     assert server.peak_staged_bytes == 0
     ph = client.last_phases_ms
     assert ph["asked"] <= ph["posted"] <= ph["first_reply"] <= ph["checked"] <= ph["landed"]
-    assert _finished(server) == {"r1"}
+    assert finished(server) == {"r1"}
 
 
 def test_scattered_source_blocks_are_gathered_within_the_send_buffer(posted_pair) -> None:
@@ -90,7 +63,7 @@ def test_scattered_source_blocks_are_gathered_within_the_send_buffer(posted_pair
     local = [4, 5, 6, 7]
     server.register("r1", table, "d", ready=True)
     got = client.pull(server.address, "r1", 1, local, "d")
-    _check_landed(src, dst, table[1:], local)
+    check_landed(src, dst, table[1:], local)
     block = layer_block_bytes(src[0])
     assert got == len(local) * LAYERS * block
     assert server.peak_staged_bytes == 4 * block  # one layer at a time, as the buffer says
@@ -115,14 +88,14 @@ def test_a_refused_posted_pull_keeps_the_pair(posted_pair, case: str) -> None:
     server.mark_ready(["r1"])
     client.pull(server.address, "r1", 0, [3, 4], "d")
     assert client._pairs[server.address] == (key, pair)
-    _check_landed(src, dst, [1, 2], [3, 4])
+    check_landed(src, dst, [1, 2], [3, 4])
 
 
 def test_a_consumer_of_another_layout_is_refused_not_fed_wrong_bytes() -> None:
-    src = _caches(0)
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=2.0,
+    src = caches(0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=2.0,
                           min_direct_bytes=1)
-    other = _caches(None, dim=2 * DIM)  # the same blocks, another head size
+    other = caches(None, dim=2 * DIM)  # the same blocks, another head size
     client = KVPullClient(other, timeout_s=5.0, backend="gloo", min_direct_bytes=1)
     try:
         server.register("r1", [1, 2], "d", ready=True)
@@ -155,3 +128,24 @@ def test_malformed_posted_receives_are_refused(posted: list[int]) -> None:
     with pytest.raises(ValueError, match="malformed"):
         _posted_sizes(KVPull("r", 0, 4, "d", posted=posted))
     assert _posted_sizes(KVPull("r", 0, 4, "d", posted=[2, 8, 1, 16])) == [32, 32, 64]
+
+
+def test_a_send_that_fails_mid_pull_drops_the_pair_and_the_server_keeps_serving(
+        posted_pair) -> None:
+    src, dst, server, client = posted_pair
+    client.timeout_s = 0.5
+    real = server._stage_flat
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    server._stage_flat = out_of_memory  # a scattered source must be staged: it fails
+    server.register("r1", [7, 2, 10], "d", ready=True)
+    with pytest.raises(KVTransferError) as err:
+        client.pull(server.address, "r1", 0, [3, 4, 5], "d")
+    assert not isinstance(err.value, KVRefused)
+    assert client._pairs == {} and server._pairs == {}
+    server._stage_flat = real
+    client.timeout_s = 5.0
+    client.pull(server.address, "r1", 0, [3, 4, 5], "d")  # a new pair; the thread served it
+    check_landed(src, dst, [7, 2, 10], [3, 4, 5])

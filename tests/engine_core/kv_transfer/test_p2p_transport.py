@@ -5,7 +5,6 @@ consumer sees (never a silent partial copy); over ZMQ frames and over a two-rank
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,16 @@ import time
 import pytest
 import torch
 
+from tests.engine_core.kv_transfer.p2p_helpers import (
+    BLOCK,
+    DIM,
+    HEADS,
+    LAYERS,
+    NUM_BLOCKS,
+    caches,
+    finished,
+    free_port,
+)
 from tidal.engine_core.kv_transfer.p2p_transport import (
     KVPullClient,
     KVSendServer,
@@ -21,39 +30,12 @@ from tidal.engine_core.kv_transfer.p2p_transport import (
     layer_block_bytes,
 )
 
-NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 12, 4, 2, 8, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _caches(seed: int | None, dtype=torch.bfloat16) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
-    if seed is None:
-        return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(dtype) for _ in range(LAYERS)]
-
-
-def _finished(server: KVSendServer) -> set[str]:
-    """The first non-empty ``take_finished`` (the consumer's last message is asynchronous)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        done = server.take_finished()
-        if done:
-            return done
-        time.sleep(0.005)
-    return set()
-
 
 @pytest.fixture(params=["zmq", "gloo"])
 def pair(request):
-    src, dst = _caches(0), _caches(None)
+    src, dst = caches(0), caches(None)
     # A buffer of one layer of two blocks: a 3-block pull goes one layer per chunk.
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}",
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}",
                           buffer_bytes=2 * layer_block_bytes(src[0]), send_timeout_s=0.5)
     client = KVPullClient(dst, timeout_s=2.0, backend=request.param)
     yield src, dst, server, client
@@ -75,7 +57,7 @@ def test_pull_copies_the_asked_blocks_in_chunks(pair) -> None:
     # Back-pressure: one layer per chunk, never more than the buffer staged at once.
     assert server.chunks_sent == LAYERS
     assert server.peak_staged_bytes <= 3 * layer_block_bytes(src[0])
-    assert _finished(server) == {"r1"}  # the consumer's done releases it
+    assert finished(server) == {"r1"}  # the consumer's done releases it
     assert server.pending() == 0
     # Over gloo every chunk went through one pair, built once and used again.
     assert len(server._pairs) == (client.backend == "gloo")
@@ -90,7 +72,7 @@ def test_release_needs_the_prompt_digest(pair) -> None:
     server.register("r1", [1], "d1", ready=True)
     client.release(server.address, "r1", "another prompt")
     client.release(server.address, "r1", "d1")
-    assert _finished(server) == {"r1"} and server.pending() == 0
+    assert finished(server) == {"r1"} and server.pending() == 0
 
 
 @pytest.mark.parametrize("case", ["unknown", "not_ready", "digest", "range"])
@@ -114,8 +96,8 @@ def test_refusals_fail_the_pull(pair, case: str) -> None:
 
 
 def test_pairs_are_rebuilt_after_the_producer_drops_one() -> None:
-    src, dst = _caches(0), _caches(None)
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=2)
+    src, dst = caches(0), caches(None)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=2)
     client = KVPullClient(dst, timeout_s=2.0, backend="gloo")
     try:
         server.register("r1", [1], "d", ready=True)
@@ -127,7 +109,7 @@ def test_pairs_are_rebuilt_after_the_producer_drops_one() -> None:
         client.pull(server.address, "r2", 0, [4], "d")  # a new pair
         assert torch.equal(dst[0][:, 4], src[0][:, 3])
         # A CPU producer cannot pair over NCCL: refused in the handshake, no hang.
-        nccl = KVPullClient(_caches(None), timeout_s=2.0, backend="nccl")
+        nccl = KVPullClient(caches(None), timeout_s=2.0, backend="nccl")
         with pytest.raises(KVTransferError, match="not on a CUDA device"):
             nccl.pull(server.address, "r2", 0, [4], "d")
         nccl.close()
@@ -137,23 +119,23 @@ def test_pairs_are_rebuilt_after_the_producer_drops_one() -> None:
 
 
 def test_layout_mismatch_and_dead_producer() -> None:
-    src = _caches(0)
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=0.2)
+    src = caches(0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=0.2)
     server.register("r1", [1], "d", ready=True)
-    other = KVPullClient(_caches(None, torch.float32), timeout_s=2.0)  # another dtype
+    other = KVPullClient(caches(None, torch.float32), timeout_s=2.0)  # another dtype
     with pytest.raises(KVTransferError, match="bfloat16"):
         other.pull(server.address, "r1", 0, [0], "d")
     other.close()
     address = server.address
     server.close()
-    client = KVPullClient(_caches(None), timeout_s=0.3)
+    client = KVPullClient(caches(None), timeout_s=0.3)
     with pytest.raises(KVTransferError, match="no answer"):
         client.pull(address, "r1", 0, [0], "d")
     client.close()
 
 
 def test_unpulled_requests_expire() -> None:
-    server = KVSendServer(_caches(0), f"tcp://127.0.0.1:{_free_port()}", 1e9,
+    server = KVSendServer(caches(0), f"tcp://127.0.0.1:{free_port()}", 1e9,
                           send_timeout_s=0.05)
     try:
         server.register("r1", [1], "d", ready=True)
@@ -178,9 +160,9 @@ def test_pull_between_gpu_caches(backend: str) -> None:
     """The producer's cache on the first GPU, the consumer's on the last (the same GPU with
     one): staged through host memory both ways (gloo: gathered on the server's own stream)."""
     src_dev, dst_dev = "cuda:0", f"cuda:{torch.cuda.device_count() - 1}"
-    src = [c.to(src_dev) for c in _caches(0)]
-    dst = [c.to(dst_dev) for c in _caches(None)]
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=5)
+    src = [c.to(src_dev) for c in caches(0)]
+    dst = [c.to(dst_dev) for c in caches(None)]
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=5)
     client = KVPullClient(dst, timeout_s=5.0, backend=backend)
     try:
         server.register("r1", [3, 1], "d", ready=True)
@@ -223,21 +205,21 @@ def test_nccl_pull_between_two_processes(streams: int) -> None:
     GPU to GPU over a two-rank NCCL pair (of ``streams`` communicators, the sends spread over
     them), chunked (a buffer of one layer) when scattered, cache to cache where both sides'
     blocks are consecutive; a pull into one run of 2+ blocks posts its receives first."""
-    port = _free_port()
+    port = free_port()
     shape = (2, NUM_BLOCKS, BLOCK, HEADS, DIM)
-    one_layer = 3 * layer_block_bytes(_caches(0)[0])
+    one_layer = 3 * layer_block_bytes(caches(0)[0])
     code = _NCCL_PRODUCER.format(shape=shape, layers=LAYERS, port=port,
                                  buffer=one_layer, half=BLOCK * HEADS * DIM * 2)
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        dst = [c.cuda(1) for c in _caches(None)]
+        dst = [c.cuda(1) for c in caches(None)]
         client = KVPullClient(dst, timeout_s=60.0, backend="nccl", streams=streams,
                               min_direct_bytes=2 * BLOCK * HEADS * DIM * 2)
         got = client.pull(f"tcp://127.0.0.1:{port}", "r1", 0, [0, 7, 5], "d")
         torch.cuda.synchronize(1)
-        src = _caches(0)
+        src = caches(0)
         assert got == 3 * LAYERS * layer_block_bytes(src[0])
         for s_, d in zip(src, dst):
             assert torch.equal(d[:, [0, 7, 5]].cpu(), s_[:, [3, 1, 8]])
@@ -275,8 +257,8 @@ def test_nccl_pull_between_two_processes(streams: int) -> None:
 def test_a_gloo_pair_has_one_group_whatever_streams_were_asked() -> None:
     """Streams are NCCL communicators: a gloo consumer asking for four gets one group, and
     the pull still lands."""
-    src, dst = _caches(0), _caches(None)
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=5)
+    src, dst = caches(0), caches(None)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=5)
     client = KVPullClient(dst, timeout_s=5.0, backend="gloo", streams=4)
     try:
         server.register("r1", [1, 2], "d", ready=True)
@@ -293,13 +275,13 @@ def test_a_gloo_pair_has_one_group_whatever_streams_were_asked() -> None:
 def test_a_producer_with_a_shared_secret_serves_only_consumers_that_send_it(backend) -> None:
     """``$TIDAL_KV_AUTH_KEY``: pulls, pair hellos and releases without it (or with another)
     are refused (a pull fails with the reason, a release is ignored); with it the pull works."""
-    src = _caches(0)
-    server = KVSendServer(src, f"tcp://127.0.0.1:{_free_port()}", 1e9, send_timeout_s=30,
+    src = caches(0)
+    server = KVSendServer(src, f"tcp://127.0.0.1:{free_port()}", 1e9, send_timeout_s=30,
                           auth_key="s3cret")
     server.register("r1", [7, 2], "d1", ready=True)
     try:
         for key in (None, "guess"):
-            stranger = KVPullClient(_caches(None), timeout_s=2.0, backend=backend, auth_key=key)
+            stranger = KVPullClient(caches(None), timeout_s=2.0, backend=backend, auth_key=key)
             try:
                 with pytest.raises(KVTransferError, match="TIDAL_KV_AUTH_KEY"):
                     stranger.pull(server.address, "r1", 0, [0, 1], "d1")
@@ -307,7 +289,7 @@ def test_a_producer_with_a_shared_secret_serves_only_consumers_that_send_it(back
             finally:
                 stranger.close()
         assert server.refused_unauthorized >= 2
-        dst = _caches(None)
+        dst = caches(None)
         client = KVPullClient(dst, timeout_s=2.0, backend=backend, auth_key="s3cret")
         try:
             client.pull(server.address, "r1", 0, [3, 4], "d1")
@@ -315,6 +297,6 @@ def test_a_producer_with_a_shared_secret_serves_only_consumers_that_send_it(back
             client.close()
         for s, d in zip(src, dst):
             assert torch.equal(d[:, [3, 4]], s[:, [7, 2]])
-        assert _finished(server) == {"r1"}
+        assert finished(server) == {"r1"}
     finally:
         server.close()
