@@ -228,12 +228,13 @@ def _ask_phases(proc: subprocess.Popen) -> dict[str, float]:
     return json.loads(proc.stdout.readline())
 
 
-def _pull_nccl(args: argparse.Namespace
+def _pull_nccl(args: argparse.Namespace, pair_bytes: dict[int, int]
                ) -> tuple[dict[int, list[float]], bool, float, tuple[list[float], list[float]],
                           dict[int, dict[str, float]]]:
     """Producer on GPU 0 (a subprocess), consumer here on GPU 1: the pulls with each number
     of NCCL communicators per pair in ``--nccl-streams`` (a fresh pair each), and, with
-    ``--nccl-raw``, plain NCCL receives of the same bytes over the first pair."""
+    ``--nccl-raw``, plain NCCL receives of the same bytes over the first pair;
+    ``pair_bytes`` gets each pair's device memory outside torch's allocator."""
     layers, cache, blocks = _layout(args)
     nbytes = nbytes_of(layers, cache, blocks)
     port = free_port()
@@ -261,10 +262,17 @@ def _pull_nccl(args: argparse.Namespace
                 d.zero_()
             client = KVPullClient(dst, 600.0, "nccl", n,
                                   min_direct_bytes=int(args.min_direct_bytes))
+            torch.cuda.synchronize(dst_dev)
+            free, reserved = torch.cuda.mem_get_info(dst_dev)[0], \
+                torch.cuda.memory_reserved(dst_dev)
             try:
                 phases[n] = []
                 times[n] = _timed_pulls(client, address, args, blocks, dst_dev, f"s{n}",
                                         phases[n], lambda: _ask_phases(proc))
+                # What the pair's communicators hold on this GPU beyond torch's own memory
+                # (NCCL's buffers: allocated after an engine has sized its KV cache).
+                pair_bytes[n] = free - torch.cuda.mem_get_info(dst_dev)[0] - \
+                    (torch.cuda.memory_reserved(dst_dev) - reserved)
                 direct = client.bytes_direct / max(1, client.bytes_received)
                 if args.nccl_raw and k == 0:
                     raw = _raw_nccl(client, address, proc, args.reps, nbytes)
@@ -300,7 +308,10 @@ def transfer(args: argparse.Namespace) -> dict[str, Any]:
     raw: list[float] = []
     raw_ops: list[float] = []
     if backend == "nccl":
-        by_streams, ok, direct, (raw, raw_ops), phases = _pull_nccl(args)
+        pair_bytes: dict[int, int] = {}
+        by_streams, ok, direct, (raw, raw_ops), phases = _pull_nccl(args, pair_bytes)
+        out["pair_device_MiB_by_nccl_streams"] = {
+            n: round(b / 2**20, 1) for n, b in pair_bytes.items()}
         out["pull_GBps_by_nccl_streams"] = {
             n: round(nbytes / statistics.median(t) / 1e9, 3) for n, t in by_streams.items()}
         # Host ms from a pull's start to its first reply, all receives posted, all landed.
