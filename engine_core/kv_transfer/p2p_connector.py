@@ -26,7 +26,9 @@ through host memory; "gloo": a two-rank gloo group per producer-consumer pair, h
 "nccl": a two-rank NCCL group, GPU cache to GPU cache, needs a CUDA engine on each side and
 distinct GPUs; "auto": nccl when the KV cache is on a GPU, else zmq), ``nccl_streams`` (consumer,
 NCCL communicators per pair, 1-4, default 1: a pull's sends go round-robin over them so their
-per-operation handshakes overlap), ``async_pull`` (consumer,
+per-operation handshakes overlap), ``min_direct_bytes`` (both sides, default 512 KiB: runs of
+blocks whose every K / V slice is at least this long go cache to cache over a gloo / nccl pair,
+and a pull into one such run posts its receives before it asks), ``async_pull`` (consumer,
 default true), ``pull_timeout_s`` (consumer, default 5: a dead producer costs a request this
 long once, and with ``async_pull: false`` stalls that step as long), ``send_timeout_s`` (producer: blocks nobody pulls are released after this,
 default 120), ``allowed_producers`` (consumer: ``"host:port"`` or ``"host"`` entries a decode
@@ -65,7 +67,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _EXTRA_KEYS = ("transport", "pull_timeout_s", "send_timeout_s", "allowed_producers",
-               "async_pull", "nccl_streams")
+               "async_pull", "nccl_streams", "min_direct_bytes")
+# A run of blocks whose every slice (one layer's K or V over the run) holds at least this many
+# bytes goes cache to cache over a pair, and a pull into one such run posts its receives
+# first; shorter runs are staged (a send costs a fixed overhead, staging two passes over its
+# bytes). p2p_direct_runs.DIRECT_MIN_BYTES, kept here as a number: this module stays free of
+# torch for the API server.
+DEFAULT_MIN_DIRECT_BYTES = 512 * 1024
 # NCCL communicators per producer-consumer pair (``p2p_pair_group.PairGroup``; its
 # ``MAX_STREAMS`` is the same cap: this module stays free of torch for the API server).
 # Default 1: on two H100s a 1 GiB pull moved 206 / 215 / 233 GB/s with 1 / 2 / 4 when every
@@ -209,6 +217,7 @@ class P2pConnector(KVConnectorBase):
         self.transport = str(tc.extra("transport", "zmq"))
         self.async_pull = bool(tc.extra("async_pull", True))
         self.nccl_streams = int(tc.extra("nccl_streams", DEFAULT_NCCL_STREAMS))
+        self.min_direct_bytes = int(tc.extra("min_direct_bytes", DEFAULT_MIN_DIRECT_BYTES))
         # One background pull: its own deadline (a pair's set-up and the transfer) plus a
         # margin; past it the scheduler gives the request up (a wedged pull thread or group).
         self.async_load_timeout_s = 2 * self.pull_timeout_s + 30.0
@@ -263,6 +272,10 @@ class P2pConnector(KVConnectorBase):
         if not isinstance(tc.extra("async_pull", True), bool):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.async_pull must "
                              f"be true or false, got {tc.extra('async_pull')!r}")
+        direct = tc.extra("min_direct_bytes", DEFAULT_MIN_DIRECT_BYTES)
+        if isinstance(direct, bool) or not isinstance(direct, int) or not 1 <= direct <= 1 << 40:
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.min_direct_bytes "
+                             f"must be an integer of bytes in [1, 2**40], got {direct!r}")
         streams = tc.extra("nccl_streams", DEFAULT_NCCL_STREAMS)
         if isinstance(streams, bool) or not isinstance(streams, int) \
                 or not 1 <= streams <= MAX_STREAMS:
@@ -441,11 +454,13 @@ class P2pConnector(KVConnectorBase):
         if self.is_producer:
             self._server = KVSendServer(kv_caches, self.address,
                                         self.transfer_config.kv_buffer_size,
-                                        self.send_timeout_s, auth_key=auth)
+                                        self.send_timeout_s, self.min_direct_bytes,
+                                        auth_key=auth)
         if self.is_consumer:
             self._client = KVPullClient(kv_caches, self.pull_timeout_s,
                                         resolve_transport(self.transport, kv_caches),
-                                        self.nccl_streams, auth_key=auth)
+                                        self.nccl_streams, auth_key=auth,
+                                        min_direct_bytes=self.min_direct_bytes)
             if self.async_pull:
                 from tidal.engine_core.kv_transfer.p2p_async_pull import AsyncPuller
 

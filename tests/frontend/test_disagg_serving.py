@@ -90,11 +90,15 @@ def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def disagg(tiny_smol_path):
     model = str(tiny_smol_path)
-    producer = ServerProcess([model, *ENGINE, *_kv("kv_producer", free_port())], api_key=None)
+    # Every run of blocks goes cache to cache (the tiny model's slices are far below the
+    # default threshold), so a prompt's pull into fresh blocks is posted (its receives first).
+    producer = ServerProcess([model, *ENGINE, *_kv("kv_producer", free_port(),
+                                                    min_direct_bytes=1)], api_key=None)
     # The decode side pulls over a two-rank gloo pair, in the background (the zmq transport
     # and synchronous pulls are covered in tests/engine_core/kv_transfer).
     consumer = ServerProcess([model, *ENGINE, *_kv("kv_consumer", free_port(),
-                                                    pull_timeout_s=1.5, transport="gloo")],
+                                                    pull_timeout_s=1.5, transport="gloo",
+                                                    min_direct_bytes=1)],
                              api_key=None)
     proxy = None
     try:

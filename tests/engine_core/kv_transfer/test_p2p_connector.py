@@ -333,6 +333,9 @@ def test_aborted_prefill_holds_nothing(engines):
     ({"nccl_streams": 0}, "nccl_streams must be an integer in"),
     ({"nccl_streams": 5}, "nccl_streams must be an integer in"),
     ({"nccl_streams": True}, "nccl_streams must be an integer in"),
+    ({"min_direct_bytes": 0}, "min_direct_bytes must be an integer of bytes"),
+    ({"min_direct_bytes": 1.5}, "min_direct_bytes must be an integer of bytes"),
+    ({"min_direct_bytes": True}, "min_direct_bytes must be an integer of bytes"),
 ])
 def test_bad_p2p_configs_are_refused(tiny_models, extra, match):
     folder, _ = tiny_models["llama"]
@@ -510,3 +513,12 @@ def test_gpu_background_pull_matches_one_engine(tiny_models):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_the_connector_default_for_direct_runs_is_the_transport_s():
+    """The connector keeps the threshold as a number (it is imported where torch is not);
+    it must stay the transport's."""
+    from tidal.engine_core.kv_transfer.p2p_connector import DEFAULT_MIN_DIRECT_BYTES
+    from tidal.engine_core.kv_transfer.p2p_direct_runs import DIRECT_MIN_BYTES
+
+    assert DEFAULT_MIN_DIRECT_BYTES == DIRECT_MIN_BYTES
