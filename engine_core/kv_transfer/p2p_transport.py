@@ -267,6 +267,8 @@ class KVSendServer:
         self.min_direct_blocks = min_direct_blocks(kv_caches, min_direct_bytes)
         self._contiguous = all_contiguous(kv_caches)
         self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._contiguous else []
+        # What a posted pull's receives must be to match this cache (``KVPull.posted``).
+        self._layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
         self.direct_bytes = 0  # sent straight from the cache, over every pull
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -599,8 +601,7 @@ class KVSendServer:
         if error is not None:
             return KVChunk(msg.request_id, 0, error=error), [], None
         caches = self.kv_caches
-        layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
-        if not self._contiguous or msg.posted != layout:
+        if not self._contiguous or msg.posted != self._layout:
             return KVChunk(msg.request_id, 0, error="the posted receives do not match this "
                            "KV cache's layout (a different model?)"), [], None
         shapes = []

@@ -514,9 +514,13 @@ class DecoderForCausalLM(nn.Module):
         return head in ("embed_tokens", "lm_head", "norm") and getattr(self, head) is None
 
 
+def _copy_aux(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
+    buf.narrow(0, 0, state.shape[0]).narrow(1, col, state.shape[1]).copy_(state)
+
+
 @torch.library.custom_op("tidal::store_aux_hidden", mutates_args=("buf",))
 def _store_aux_op(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
-    buf.narrow(0, 0, state.shape[0]).narrow(1, col, state.shape[1]).copy_(state)
+    _copy_aux(buf, state, col)
 
 
 @_store_aux_op.register_fake
@@ -532,7 +536,7 @@ def _store_aux(buf: torch.Tensor, state: torch.Tensor, col: int) -> None:
     if torch.compiler.is_compiling():
         _store_aux_op(buf, state, col)
     else:
-        buf.narrow(0, 0, state.shape[0]).narrow(1, col, state.shape[1]).copy_(state)
+        _copy_aux(buf, state, col)
 
 
 def _check_aux_rows(n: int, buf: torch.Tensor) -> None:
