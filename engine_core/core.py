@@ -152,6 +152,9 @@ class EngineCore:
         self.advance_in_fill = envs.grammar_advance_in_fill()
         # Steps whose fill advanced matchers: (the step's pending result, its PendingFill).
         self._advanced: deque[tuple[Any, Any]] = deque()
+        # Whether that fill job starts as soon as the previous step's tokens are on the host,
+        # before the scheduler's update (which then overlaps it): $TIDAL_GRAMMAR_FILL_EARLY.
+        self.fill_early = self.advance_in_fill and envs.grammar_fill_early()
         # Everything built so far (model, tokenizer tables, caches) lives as long as the engine:
         # take it out of the garbage collector's generations, or every full collection walks it
         # (about 0.2 ms per step at batch 256 on a small CPU).
@@ -238,6 +241,7 @@ class EngineCore:
             outputs.extend(self._admit_compiled())
         mask_later: list[str] = []  # constrained requests that sample in the step launched
         handed: dict[str, int] = {}  # of those, requests whose fill advances their matcher
+        early: tuple[Any, list[str], Any] | None = None  # their fill, begun before the update
         if len(self.batch_queue) < self._inflight_limit() and self.scheduler.has_unfinished():
             sched = self.scheduler.schedule()
             if self.scheduler.connector is not None:
@@ -265,23 +269,29 @@ class EngineCore:
         if self.batch_queue and (len(self.batch_queue) >= limit or not launched):
             sched, pending = self.batch_queue.popleft()
             result = pending.result() if self.max_inflight > 1 else pending
+            verdicts: list[tuple[str, str]] = []
             if self._advanced and self._advanced[0][0] is pending:
-                # Before this step's tokens: a request its grammar ended at the token before
-                # them drops them.
-                outputs += self._finish_by_grammar(self._advanced.popleft()[1].verdicts())
-            # (Added to the failed compiles' outputs, if any.)
-            outputs += self.scheduler.update_from_output(sched, result)
+                # (Read before a fill job moves these matchers again.)
+                verdicts = self._advanced.popleft()[1].verdicts()
             if self._open_fill is not None:
                 # Sampled without its masks (nothing to sample): the fill must be over before
                 # its matchers move.
                 self._open_fill.wait()
                 self._open_fill = None
+            if mask_later and self.fill_early:
+                early = self._begin_fill_early(launched_pending, mask_later, result, verdicts)
+            # Before this step's tokens: a request its grammar ended at the token before them
+            # drops them. (Added to the failed compiles' outputs, if any.)
+            outputs += self._finish_by_grammar(verdicts)
+            outputs += self.scheduler.update_from_output(sched, result)
             if structured.states:
                 handed = self._advance_grammars(
                     outputs, set(mask_later) if mask_later and self.advance_in_fill else None)
                 if self.speculative:
                     self._trim_drafts()
-        if mask_later:
+        if early is not None:
+            self._deferred = early
+        elif mask_later:
             # Every earlier step of these requests is collected now: their matchers are current
             # (or, those in ``handed``, advanced by the fill job before it fills their masks).
             # Their masks fill on the fill thread while this step's outputs are processed; the
@@ -372,6 +382,40 @@ class EngineCore:
                                          error=why))
         return outs
 
+    def _begin_fill_early(self, launched: Any, mask_later: list[str],
+                          result: ModelRunnerOutput, verdicts: list[tuple[str, str]],
+                          ) -> tuple[Any, list[str], Any] | None:
+        """Begin the fill job of the step just launched straight from the collected step's
+        ``result``, before the scheduler's update, so the update and the rest of the engine
+        thread's turn run beside it. Its requests' matchers consume their new token in the job
+        (as ``_advance_grammars`` would hand it). None, leaving it to the usual order, when a
+        request needs the engine thread first: a reasoning gate (its tokens go through the gate),
+        several tokens, a failed request, or a KV load to recover (the tokens may change).
+
+        A request that the update then finishes (a stop token, its length) is filled anyway:
+        what its step samples is dropped, and its verdict is skipped (its state is gone)."""
+        structured = self.structured
+        if (structured.has_gates or result.failed or self.scheduler.connector is not None):
+            return None
+        ended = {rid for rid, _ in verdicts}
+        ids = [rid for rid in structured.needing_masks(mask_later) if rid not in ended]
+        if not ids:
+            return None
+        emitted = dict(zip(result.req_ids, result.sampled_token_ids))
+        tokens: list[int | None] = []
+        for rid in ids:
+            new = emitted.get(rid)
+            if new and len(new) != 1:
+                return None
+            tokens.append(new[0] if new else None)
+        uploader = getattr(self.executor, "grammar_uploader", None)
+        fill = structured.begin_fill(
+            ids, self.executor.grammar_buffer(len(ids)), tokens=tokens,
+            upload=None if uploader is None else uploader())
+        if fill.adv_matchers:
+            self._advanced.append((launched, fill))
+        return launched, ids, fill
+
     def _sampling_constrained(self, sched: SchedulerOutput) -> list[str]:
         """The constrained requests of ``sched`` that sample in it (the scheduler gave them a
         placeholder; a request whose previous token is in flight also samples, decoding)."""
@@ -427,8 +471,8 @@ class EngineCore:
         for out in outputs:
             rid = out.request_id
             state = states.get(rid)
-            if state is None:
-                continue
+            if state is None or not (out.new_token_ids or out.finished):
+                continue  # (nothing to feed: e.g. prompt logprobs alone)
             if (later is not None and rid in later and not out.finished
                     and len(out.new_token_ids) == 1 and state.gate is None
                     and state.matcher is not None):

@@ -87,6 +87,13 @@ def grammar_advance_in_fill() -> bool:
     return os.environ.get("TIDAL_GRAMMAR_ADVANCE_IN_FILL", "1") != "0"
 
 
+def grammar_fill_early() -> bool:
+    """``$TIDAL_GRAMMAR_FILL_EARLY`` (default 1): with the fill advancing the matchers, its job
+    starts as soon as the previous step's tokens reach the host, before the scheduler's update
+    of them; 0: after it (and after the matchers of other requests advanced)."""
+    return os.environ.get("TIDAL_GRAMMAR_FILL_EARLY", "1") != "0"
+
+
 def kv_auth_key() -> str | None:
     """``$TIDAL_KV_AUTH_KEY``: the secret a P2P KV consumer sends with every message and a
     producer requires (both engines set it; unset: none is asked, for a loopback port)."""

@@ -222,8 +222,15 @@ def main() -> None:
                    help="run the EngineCore in its own process, as `tidal serve` does (the "
                         "outputs are processed in this one, beside the engine loop): only the "
                         "throughputs are measured, not the mask times or time to first mask")
+    p.add_argument("--compare-fill-early", action="store_true",
+                   help="also time the constrained runs with the fill job begun after the "
+                        "scheduler's update ($TIDAL_GRAMMAR_FILL_EARLY=0), alternating in this "
+                        "process: json_schema_late in the results")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.compare_fill_early and args.engine_process:
+        p.error("--compare-fill-early switches the engine in this process: not with "
+                "--engine-process")
     if args.engine_process and args.phases:
         p.error("--phases times the engine's methods in this process: not with "
                 "--engine-process")
@@ -262,7 +269,8 @@ def main() -> None:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        kind = "unconstrained" if params.structured_outputs is None else "json_schema"
+        kind = ("unconstrained" if params.structured_outputs is None
+                else "json_schema" if core is None or core.fill_early else "json_schema_late")
         thread_ms[kind] = threads.per_step_ms(args.tokens)
         if phases is not None:
             phase_ms[kind] = phases.per_step_ms(elapsed)
@@ -273,6 +281,9 @@ def main() -> None:
         constrained.structured_outputs)), use_tqdm=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     runs: dict[str, list[tuple[float, int]]] = {"unconstrained": [], "json_schema": []}
+    if args.compare_fill_early:
+        assert core is not None and core.fill_early, "the engine does not begin fills early"
+        runs["json_schema_late"] = []
     fills: list[tuple[int, float]] = []
     advances: list[tuple[int, float]] = []
     for _ in range(args.repeats):
@@ -284,6 +295,10 @@ def main() -> None:
         if stats is not None:
             fills.extend(stats.fills)
             advances.extend(stats.advances)
+        if args.compare_fill_early:
+            core.fill_early = False
+            runs["json_schema_late"].append(timed(constrained))
+            core.fill_early = True
     # Totals over the repeats (runs alternate, so drifting load hits both alike).
     tps = {k: sum(n for _, n in v) / sum(t for t, _ in v) for k, v in runs.items()}
     step = {k: sum(t for t, _ in v) / (len(v) * args.tokens) for k, v in runs.items()}
@@ -297,8 +312,14 @@ def main() -> None:
         "batch": args.batch, "tokens": args.tokens,
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "throughput_ratio": round(tps["json_schema"] / tps["unconstrained"], 3),
+        **({"throughput_ratio_late": round(tps["json_schema_late"] / tps["unconstrained"], 3)}
+           if "json_schema_late" in tps else {}),
         "step_ms": {k: round(v * 1e3, 3) for k, v in step.items()},
         "added_time_per_step": round(step["json_schema"] / step["unconstrained"] - 1, 4),
+        # Each repeat's ratio (the spread says how far one run can be trusted).
+        "ratio_by_repeat": {k: [round(runs["unconstrained"][i][0] / t, 3)
+                                for i, (t, _) in enumerate(v)]
+                            for k, v in runs.items() if k != "unconstrained"},
         # (The last repeat's; CPU ms per step by thread, this process's and the engine's.)
         "thread_cpu_ms_per_step": thread_ms,
     }

@@ -422,6 +422,11 @@ class StructuredOutputManager:
                 state.first_due = False
                 self._first_due -= 1
 
+    @property
+    def has_gates(self) -> bool:
+        """Whether a request in the scheduler has a reasoning gate."""
+        return self._gated_states > 0
+
     def needing_masks(self, request_ids: list[str]) -> list[str]:
         """Those of ``request_ids`` still constrained and under their grammar now (not while
         thinking freely, not finished by their previous token)."""

@@ -109,33 +109,47 @@ def test_engine_tokens_and_finishes_match_the_engine_threads_advance(
                                  regex=grammars[i % len(grammars)], backend=backend))
               for i in range(6)]
     results = {}
-    for in_fill in ("1", "0"):
+    # The fill job begun before the scheduler's update (early), after it, and no advance in it.
+    for mode, in_fill, early in (("early", "1", "1"), ("late", "1", "0"), ("off", "0", "1")):
         monkeypatch.setenv("TIDAL_GRAMMAR_ADVANCE_IN_FILL", in_fill)
+        monkeypatch.setenv("TIDAL_GRAMMAR_FILL_EARLY", early)
         llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
                   async_scheduling=True, cpu_threads=1, dtype="float32")
         try:
             core = llm.engine.core
             assert core.defer_masks and core.advance_in_fill == (in_fill == "1")
-            handed = []
+            assert core.fill_early == (mode == "early")
+            handed, early_fills = [], []
             begin = core.structured.begin_fill
+            begin_early = core._begin_fill_early
 
             def spy(ids, out=None, background=True, tokens=None, upload=None):
                 handed.append(sum(t is not None for t in tokens or ()))
                 return begin(ids, out, background, tokens, upload)
 
+            def spy_early(*args):
+                began = begin_early(*args)
+                early_fills.append(began is not None)
+                return began
+
             core.structured.begin_fill = spy
+            core._begin_fill_early = spy_early
             prompt = llm.get_tokenizer().encode("Go:")
-            results[in_fill] = _run(llm, [prompt] * len(params), params)
+            results[mode] = _run(llm, [prompt] * len(params), params)
             # The fill jobs took the advances (all but a request's first token) or none did.
             assert (sum(handed) > 0) == (in_fill == "1"), handed
+            # Early: the fills after each request's first began before the update.
+            assert (sum(early_fills) >= 5) == (mode == "early"), early_fills
         finally:
             llm.shutdown()
-    on, off = results["1"], results["0"]
-    assert {r: (t, f) for r, (t, f, _) in on.items()} == \
-        {r: (t, f) for r, (t, f, _) in off.items()}
-    # The grammars that end before max_tokens end by STOP; on the fill job's path each such
-    # request learns it one output later, in an output of no tokens.
-    ended = [r for r, (t, f, _) in off.items() if f == FinishReason.STOP]
-    assert ended, off
-    assert all(on[r][2] == 1 for r in ended) and all(off[r][2] == 0 for r in ended)
+    off = results["off"]
+    for mode in ("early", "late"):
+        on = results[mode]
+        assert {r: (t, f) for r, (t, f, _) in on.items()} == \
+            {r: (t, f) for r, (t, f, _) in off.items()}, mode
+        # The grammars that end before max_tokens end by STOP; on the fill job's path each
+        # such request learns it one output later, in an output of no tokens.
+        ended = [r for r, (t, f, _) in off.items() if f == FinishReason.STOP]
+        assert ended, off
+        assert all(on[r][2] == 1 for r in ended) and all(off[r][2] == 0 for r in ended)
     assert all(f == FinishReason.LENGTH for r, (t, f, _) in off.items() if r not in ended)
