@@ -25,7 +25,7 @@ the request (a failure drops that step's output of it). Each request is tried on
 through host memory; "gloo": a two-rank gloo group per producer-consumer pair, host memory;
 "nccl": a two-rank NCCL group, GPU cache to GPU cache, needs a CUDA engine on each side and
 distinct GPUs; "auto": nccl when the KV cache is on a GPU, else zmq), ``nccl_streams`` (consumer,
-NCCL communicators per pair, 1-4, default 1: a pull's sends go round-robin over them so their
+NCCL communicators per pair, 1-4, default 2: a pull's sends go round-robin over them so their
 per-operation handshakes overlap), ``min_direct_bytes`` (both sides, default 512 KiB: runs of
 blocks whose every K / V slice is at least this long go cache to cache over a gloo / nccl pair,
 and a pull into one such run posts its receives before it asks), ``async_pull`` (consumer,
@@ -76,10 +76,12 @@ _EXTRA_KEYS = ("transport", "pull_timeout_s", "send_timeout_s", "allowed_produce
 DEFAULT_MIN_DIRECT_BYTES = 512 * 1024
 # NCCL communicators per producer-consumer pair (``p2p_pair_group.PairGroup``; its
 # ``MAX_STREAMS`` is the same cap: this module stays free of torch for the API server).
-# Default 1: on two H100s a 1 GiB pull moved 206 / 215 / 233 GB/s with 1 / 2 / 4 when every
-# block went cache to cache, but 142 / 128 with 1 / 2 when they were staged, and each
-# communicator holds its own NCCL buffers, allocated after the KV cache was sized.
-DEFAULT_NCCL_STREAMS = 1
+# Default 2: on two H200s a 1 GiB posted pull moved 209-221 / 242-264 / 262-265 GB/s with
+# 1 / 2 / 4, and each pair's NCCL buffers took 934 / 1,034 / 2,066 MiB of device memory outside
+# the KV cache (allocated after the cache was sized): the second communicator costs 100 MiB
+# for 16-19 %, the next two a GiB for little more. (Staged chunks, scattered blocks, measured
+# 142 / 128 GB/s with 1 / 2 on two H100s.)
+DEFAULT_NCCL_STREAMS = 2
 MAX_STREAMS = 4
 MAX_ALLOWED_PRODUCERS = 1024
 _TRANSPORTS = ("zmq", "gloo", "nccl", "auto")
