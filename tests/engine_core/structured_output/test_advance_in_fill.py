@@ -7,10 +7,14 @@ one more output of no tokens."""
 
 from __future__ import annotations
 
+from collections import deque
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from tidal.engine_core.protocol import EngineCoreRequest, FinishReason
+from tidal.engine_core.core import EngineCore
+from tidal.engine_core.protocol import EngineCoreRequest, FinishReason, ModelRunnerOutput
 from tidal.engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -153,3 +157,47 @@ def test_engine_tokens_and_finishes_match_the_engine_threads_advance(
         assert ended, off
         assert all(on[r][2] == 1 for r in ended) and all(off[r][2] == 0 for r in ended)
     assert all(f == FinishReason.LENGTH for r, (t, f, _) in off.items() if r not in ended)
+
+
+class _Structured:
+    """What ``EngineCore._begin_fill_early`` asks of the manager, recorded."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.has_gates = gated
+        self.begun: list[tuple[list[str], list[int | None]]] = []
+
+    def needing_masks(self, ids):
+        return [rid for rid in ids if rid != "gone"]
+
+    def begin_fill(self, ids, out, tokens=None, upload=None):
+        self.begun.append((ids, tokens))
+        return SimpleNamespace(adv_matchers=[t for t in tokens if t is not None])
+
+
+def _early(structured, result, verdicts=(), connector=None):
+    core = SimpleNamespace(
+        structured=structured, scheduler=SimpleNamespace(connector=connector),
+        executor=SimpleNamespace(grammar_buffer=lambda n: None), _advanced=deque())
+    began = EngineCore._begin_fill_early(core, "launched", ["a", "b", "c", "gone"], result,
+                                         list(verdicts))
+    return began, core._advanced
+
+
+def test_the_early_fill_takes_the_tokens_from_the_result_and_falls_back_when_it_must():
+    result = ModelRunnerOutput(req_ids=["a", "c", "x"], sampled_token_ids=[[7], [8], [9]])
+    structured = _Structured()
+    # "b" sampled nothing in the collected step (its first token comes now), "gone" has no
+    # grammar any more, "c" its grammar ended at the token before: left out.
+    began, advanced = _early(structured, result, verdicts=[("c", "stop")])
+    assert structured.begun == [(["a", "b"], [7, None])]
+    assert began[:2] == ("launched", ["a", "b"]) and advanced[0][0] == "launched"
+    # The engine thread goes first for: a reasoning gate, several tokens, a failed request,
+    # a KV connector (a failed load may change the tokens).
+    several = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7, 8]])
+    failed = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]], failed={"b": "oom"})
+    for structured, result, connector in ((_Structured(gated=True), result, None),
+                                          (_Structured(), several, None),
+                                          (_Structured(), failed, None),
+                                          (_Structured(), result, object())):
+        began, advanced = _early(structured, result, connector=connector)
+        assert began is None and not advanced and structured.begun == []
