@@ -113,8 +113,12 @@ def test_engine_tokens_and_finishes_match_the_engine_threads_advance(
                                  regex=grammars[i % len(grammars)], backend=backend))
               for i in range(6)]
     results = {}
-    # The fill job begun before the scheduler's update (early), after it, and no advance in it.
-    for mode, in_fill, early in (("early", "1", "1"), ("late", "1", "0"), ("off", "0", "1")):
+    # The fill job begun before the scheduler's update (early), after it, and no advance in it
+    # (the late order once: it is the backends' common path to the same matchers).
+    modes = (("early", "1", "1"), ("late", "1", "0"), ("off", "0", "1"))
+    if backend == "xgrammar":
+        modes = modes[::2]
+    for mode, in_fill, early in modes:
         monkeypatch.setenv("TIDAL_GRAMMAR_ADVANCE_IN_FILL", in_fill)
         monkeypatch.setenv("TIDAL_GRAMMAR_FILL_EARLY", early)
         llm = LLM(str(tiny_qwen3), max_num_seqs=8, num_kv_blocks=256, max_model_len=256,
@@ -147,7 +151,7 @@ def test_engine_tokens_and_finishes_match_the_engine_threads_advance(
         finally:
             llm.shutdown()
     off = results["off"]
-    for mode in ("early", "late"):
+    for mode in set(results) - {"off"}:
         on = results[mode]
         assert {r: (t, f) for r, (t, f, _) in on.items()} == \
             {r: (t, f) for r, (t, f, _) in off.items()}, mode
