@@ -6,6 +6,7 @@ the schema corpus (tools/schema_corpus.py).
     python tools/bench_structured.py --layers 2 --batch 32 --tokens 64 --corpus 200  # a CPU
     python tools/bench_structured.py --backend xgrammar ...       # auto | guidance | xgrammar
     python tools/bench_structured.py --engine-process ...  # the EngineCore in its own process
+    python tools/bench_structured.py --compare-fill-early ...  # fills begun early against late
 
 Dummy weights on a shape from bench_common, with the real Qwen3 tokenizer (tests/data/qwen3,
 152k-entry vocabulary) so masks have a realistic size. The constrained workload's schema is an
@@ -282,7 +283,9 @@ def main() -> None:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     runs: dict[str, list[tuple[float, int]]] = {"unconstrained": [], "json_schema": []}
     if args.compare_fill_early:
-        assert core is not None and core.fill_early, "the engine does not begin fills early"
+        if core is None or not core.fill_early:
+            sys.exit("--compare-fill-early: this engine does not begin its fills early "
+                     "($TIDAL_GRAMMAR_FILL_EARLY=0 or $TIDAL_GRAMMAR_ADVANCE_IN_FILL=0)")
         runs["json_schema_late"] = []
     fills: list[tuple[int, float]] = []
     advances: list[tuple[int, float]] = []
