@@ -38,19 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=0, help="sliding window (0: none)")
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                    help="fp8: e4m3 caches, as --kv-cache-dtype fp8 (scales 1)")
     ap.add_argument("--caches", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--splits", default="8,16,32,64")
     ap.add_argument("--tiles", default="32,64")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--fp8-widen", default="query",
+                    help="FP8 caches: how tiles widen, comma-separated: query, f16")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args(argv)
     dev = torch.device("cuda")
     dt = torch.bfloat16
     b, h, hk, d, ctx, bs = ns.batch, ns.heads, ns.kv_heads, ns.head_dim, ns.ctx, ns.block_size
     blocks_per_seq = -(-ctx // bs)
-    caches = [torch.randn(2, b * blocks_per_seq, bs, hk, d, dtype=dt, device=dev)
+    kv_dt = torch.float8_e4m3fn if ns.kv_dtype == "fp8" else dt
+    caches = [torch.randn(2, b * blocks_per_seq, bs, hk, d, dtype=dt, device=dev).to(kv_dt)
               for _ in range(ns.caches)]
     block_table = torch.arange(b * blocks_per_seq, dtype=torch.int32,
                                device=dev).view(b, blocks_per_seq)
@@ -61,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = d ** -0.5
     window = ns.window or None
     softcap = ns.softcap or None
-    read = min(ctx, ns.window or ctx) * hk * d * 2 * 2 * b  # K and V bytes per call
+    # K and V bytes per call
+    read = min(ctx, ns.window or ctx) * hk * d * 2 * kv_dt.itemsize * b
 
     def timed(plan) -> float:
         calls = [lambda kv=kv: kernels.paged_attention(
@@ -69,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             sliding_window=window, logits_soft_cap=softcap) for kv in caches]
         return time_calls(calls, ns.reps)["ms"] * 1e3
 
-    base = plan_triton_attention(b, b, 1, h, hk, d, dt, dev)
+    base = plan_triton_attention(b, b, 1, h, hk, d, dt, dev, kv_dtype=kv_dt)
     rows = [{"plan": "engine", **dataclasses.asdict(base), "us": round(timed(base), 2)}]
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    for splits, tile, warps, stages in itertools.product(ints(ns.splits), ints(ns.tiles),
-                                                         ints(ns.warps), ints(ns.stages)):
+    widens = [x for x in ns.fp8_widen.split(",") if x]
+    for splits, tile, warps, stages, widen in itertools.product(
+            ints(ns.splits), ints(ns.tiles), ints(ns.warps), ints(ns.stages), widens):
         plan = dataclasses.replace(base, num_splits=splits, tile_n=tile, num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, fp8_widen=widen)
         try:
             us = timed(plan)
         except Exception as exc:  # noqa: BLE001 - a plan the compiler refuses (registers)
@@ -85,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["GBps"] = round(read / (r["us"] * 1e-6) / 1e9, 1)
         print(f"{r['plan']:6s} splits {r['num_splits']:3d} tile {r['tile_n']:3d} "
-              f"warps {r['num_warps']} stages {r['num_stages']}: {r['us']:8.2f} us "
+              f"warps {r['num_warps']} stages {r['num_stages']} {r['fp8_widen']:8s}: "
+              f"{r['us']:8.2f} us "
               f"{r['GBps']:8.1f} GB/s", flush=True)
     best = min(rows, key=lambda r: r["us"])
     print(f"best: {best}")

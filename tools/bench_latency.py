@@ -12,6 +12,9 @@ per token) / step time / the HBM bandwidth measured in this run (docs/BENCHMARKS
 Prefill: ``N x L`` prompts that each produce one token, timed from the first step to the last
 output; reported as tokens/s and MFU against the bf16 matmul peak measured in this run.
 
+``--quantization fp8`` / ``--kv-cache-dtype fp8`` measure the engine as ``tools/bench_quant.py``
+builds it (with ``--profile``: where a quantized step's time goes).
+
 ``--profile`` adds a torch.profiler table of the device kernels for a few decode steps at each
 batch (and for one prefill), written next to ``--out``.
 """
@@ -224,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--ops", default="auto", help="fused ops: auto | triton | cuda | torch")
+    ap.add_argument("--quantization", default=None,
+                    help="as the engine's --quantization (fp8: the dummy weights quantized)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-layers", type=int, default=None,
@@ -272,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                           kv_cache_memory_bytes=kv_bytes,
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
                           enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
-                          ops_backend=ns.ops)
+                          ops_backend=ns.ops, quantization=ns.quantization,
+                          kv_cache_dtype=ns.kv_cache_dtype)
         t0 = now()
         core = EngineCore(args.create_config())
         startup = now() - t0
@@ -280,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         graphs = runner.graphs
         result: dict[str, Any] = {
             "benchmark": "latency", "device": device_name(), "torch": torch.__version__,
-            "shape": ns.shape, "dtype": ns.dtype, "ceilings": ceilings,
+            "shape": ns.shape, "dtype": ns.dtype, "quantization": ns.quantization,
+            "kv_cache_dtype": ns.kv_cache_dtype, "ceilings": ceilings,
             "num_layers": facts.num_layers,
             "layers_override": ns.num_layers is not None,
             "weights_bytes_per_step": facts.weight_bytes_per_step,

@@ -12,7 +12,10 @@ last send is at N/rate. Timings are client-side ``time.perf_counter``:
     TTFT = first chunk with text - send          ITL  = gaps between chunks with text
     E2EL = last chunk - send                     TPOT = (E2EL - TTFT) / (output tokens - 1)
 
-with token counts from the server's ``usage``. A chunk's time is when the read that completed it
+with token counts from the server's ``usage``. ITL is also split (``split_itl``): the steps that
+finished another request's prompt, mixed prefill + decode steps (``itl_arrival_ms``: per
+request and such step, the larger of the gap that ended with that first text and the one
+before it), and the other gaps (``itl_no_arrival_ms``). A chunk's time is when the read that completed it
 returned: chunks that arrive in one read share it (their ITL gap is 0). An untimed lone request
 first warms the server up and measures the batch-1 decode rate of this same run: the reference
 the result is reported against (a client cannot measure the server's hardware ceiling). Prints a
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import multiprocessing as mp
@@ -86,6 +90,11 @@ class Result:
     ttft: float | None = None
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)
+    # When the first text chunk and each later one (the end of each ``itl`` gap) arrived, in s
+    # after the run's shared start (``_run_share`` shifts them from perf_counter), so the
+    # gaps of different requests and client processes line up: ``split_itl``.
+    first_at: float | None = None
+    itl_at: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
@@ -204,8 +213,10 @@ class _Stream:
             if chunk.choices and any(c.text for c in chunk.choices):
                 if result.ttft is None:
                     result.ttft = now - result.send
+                    result.first_at = now
                 else:
                     result.itl.append(now - self.last_text)
+                    result.itl_at.append(now)
                 self.last_text = now
 
 
@@ -436,6 +447,10 @@ async def _run_share(args: argparse.Namespace, share: _Share,
                                           lambda: cpu_at_start.append(time.process_time()))
     results = await asyncio.gather(*[scheduled(j) for j in range(len(share.indices))])
     end = time.perf_counter() - start
+    for r in results:
+        if r.first_at is not None:
+            r.first_at -= start
+        r.itl_at = [t - start for t in r.itl_at]
     return list(results), end, time.process_time() - cpu_at_start[0]
 
 
@@ -595,6 +610,33 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict:
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
+def split_itl(results: list[Result], window: float) -> tuple[list[float], list[float]]:
+    """Each request's ITL gaps in two: one value per step that finished another request's
+    prompt (a mixed prefill + decode step, issue 25's "ITL of mixed steps"), the larger of the
+    gap that ended as that request's first text arrived (``window`` s of client-side skew
+    allowed) and the gap before it, since with async scheduling a mixed step's cost lands in
+    either (a step whose host-side launch is slow delays the previous step's output); and every
+    gap of neither kind. A prompt chunked over several steps counts at its last chunk's step
+    only."""
+    firsts = sorted((r.first_at, i) for i, r in enumerate(results) if r.first_at is not None)
+    keys = [t for t, _ in firsts]
+    arrival: list[float] = []
+    rest: list[float] = []
+    for i, r in enumerate(results):
+        marked: set[int] = set()
+        for k, (gap, end) in enumerate(zip(r.itl, r.itl_at)):
+            lo, hi = end - gap + window, end + window
+            j = bisect.bisect_right(keys, lo)
+            while j < len(keys) and keys[j] <= hi:
+                if firsts[j][1] != i:
+                    arrival.append(max(gap, r.itl[k - 1]) if k else gap)
+                    marked.update((k, k - 1))
+                    break
+                j += 1
+        rest.extend(g for k, g in enumerate(r.itl) if k not in marked)
+    return arrival, rest
+
+
 def _slo_ok(r: Result, slos: dict[str, float]) -> bool:
     got = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2el}
     return all((x := got[k]) is not None and x * 1000.0 <= v for k, v in slos.items())
@@ -609,6 +651,7 @@ def report(args: argparse.Namespace, results: list[Result], duration: float, lon
     lone_rate = (lone.output_tokens - 1) / (lone.e2el - lone.ttft) if (
         lone.tpot and lone.e2el and lone.ttft is not None and lone.e2el > lone.ttft) else None
     output_tps = out_tokens / duration
+    itl_arrival, itl_rest = split_itl(ok, args.arrival_window_ms / 1000.0)
     errors = sorted({r.error for r in results if r.error})[:5]
     return {
         "benchmark": "serve",
@@ -644,6 +687,10 @@ def report(args: argparse.Namespace, results: list[Result], duration: float, lon
             "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
             "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
             "itl_ms": _stats([g for r in ok for g in r.itl]),
+            "itl_arrival_ms": _stats(itl_arrival),
+            "itl_no_arrival_ms": _stats(itl_rest),
+            "itl_arrival_gaps": len(itl_arrival),
+            "itl_arrival_window_ms": args.arrival_window_ms,
             "e2el_ms": _stats([r.e2el for r in ok if r.e2el is not None]),
         },
         "ratio": {"output_throughput_vs_lone_stream": (output_tps / lone_rate)
@@ -685,6 +732,11 @@ def print_table(rep: dict) -> None:
         cells = "".join(f"{s[k]:>10.1f}" if s[k] is not None else f"{'-':>10}"
                         for k in ("mean", "median", "p90", "p99"))
         lines.append(f"{key[:-3].upper():<18}{cells}")
+    for key, label in (("itl_arrival_ms", "ITL arrival"), ("itl_no_arrival_ms", "ITL other")):
+        s = r.get(key)
+        if s and s["median"] is not None:
+            cells = "".join(f"{s[k]:>10.1f}" for k in ("mean", "median", "p90", "p99"))
+            lines.append(f"{label:<18}{cells}")
     lone = rep["ceiling"]["lone_output_tok_s"]
     ratio = rep["ratio"]["output_throughput_vs_lone_stream"]
     if lone:
@@ -730,6 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-procs", default="auto",
                    help="client processes for the timed requests; auto: one per "
                         f"{STREAMS_PER_CLIENT_PROC} concurrent streams, at most half the cores")
+    p.add_argument("--arrival-window-ms", type=float, default=0.5,
+                   help="skew allowed between a gap's end and another request's first text for "
+                        "the gap to count as an arrival (mixed-step) gap")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds the timed requests may take before the run is abandoned")
     p.add_argument("--device-note", default=None,

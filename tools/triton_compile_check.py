@@ -12,7 +12,8 @@ LoRA's one-row shrink of partial sums (norming its row or not) and its grouped d
 the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL prefetch), the INT4 (W4A16) GEMVs (whole rows, tiled by groups), the partial-sum kernel, the signal-free all-reduce (also with the
 residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
-attention, merge; with and without time stamps). Exits non-zero if any fails.
+attention, merge; with and without time stamps; unsplit attention over an FP8 cache, widened
+to the query's dtype or to float16). Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
                for a in tak._merge_splits_kernel.arg_names}
         cases.append((f"split merge{name}", tak._merge_splits_kernel,
                       sig, consts))
+    # Unsplit decode over an FP8 cache, its tiles widened to the query's dtype and to float16.
+    for mode in (tak.FP8_AS_QUERY.value, tak.FP8_F16.value):
+        consts = dict(NUM_HEADS=32, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
+                      BLOCK_Q=1, BLOCK_M=16, TILE_N=128, DECODE_ONLY=True, SPLIT_KV=False,
+                      IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=ap.MAX_SPLITS, EARLY_V=False,
+                      PDL=True, QPK_P=4, PRELOAD=False, TIMES=False, WINDOW=False,
+                      SOFT_CAP=False, KV_FP8=mode)
+        ptrs.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+        sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32")
+               for a in tak._paged_attention_kernel.arg_names}
+        cases.append((f"decode attention (FP8 cache, widen mode {mode})",
+                      tak._paged_attention_kernel, sig, consts))
     return cases
 
 

@@ -483,7 +483,8 @@ class Warmup:
 
         heads, kv_heads, head_dim = self._layer_shape()
         plan = plan_triton_attention(num_tokens, num_reqs, max_q, heads, kv_heads, head_dim,
-                                     self.runner.dtype, self.runner.device)
+                                     self.runner.dtype, self.runner.device,
+                                     kv_dtype=self.runner.kv_dtype)
         return (dataclasses.replace(plan, grid0=0), _int_class(num_reqs),
                 _int_class(plan.num_splits))
 

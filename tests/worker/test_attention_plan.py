@@ -49,3 +49,24 @@ def test_batch_one_gets_one_tile_per_split_up_to_2k_positions() -> None:
     assert ap.decode_num_splits(1, 4, DEVICE, max_splits=16) == 16
     assert ap.decode_num_splits(2, 8, DEVICE) == 17  # 2 x 132 / 16 programs: below the cap
     assert ap.decode_num_splits(64, 4, DEVICE) == 1  # 256 programs fill the SMs unsplit
+
+
+def test_fp8_caches_widen_to_float16_and_full_batches_take_wider_tiles() -> None:
+    fp8 = torch.float8_e4m3fn
+
+    def plan(reqs: int, head_dim: int = 128, dtype=torch.bfloat16, q: int = 1):
+        return ap.plan_triton_attention(reqs * q, reqs, q, 32, 8, head_dim, dtype, DEVICE,
+                                        kv_dtype=fp8)
+
+    full = plan(256)  # 2048 programs: unsplit
+    assert (full.fp8_widen, full.tile_n, full.num_stages, full.num_splits) == ("f16", 128, 3, 1)
+    split = plan(1)  # split decodes keep their tile and stages
+    assert split.num_splits > 1 and split.fp8_widen == "f16"
+    assert (split.tile_n, split.num_stages) == (_decode_plan(1, 8).tile_n, ap.SPLIT_STAGES)
+    # Not measured, so unchanged: 16-bit caches, float32 queries, wider heads, prompt steps.
+    assert _decode_plan(256, 8).fp8_widen == "query"
+    assert ap.plan_triton_attention(256, 256, 1, 32, 8, 128, torch.bfloat16, DEVICE,
+                                    kv_dtype=torch.bfloat16) == _decode_plan(256, 8)
+    assert plan(256, dtype=torch.float32).fp8_widen == "query"
+    assert plan(256, head_dim=256).fp8_widen == "query"
+    assert plan(4, q=64).fp8_widen == "query"

@@ -87,11 +87,12 @@ def _batch(q_lens: list[int], seq_lens: list[int], kv_heads: int, head_dim: int,
     return (query.to(DEVICE, DTYPE), cache.to(DEVICE), meta, ks.to(DEVICE), vs.to(DEVICE))
 
 
-def _decode_plan(num_reqs: int, kv_heads: int, splits: int) -> TritonAttentionPlan:
+def _decode_plan(num_reqs: int, kv_heads: int, splits: int, widen: str = "query",
+                 tile_n: int = 64) -> TritonAttentionPlan:
     return TritonAttentionPlan(decode_only=True, block_q=1,
                                block_m=max(16, next_pow2(HEADS // kv_heads)),
-                               tile_n=64 if GPU else 8, num_splits=splits, num_warps=4,
-                               num_stages=1, grid0=num_reqs)
+                               tile_n=tile_n if GPU else 8, num_splits=splits, num_warps=4,
+                               num_stages=1, grid0=num_reqs, fp8_widen=widen)
 
 
 def _check(query, cache, meta, ks, vs, plan) -> None:
@@ -154,14 +155,25 @@ def test_mixed_prefill_and_decode_attention(head_dim, kv_heads):
     _check(query, cache, meta, ks, vs, plan)
 
 
+@pytest.mark.parametrize("widen", ["query", "f16"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_decode_attention_unsplit_and_split(splits, head_dim):
+def test_decode_attention_unsplit_and_split(splits, head_dim, widen):
+    # (On a GPU "f16" widens the tiles to float16; float32 queries on the CPU keep float32
+    # whatever the plan says.)
     kv_heads = 2
     seq_lens = [1, 23, 9] if not GPU else [1, 700, 129]
     query, cache, meta, ks, vs = _batch([1] * len(seq_lens), seq_lens, kv_heads, head_dim,
                                         seed=splits)
-    _check(query, cache, meta, ks, vs, _decode_plan(len(seq_lens), kv_heads, splits))
+    _check(query, cache, meta, ks, vs, _decode_plan(len(seq_lens), kv_heads, splits, widen))
+
+
+@pytest.mark.skipif(not GPU, reason="128-position tiles: GPU shapes (the interpreter's are tiny)")
+@pytest.mark.parametrize("widen", ["query", "f16"])
+def test_decode_attention_wide_tiles(widen):
+    seq_lens = [1, 700, 129, 128, 255]
+    query, cache, meta, ks, vs = _batch([1] * len(seq_lens), seq_lens, 2, 128, seed=7)
+    _check(query, cache, meta, ks, vs, _decode_plan(len(seq_lens), 2, 1, widen, tile_n=128))
 
 
 def test_scales_are_read_at_run_time():

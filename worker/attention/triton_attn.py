@@ -109,6 +109,7 @@ class TritonAttention:
             head_dim=head_dim,
             dtype=query.dtype,
             device=query.device,
+            kv_dtype=kv_cache.dtype,
         )
         kernels.paged_attention(
             query,

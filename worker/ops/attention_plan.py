@@ -7,6 +7,7 @@ decode step captured in a CUDA graph replays correctly whatever the contexts gro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,10 @@ class TritonAttentionPlan:
     # to 2k positions, a few beyond, so there is no loop to pipeline the second round trip
     # behind).
     early_v: bool = True
+    # FP8 caches: how the tiles widen for the tensor cores: "query" (to the query's dtype) or
+    # "f16" (the query made float16 once, the tiles converted to it); see
+    # triton_attention_kernels.FP8_F16.
+    fp8_widen: str = "query"
 
 
 def plan_triton_attention(
@@ -85,9 +90,12 @@ def plan_triton_attention(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_dtype: torch.dtype | None = None,
 ) -> TritonAttentionPlan:
+    """``kv_dtype``: the caches' element type where it differs from ``dtype`` (FP8)."""
     qpk = num_heads // num_kv_heads
     fp32 = dtype == torch.float32
+    fp8 = kv_dtype == torch.float8_e4m3fn
     if max_query_len <= 1:
         # One program per (request, KV head, split): the query tile is the KV group's heads.
         block_m = max(16, next_pow2(qpk))
@@ -96,7 +104,7 @@ def plan_triton_attention(
         # the device-to-device copy rate; 3-4 stages lost 15-20% at batch 64. Split programs
         # (few requests) own one tile up to 32 x 64 positions, and the pipelined loop's
         # set-up then costs more than it hides (see SPLIT_STAGES).
-        return TritonAttentionPlan(
+        plan = TritonAttentionPlan(
             decode_only=True,
             block_q=1,
             block_m=block_m,
@@ -109,6 +117,18 @@ def plan_triton_attention(
             num_stages=SPLIT_STAGES if splits > 1 else 2,
             grid0=num_reqs,
         )
+        if fp8 and not fp32 and head_dim <= 128:
+            # An FP8 tile carries half the bytes of a 16-bit one for the same work, and its
+            # widening costs instructions: H200, Llama-3.1-8B heads, batch 256 x 1024
+            # (tools/bench_attention_decode.py --kv-dtype fp8): the 16-bit plan 233.9 us,
+            # float16 widening 219.9, with 128-position tiles and 3 stages 199.8 (bf16 cache:
+            # 245.8); batch 64 x 4096 242.5 -> 184.3; split batch-1 decodes keep their tile
+            # and stages, float16 widening 11.9 -> 10.7 us. (A query beyond float16's range,
+            # 65504, would overflow: no served model's post-rotary queries come near it.)
+            plan = dataclasses.replace(plan, fp8_widen="f16")
+            if splits == 1:
+                plan = dataclasses.replace(plan, tile_n=128, num_stages=3)
+        return plan
     # Mixed or prefill batch: tiles of block_q query positions; short queries (a few
     # speculative tokens) get small tiles, long prompts get 128 rows to feed the tensor cores.
     cap = 64 if fp32 or head_dim > 128 else 128
