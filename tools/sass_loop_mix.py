@@ -67,17 +67,21 @@ def disassemble(cubin: bytes) -> str:
 
 
 def compile_sm90(fn: Any, signature: dict[str, str], constants: dict[str, Any],
-                 warps: int) -> Any:
+                 warps: int, stages: int | None = None) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(signature)
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
-               if t.startswith("*") or a in ("N", "K", "K8", "NG", "stride_w")}
+               if t.startswith("*") or a in ("N", "K", "K8", "NG", "stride_w")
+               or a.startswith("stride_kv")}
+    options: dict[str, int] = {"num_warps": warps}
+    if stages is not None:
+        options["num_stages"] = stages
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants,
                                     attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 _INT4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "b_ptr": "*bf16",
@@ -121,19 +125,47 @@ def _gemv(dtype: str, bn: int, bk: int, warps: int) -> tuple[Any, dict, dict, in
     return td._gemv_kernel, sig, consts, warps, bn * bk / (32 * warps)
 
 
+def _attn_decode(widen: int, tile: int, warps: int,
+                 stages: int) -> tuple[Any, dict, dict, int, float]:
+    """Unsplit decode attention (``_paged_attention_kernel``), Llama-3.1-8B's heads (32 / 8,
+    128 wide), pages of 16: over a bfloat16 cache (``widen`` 0) or an FP8 one (``widen`` the
+    kernel's KV_FP8: 1 to the query's dtype, 2 to float16, 3 to float16 with V transposed in registers). Counted per
+    K and V element."""
+    from tidal.worker.ops import attention_plan as ap
+    from tidal.worker.ops import triton_attention_kernels as tak
+
+    consts = dict(NUM_HEADS=32, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16, BLOCK_Q=1,
+                  BLOCK_M=16, TILE_N=tile, DECODE_ONLY=True, SPLIT_KV=False, IEEE_DOT=False,
+                  FUSED_MERGE=False, SPLITS_P=ap.MAX_SPLITS, EARLY_V=False, PDL=True, QPK_P=4,
+                  PRELOAD=False, TIMES=False, WINDOW=False, SOFT_CAP=False, KV_FP8=widen)
+    cache = "*fp8e4nv" if widen else "*bf16"
+    types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32",
+             "v_scale_ptr": "*fp32", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+             "part_sum_ptr": "*fp32", "counter_ptr": "*i32", "block_table_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "times_ptr": "*i64",
+             "scale_log2": "fp32", "softcap_log2": "fp32", "window": "i32",
+             "num_reqs": "i32", "num_splits": "i32"}
+    sig = {a: types.get(a, "i32" if a.startswith("stride") else "*bf16")
+           for a in tak._paged_attention_kernel.arg_names if a not in consts}
+    return (tak._paged_attention_kernel, sig, consts, warps, 2 * tile * 128 / (32 * warps),
+            stages)
+
+
 # name -> (what the comma list is, a builder of (kernel, signature, constants, warps, weights a
-# thread an iteration of its loop))
+# thread an iteration of its loop[, pipeline stages]))
 KERNELS: dict[str, tuple[str, Callable[..., tuple[Any, dict, dict, int, float]]]] = {
     "int4-rows": ("BLOCK_N,BLOCK_K,warps", _int4_rows),
     "int4-groups": ("BLOCK_N,GPC,warps,prefetch,split", _int4_groups),
     "gemv-bf16": ("BLOCK_N,BLOCK_K,warps", lambda *a: _gemv("bf16", *a)),
     "gemv-fp8": ("BLOCK_N,BLOCK_K,warps", lambda *a: _gemv("fp8", *a)),
+    "attn-decode": ("KV_FP8,TILE_N,warps,stages", _attn_decode),
 }
 
 
 def report(name: str, shape: list[int], top: int = 12) -> dict[str, Any]:
-    fn, sig, consts, warps, per_thread = KERNELS[name][1](*shape)
-    kernel = compile_sm90(fn, {**sig, **{k: "constexpr" for k in consts}}, consts, warps)
+    fn, sig, consts, warps, per_thread, *stages = KERNELS[name][1](*shape)
+    kernel = compile_sm90(fn, {**sig, **{k: "constexpr" for k in consts}}, consts, warps,
+                          *stages)
     sass = disassemble(kernel.asm["cubin"])
     mix = loop_mix(sass)
     out: dict[str, Any] = {"kernel": name, "shape": shape, "spill_stores": sass.count("STL")}

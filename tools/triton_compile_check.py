@@ -13,7 +13,7 @@ the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL 
 residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps; unsplit attention over an FP8 cache, widened
-to the query's dtype or to float16). Exits non-zero if any fails.
+to the query's dtype or to float16, V also transposed in registers). Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _decode_chain_cases() -> list[tuple[str, Any, dict[str, str], dict[str, Any]
         cases.append((f"split merge{name}", tak._merge_splits_kernel,
                       sig, consts))
     # Unsplit decode over an FP8 cache, its tiles widened to the query's dtype and to float16.
-    for mode in (tak.FP8_AS_QUERY.value, tak.FP8_F16.value):
+    for mode in (tak.FP8_AS_QUERY.value, tak.FP8_F16.value, tak.FP8_F16_VT.value):
         consts = dict(NUM_HEADS=32, QPK=4, HEAD_DIM=128, HEAD_DIM_P=128, PAGE_SIZE=16,
                       BLOCK_Q=1, BLOCK_M=16, TILE_N=128, DECODE_ONLY=True, SPLIT_KV=False,
                       IEEE_DOT=False, FUSED_MERGE=False, SPLITS_P=ap.MAX_SPLITS, EARLY_V=False,

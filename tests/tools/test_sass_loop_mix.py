@@ -49,3 +49,16 @@ def test_group_tiled_int4_gemv_has_one_lop3_and_ffma_a_weight() -> None:
     # the mask-and-exponent is one LOP3 a weight (the exponent in a register), one FFMA each
     assert 0.95 <= r["top"]["LOP3.LUT"] <= 1.1 and 0.95 <= r["top"]["FFMA"] <= 1.1
     assert r["per_weight"] < 5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (a CPU build compiles for sm_90)")
+def test_fp8_decode_attention_transposes_v_without_byte_loads_only_in_f16_vt() -> None:
+    # "f16" (KV_FP8 2) reads each V entry from shared memory as one byte; "f16_vt" (3) widens
+    # V before transposing it in registers, so its loop has no LDS.U8 and fewer instructions.
+    f16 = slm.report("attn-decode", [2, 128, 4, 3])
+    vt = slm.report("attn-decode", [3, 128, 4, 3])
+    assert f16["spill_stores"] == vt["spill_stores"] == 0
+    assert f16["top"].get("LDS.U8", 0) >= 0.4
+    assert "LDS.U8" not in vt["top"]
+    assert vt["per_weight"] < f16["per_weight"]

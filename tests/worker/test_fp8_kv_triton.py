@@ -155,12 +155,12 @@ def test_mixed_prefill_and_decode_attention(head_dim, kv_heads):
     _check(query, cache, meta, ks, vs, plan)
 
 
-@pytest.mark.parametrize("widen", ["query", "f16"])
+@pytest.mark.parametrize("widen", ["query", "f16", "f16_vt"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_decode_attention_unsplit_and_split(splits, head_dim, widen):
-    # (On a GPU "f16" widens the tiles to float16; float32 queries on the CPU keep float32
-    # whatever the plan says.)
+    # (On a GPU "f16" / "f16_vt" widen the tiles to float16; float32 queries on the CPU keep
+    # float32 whatever the plan says.)
     kv_heads = 2
     seq_lens = [1, 23, 9] if not GPU else [1, 700, 129]
     query, cache, meta, ks, vs = _batch([1] * len(seq_lens), seq_lens, kv_heads, head_dim,
@@ -169,7 +169,7 @@ def test_decode_attention_unsplit_and_split(splits, head_dim, widen):
 
 
 @pytest.mark.skipif(not GPU, reason="128-position tiles: GPU shapes (the interpreter's are tiny)")
-@pytest.mark.parametrize("widen", ["query", "f16"])
+@pytest.mark.parametrize("widen", ["query", "f16", "f16_vt"])
 def test_decode_attention_wide_tiles(widen):
     seq_lens = [1, 700, 129, 128, 255]
     query, cache, meta, ks, vs = _batch([1] * len(seq_lens), seq_lens, 2, 128, seed=7)

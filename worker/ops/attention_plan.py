@@ -75,9 +75,9 @@ class TritonAttentionPlan:
     # to 2k positions, a few beyond, so there is no loop to pipeline the second round trip
     # behind).
     early_v: bool = True
-    # FP8 caches: how the tiles widen for the tensor cores: "query" (to the query's dtype) or
-    # "f16" (the query made float16 once, the tiles converted to it); see
-    # triton_attention_kernels.FP8_F16.
+    # FP8 caches: how the tiles widen for the tensor cores: "query" (to the query's dtype),
+    # "f16" (the query made float16 once, the tiles converted to it) or "f16_vt" (the same,
+    # V transposed in registers; not measured yet); see triton_attention_kernels.FP8_F16.
     fp8_widen: str = "query"
 
 

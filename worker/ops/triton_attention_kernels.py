@@ -138,9 +138,30 @@ def _attend_tile(
 # converted to float16 (e4m3 -> f16 is exact and cheaper than -> bf16). Moving e4m3's bits into
 # float16's places instead (2^-8 of the value, the scales taking it back) measured slower than
 # either (H200, batch 256 x 1024: 282.6 us against 201.2 for "f16" and 277.5 for "query").
+# "f16_vt" loads V as K is loaded ([D, TILE_N], a position's entries along the first axis),
+# widens it and transposes it in registers: in the sm_90 SASS of the "f16" loop the transpose
+# the P V product needs reads single bytes from shared memory (one LDS.U8 per V entry, 5.45
+# instructions per K/V entry at 128-position tiles and 3 stages); this one has no shared-memory
+# byte loads (4.95; bf16 caches 3.46; tools/sass_loop_mix.py attn-decode). Not measured on a
+# GPU yet, so no plan picks it.
 FP8_AS_QUERY = tl.constexpr(1)
 FP8_F16 = tl.constexpr(2)
-_FP8_WIDEN_MODES = {"query": FP8_AS_QUERY.value, "f16": FP8_F16.value}
+FP8_F16_VT = tl.constexpr(3)
+_FP8_WIDEN_MODES = {"query": FP8_AS_QUERY.value, "f16": FP8_F16.value,
+                    "f16_vt": FP8_F16_VT.value}
+
+
+@triton.jit
+def _load_v_f16_t(v_cache_ptr, tok_off, pos_ok, D: tl.constexpr, MASKED: tl.constexpr):
+    """An FP8 cache's V tile as float16 [TILE_N, D] (``FP8_F16_VT``; every column real),
+    loaded as [D, TILE_N] and transposed after widening."""
+    offs_d = tl.arange(0, D)
+    ptr = v_cache_ptr + tok_off[None, :] + offs_d[:, None]
+    if MASKED:
+        vt = tl.load(ptr, mask=pos_ok[None, :], other=0.0)
+    else:
+        vt = tl.load(ptr)
+    return tl.trans(vt.to(tl.float16))
 
 
 @triton.jit
@@ -200,10 +221,13 @@ def _attend_kv(
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if not HAVE_V:
-        v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
-    if KV_FP8:
-        v = v.to(q.dtype)
+    if not HAVE_V and KV_FP8 == FP8_F16_VT and EVEN_D:
+        v = _load_v_f16_t(v_cache_ptr, tok_off, pos_ok, offs_d.shape[0], MASKED)
+    else:
+        if not HAVE_V:
+            v = _load_v(v_cache_ptr, tok_off, offs_d, d_ok, pos_ok, MASKED, EVEN_D)
+        if KV_FP8:
+            v = v.to(q.dtype)
     if IEEE_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -334,7 +358,7 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if KV_FP8 == FP8_F16:
+    if KV_FP8 >= FP8_F16:
         q = q.to(tl.float16)  # (_attend_kv widens the tiles to the query's dtype)
     if TIMES:
         stamp(times_ptr, prog, 2, tl.sum(tl.sum(q.to(tl.float32), axis=1), axis=0))
