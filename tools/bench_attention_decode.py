@@ -3,6 +3,8 @@ batch's KV fastest for one head shape (issue 19: Gemma's 256-wide heads at batch
 
     python tools/bench_attention_decode.py --heads 16 --kv-heads 8 --head-dim 256 --ctx 2048 \\
         --batch 1 --out attn_gemma2.json
+    python tools/bench_attention_decode.py --heads 32 --kv-heads 8 --head-dim 128 --batch 256 \\
+        --ctx 1024 --kv-dtype fp8 --splits 1 --tiles 64,128 --stages 2,3 --fp8-widen f16,f16_vt
 
 Each timing replays a CUDA graph of the Triton paged attention (and its split merge) over
 ``--caches`` separate KV caches, so the KV comes from HBM and not from L2 and no launch gaps

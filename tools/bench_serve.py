@@ -15,11 +15,11 @@ last send is at N/rate. Timings are client-side ``time.perf_counter``:
 with token counts from the server's ``usage``. ITL is also split (``split_itl``): the steps that
 finished another request's prompt, mixed prefill + decode steps (``itl_arrival_ms``: per
 request and such step, the larger of the gap that ended with that first text and the one
-before it), and the other gaps (``itl_no_arrival_ms``). A chunk's time is when the read that completed it
-returned: chunks that arrive in one read share it (their ITL gap is 0). An untimed lone request
-first warms the server up and measures the batch-1 decode rate of this same run: the reference
-the result is reported against (a client cannot measure the server's hardware ceiling). Prints a
-human table on stderr and one JSON object on stdout.
+before it), and the other gaps (``itl_no_arrival_ms``). A chunk's time is when the read that
+completed it returned: chunks that arrive in one read share it (their ITL gap is 0). An untimed
+lone request first warms the server up and measures the batch-1 decode rate of this same run:
+the reference the result is reported against (a client cannot measure the server's hardware
+ceiling). Prints a human table on stderr and one JSON object on stdout.
 
 The load client must never be the bottleneck, so the timed requests run in ``--client-procs``
 processes (spawned; uvloop where installed): request i goes to process i mod K with its arrival

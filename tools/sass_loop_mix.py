@@ -3,10 +3,13 @@ a GPU: Triton compiles for the target on the CPU and ships ``nvdisasm``, so a GE
 instructions per weight can be compared before any device time is spent. Issue 23's INT4 GEMVs
 ran at the same microseconds on an H100 and an H200 (compute-bound, not memory-bound); this is
 how their two forms were compared (about 7.5 SASS instructions a weight for the whole-row
-kernel against 3.6-4.8 for the group-tiled one at one warp of 16-64 rows).
+kernel against 3.6-4.8 for the group-tiled one at one warp of 16-64 rows), and how decode
+attention over an FP8 cache was found to read V from shared memory a byte at a time
+(``attn-decode``: "a weight" is then a K or V entry).
 
     pip install --no-deps --target /tmp/tri triton==3.6.0
     PYTHONPATH=/tmp/tri python tools/sass_loop_mix.py int4-groups 32,4,1,0,4 int4-rows 8,1024,2
+    PYTHONPATH=/tmp/tri python tools/sass_loop_mix.py attn-decode 0,64,4,2 2,128,4,3 3,128,4,3
 
 Each kernel takes launch shapes as comma lists (see ``KERNELS``). The pointer and size
 arguments are compiled as divisible by 16, as Triton specializes them at a launch on aligned
@@ -126,11 +129,11 @@ def _gemv(dtype: str, bn: int, bk: int, warps: int) -> tuple[Any, dict, dict, in
 
 
 def _attn_decode(widen: int, tile: int, warps: int,
-                 stages: int) -> tuple[Any, dict, dict, int, float]:
+                 stages: int) -> tuple[Any, dict, dict, int, float, int]:
     """Unsplit decode attention (``_paged_attention_kernel``), Llama-3.1-8B's heads (32 / 8,
     128 wide), pages of 16: over a bfloat16 cache (``widen`` 0) or an FP8 one (``widen`` the
-    kernel's KV_FP8: 1 to the query's dtype, 2 to float16, 3 to float16 with V transposed in registers). Counted per
-    K and V element."""
+    kernel's KV_FP8: 1 to the query's dtype, 2 to float16, 3 to float16 with V transposed in
+    registers). Counted per K and V element."""
     from tidal.worker.ops import attention_plan as ap
     from tidal.worker.ops import triton_attention_kernels as tak
 
@@ -153,7 +156,7 @@ def _attn_decode(widen: int, tile: int, warps: int,
 
 # name -> (what the comma list is, a builder of (kernel, signature, constants, warps, weights a
 # thread an iteration of its loop[, pipeline stages]))
-KERNELS: dict[str, tuple[str, Callable[..., tuple[Any, dict, dict, int, float]]]] = {
+KERNELS: dict[str, tuple[str, Callable[..., tuple[Any, ...]]]] = {
     "int4-rows": ("BLOCK_N,BLOCK_K,warps", _int4_rows),
     "int4-groups": ("BLOCK_N,GPC,warps,prefetch,split", _int4_groups),
     "gemv-bf16": ("BLOCK_N,BLOCK_K,warps", lambda *a: _gemv("bf16", *a)),

@@ -45,7 +45,8 @@ fi
 # Two test processes on two cores: one OpenMP thread each (and in the engines they start), or
 # their thread teams spin-wait against each other (a four-file subset of the suite: 113 s
 # against 131 s with torch's default team; OMP_NUM_THREADS set by the caller wins).
-if [ "$TEST_WORKERS" -ge 2 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+if [[ -z "${OMP_NUM_THREADS:-}" && ( "$TEST_WORKERS" == auto
+      || ( "$TEST_WORKERS" =~ ^[0-9]+$ && "$TEST_WORKERS" -ge 2 ) ) ]]; then
     export OMP_NUM_THREADS=1
 fi
 python -m pytest -q -n "$TEST_WORKERS" --dist loadfile "$@"

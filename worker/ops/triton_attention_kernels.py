@@ -293,9 +293,10 @@ def _paged_attention_kernel(
     TIMES: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
-    # FP8 e4m3 cache (non-zero: how the tiles widen, ``FP8_AS_QUERY`` / ``FP8_F16``): entries
-    # times k_scale / v_scale. K's scale multiplies the scores (folded into scale_log2), V's
-    # the normalised output; both read through pointers at run time.
+    # FP8 e4m3 cache (non-zero: how the tiles widen, ``FP8_AS_QUERY`` / ``FP8_F16`` /
+    # ``FP8_F16_VT``): entries times k_scale / v_scale. K's scale multiplies the scores
+    # (folded into scale_log2), V's the normalised output; both read through pointers at run
+    # time.
     KV_FP8: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
