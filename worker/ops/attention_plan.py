@@ -7,7 +7,6 @@ decode step captured in a CUDA graph replays correctly whatever the contexts gro
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -104,19 +103,9 @@ def plan_triton_attention(
         # the device-to-device copy rate; 3-4 stages lost 15-20% at batch 64. Split programs
         # (few requests) own one tile up to 32 x 64 positions, and the pipelined loop's
         # set-up then costs more than it hides (see SPLIT_STAGES).
-        plan = TritonAttentionPlan(
-            decode_only=True,
-            block_q=1,
-            block_m=block_m,
-            tile_n=32 if fp32 else 64,
-            num_splits=splits,
-            # 256-wide heads (Gemma) fill 8 warps: H100, batch 1, 16 / 8 heads, context 2048
-            # (tools/bench_attention_decode.py): 12.1 -> 11.0 us, and 8.3 -> 6.9 us over a
-            # 1024-token window. 128-wide heads lose with 8 (Llama-3.1-8B's 9.1 -> 10.5).
-            num_warps=8 if head_dim > 128 else 4,
-            num_stages=SPLIT_STAGES if splits > 1 else 2,
-            grid0=num_reqs,
-        )
+        tile_n = 32 if fp32 else 64
+        stages = SPLIT_STAGES if splits > 1 else 2
+        widen = "query"
         if fp8 and not fp32 and head_dim <= 128:
             # An FP8 tile carries half the bytes of a 16-bit one for the same work, and its
             # widening costs instructions: H200, Llama-3.1-8B heads, batch 256 x 1024
@@ -125,10 +114,23 @@ def plan_triton_attention(
             # 245.8); batch 64 x 4096 242.5 -> 184.3; split batch-1 decodes keep their tile
             # and stages, float16 widening 11.9 -> 10.7 us. (A query beyond float16's range,
             # 65504, would overflow: no served model's post-rotary queries come near it.)
-            plan = dataclasses.replace(plan, fp8_widen="f16")
+            widen = "f16"
             if splits == 1:
-                plan = dataclasses.replace(plan, tile_n=128, num_stages=3)
-        return plan
+                tile_n, stages = 128, 3
+        return TritonAttentionPlan(
+            decode_only=True,
+            block_q=1,
+            block_m=block_m,
+            tile_n=tile_n,
+            num_splits=splits,
+            # 256-wide heads (Gemma) fill 8 warps: H100, batch 1, 16 / 8 heads, context 2048
+            # (tools/bench_attention_decode.py): 12.1 -> 11.0 us, and 8.3 -> 6.9 us over a
+            # 1024-token window. 128-wide heads lose with 8 (Llama-3.1-8B's 9.1 -> 10.5).
+            num_warps=8 if head_dim > 128 else 4,
+            num_stages=stages,
+            grid0=num_reqs,
+            fp8_widen=widen,
+        )
     # Mixed or prefill batch: tiles of block_q query positions; short queries (a few
     # speculative tokens) get small tiles, long prompts get 128 rows to feed the tensor cores.
     cap = 64 if fp32 or head_dim > 128 else 128
