@@ -5,7 +5,16 @@ shape of ``gpu_kernel_check.GEMV_SWEEP``, in CUDA graphs over enough weight copi
 from HBM. Prints the best per GEMV and the ``GEMV_CONFIGS`` entries (element size 1) to
 commit in ``worker/ops/triton_decode.py``.
 
-    python tools/sweep_fp8_gemv.py --shape llama8b --out fp8_gemv.json
+With ``--dot``, each GEMV is also timed on the few-row tensor-core kernel
+(``triton_gemv_rows``, FP8 weights widened in registers) over its launch shapes, as the engine
+would run each: the norm before it apart (``add_rms_norm_row``), where the elementwise GEMV
+takes it as its prologue below ``NORM_APART_MIN_BYTES``. Prints the ``FP8_ROWS_CONFIGS``
+entries where that sequence beat the elementwise one's (with its table launch shape).
+
+    python tools/sweep_fp8_gemv.py --shape llama8b --dot --out fp8_gemv.json
+
+``--dot-rows 2,4,8`` times the tensor-core kernel at those row counts against the engine's
+path for FP8 weights there without it (rows normed and quantized, cuBLASLt).
 """
 
 from __future__ import annotations
@@ -30,6 +39,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama8b", help="prefix of gpu_kernel_check's GEMV names")
+    p.add_argument("--dot", action="store_true",
+                   help="also sweep the tensor-core kernel (FP8_ROWS_CONFIGS)")
+    p.add_argument("--dot-rows", default="",
+                   help="comma-separated row counts (2-8) at which to time the tensor-core "
+                        "kernel against the engine's FP8 path for them (rows quantized, "
+                        "cuBLASLt), e.g. 2,4,8")
+    p.add_argument("--skip-fma-sweep", action="store_true",
+                   help="time the elementwise GEMV at its table's launch shape only")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -71,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         # One-byte weights: the 16-bit sweep's shapes and twice as long K chunks; then the
         # five best with a second chunk fetched ahead.
         shapes = sorted({*GEMV_SWEEP, *((bn, 2 * bk, w) for bn, bk, w in GEMV_SWEEP)})
-        for c in [None] + [c for c in shapes if c[1] <= max(64, 1 << (k - 1).bit_length())]:
+        for c in [None] + ([] if args.skip_fma_sweep else
+                           [c for c in shapes if c[1] <= max(64, 1 << (k - 1).bit_length())]):
             timed(c)
-        firsts = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])[:5]
+        firsts = [] if args.skip_fma_sweep else sorted(
+            (r for r in rows if "ms" in r), key=lambda r: r["ms"])[:5]
         for r in firsts:
             c = tuple(r["config"][:3])
             if 2 * c[1] <= k:
@@ -86,7 +105,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{top['ms'] * 1e3:.1f} us ({top['GBps']:.0f} GB/s)", flush=True)
         best[name] = {"n": n // 2 if silu else n, "k": k, "silu": silu, "config": top["config"],
                       "us": top["ms"] * 1e3, "default_us": d["ms"] * 1e3}
-        results.append({"gemv": name, "n": n, "k": k, "kind": kind, "rows": rows})
+        case = {"gemv": name, "n": n, "k": k, "kind": kind, "rows": rows}
+        if args.dot:
+            case["dot"] = _dot_sweep(name, ws, ss, x, r, nw, kind, silu, time_calls, td)
+            best[name]["dot"] = case["dot"]["summary"]
+        for m in [int(v) for v in args.dot_rows.split(",") if v]:
+            xm = torch.randn((m, k), device=dev, dtype=dt)
+            rm = torch.randn((m, k), device=dev, dtype=dt)
+            case[f"dot_rows{m}"] = _dot_rows_sweep(name, ws, ss, xm, rm, nw, kind, silu,
+                                                   time_calls)
+        results.append(case)
         del ws, ss
         torch.cuda.empty_cache()
     print("GEMV_CONFIGS entries (element size 1):")
@@ -95,10 +123,102 @@ def main(argv: list[str] | None = None) -> int:
         pre = c[3] if len(c) > 3 else 1
         print(f"    ({b['n']}, {b['k']}, {b['silu']}, 1): ({c[0]}, {c[1]}, {c[2]}, {pre}),"
               f"  # {name}: {b['default_us']:.1f} -> {b['us']:.1f} us")
+    if args.dot:
+        print("FP8_ROWS_CONFIGS entries (the tensor-core sequence faster than the engine's):")
+        for name, b in best.items():
+            sm = b.get("dot")
+            if sm and sm["dot_us"] < sm["engine_us"]:
+                print(f"    ({b['n']}, {b['k']}, {b['silu']}): {tuple(sm['config'])},"
+                      f"  # {name}: {sm['engine_us']:.1f} -> {sm['dot_us']:.1f} us")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0),
                                               "best": best, "sweep": results}, indent=1))
     return 0
+
+
+DOT_SWEEP = [(bn, bk, 4, 3, sp) for bn in (32, 64, 128) for bk in (128, 256, 512)
+             for sp in (1, 2, 4)] + [(128, 256, 8, 3, 1), (64, 256, 4, 4, 1), (128, 128, 4, 4, 1)]
+
+
+def _dot_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str, silu: bool,
+               time_calls: Any, td: Any) -> dict[str, Any]:
+    """The engine's sequence for this GEMV on the elementwise kernel against the same on the
+    tensor-core kernel over ``DOT_SWEEP``: microseconds per call (norm included)."""
+    from tidal.worker.ops import triton_gemv_rows as tr
+    from tidal.worker.ops.kernels import NORM_APART_MIN_BYTES
+
+    act = "silu" if silu else None
+    apart = bool(kind) and ws[0].numel() >= NORM_APART_MIN_BYTES
+
+    def engine(w: Any, s: Any) -> None:
+        if apart:
+            h, _ = td.add_rms_norm_row(x, r, nw, 1e-6)
+            td.gemv(h, w, silu=silu, weight_scale=s)
+        elif kind:
+            td.gemv(x, w, norm_weight=nw, residual=r, eps=1e-6, silu=silu, weight_scale=s)
+        else:
+            td.gemv(x, w, weight_scale=s)
+
+    def dot(w: Any, s: Any, c: tuple) -> None:
+        h = td.add_rms_norm_row(x, r, nw, 1e-6)[0] if kind else x
+        tr.gemv_rows(h, w, act=act, config=c, weight_scale=s)
+
+    base = time_calls([(lambda w=w, s=s: engine(w, s)) for w, s in zip(ws, ss)])["ms"] * 1e3
+    rows: list[dict[str, Any]] = []
+    for c in DOT_SWEEP:
+        try:
+            t = time_calls([(lambda w=w, s=s, c=c: dot(w, s, c)) for w, s in zip(ws, ss)])
+        except Exception as exc:  # a launch shape that does not fit
+            rows.append({"config": list(c), "error": str(exc)[:160]})
+            continue
+        rows.append({"config": list(c), "us": t["ms"] * 1e3})
+    ok = sorted((d for d in rows if "us" in d), key=lambda d: d["us"])
+    top = ok[0]
+    print(f"{name:18s} engine (elementwise{', norm apart' if apart else ''}) {base:.1f} us; "
+          f"tensor cores best {top['config']} {top['us']:.1f} us; next "
+          f"{[(d['config'], round(d['us'], 1)) for d in ok[1:4]]}", flush=True)
+    return {"summary": {"engine_us": base, "dot_us": top["us"], "config": top["config"],
+                        "norm_apart": apart}, "rows": rows}
+
+
+def _dot_rows_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str,
+                    silu: bool, time_calls: Any) -> dict[str, Any]:
+    """``x``'s rows (2 to 8) through the engine's ops with no FP8 launch shape in the table
+    (norm, rows quantized to FP8, cuBLASLt) against the norm and the tensor-core kernel."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import kernels_for
+    from tidal.worker.ops import triton_decode as td
+    from tidal.worker.ops import triton_gemv_rows as tr
+
+    ops = kernels_for(x.device, KernelConfig(ops="triton"))
+    act = "silu" if silu else None
+
+    def engine(w: Any, s: Any) -> None:
+        if kind:
+            ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu, weight_scale=s)
+        else:
+            ops.fp8_linear(x, w, s)
+
+    def dot(w: Any, s: Any, c: tuple) -> None:
+        h = td.add_rms_norm_rows(x, r, nw, 1e-6)[0] if kind else x
+        tr.gemv_rows(h, w, act=act, config=c, weight_scale=s)
+
+    base = time_calls([(lambda w=w, s=s: engine(w, s)) for w, s in zip(ws, ss)])["ms"] * 1e3
+    rows: list[dict[str, Any]] = []
+    for c in [c for c in DOT_SWEEP if c[1] <= 256]:
+        try:
+            t = time_calls([(lambda w=w, s=s, c=c: dot(w, s, c)) for w, s in zip(ws, ss)])
+        except Exception as exc:  # a launch shape that does not fit
+            rows.append({"config": list(c), "error": str(exc)[:160]})
+            continue
+        rows.append({"config": list(c), "us": t["ms"] * 1e3})
+    ok = sorted((d for d in rows if "us" in d), key=lambda d: d["us"])
+    m = x.shape[0]
+    print(f"{name:18s} {m} rows: engine (rows quantized, cuBLASLt) {base:.1f} us; tensor cores "
+          f"best {ok[0]['config']} {ok[0]['us']:.1f} us; next "
+          f"{[(d['config'], round(d['us'], 1)) for d in ok[1:3]]}", flush=True)
+    return {"rows": m, "engine_us": base, "dot_us": ok[0]["us"], "config": ok[0]["config"],
+            "sweep": rows}
 
 
 if __name__ == "__main__":

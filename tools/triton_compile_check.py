@@ -233,14 +233,18 @@ def main() -> int:
     from tidal.worker.ops import triton_gemv_rows as tr
 
     rows_types = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
-                  "ws_ptr": "*fp32", "count_ptr": "*i32"}
-    for gated, pdl, split in ((False, False, 1), (False, True, 1), (True, True, 1),
-                              (False, False, 4), (True, True, 2)):
+                  "ws_ptr": "*fp32", "count_ptr": "*i32", "scale_ptr": "*fp32"}
+    for gated, pdl, split, fp8 in ((False, False, 1, False), (False, True, 1, False),
+                                   (True, True, 1, False), (False, False, 4, False),
+                                   (True, True, 2, False), (True, False, 1, True),
+                                   (False, True, 4, True)):
         consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=not gated, GATED=gated,
-                      GELU=False, EVICT="evict_first", PDL=pdl, SPLIT=split)
-        sig = {n: "constexpr" if n in consts else rows_types.get(n, "i32")
+                      GELU=False, EVICT="evict_first", PDL=pdl, SPLIT=split, W_FP8=fp8)
+        types = dict(rows_types, w_ptr="*fp8e4nv") if fp8 else rows_types
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32")
                for n in tr._gemv_rows_kernel.arg_names}
-        cases.append((f"few-row GEMV, tensor cores{' + SiLU' if gated else ' + bias'}"
+        cases.append((f"few-row GEMV, tensor cores{', FP8 weights' if fp8 else ''}"
+                      f"{' + SiLU' if gated else ' + bias'}"
                       f"{' + PDL prefetch' if pdl else ''}"
                       f"{f', K split {split} ways' if split > 1 else ''}",
                       tr._gemv_rows_kernel, sig, consts))

@@ -251,3 +251,107 @@ def test_dispatch(pdl_dot, monkeypatch: pytest.MonkeyPatch) -> None:
         x = torch.randn((rows, 2048), device=DEVICE, generator=gen).to(dt)
         _check(K.linear(x, sq), *_reference(x, sq, None, None), dt, f"square {rows}")
         assert calls == ([None] if taken else []), (rows, calls)
+
+
+# --- FP8 (e4m3) weights on the tensor-core kernel -------------------------------------------
+
+FP8_OK = torch.cuda.get_device_capability() >= (8, 9)
+fp8_gpu = pytest.mark.skipif(not FP8_OK, reason="e4m3 conversion needs compute capability >= 8.9")
+
+
+def _fp8_operands(gen, m, n, k, act, bias, x_scale=1.0):
+    from tidal.worker.ops import fp8_torch
+
+    w = torch.randn((2 * n if act else n, k), device=DEVICE, generator=gen) / k ** 0.5
+    if w.shape[0] >= 8:  # (not the only row of a gate or an up half: a zero reference)
+        w[3] = 0  # an all-zero row: the smallest scale, a zero output
+    w_q, w_s = fp8_torch.quantize_rows(w)
+    x = (torch.randn((m, k), device=DEVICE, generator=gen) * x_scale).to(torch.bfloat16)
+    b = torch.randn(n, device=DEVICE, generator=gen).to(torch.bfloat16) if bias else None
+    _poison(m * n * 2)
+    return w_q, w_s, x, b
+
+
+def _fp8_reference(x, w_q, w_s, b, act):
+    """float64 and the torch reference (``fp8_weight_only_linear``, in the dtype)."""
+    from tidal.worker.ops import fp8_torch
+
+    w64 = w_q.double() * w_s.double().reshape(-1, 1)
+    y64 = F.linear(x.double(), w64, None if b is None else b.double())
+    y = fp8_torch.fp8_weight_only_linear(x, w_q, w_s, b)
+    fn = ACTS[act]
+    return (y64, y) if fn is None else (fn(y64), fn(y))
+
+
+@fp8_gpu
+@pytest.mark.parametrize("act", [None, "silu"], ids=str)
+@pytest.mark.parametrize("split", [1, 4])
+def test_fp8_weights_random_shapes(act, split) -> None:
+    """FP8 weights from one row up: ragged shapes, bias, SiLU, K split, against the weight-only
+    reference; x far from 1 in magnitude (the kernel takes it times 2^-4 in float16)."""
+    rng = random.Random(hash((act, split)) & 0xFFFF)
+    gen = torch.Generator(device=DEVICE).manual_seed(rng.randrange(1 << 30))
+    for case in range(6):
+        m = rng.choice([1, 1, 2, 4, 8])
+        n, k = rng.randrange(1, 700), rng.randrange(16, 1500)
+        bias = act is None and case % 2 == 1
+        x_scale = rng.choice([1e-3, 1.0, 3000.0])
+        w_q, w_s, x, b = _fp8_operands(gen, m, n, k, act, bias, x_scale)
+        out = tr.gemv_rows(x, w_q, b, act=act, config=(32, 128, 4, 3, split), weight_scale=w_s)
+        assert out.shape == (m, n)
+        _check(out, *_fp8_reference(x, w_q, w_s, b, act), torch.bfloat16,
+               f"fp8 m={m} n={n} k={k} act={act} split={split} x~{x_scale}")
+
+
+@fp8_gpu
+def test_fp8_checks_its_scale() -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    w_q, w_s, x, _ = _fp8_operands(gen, 1, 64, 128, None, False)
+    with pytest.raises(ValueError, match="takes a weight_scale"):
+        tr.gemv_rows(x, w_q)
+    with pytest.raises(ValueError, match="one float32 scale per weight row"):
+        tr.gemv_rows(x, w_q, weight_scale=w_s[:10])
+    assert tr.gemv_rows_supported(x, w_q) and not tr.gemv_rows_supported(
+        x, w_q.to(torch.float16))  # (a 16-bit weight takes two rows or more)
+
+
+@fp8_gpu
+@pytest.mark.skipif(not HOPPER, reason="the policy runs the few-row GEMV on Hopper only "
+                                       "(where its launch shapes were measured)")
+def test_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2-8 rows of a weight in ``FP8_ROWS_CONFIGS`` take the tensor-core kernel in
+    ``fp8_linear`` and ``rms_norm_fp8_linear`` (the Triton norm first: the residual exact), and
+    match the weight-only reference; one row stays on the elementwise GEMV, nine rows and
+    unmeasured weights on the FP8 GEMM (rows quantized)."""
+    assert {(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
+            (4096, 14336, False)} <= set(tr.FP8_ROWS_CONFIGS)  # Llama-3.1-8B's, measured
+    monkeypatch.setitem(tr.FP8_ROWS_CONFIGS, (512, 1024, True), (32, 128, 4, 3))
+    monkeypatch.setitem(tr.FP8_ROWS_CONFIGS, (512, 1024, False), (32, 128, 4, 3, 2))
+    K = kernels_for(DEVICE, KernelConfig(ops="triton"))
+    calls: list[str | None] = []
+    real = tr.gemv_rows
+    monkeypatch.setattr(tr, "gemv_rows",
+                        lambda *a, **kw: calls.append(kw.get("act")) or real(*a, **kw))
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    w_q, w_s, _, _ = _fp8_operands(gen, 1, 512, 1024, None, False)
+    wg_q, wg_s, _, _ = _fp8_operands(gen, 1, 512, 1024, "silu", False)
+    odd_q, odd_s, _, _ = _fp8_operands(gen, 1, 500, 1024, None, False)
+    nw = torch.randn(1024, device=DEVICE, generator=gen).to(torch.bfloat16)
+    for rows in (2, 4, 8):
+        x = torch.randn((rows, 1024), device=DEVICE, generator=gen).to(torch.bfloat16)
+        r = torch.randn_like(x)
+        calls.clear()
+        _check(K.fp8_linear(x, w_q, w_s), *_fp8_reference(x, w_q, w_s, None, None),
+               torch.bfloat16, f"fp8_linear {rows}")
+        y, res = K.rms_norm_fp8_linear(x, r, nw, 1e-6, wg_q, wg_s, silu=True)
+        h_ref, res_ref = torch_ops.fused_add_rms_norm(x, r, nw, 1e-6)
+        assert torch.equal(res, res_ref)
+        _check(y, *_fp8_reference(h_ref, wg_q, wg_s, None, "silu"), torch.bfloat16,
+               f"rms_norm_fp8_linear {rows}")
+        assert calls == [None, "silu"], (rows, calls)
+        calls.clear()
+        K.fp8_linear(x, odd_q, odd_s)  # no launch shape measured: rows quantized, cuBLASLt
+        assert calls == [], (rows, calls)
+    for rows in (1, 9):
+        K.fp8_linear(torch.randn((rows, 1024), device=DEVICE).to(torch.bfloat16), w_q, w_s)
+    assert calls == [], calls

@@ -76,7 +76,7 @@ class TritonAttentionPlan:
     early_v: bool = True
     # FP8 caches: how the tiles widen for the tensor cores: "query" (to the query's dtype),
     # "f16" (the query made float16 once, the tiles converted to it) or "f16_vt" (the same,
-    # V transposed in registers; not measured yet); see triton_attention_kernels.FP8_F16.
+    # V transposed in registers; measured slower); see triton_attention_kernels.FP8_F16.
     fp8_widen: str = "query"
 
 

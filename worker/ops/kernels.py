@@ -294,6 +294,23 @@ class Kernels:
                 and weight.numel() * weight.element_size() <= self._gemv_max_bytes
                 and not torch.compiler.is_compiling())
 
+    def fp8_rows_applies(self, x: torch.Tensor, w_q: torch.Tensor, gated: bool = False,
+                         bias: torch.Tensor | None = None) -> bool:
+        """Whether an FP8 ``w_q`` times ``x`` (with ``bias``, or the activation of a fused
+        ``[gate; up]`` weight when ``gated``) runs on the few-row tensor-core GEMV: the policy
+        has it, and a launch shape was measured for this weight at this row count
+        (``FP8_ROWS_CONFIGS``: faster there than rows quantized to FP8 and cuBLASLt)."""
+        rows = self._rows
+        if (rows is None or w_q.dtype != torch.float8_e4m3fn
+                or not rows.gemv_rows_supported(x, w_q)
+                or (gated and (w_q.shape[0] % 2 or bias is not None))
+                or (bias is not None and bias.dtype != x.dtype)):
+            return False
+        n = w_q.shape[0] // 2 if gated else w_q.shape[0]
+        return (rows.tuned_for(n, w_q.shape[1], gated, x.numel() // x.shape[-1], fp8=True)
+                and w_q.numel() <= self._gemv_max_bytes
+                and not torch.compiler.is_compiling())
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear``; a single row on the GPU runs the GEMV kernel, 2 to 8 rows the
@@ -379,8 +396,12 @@ class Kernels:
         """``x`` times an FP8 e4m3 weight ``w_q`` [N, K] with float32 scales ``w_scale``
         [N, 1], activations quantized per token (or by the static ``input_scale``; in one
         Triton pass where the policy has it), then cuBLASLt where the policy has it (compute
-        capability >= 8.9); else the torch reference (``fp8_torch``). One row on the GPU where the GEMV applies: the FP8 GEMV, weight-only
-        (``fp8_torch.fp8_weight_only_linear``; ``input_scale`` unused: nothing quantizes x)."""
+        capability >= 8.9); else the torch reference (``fp8_torch``). One row on the GPU where
+        the GEMV applies: the FP8 GEMV, weight-only (``fp8_torch.fp8_weight_only_linear``;
+        ``input_scale`` unused: nothing quantizes x); 2 to 8 rows where ``fp8_rows_applies``:
+        the few-row tensor-core GEMV, weight-only too."""
+        if self.fp8_rows_applies(x, w_q, bias=bias):
+            return self._rows.gemv_rows(x, w_q, bias, weight_scale=w_scale)
         if self.gemv_applies(x, w_q) and (bias is None or bias.dtype == x.dtype):
             y, _ = self._td.gemv(x, w_q, bias, weight_scale=w_scale)
             return y.view(*x.shape[:-1], w_q.shape[0])
@@ -437,9 +458,21 @@ class Kernels:
         silu: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp8_linear(rms_norm(x + residual)), x + residual)`` for rows where the one-row
-        GEMV does not apply. On the GPU, where the policy has it, one Triton pass adds, norms
-        and quantizes each row (``triton_fp8_quant``) and cuBLASLt multiplies; elsewhere the
-        plain norm, then ``fp8_linear`` (which quantizes again: the same numbers)."""
+        GEMV does not apply. 2 to 8 rows of a weight with a measured launch shape
+        (``fp8_rows_applies``): the Triton norm over the rows, then the few-row tensor-core
+        GEMV, weight-only as at one row. Else on the GPU, where the policy has it, one Triton
+        pass adds, norms and quantizes each row (``triton_fp8_quant``) and cuBLASLt multiplies;
+        elsewhere the plain norm, then ``fp8_linear`` (which quantizes again: the same
+        numbers)."""
+        if (self._td is not None and x.dim() == 2 and norm_weight.dtype == x.dtype
+                and (residual is None
+                     or (residual.shape == x.shape and residual.dtype == x.dtype))
+                and x.shape[-1] <= self._td.ADD_NORM_MAX
+                and self.fp8_rows_applies(x, w_q, silu, bias)):
+            h, residual = self._td.add_rms_norm_rows(x, residual, norm_weight, eps)
+            y = self._rows.gemv_rows(h, w_q, bias, act="silu" if silu else None,
+                                     weight_scale=w_scale)
+            return y, residual
         q = self._fp8q
         if (q is not None and x.is_cuda and x.dim() == 2 and q.supported(x)
                 and norm_weight.dtype == x.dtype

@@ -16,6 +16,10 @@ four programs per SM; and programmatic dependent launch (``PDL_DOT``). Together 
 Llama-3.1-8B's four-row q/k/v, o and down 2-7 % lower per call on an H200 (2026-11-28), and
 an EAGLE-3 batch-1 run no faster (1.91x -> 1.89x), so neither is on.
 
+FP8 (e4m3) weights run on the tensor-core kernel too, from one row (widened to float16 in
+registers, weight-only; ``FP8_ROWS_CONFIGS``): the engine takes it at 2-8 rows, where it beat
+quantizing the rows for cuBLASLt 1.6-2.5x per weight on an H200.
+
 H100, Llama-3.1-8B's projections, device time per call in a CUDA graph, weights cycled past
 the L2 cache (``tools/bench_gemv_rows.py``; cuBLAS -> this, us): four rows q/k/v 20.6 -> 20.0,
 o 15.6 -> 14.4, gate/up + SiLU 89.7 -> 80.5, down 43.5 -> 42.2, LM head 379.6 -> 338.8; two
@@ -31,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.worker.ops.triton_decode import _w_chunk, gated_product, launch, pdl_enabled
+from tidal.worker.ops.gpu_info import device_index
+from tidal.worker.ops.triton_decode import (_fp8_on_device, _w_chunk, gated_product, launch,
+                                            pdl_enabled)
 
 MAX_ROWS = 8  # measured up to here (the tile holds 16)
 # The table's elementwise launch shapes were measured at four rows; past that their per-row
@@ -123,6 +129,23 @@ ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (32000, 4096, False): (64, 256, 4, 5),
 }
 DEFAULT_CONFIG = (32, 256, 4, 3)
+# FP8 (e4m3) weights on the tensor-core kernel (weight-only, as the one-row GEMV), per (N
+# outputs, K, gated), for FP8_MIN_ROWS to FP8_MAX_ROWS rows: decode at batch 2-8 and a
+# speculative verify at batch 1. H200, Llama-3.1-8B, tools/sweep_fp8_gemv.py --dot-rows
+# 2,4,8, the norm before it included; the engine's path for these rows before (the rows normed
+# and quantized to FP8, then cuBLASLt) -> this, us at 2 / 4 / 8 rows: q/k/v 21.9 / 23.2 / 22.7
+# -> 12.6 / 12.5 / 12.6, o 16.5 / 16.4 / 16.1 -> 9.0, gate/up + SiLU 57.1 / 54.2 / 56.5 ->
+# 34.8 / 35.8 / 35.8, down 50.0 / 52.0 / 48.7 -> 20.2 / 20.3 / 20.4. At one row it only tied
+# the elementwise GEMV (gate/up 34.9 against 35.0 us, the others 14-42 % slower): not used
+# there.
+FP8_ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
+    (6144, 4096, False): (64, 128, 4, 3, 4),
+    (4096, 4096, False): (64, 256, 4, 3, 4),
+    (14336, 4096, True): (64, 256, 4, 3, 1),
+    (4096, 14336, False): (64, 256, 4, 3, 4),
+}
+FP8_MIN_ROWS = 2
+FP8_MAX_ROWS = 8
 # Programmatic dependent launch for the tensor-core kernel (its first weight chunk loaded before
 # the wait): KernelConfig.gemv_rows_pdl, set at start-up (``kernel_policy.apply_tuning``). Off:
 # on an H200 it paid per call (tools/bench_gemv_rows.py --pdl both) but not end to end.
@@ -131,15 +154,22 @@ PDL_DOT = False
 
 @triton.jit
 def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w, stride_o,
-                      ws_ptr, count_ptr,
+                      ws_ptr, count_ptr, scale_ptr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
-                      EVICT: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+                      EVICT: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+                      W_FP8: tl.constexpr):
     """``SPLIT`` > 1: program (n, s) sums the s-th of ``SPLIT`` slices of K into a float32
     workspace (``ws_ptr``: [SPLIT, M, N, or 2N gated]); the last of a tile's programs to count
     itself in (``count_ptr``, one zeroed counter per tile, re-zeroed by it) adds the slices in
     order and writes the tile: a grid of SPLIT times as many programs for weights too small to
-    cover the chip, the result independent of which program finishes last."""
+    cover the chip, the result independent of which program finishes last.
+
+    ``W_FP8``: e4m3 weights with a float32 scale per weight row (``scale_ptr``), weight-only
+    as the one-row GEMV (``fp8_torch.fp8_weight_only_linear``): each tile widened to float16
+    in registers (exact), x multiplied by 2^-4 into float16 (exact from 2^-10 up to 2^20 in
+    magnitude, float16's normal range shifted; below, steps of 2^-20; activations past 2^20
+    would overflow), the product in float32 times 2^4 and the row's scale at the end."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -163,18 +193,20 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
             wu0 = _w_chunk(wu_rows, kk0, row_ok, km0, False, EVICT)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # x comes from it; our output may reuse memory it reads
-        x0 = tl.load(x_rows + kk0[None, :], mask=m_ok[:, None] & km0[None, :], other=0.0)
-        acc = tl.dot(x0, tl.trans(w0), acc)
+        x0 = _rows_dot_x(x_rows, kk0, m_ok, km0, W_FP8)
+        acc = tl.dot(x0, tl.trans(_rows_dot_w(w0, W_FP8)), acc)
         if GATED:
-            acc_up = tl.dot(x0, tl.trans(wu0), acc_up)
+            acc_up = tl.dot(x0, tl.trans(_rows_dot_w(wu0, W_FP8)), acc_up)
         k_lo += BLOCK_K
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + cols
         km = kk < k_hi
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(_w_chunk(w_rows, kk, row_ok, km, False, EVICT)), acc)
+        x = _rows_dot_x(x_rows, kk, m_ok, km, W_FP8)
+        acc = tl.dot(x, tl.trans(_rows_dot_w(_w_chunk(w_rows, kk, row_ok, km, False, EVICT),
+                                             W_FP8)), acc)
         if GATED:
-            acc_up = tl.dot(x, tl.trans(_w_chunk(wu_rows, kk, row_ok, km, False, EVICT)), acc_up)
+            acc_up = tl.dot(x, tl.trans(_rows_dot_w(_w_chunk(wu_rows, kk, row_ok, km, False,
+                                                             EVICT), W_FP8)), acc_up)
     tile_ok = m_ok[:, None] & row_ok[None, :]
     if SPLIT > 1:
         width = 2 * N if GATED else N
@@ -192,17 +224,39 @@ def _gemv_rows_kernel(out_ptr, x_ptr, w_ptr, b_ptr, M, N, K, stride_x, stride_w,
                     acc_up += tl.load(slot + s * M * width + N, mask=tile_ok, other=0.0,
                                       cache_modifier=".cg")
             split_done(count_ptr, pid)
-            _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
-                           HAS_BIAS, GATED, GELU)
+            _rows_epilogue(out_ptr, b_ptr, scale_ptr, acc, acc_up, ms, rows, row_ok, tile_ok,
+                           stride_o, N, HAS_BIAS, GATED, GELU, W_FP8)
     else:
-        _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
-                       HAS_BIAS, GATED, GELU)
+        _rows_epilogue(out_ptr, b_ptr, scale_ptr, acc, acc_up, ms, rows, row_ok, tile_ok,
+                       stride_o, N, HAS_BIAS, GATED, GELU, W_FP8)
 
 
 @triton.jit
-def _rows_epilogue(out_ptr, b_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
-                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr):
+def _rows_dot_x(x_rows, kk, m_ok, km, W_FP8: tl.constexpr):
+    """Columns ``kk`` of the input rows as the dot's left operand: as they are, or for FP8
+    weights times 2^-4 in float16 (``_gemv_rows_kernel``)."""
+    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & km[None, :], other=0.0)
+    if W_FP8:
+        x = (x.to(tl.float32) * 0.0625).to(tl.float16)
+    return x
+
+
+@triton.jit
+def _rows_dot_w(w, W_FP8: tl.constexpr):
+    if W_FP8:
+        w = w.to(tl.float16)
+    return w
+
+
+@triton.jit
+def _rows_epilogue(out_ptr, b_ptr, scale_ptr, acc, acc_up, ms, rows, row_ok, tile_ok, stride_o,
+                   N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr,
+                   W_FP8: tl.constexpr):
     y = acc
+    if W_FP8:  # (x was taken times 2^-4)
+        y *= 16.0 * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= 16.0 * tl.load(scale_ptr + rows + N, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -281,30 +335,42 @@ def _rows_x_chunk(x_rows, kk, m_ok, km, EVEN: tl.constexpr):
     return x.to(tl.float32)[:, None, :]
 
 
-def tuned_for(n: int, k: int, gated: bool, rows: int) -> bool:
-    """Whether ``ROWS_CONFIGS`` has a launch shape measured for this weight at ``rows`` rows
-    (``n``: the outputs, half a gated weight's rows)."""
+def tuned_for(n: int, k: int, gated: bool, rows: int, fp8: bool = False) -> bool:
+    """Whether a launch shape was measured for this weight at ``rows`` rows (``n``: the
+    outputs, half a gated weight's rows): ``ROWS_CONFIGS``, or for FP8 weights
+    ``FP8_ROWS_CONFIGS`` (``FP8_MIN_ROWS`` to ``FP8_MAX_ROWS`` rows)."""
+    if fp8:
+        return (n, k, gated) in FP8_ROWS_CONFIGS and FP8_MIN_ROWS <= rows <= FP8_MAX_ROWS
     cfg = ROWS_CONFIGS.get((n, k, gated))
     return cfg is not None and (rows <= FMA_TUNED_ROWS or not isinstance(cfg, FmaLaunch))
 
 
 def gemv_rows_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv_rows`` takes these: 2 to ``MAX_ROWS`` rows of 16-bit floats on the GPU,
-    the weight 2-D and row-major, of the same dtype, width and device."""
+    """Whether ``gemv_rows`` takes these: 2 to ``MAX_ROWS`` rows of 16-bit floats on the GPU
+    (from one row with an FP8 e4m3 weight on a GPU that converts it: compute capability 8.9
+    on), the weight 2-D and row-major, of the same dtype (or FP8), width and device."""
     if x.dim() < 1 or not x.shape[-1]:
         return False
     rows = x.numel() // x.shape[-1]
-    return (2 <= rows <= MAX_ROWS and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 and not (x.is_cuda and _fp8_on_device(device_index(x.device))):
+        return False
+    return ((1 if fp8 else 2) <= rows <= MAX_ROWS and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and (fp8 or weight.dtype == x.dtype) and weight.dim() == 2 and weight.stride(1) == 1
             and weight.shape[1] == x.shape[-1] and weight.device == x.device)
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              act: str | None = None, config: tuple | None = None) -> torch.Tensor:
+              act: str | None = None, config: tuple | None = None,
+              weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for 2 to ``MAX_ROWS`` rows; with ``act`` ("silu" or
     "gelu_tanh") ``weight`` is a fused ``[gate; up]`` one and the result ``act(gate) * up``
     ([..., N / 2]). ``config``: a launch shape (``FmaLaunch``, or the tensor-core kernel's
-    (BLOCK_N, BLOCK_K, num_warps, num_stages)), else the tuned or default one."""
+    (BLOCK_N, BLOCK_K, num_warps, num_stages[, split])), else the tuned or default one.
+
+    An FP8 e4m3 ``weight`` (from one row) takes ``weight_scale`` (float32, one per weight row)
+    and runs on the tensor-core kernel, weight-only: ``fp8_torch.fp8_weight_only_linear``."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -315,14 +381,24 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     gated = act is not None
     if gated and act not in ("silu", "gelu_tanh"):
         raise ValueError(f"unknown gated activation {act!r}")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (weight_scale is not None):
+        raise ValueError("an FP8 weight takes a weight_scale, and only an FP8 weight does")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cfg = config or ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
+    if fp8:
+        cfg = config or FP8_ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
+        scale = weight_scale.reshape(-1)
+        if scale.dtype != torch.float32 or scale.numel() != weight.shape[0]:
+            raise ValueError("weight_scale: one float32 scale per weight row")
+    else:
+        cfg = config or ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
+        scale = x2
     common = dict(HAS_BIAS=bias is not None, GATED=gated, GELU=act == "gelu_tanh",
                   EVICT="evict_first")
     args = (out, x2, weight, bias if bias is not None else x2, m, n, k, x2.stride(0),
             weight.stride(0), out.stride(0))
-    if isinstance(cfg, FmaLaunch) and m <= MAX_ROWS:
+    if isinstance(cfg, FmaLaunch) and m <= MAX_ROWS and not fp8:
         block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
         launch(_gemv_rows_fma_kernel, (triton.cdiv(n, cfg.block_n),), args,
                dict(common, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
@@ -341,8 +417,8 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
                           or tiles > SPLIT_WS_TILES):
             split = 1  # (beyond the workspace: whole rows of K per program)
         ws, counts = _split_workspace(x.device) if split > 1 else (x2, x2)
-        launch(_gemv_rows_kernel, (tiles, split), args + (ws, counts),
+        launch(_gemv_rows_kernel, (tiles, split), args + (ws, counts, scale),
                dict(common, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                    num_warps=warps, num_stages=stages),
+                    W_FP8=fp8, num_warps=warps, num_stages=stages),
                pdl_enabled(x.device) and PDL_DOT)
     return out.view(*x.shape[:-1], n)
