@@ -243,7 +243,8 @@ class ModelRunner:
                                         config.runner.logits_processors))
         # Speculative decoding: draft inputs, verification and the next drafts (spec_decode/).
         self.spec = (SpeculativeStep(config.speculative, device, max_num_reqs=max_reqs,
-                                     max_model_len=config.model.max_model_len)
+                                     max_model_len=config.model.max_model_len,
+                                     argmax=self.kernels.argmax)
                      if config.speculative is not None else None)
         self.model: torch.nn.Module | None = None
         # --cpu-offload-gb: the layers whose weights stream in from host memory (cpu_offload).

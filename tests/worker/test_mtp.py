@@ -200,16 +200,21 @@ def test_mtp_drafts_match_reference(v3, caplog):
                         block_size=BLOCK, speculative_config=MTP).create_config()
     assert config.speculative.uses_model and config.speculative.model is None
     assert "MTP layer 2 of the target" in config.speculative.describe()
+    from tidal.worker.kernel_policy import reference_kernels
+
+    kernels = reference_kernels()
     spec = SpeculativeStep(config.speculative, torch.device("cpu"), max_num_reqs=8,
-                           max_model_len=config.model.max_model_len)
+                           max_model_len=config.model.max_model_len, argmax=kernels.argmax)
+    assert spec.sampler.argmax == kernels.argmax  # (the worker's argmax verifies)
     aux = spec.aux_hidden_spec(config, 128)
     assert aux == AuxHiddenSpec((LAYERS,), 128)  # the final hidden state
     tgt = load_model(config.model, torch.device("cpu"), TorchAttention(), aux_hidden=aux)
     with caplog.at_level(logging.INFO, logger="tidal.worker.spec_decode.mtp_proposer"):
         spec.load_drafter(config, tgt, TorchAttention(), max_num_reqs=2, max_num_tokens=128,
-                          block_table=torch.zeros(2, 16, dtype=torch.int32))
+                          block_table=torch.zeros(2, 16, dtype=torch.int32), kernels=kernels)
     assert "reused for each draft" in caplog.text
     proposer = spec.drafter.proposer
+    assert proposer.argmax == kernels.argmax  # (and drafts)
     assert isinstance(proposer, MTPProposer) and proposer.model.has_embeddings
     # One latent row (kv_lora_rank + rope) per token, as the target's MLA layers.
     assert spec.kv_bytes_per_block() == BLOCK * (32 + 8) * 4

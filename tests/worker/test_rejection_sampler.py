@@ -56,6 +56,27 @@ def test_greedy_matches_a_naive_loop():
         row += len(d) + 1
 
 
+def test_argmax_is_the_one_given() -> None:
+    """The sampler takes the worker's row argmax (``Kernels.argmax``: a Triton kernel for few
+    rows on a GPU) for every greedy decision: acceptances and the token after them."""
+    gen = torch.Generator().manual_seed(1)
+    drafts = [[2, 3], [4]]
+    lay = verify_layout(drafts)
+    logits = torch.randn(lay.num_rows, 7, generator=gen)
+    meta = SamplingMetadata(temperature=torch.zeros(lay.num_rows), all_greedy=True,
+                            all_random=False)
+    calls = []
+
+    def last_index(x):  # an "argmax" that always answers 5: drafts rejected, 5 emitted
+        calls.append(tuple(x.shape))
+        return torch.full((x.shape[0],), 5, dtype=torch.int64)
+
+    got, _, _ = _run(RejectionSampler(argmax=last_index), logits, meta, drafts)
+    assert calls == [(lay.num_rows, 7)]
+    assert got == [[5], [5]]
+    assert RejectionSampler().argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
 def _reference_probs(logits, temp, top_k=None, top_p=None):
     """Plain torch: temperature, then top-k and top-p truncation, then softmax."""
     z = logits / temp

@@ -26,6 +26,7 @@ padded result to the host once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,10 +122,17 @@ def _plain(meta: SamplingMetadata) -> bool:
             and meta.allowed_rows is None and meta.grammar_bitmask is None)
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class RejectionSampler:
-    def __init__(self, synthetic_rates: tuple[float, ...] | None = None) -> None:
+    def __init__(self, synthetic_rates: tuple[float, ...] | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # Conditional acceptance rate of each draft position (synthetic mode), else None.
         self.synthetic_rates = synthetic_rates
+        # The row argmax of the verify logits (``Kernels.argmax`` on a GPU), else torch's.
+        self.argmax = argmax or _torch_argmax
         self._rates_dev: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, index: torch.Tensor,
@@ -143,7 +151,7 @@ class RejectionSampler:
         drafts = draft_ids[:, :k]
         greedy_fast = meta.all_greedy and _plain(meta)
         processed = logits if greedy_fast else processed_logits(logits, meta)
-        argmax = processed.argmax(dim=-1)  # [T]
+        argmax = self.argmax(processed)  # [T]
         probs = uniform = noise = None
         if not meta.all_greedy or self.synthetic_rates is not None:
             uniform, noise = self._randoms(processed, meta, need_noise=not meta.all_greedy)

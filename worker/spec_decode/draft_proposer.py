@@ -26,6 +26,7 @@ What the rows hold differs by method:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -151,6 +152,10 @@ def shift_in_next_tokens(input_ids: torch.Tensor, last_rows: np.ndarray,
     return shifted
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class _ChainProposer:
     """The chain shared by the proposers: ``_first`` and ``_step`` give logits over the
     draft vocabulary and the state the next step needs."""
@@ -167,6 +172,9 @@ class _ChainProposer:
         self.target_vocab_size = target_vocab_size
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
+        # The row argmax of draft logits: torch's, or the worker's ``Kernels.argmax`` (set by
+        # ``SpeculativeStep.load_drafter``; the same first maximum, NaN counted largest).
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
 
     # --- the draft's KV cache -----------------------------------------------------------------
 
@@ -274,7 +282,7 @@ class _ChainProposer:
         hidden = u.hidden[:t] if u.hidden is not None else None
         batch = DraftBatch(u.ids[:t], pos2.reshape(t), meta, _NO_ROWS, hidden)
         logits, state = self._first(batch, u.qsl[:n].long() + u.last[:n])
-        ids = self._to_target(logits.float().argmax(dim=-1))
+        ids = self._to_target(self.argmax(logits))
         u.out[:n, 0].copy_(ids)
         last_pos = u.pos_start[:n] + u.last[:n]
         for s in range(1, k):
@@ -296,7 +304,7 @@ class _ChainProposer:
                 query_start_loc_cpu=empty if host is None else np.arange(n + 1, dtype=np.int32),
                 seq_lens_cpu=chain_h, num_decodes=n)
             logits, state = self._step(ids, c, step_meta, state)
-            ids = self._to_target(logits.float().argmax(dim=-1))
+            ids = self._to_target(self.argmax(logits))
             u.out[:n, s].copy_(ids)
 
     def _slots(self, table: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -341,8 +349,8 @@ class _ChainProposer:
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft ids (target vocabulary) from draft-vocabulary logits ``[R, Vd]``, and with
         random rows in the batch their distributions over the target's vocabulary."""
+        greedy = self.argmax(logits)
         logits = logits.float()
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return self._to_target(greedy), None
         temp = batch.temperature

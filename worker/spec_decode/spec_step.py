@@ -86,7 +86,8 @@ class VerifyLaunch:
 
 class SpeculativeStep:
     def __init__(self, config: SpeculativeConfig, device: torch.device, *,
-                 max_num_reqs: int, max_model_len: int) -> None:
+                 max_num_reqs: int, max_model_len: int,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.device = device
         # N-gram lookup: on a GPU batched on the device (a copy of the rows' tokens there),
@@ -105,8 +106,10 @@ class SpeculativeStep:
                 self.proposer = NgramProposer(*args)
         self.drafter: ModelDrafter | None = None
         self._draft_config: ModelConfig | None = None  # the draft's (model methods)
+        # ``argmax``: the worker's (``Kernels.argmax``: few rows on the GPU in a two-stage
+        # kernel, where torch's one block a row took 29-37 us over a 128k vocabulary).
         self.sampler = RejectionSampler(
-            config.synthetic_conditional_rates if config.synthetic else None)
+            config.synthetic_conditional_rates if config.synthetic else None, argmax=argmax)
         # Seeded rows: one generator per (batch row, verify position), reseeded every step.
         self._generators: dict[tuple[int, int], torch.Generator] = {}
         # This step's verify layout, staged with its inputs by ``verify_sampling`` (one copy
@@ -193,6 +196,8 @@ class SpeculativeStep:
             proposer = MTPProposer(model, k, target, max_len)  # type: ignore[arg-type]
         else:
             proposer = DraftModelProposer(model, k, engine.model.arch, max_len)
+        if kernels is not None:
+            proposer.argmax = kernels.argmax
         self.drafter = ModelDrafter(self.config, proposer, max_num_reqs=max_num_reqs,
                                     max_num_tokens=max_num_tokens,
                                     block_size=engine.cache.block_size,
