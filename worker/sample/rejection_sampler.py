@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal.worker.ops import torch_ops
 from tidal.worker.sample.grammar_mask import apply_token_bitmask_
 from tidal.worker.sample.metadata import SamplingMetadata
 from tidal.worker.sample.sampler import (
@@ -122,17 +123,13 @@ def _plain(meta: SamplingMetadata) -> bool:
             and meta.allowed_rows is None and meta.grammar_bitmask is None)
 
 
-def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
-    return x.argmax(dim=-1)
-
-
 class RejectionSampler:
     def __init__(self, synthetic_rates: tuple[float, ...] | None = None,
                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # Conditional acceptance rate of each draft position (synthetic mode), else None.
         self.synthetic_rates = synthetic_rates
         # The row argmax of the verify logits (``Kernels.argmax`` on a GPU), else torch's.
-        self.argmax = argmax or _torch_argmax
+        self.argmax = argmax or torch_ops.argmax
         self._rates_dev: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, index: torch.Tensor,

@@ -39,6 +39,7 @@ from tidal.engine_core.model_arch import ArchSpec
 from tidal.worker.attention.backend import AttentionMetadata, kv_cache_shape
 from tidal.worker.layers.attention import Attention
 from tidal.worker.models.eagle3 import Eagle3ForCausalLM
+from tidal.worker.ops import torch_ops
 from tidal.worker.spec_decode.uniform_propose import UniformBuffers, UniformHost
 from tidal.worker.step_buffers import to_device
 
@@ -152,10 +153,6 @@ def shift_in_next_tokens(input_ids: torch.Tensor, last_rows: np.ndarray,
     return shifted
 
 
-def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
-    return x.argmax(dim=-1)
-
-
 class _ChainProposer:
     """The chain shared by the proposers: ``_first`` and ``_step`` give logits over the
     draft vocabulary and the state the next step needs."""
@@ -174,7 +171,7 @@ class _ChainProposer:
         self.kv_caches: list[torch.Tensor] = []
         # The row argmax of draft logits: torch's, or the worker's ``Kernels.argmax`` (set by
         # ``SpeculativeStep.load_drafter``; the same first maximum, NaN counted largest).
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = torch_ops.argmax
 
     # --- the draft's KV cache -----------------------------------------------------------------
 
