@@ -319,10 +319,10 @@ def test_fp8_checks_its_scale() -> None:
 @pytest.mark.skipif(not HOPPER, reason="the policy runs the few-row GEMV on Hopper only "
                                        "(where its launch shapes were measured)")
 def test_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """2-8 rows of a weight in ``FP8_ROWS_CONFIGS`` take the tensor-core kernel in
-    ``fp8_linear`` and ``rms_norm_fp8_linear`` (the Triton norm first: the residual exact), and
-    match the weight-only reference; one row stays on the elementwise GEMV, nine rows and
-    unmeasured weights on the FP8 GEMM (rows quantized)."""
+    """2-8 rows take the tensor-core kernel in ``fp8_linear`` and ``rms_norm_fp8_linear`` (the
+    Triton norm first: the residual exact), with a shape's launch shape or the default, and
+    match the weight-only reference; one row stays on the elementwise GEMV, nine rows on the
+    FP8 GEMM (rows quantized)."""
     assert {(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
             (4096, 14336, False)} <= set(tr.FP8_ROWS_CONFIGS)  # Llama-3.1-8B's, measured
     monkeypatch.setitem(tr.FP8_ROWS_CONFIGS, (512, 1024, True), (32, 128, 4, 3))
@@ -350,8 +350,10 @@ def test_fp8_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
                f"rms_norm_fp8_linear {rows}")
         assert calls == [None, "silu"], (rows, calls)
         calls.clear()
-        K.fp8_linear(x, odd_q, odd_s)  # no launch shape measured: rows quantized, cuBLASLt
-        assert calls == [], (rows, calls)
+        _check(K.fp8_linear(x, odd_q, odd_s), *_fp8_reference(x, odd_q, odd_s, None, None),
+               torch.bfloat16, f"fp8_linear, default launch shape, {rows}")
+        assert calls == [None], (rows, calls)
+        calls.clear()
     for rows in (1, 9):
         K.fp8_linear(torch.randn((rows, 1024), device=DEVICE).to(torch.bfloat16), w_q, w_s)
     assert calls == [], calls

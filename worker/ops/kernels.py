@@ -298,8 +298,8 @@ class Kernels:
                          bias: torch.Tensor | None = None) -> bool:
         """Whether an FP8 ``w_q`` times ``x`` (with ``bias``, or the activation of a fused
         ``[gate; up]`` weight when ``gated``) runs on the few-row tensor-core GEMV: the policy
-        has it, and a launch shape was measured for this weight at this row count
-        (``FP8_ROWS_CONFIGS``: faster there than rows quantized to FP8 and cuBLASLt)."""
+        has it and the rows are 2 to 8 (where it measured faster than rows quantized to FP8
+        and cuBLASLt on every weight tried: ``FP8_ROWS_CONFIGS``)."""
         rows = self._rows
         if (rows is None or w_q.dtype != torch.float8_e4m3fn
                 or not rows.gemv_rows_supported(x, w_q)
@@ -458,8 +458,7 @@ class Kernels:
         silu: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp8_linear(rms_norm(x + residual)), x + residual)`` for rows where the one-row
-        GEMV does not apply. 2 to 8 rows of a weight with a measured launch shape
-        (``fp8_rows_applies``): the Triton norm over the rows, then the few-row tensor-core
+        GEMV does not apply. 2 to 8 rows (``fp8_rows_applies``): the Triton norm over the rows, then the few-row tensor-core
         GEMV, weight-only as at one row. Else on the GPU, where the policy has it, one Triton
         pass adds, norms and quantizes each row (``triton_fp8_quant``) and cuBLASLt multiplies;
         elsewhere the plain norm, then ``fp8_linear`` (which quantizes again: the same

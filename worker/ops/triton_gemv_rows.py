@@ -18,7 +18,7 @@ an EAGLE-3 batch-1 run no faster (1.91x -> 1.89x), so neither is on.
 
 FP8 (e4m3) weights run on the tensor-core kernel too, from one row (widened to float16 in
 registers, weight-only; ``FP8_ROWS_CONFIGS``): the engine takes it at 2-8 rows, where it beat
-quantizing the rows for cuBLASLt 1.6-2.5x per weight on an H200.
+quantizing the rows for cuBLASLt 1.4-2.6x per weight on an H200.
 
 H100, Llama-3.1-8B's projections, device time per call in a CUDA graph, weights cycled past
 the L2 cache (``tools/bench_gemv_rows.py``; cuBLAS -> this, us): four rows q/k/v 20.6 -> 20.0,
@@ -129,21 +129,29 @@ ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (32000, 4096, False): (64, 256, 4, 5),
 }
 DEFAULT_CONFIG = (32, 256, 4, 3)
-# FP8 (e4m3) weights on the tensor-core kernel (weight-only, as the one-row GEMV), per (N
-# outputs, K, gated), for FP8_MIN_ROWS to FP8_MAX_ROWS rows: decode at batch 2-8 and a
-# speculative verify at batch 1. H200, Llama-3.1-8B, tools/sweep_fp8_gemv.py --dot-rows
-# 2,4,8, the norm before it included; the engine's path for these rows before (the rows normed
-# and quantized to FP8, then cuBLASLt) -> this, us at 2 / 4 / 8 rows: q/k/v 21.9 / 23.2 / 22.7
-# -> 12.6 / 12.5 / 12.6, o 16.5 / 16.4 / 16.1 -> 9.0, gate/up + SiLU 57.1 / 54.2 / 56.5 ->
-# 34.8 / 35.8 / 35.8, down 50.0 / 52.0 / 48.7 -> 20.2 / 20.3 / 20.4. At one row it only tied
-# the elementwise GEMV (gate/up 34.9 against 35.0 us, the others 14-42 % slower): not used
+# FP8 (e4m3) weights on the tensor-core kernel (weight-only, as the one-row GEMV), for every
+# FP8 weight at FP8_MIN_ROWS to FP8_MAX_ROWS rows (decode at batch 2-8, a speculative verify at
+# batch 1): launch shapes per (N outputs, K, gated), else FP8_DEFAULT_CONFIG. H200,
+# tools/sweep_fp8_gemv.py --dot-rows 2,4,8, the norm before it included; the engine's path for
+# these rows before (the rows normed and quantized to FP8, then cuBLASLt) -> this, us at 2 / 4
+# / 8 rows. Llama-3.1-8B: q/k/v 21.9 / 23.2 / 22.7 -> 12.6 / 12.5 / 12.6, o 16.5 / 16.4 / 16.1
+# -> 9.0, gate/up + SiLU 57.1 / 54.2 / 56.5 -> 34.8 / 35.8 / 35.8, down 50.0 / 52.0 / 48.7 ->
+# 20.2 / 20.3 / 20.4. Qwen3-0.6B: q/k/v 9.0-10.4 -> 6.4-6.5, o 10.3-10.4 -> 4.7, gate/up
+# 11.9-12.2 -> 7.2-7.3, down 13.6 -> 5.2-5.3. The default beat the old path in all 24 cases
+# (by 1.3x at the least: Llama's gate/up 40.3-41.4 us). At one row the kernel only tied the
+# elementwise GEMV (Llama's gate/up 34.9 against 35.0 us, the others 14-42 % slower): not used
 # there.
 FP8_ROWS_CONFIGS: dict[tuple[int, int, bool], tuple] = {
     (6144, 4096, False): (64, 128, 4, 3, 4),
     (4096, 4096, False): (64, 256, 4, 3, 4),
     (14336, 4096, True): (64, 256, 4, 3, 1),
     (4096, 14336, False): (64, 256, 4, 3, 4),
+    (4096, 1024, False): (128, 128, 4, 3, 4),
+    (1024, 2048, False): (32, 256, 4, 3, 4),
+    (3072, 1024, True): (32, 128, 4, 3, 4),
+    (1024, 3072, False): (32, 256, 4, 3, 4),
 }
+FP8_DEFAULT_CONFIG = (32, 256, 4, 3, 4)
 FP8_MIN_ROWS = 2
 FP8_MAX_ROWS = 8
 # Programmatic dependent launch for the tensor-core kernel (its first weight chunk loaded before
@@ -337,10 +345,11 @@ def _rows_x_chunk(x_rows, kk, m_ok, km, EVEN: tl.constexpr):
 
 def tuned_for(n: int, k: int, gated: bool, rows: int, fp8: bool = False) -> bool:
     """Whether a launch shape was measured for this weight at ``rows`` rows (``n``: the
-    outputs, half a gated weight's rows): ``ROWS_CONFIGS``, or for FP8 weights
-    ``FP8_ROWS_CONFIGS`` (``FP8_MIN_ROWS`` to ``FP8_MAX_ROWS`` rows)."""
-    if fp8:
-        return (n, k, gated) in FP8_ROWS_CONFIGS and FP8_MIN_ROWS <= rows <= FP8_MAX_ROWS
+    outputs, half a gated weight's rows): ``ROWS_CONFIGS``; FP8 weights of any shape from
+    ``FP8_MIN_ROWS`` to ``FP8_MAX_ROWS`` rows (``FP8_ROWS_CONFIGS``, else
+    ``FP8_DEFAULT_CONFIG``)."""
+    if fp8:  # (every shape: the default launch shape was measured too)
+        return FP8_MIN_ROWS <= rows <= FP8_MAX_ROWS
     cfg = ROWS_CONFIGS.get((n, k, gated))
     return cfg is not None and (rows <= FMA_TUNED_ROWS or not isinstance(cfg, FmaLaunch))
 
@@ -387,7 +396,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if fp8:
-        cfg = config or FP8_ROWS_CONFIGS.get((n, k, gated), DEFAULT_CONFIG)
+        cfg = config or FP8_ROWS_CONFIGS.get((n, k, gated), FP8_DEFAULT_CONFIG)
         scale = weight_scale.reshape(-1)
         if scale.dtype != torch.float32 or scale.numel() != weight.shape[0]:
             raise ValueError("weight_scale: one float32 scale per weight row")
