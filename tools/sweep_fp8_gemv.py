@@ -14,7 +14,9 @@ entries where that sequence beat the elementwise one's (with its table launch sh
     python tools/sweep_fp8_gemv.py --shape llama8b --dot --out fp8_gemv.json
 
 ``--dot-rows 2,4,8`` times the tensor-core kernel at those row counts against the engine's
-path for FP8 weights there without it (rows normed and quantized, cuBLASLt).
+path for FP8 weights there without it (rows normed and quantized, cuBLASLt). (Stop 49's table
+was measured when this baseline ran the norm and the quantization as two kernels, the
+engine's one pass and the GEMM as three: q/k/v's and gate/up's baselines a launch too slow.)
 """
 
 from __future__ import annotations
@@ -183,19 +185,20 @@ def _dot_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str
 
 def _dot_rows_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str,
                     silu: bool, time_calls: Any) -> dict[str, Any]:
-    """``x``'s rows (2 to 8) through the engine's ops with no FP8 launch shape in the table
-    (norm, rows quantized to FP8, cuBLASLt) against the norm and the tensor-core kernel."""
+    """``x``'s rows (2 to 8) through the engine's ops without the few-row GEMV (the policy's
+    ``gemv_rows`` off: one Triton pass adds, norms and quantizes the rows, cuBLASLt multiplies)
+    against the norm and the tensor-core kernel."""
     from tidal.engine_core.kernel_config import KernelConfig
     from tidal.worker.kernel_policy import kernels_for
     from tidal.worker.ops import triton_decode as td
     from tidal.worker.ops import triton_gemv_rows as tr
 
-    ops = kernels_for(x.device, KernelConfig(ops="triton"))
+    ops = kernels_for(x.device, KernelConfig(ops="triton", gemv_rows=False))
     act = "silu" if silu else None
 
     def engine(w: Any, s: Any) -> None:
         if kind:
-            ops.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu, weight_scale=s)
+            ops.rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, silu=silu)
         else:
             ops.fp8_linear(x, w, s)
 

@@ -133,8 +133,9 @@ DEFAULT_CONFIG = (32, 256, 4, 3)
 # FP8 weight at FP8_MIN_ROWS to FP8_MAX_ROWS rows (decode at batch 2-8, a speculative verify at
 # batch 1): launch shapes per (N outputs, K, gated), else FP8_DEFAULT_CONFIG. H200,
 # tools/sweep_fp8_gemv.py --dot-rows 2,4,8, the norm before it included; the engine's path for
-# these rows before (the rows normed and quantized to FP8, then cuBLASLt) -> this, us at 2 / 4
-# / 8 rows. Llama-3.1-8B: q/k/v 21.9 / 23.2 / 22.7 -> 12.6 / 12.5 / 12.6, o 16.5 / 16.4 / 16.1
+# these rows before (the rows normed and quantized to FP8, then cuBLASLt; timed with the norm
+# and the quantization apart, one launch more than the engine for q/k/v and gate/up) -> this,
+# us at 2 / 4 / 8 rows. Llama-3.1-8B: q/k/v 21.9 / 23.2 / 22.7 -> 12.6 / 12.5 / 12.6, o 16.5 / 16.4 / 16.1
 # -> 9.0, gate/up + SiLU 57.1 / 54.2 / 56.5 -> 34.8 / 35.8 / 35.8, down 50.0 / 52.0 / 48.7 ->
 # 20.2 / 20.3 / 20.4. Qwen3-0.6B: q/k/v 9.0-10.4 -> 6.4-6.5, o 10.3-10.4 -> 4.7, gate/up
 # 11.9-12.2 -> 7.2-7.3, down 13.6 -> 5.2-5.3. The default beat the old path in all 24 cases
