@@ -142,6 +142,22 @@ DOT_SWEEP = [(bn, bk, 4, 3, sp) for bn in (32, 64, 128) for bk in (128, 256, 512
              for sp in (1, 2, 4)] + [(128, 256, 8, 3, 1), (64, 256, 4, 4, 1), (128, 128, 4, 4, 1)]
 
 
+def _engine_against_dot(engine: Any, dot: Any, ws: list, ss: list, configs: list,
+                        time_calls: Any) -> tuple[float, list[dict[str, Any]], list[dict]]:
+    """Microseconds per call of ``engine(w, s)`` and of ``dot(w, s, config)`` for each config,
+    over the weight copies: (engine, every config's row, the timed ones fastest first)."""
+    base = time_calls([(lambda w=w, s=s: engine(w, s)) for w, s in zip(ws, ss)])["ms"] * 1e3
+    rows: list[dict[str, Any]] = []
+    for c in configs:
+        try:
+            t = time_calls([(lambda w=w, s=s, c=c: dot(w, s, c)) for w, s in zip(ws, ss)])
+        except Exception as exc:  # a launch shape that does not fit
+            rows.append({"config": list(c), "error": str(exc)[:160]})
+            continue
+        rows.append({"config": list(c), "us": t["ms"] * 1e3})
+    return base, rows, sorted((d for d in rows if "us" in d), key=lambda d: d["us"])
+
+
 def _dot_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str, silu: bool,
                time_calls: Any, td: Any) -> dict[str, Any]:
     """The engine's sequence for this GEMV on the elementwise kernel against the same on the
@@ -165,16 +181,7 @@ def _dot_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str
         h = td.add_rms_norm_row(x, r, nw, 1e-6)[0] if kind else x
         tr.gemv_rows(h, w, act=act, config=c, weight_scale=s)
 
-    base = time_calls([(lambda w=w, s=s: engine(w, s)) for w, s in zip(ws, ss)])["ms"] * 1e3
-    rows: list[dict[str, Any]] = []
-    for c in DOT_SWEEP:
-        try:
-            t = time_calls([(lambda w=w, s=s, c=c: dot(w, s, c)) for w, s in zip(ws, ss)])
-        except Exception as exc:  # a launch shape that does not fit
-            rows.append({"config": list(c), "error": str(exc)[:160]})
-            continue
-        rows.append({"config": list(c), "us": t["ms"] * 1e3})
-    ok = sorted((d for d in rows if "us" in d), key=lambda d: d["us"])
+    base, rows, ok = _engine_against_dot(engine, dot, ws, ss, DOT_SWEEP, time_calls)
     top = ok[0]
     print(f"{name:18s} engine (elementwise{', norm apart' if apart else ''}) {base:.1f} us; "
           f"tensor cores best {top['config']} {top['us']:.1f} us; next "
@@ -206,16 +213,8 @@ def _dot_rows_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind
         h = td.add_rms_norm_rows(x, r, nw, 1e-6)[0] if kind else x
         tr.gemv_rows(h, w, act=act, config=c, weight_scale=s)
 
-    base = time_calls([(lambda w=w, s=s: engine(w, s)) for w, s in zip(ws, ss)])["ms"] * 1e3
-    rows: list[dict[str, Any]] = []
-    for c in [c for c in DOT_SWEEP if c[1] <= 256]:
-        try:
-            t = time_calls([(lambda w=w, s=s, c=c: dot(w, s, c)) for w, s in zip(ws, ss)])
-        except Exception as exc:  # a launch shape that does not fit
-            rows.append({"config": list(c), "error": str(exc)[:160]})
-            continue
-        rows.append({"config": list(c), "us": t["ms"] * 1e3})
-    ok = sorted((d for d in rows if "us" in d), key=lambda d: d["us"])
+    base, rows, ok = _engine_against_dot(engine, dot, ws, ss,
+                                         [c for c in DOT_SWEEP if c[1] <= 256], time_calls)
     m = x.shape[0]
     print(f"{name:18s} {m} rows: engine (rows quantized, cuBLASLt) {base:.1f} us; tensor cores "
           f"best {ok[0]['config']} {ok[0]['us']:.1f} us; next "
