@@ -618,8 +618,10 @@ class KVSendServer:
                      n: int) -> None:
         if run_lengths(ids) == [n]:
             parts = [p for b in self._bytes for p in run_slices(b, ids[0], n)]
-            sending.append((pair.start_sends(parts), parts))
+            # Counted before the sends start: the consumer may hold every byte (and its caller
+            # read this counter) before start_sends returns here.
             self.direct_bytes += sum(p.numel() for p in parts)
+            sending.append((pair.start_sends(parts), parts))
             return
         caches = self.kv_caches
         per_layer = max(layer_block_bytes(c) for c in caches) * n
