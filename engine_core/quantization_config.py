@@ -5,8 +5,12 @@ the checkpoint's own ``quantization_config`` and returns a frozen ``QuantConfig`
 weights stay in the model dtype). tidal implements one scheme so far: FP8 e4m3 weights with a
 float32 scale per output channel and activations quantized per token (W8A8), either quantized
 from a 16/32-bit checkpoint as it loads or read as they are from a compressed-tensors FP8
-checkpoint. Everything else is refused here, naming what was asked for, rather than loaded in
-a way that would silently differ from what the checkpoint means.
+checkpoint or an ``fp8`` one (AutoFP8's per-tensor scales); block-wise FP8 checkpoints
+(``quant_method: fp8`` with ``weight_block_size``, as Qwen3-*-FP8 and DeepSeek-V3 ship): e4m3
+weights with a float32 scale per weight block, activations quantized per token and per block
+of input channels; and INT4 AWQ / GPTQ checkpoints (int4_config.py). Everything else is
+refused here, naming what was asked for, rather than loaded in a way that would silently
+differ from what the checkpoint means.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ class QuantConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 0
     desc_act: bool = False
     zeros_minus_one: bool = False
+    # Block-wise FP8 (``fp8`` checkpoints with ``weight_block_size``): (output rows, input
+    # channels) per weight scale; activations scaled per token and per ``weight_block[1]``
+    # input channels (worker/layers/fp8_block.py). None: per-row weight scales.
+    weight_block: tuple[int, int] | None = None
 
     @property
     def int4(self) -> bool:
@@ -67,13 +75,9 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise QuantConfigError("quantization_config: compressed-tensors without config_groups")
-    ignore = qc.get("ignore") or []
-    others = [n for n in ignore if not str(n).endswith("lm_head")]
-    if others:
-        # The LM head is never quantized here; other unquantized layers would need a
-        # per-layer choice tidal does not make yet.
-        raise QuantConfigError(f"quantization_config: ignore {others!r} is not yet implemented "
-                               "in tidal (only the LM head may stay unquantized)")
+    # The LM head is never quantized here; other unquantized layers would need a per-layer
+    # choice tidal does not make yet.
+    _only_lm_head_ignored(qc.get("ignore"), "ignore")
     static = False
     for name, group in groups.items():
         if not isinstance(group, dict):
@@ -102,6 +106,47 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig(prequantized=True, static_activations=static)
 
 
+_FP8_KINDS = ("fp8", "compressed-tensors")
+MAX_BLOCK = 1024  # a weight block's side (checkpoints use 128)
+
+
+def _only_lm_head_ignored(names: Any, key: str) -> None:
+    others = [n for n in (names or []) if not str(n).endswith("lm_head")]
+    if others:
+        raise QuantConfigError(f"quantization_config: {key} {others!r} is not yet implemented "
+                               "in tidal (only the LM head may stay unquantized)")
+
+
+def _fp8_checkpoint(qc: dict[str, Any]) -> QuantConfig:
+    """``quant_method: fp8`` (transformers' fine-grained FP8 / vLLM's ``Fp8Config``): e4m3
+    weights with ``weight_scale_inv`` per block when ``weight_block_size`` is given, else
+    AutoFP8's per-tensor ``weight_scale`` (and a static ``input_scale``)."""
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise QuantConfigError(f"quantization_config: FP8 format {fmt!r} is not yet implemented "
+                               "in tidal (only e4m3)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise QuantConfigError(f"quantization_config: activation_scheme must be 'dynamic' or "
+                               f"'static', got {scheme!r}")
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        _only_lm_head_ignored(qc.get(key), key)
+    block = qc.get("weight_block_size")
+    if block is None:
+        return QuantConfig(prequantized=True, static_activations=scheme == "static")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 16 <= b <= MAX_BLOCK
+                       and b & (b - 1) == 0 for b in block)):
+        raise QuantConfigError("quantization_config: weight_block_size must be two powers of "
+                               f"two from 16 to {MAX_BLOCK} ([rows, input channels]), got "
+                               f"{block!r}")
+    if scheme != "dynamic":
+        raise QuantConfigError("quantization_config: block-wise FP8 weights with static "
+                               "activation scales are not a format tidal knows (block-wise "
+                               "checkpoints quantize activations dynamically)")
+    return QuantConfig(prequantized=True, weight_block=(block[0], block[1]))
+
+
 def build_quant_config(requested: str | None, hf_config: dict[str, Any],
                        family: str, dummy: bool = False) -> QuantConfig | None:
     """The quantization of a model of ``family`` with HF config ``hf_config`` when the user
@@ -118,11 +163,19 @@ def build_quant_config(requested: str | None, hf_config: dict[str, Any],
 
         config = int4_quant_config(requested, qc, dummy)
     elif qc is not None:
-        if method != "compressed-tensors":
+        if requested not in (None, method) and not (requested == "fp8" and method in _FP8_KINDS):
+            raise QuantConfigError(f"--quantization {requested} asked for, but the checkpoint "
+                                   f"is quantized with {method!r}: leave --quantization unset "
+                                   "to load it as it is")
+        if method == "fp8":
+            config: QuantConfig | None = _fp8_checkpoint(qc)
+        elif method == "compressed-tensors":
+            config = _compressed_tensors(qc)
+        else:
             raise QuantConfigError(f"the checkpoint's quantization_config quant_method "
-                                   f"{method!r} is not yet implemented in tidal (only FP8 "
-                                   "compressed-tensors checkpoints load)")
-        config: QuantConfig | None = _compressed_tensors(qc)
+                                   f"{method!r} is not yet implemented in tidal (FP8 "
+                                   "checkpoints (compressed-tensors, fp8) and INT4 ones (awq, "
+                                   "gptq) load)")
     elif requested == "compressed-tensors":
         raise QuantConfigError("quantization 'compressed-tensors' needs a checkpoint whose "
                                "config.json has a compressed-tensors quantization_config")

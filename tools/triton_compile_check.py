@@ -13,7 +13,8 @@ the few-row GEMV (tensor-core, also split over K, and elementwise, with the PDL 
 residual add and sums of squares, and as an all-gather), the add + norm of one or a few rows, and the
 attention chain of a decode step (rotary + K/V write, also with Gemma's q/k norms; split
 attention, merge; with and without time stamps; unsplit attention over an FP8 cache, widened
-to the query's dtype or to float16, V also transposed in registers). Exits non-zero if any fails.
+to the query's dtype or to float16, V also transposed in registers), the FP8 quantizers and the
+block-wise FP8 group quantizer and GEMM. Exits non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -289,6 +290,23 @@ def main() -> int:
                                                            else "i32")
                    for n in fn.arg_names}
             cases.append((label + (" (static scale)" if static else ""), fn, sig, c))
+    from tidal.worker.ops import triton_fp8_block as fb
+
+    for group in (128, 512):
+        c = dict(GROUP=group, ROWS=1 if group >= 512 else 4, QMAX=fb.FP8_MAX, SMIN=fb.MIN_SCALE)
+        types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+        sig = {n: "constexpr" if n in c else types.get(n, "i32")
+               for n in fb._quant_groups.arg_names}
+        cases.append((f"block-wise FP8 group quantization ({group})", fb._quant_groups, sig, c))
+    for m in (1, 64, 4096):
+        block_m, block_n, _, _ = fb._config(m)
+        c = dict(SCALE_K=128, HAS_BIAS=m == 64, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                 GROUP_M=8)
+        types = {"xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                 "b_ptr": "*bf16", "out_ptr": "*bf16"}
+        sig = {n: "constexpr" if n in c else types.get(n, "i32") for n in fb._block_mm.arg_names}
+        cases.append((f"block-wise FP8 GEMM ({m} rows{' + bias' if m == 64 else ''})",
+                      fb._block_mm, sig, c))
     failed = 0
     for name, fn, sig, consts in cases:
         error = _compile(fn, sig, consts)

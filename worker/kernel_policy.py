@@ -101,6 +101,10 @@ class KernelPolicy:
     # pass, ``triton_fp8_quant``) for cuBLASLt; where the one-row GEMV applies it reads the
     # FP8 weights itself (weight-only).
     fp8_norm_quant: bool = False
+    # Block-wise FP8 linears (``fp8`` checkpoints with ``weight_block_size``) on the Triton
+    # kernels (``triton_fp8_block``: a group quantizer and a block-scaled e4m3 GEMM, compute
+    # capability >= 8.9); else the torch reference.
+    triton_fp8_block: bool = False
     # INT4 (AWQ/GPTQ) linears on the Triton W4A16 kernels (``triton_w4a16``: a GEMM, GEMVs
     # for decode rows); else the torch reference (dequantize and matmul).
     triton_w4a16: bool = False
@@ -268,6 +272,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         reasons=tuple(why),
         fp8_scaled_mm=fp8_scaled_mm,
         fp8_norm_quant=fp8_norm_quant,
+        triton_fp8_block=fp8_norm_quant,
         triton_w4a16=gpu and triton_ok,
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
@@ -335,6 +340,9 @@ def describe(policy: KernelPolicy) -> list[str]:
              if policy.fp8_scaled_mm
              else "torch reference" + (" (compute capability < 8.9)"
                                        if policy.device == "cuda" else "")),
+        # Kernels.fp8_block_linear (block-wise FP8 checkpoints only).
+        line("fp8_block_linear", "triton (group quantizer, block-scaled e4m3 GEMM)"
+             if policy.triton_fp8_block else "torch reference"),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
              "one row, split-K GEMV for 2-4)"

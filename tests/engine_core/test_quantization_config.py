@@ -39,6 +39,49 @@ def test_accepted_values():
     assert got == QuantConfig(prequantized=True, static_activations=True)
 
 
+def _fp8(**qc) -> dict:
+    return {"quantization_config": {"quant_method": "fp8", **qc}}
+
+
+def test_fp8_checkpoints():
+    """``quant_method: fp8``: block-wise (``weight_block_size``) or AutoFP8's per-tensor."""
+    block = _fp8(fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+    for requested in (None, "fp8"):
+        got = build_quant_config(requested, block, "qwen3")
+        assert got == QuantConfig(prequantized=True, weight_block=(128, 128))
+    assert build_quant_config(None, _fp8(activation_scheme="static"), "llama") == QuantConfig(
+        prequantized=True, static_activations=True)
+    assert build_quant_config(None, _fp8(ignored_layers=["lm_head"]), "llama") == QuantConfig(
+        prequantized=True)
+
+
+@pytest.mark.parametrize("qc,family,needle", [
+    ({"weight_block_size": [128, 100]}, "llama", "powers of two"),
+    ({"weight_block_size": [128]}, "llama", "powers of two"),
+    ({"weight_block_size": [8, 128]}, "llama", "powers of two"),
+    ({"weight_block_size": [True, 128]}, "llama", "powers of two"),
+    ({"weight_block_size": [128, 128], "activation_scheme": "static"}, "llama", "static"),
+    ({"activation_scheme": "per-token"}, "llama", "'per-token'"),
+    ({"fmt": "e5m2"}, "llama", "'e5m2'"),
+    ({"ignored_layers": ["model.layers.0.mlp.down_proj"]}, "llama", "ignored_layers"),
+    ({"modules_to_not_convert": ["model.layers.3.self_attn.o_proj"]}, "llama",
+     "modules_to_not_convert"),
+    ({"weight_block_size": [128, 128]}, "qwen3_moe", "'qwen3_moe'"),
+    ({"weight_block_size": [128, 128]}, "deepseek_v3", "'deepseek_v3'"),
+])
+def test_fp8_checkpoint_refusals(qc, family, needle):
+    with pytest.raises(QuantConfigError) as info:
+        build_quant_config(None, _fp8(**qc), family)
+    assert needle in str(info.value)
+
+
+def test_a_requested_method_the_checkpoint_does_not_have_is_refused():
+    with pytest.raises(QuantConfigError, match="quantized with 'fp8'"):
+        build_quant_config("compressed-tensors", _fp8(), "llama")
+    with pytest.raises(QuantConfigError, match="quant_method is 'compressed-tensors'"):
+        build_quant_config("awq", _ct(FP8_W, FP8_DYN), "llama")  # (int4_config's words)
+
+
 @pytest.mark.parametrize("requested,hf,family,needle", [
     ("awq", {}, "llama", "'awq'"),
     ("gptq", {}, "llama", "'gptq'"),

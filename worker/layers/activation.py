@@ -31,7 +31,7 @@ class GatedActivation(nn.Module):
             return self(linear(x))
         if linear.w4a16 is not None:
             return int4.gated_matmul(linear, x, linear.bias, self.act)
-        if linear.bias is None and linear.weight_scale is None:
+        if linear.bias is None and linear.plain_weight:
             return self.kernels.gated_linear(x, linear.weight, self.act)
         return self(linear(x))
 

@@ -21,7 +21,7 @@ from torch import nn
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
-from tidal.worker.layers import fp8, int4
+from tidal.worker.layers import fp8, fp8_block, int4
 from tidal.worker.ops.fp8_torch import FP8_DTYPE
 
 
@@ -89,6 +89,9 @@ class LinearBase(nn.Module):
         quant = fp8.current_quant()
         # AWQ / GPTQ: no 16-bit ``weight``, packed INT4 tensors instead (layers/int4.py).
         self.w4a16: int4.Int4Layout | None = None
+        # Block-wise FP8 checkpoints: e4m3 ``weight``, ``weight_scale_inv`` per block
+        # (layers/fp8_block.py); ``weight_scale`` None, so no per-row FP8 path takes them.
+        self.fp8_block: fp8_block.Fp8BlockLayout | None = None
         if quant is not None and quant.int4:
             for name in ("weight", "weight_scale", "input_scale"):
                 self.register_parameter(name, None)
@@ -101,6 +104,8 @@ class LinearBase(nn.Module):
         if quant is None:
             self.register_parameter("weight_scale", None)
             self.register_parameter("input_scale", None)
+        elif quant.weight_block is not None:
+            self.fp8_block = fp8_block.attach(self, quant)
         elif not quant.int4:
             fp8.attach(self, quant)
         if bias:
@@ -140,15 +145,23 @@ class LinearBase(nn.Module):
         tensor-parallel all-reduce add no adapter term), and where
         ``Kernels.lora_gemv_applies``."""
         lora = self.lora
-        return (lora is not None and self.tp.world_size == 1 and self.w4a16 is None
-                and self.weight_scale is None and isinstance(x, torch.Tensor)
+        return (lora is not None and self.tp.world_size == 1 and self.plain_weight
+                and isinstance(x, torch.Tensor)
                 and lora.kernels.lora_gemv_applies(x, self.weight, bias, norm_weight,
                                                    residual, act))
+
+    @property
+    def plain_weight(self) -> bool:
+        """Whether ``weight`` is a plain 16/32-bit one (no FP8, block-wise FP8 or INT4): what
+        the fused 16-bit kernels (GEMVs with LoRA, the push all-reduce) may read."""
+        return self.w4a16 is None and self.fp8_block is None and self.weight_scale is None
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` times this rank's weight (plus ``bias``), FP8, INT4 or not."""
         if self.w4a16 is not None:
             return int4.matmul(self, x, bias)
+        if self.fp8_block is not None:
+            return fp8_block.matmul(self, x, bias)
         if self.weight_scale is not None:
             return self.kernels.fp8_linear(x, self.weight, self.weight_scale, bias,
                                            self.input_scale)
@@ -264,8 +277,8 @@ class RowParallelLinear(LinearBase):
         ``Kernels.rms_norm_linear``), letting the all-reduce fuse with the norm where it can."""
         if defer_reduce and self.reduce_results and self.bias is None:
             push = self.tp.push_all_reduce
-            if push is not None and self.w4a16 is None and self.lora is None \
-                    and push.applies(x, self.weight):
+            if push is not None and self.w4a16 is None and self.fp8_block is None \
+                    and self.lora is None and push.applies(x, self.weight):
                 return push.gemv(x, self.weight, self.weight_scale)
             return self.tp.defer_all_reduce(self.matmul(x, None))
         y = self.matmul(x, None)

@@ -12,7 +12,7 @@ from torch import nn
 from tidal.engine_core.config import ModelConfig
 from tidal.worker.attention.backend import AttentionImpl
 from tidal.worker.distributed.parallel_state import ParallelGroup
-from tidal.worker.layers import fp8, int4
+from tidal.worker.layers import fp8, fp8_block, int4
 from tidal.worker.models.decoder import AuxHiddenSpec
 from tidal.worker.models.registry import build_model
 from tidal.worker.ops.kernels import Kernels
@@ -100,7 +100,8 @@ def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
         if id(param) in seen:
             continue
         seen.add(id(param))
-        if param.dtype == torch.float8_e4m3fn or name.endswith(("weight_scale", "input_scale")):
+        if param.dtype == torch.float8_e4m3fn or name.endswith(
+                ("weight_scale", "input_scale", "weight_scale_inv")):
             continue  # FP8 layers: drawn in float32 and quantized below
         if not param.is_floating_point() or name.endswith(".scales"):
             continue  # INT4 layers: likewise
@@ -115,6 +116,8 @@ def init_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3,
     for module in model.modules():
         if getattr(module, "weight_scale", None) is not None:
             fp8.dummy_fill(module, low, high, gen_for(module.weight.device))
+        elif getattr(module, "fp8_block", None) is not None:
+            fp8_block.dummy_fill(module, low, high, gen_for(module.weight.device))
         elif getattr(module, "w4a16", None) is not None:
             int4.dummy_fill(module, low, high, gen_for(module.qweight.device))
         elif getattr(module, "w13_weight_scale", None) is not None:  # FP8 MoE experts

@@ -187,7 +187,7 @@ class NormLinear:
     the order the math reads. A plain object, not a module: it borrows the parameters of
     ``norm`` and ``linear``, which stay where the checkpoint names them."""
 
-    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8", "_int4")
+    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8", "_int4", "_apart")
 
     def __init__(self, norm: RMSNorm, linear: nn.Module, silu: bool = False) -> None:
         self._op = norm.kernels.rms_norm_linear
@@ -197,8 +197,9 @@ class NormLinear:
         self._fp8 = getattr(linear, "weight_scale", None) is not None
         # INT4 weights (AWQ/GPTQ) never reach the fused 16-bit GEMV paths: the plain norm,
         # then the layer's own W4A16 matmul (with SiLU-and-mul as its epilogue for one row on
-        # the GPU).
+        # the GPU). Block-wise FP8 weights likewise (the layer's own block-scaled matmul).
         self._int4 = getattr(linear, "w4a16", None) is not None
+        self._apart = self._int4 or getattr(linear, "fp8_block", None) is not None
 
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +214,7 @@ class NormLinear:
                 return linear.lora.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight,
                                         residual=residual, eps=norm.eps, act=act)
             return self._norm_then_linear(x, residual)
-        if self._int4:
+        if self._apart:
             return self._norm_then_linear(x, residual)
         if not self._fp8:
             return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tidal.worker.distributed.pending_sum import PendingSum
-from tidal.worker.ops import fp8_scaled_mm, fp8_torch, int4_torch, lora_torch, torch_ops
+from tidal.worker.ops import (fp8_block_torch, fp8_scaled_mm, fp8_torch, int4_torch, lora_torch,
+                             torch_ops)
 from tidal.worker.sample import grammar_mask, gumbel_sample, seeded_random
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class Kernels:
     """Fused ops bound to one policy. Immutable after construction."""
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
-                 "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_w4", "_lora",
+                 "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_fp8b", "_w4", "_lora",
                  "_custom", "_custom_impl", "_rows")
 
     def __init__(self, policy: KernelPolicy) -> None:
@@ -98,6 +99,9 @@ class Kernels:
         # The norm that also quantizes its output for the FP8 GEMMs (imports triton).
         self._fp8q: ModuleType | None = (_triton_module("triton_fp8_quant")
                                          if policy.fp8_norm_quant else None)
+        # The block-wise FP8 quantizer and GEMM (imports triton).
+        self._fp8b: ModuleType | None = (_triton_module("triton_fp8_block")
+                                         if policy.triton_fp8_block else None)
         # The W4A16 (AWQ/GPTQ) GEMM and split-K GEMV (imports triton).
         self._w4: ModuleType | None = (_triton_module("triton_w4a16")
                                        if policy.triton_w4a16 else None)
@@ -415,6 +419,20 @@ class Kernels:
                 return y.reshape(*x.shape[:-1], w_q.shape[0])
             return self._fp8.fp8_linear(x, w_q, w_scale, bias, input_scale)
         return fp8_torch.fp8_linear(x, w_q, w_scale, bias, input_scale)
+
+    def fp8_block_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [..., K] times a block-wise FP8 weight ``w_q`` [N, K] with its per-row block
+        scale ``w_scale`` [N, ceil(K / block_k)], activations quantized per token and group of
+        ``block_k`` (``fp8_block_torch``): the Triton kernels on the GPU where the policy has
+        them, else the torch reference."""
+        fb = self._fp8b
+        if fb is not None and x.is_cuda:
+            x2 = x.reshape(-1, x.shape[-1])
+            if fb.supported(x2, w_q, block_k):
+                y = fb.fp8_block_linear(x2, w_q, w_scale, block_k, bias)
+                return y.reshape(*x.shape[:-1], w_q.shape[0])
+        return fp8_block_torch.fp8_block_linear(x, w_q, w_scale, block_k, bias)
 
     def w4a16_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None,
