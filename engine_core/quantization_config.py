@@ -8,7 +8,8 @@ from a 16/32-bit checkpoint as it loads or read as they are from a compressed-te
 checkpoint or an ``fp8`` one (AutoFP8's per-tensor scales); block-wise FP8 checkpoints
 (``quant_method: fp8`` with ``weight_block_size``, as Qwen3-*-FP8 and DeepSeek-V3 ship): e4m3
 weights with a float32 scale per weight block, activations quantized per token and per block
-of input channels; and INT4 AWQ / GPTQ checkpoints (int4_config.py). Everything else is
+of input channels (compressed-tensors' ``block`` strategy too); and INT4 AWQ / GPTQ
+checkpoints (int4_config.py). Everything else is
 refused here, naming what was asked for, rather than loaded in a way that would silently
 differ from what the checkpoint means.
 """
@@ -53,6 +54,9 @@ class QuantConfig(msgspec.Struct, frozen=True, kw_only=True):
     # channels) per weight scale; activations scaled per token and per ``weight_block[1]``
     # input channels (worker/layers/fp8_block.py). None: per-row weight scales.
     weight_block: tuple[int, int] | None = None
+    # The checkpoint's name for the block scale: ``weight_scale_inv`` (``fp8`` checkpoints) or
+    # ``weight_scale`` (compressed-tensors); the layer's parameter is ``weight_scale_inv``.
+    block_scale_name: str = "weight_scale_inv"
 
     @property
     def int4(self) -> bool:
@@ -79,16 +83,18 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     # choice tidal does not make yet.
     _only_lm_head_ignored(qc.get("ignore"), "ignore")
     static = False
+    blocks: set[tuple[int, int] | None] = set()
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise QuantConfigError(f"quantization_config: config group {name!r} is not an "
                                    "object")
         weights = _fp8_args(group.get("weights"), f"config group {name!r} weights")
         strategy = weights.get("strategy", "tensor")
-        if strategy not in ("tensor", "channel"):
+        if strategy not in ("tensor", "channel", "block"):
             raise QuantConfigError(
                 f"quantization_config: FP8 weights with strategy {strategy!r} (config group "
-                f"{name!r}) are not yet implemented in tidal (per-tensor or per-channel only)")
+                f"{name!r}) are not yet implemented in tidal (per-tensor, per-channel or "
+                "block only)")
         if weights.get("symmetric", True) is not True:
             raise QuantConfigError("quantization_config: asymmetric FP8 weights are not yet "
                                    "implemented in tidal")
@@ -98,11 +104,34 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
                 f"quantization_config: config group {name!r} has no input_activations "
                 "(weight-only FP8, W8A16) is not yet implemented in tidal")
         acts = _fp8_args(acts, f"config group {name!r} input_activations")
-        if not acts.get("dynamic", False):
+        block = None
+        if strategy == "block":
+            block = _block_size(weights.get("block_structure"), "block_structure")
+            if (not acts.get("dynamic", False) or acts.get("strategy") != "group"
+                    or acts.get("group_size") != block[1]):
+                raise QuantConfigError(
+                    f"quantization_config: block FP8 weights (config group {name!r}) need "
+                    f"dynamic activations of strategy 'group' with group_size {block[1]}, "
+                    f"got {acts.get('strategy')!r} / {acts.get('group_size')!r} / dynamic "
+                    f"{acts.get('dynamic', False)!r}")
+        elif not acts.get("dynamic", False):
             if acts.get("strategy", "tensor") != "tensor":
                 raise QuantConfigError("quantization_config: static activation scales other "
                                        "than per-tensor are not yet implemented in tidal")
             static = True
+        elif acts.get("strategy", "token") not in ("token", "tensor"):
+            raise QuantConfigError(
+                f"quantization_config: dynamic activations of strategy "
+                f"{acts.get('strategy')!r} with per-tensor or per-channel weights are not yet "
+                "implemented in tidal (per token)")
+        blocks.add(block)
+    if len(blocks) > 1:
+        raise QuantConfigError("quantization_config: config groups with different FP8 weight "
+                               "strategies are not yet implemented in tidal (one for all)")
+    block = blocks.pop()
+    if block is not None:
+        return QuantConfig(prequantized=True, weight_block=block,
+                           block_scale_name="weight_scale")
     return QuantConfig(prequantized=True, static_activations=static)
 
 
@@ -131,20 +160,24 @@ def _fp8_checkpoint(qc: dict[str, Any]) -> QuantConfig:
                                f"'static', got {scheme!r}")
     for key in ("ignored_layers", "modules_to_not_convert"):
         _only_lm_head_ignored(qc.get(key), key)
-    block = qc.get("weight_block_size")
-    if block is None:
+    raw = qc.get("weight_block_size")
+    if raw is None:
         return QuantConfig(prequantized=True, static_activations=scheme == "static")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and 16 <= b <= MAX_BLOCK
-                       and b & (b - 1) == 0 for b in block)):
-        raise QuantConfigError("quantization_config: weight_block_size must be two powers of "
-                               f"two from 16 to {MAX_BLOCK} ([rows, input channels]), got "
-                               f"{block!r}")
+    block = _block_size(raw, "weight_block_size")
     if scheme != "dynamic":
         raise QuantConfigError("quantization_config: block-wise FP8 weights with static "
                                "activation scales are not a format tidal knows (block-wise "
                                "checkpoints quantize activations dynamically)")
-    return QuantConfig(prequantized=True, weight_block=(block[0], block[1]))
+    return QuantConfig(prequantized=True, weight_block=block)
+
+
+def _block_size(block: Any, key: str) -> tuple[int, int]:
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 16 <= b <= MAX_BLOCK
+                       and b & (b - 1) == 0 for b in block)):
+        raise QuantConfigError(f"quantization_config: {key} must be two powers of two from 16 "
+                               f"to {MAX_BLOCK} ([rows, input channels]), got {block!r}")
+    return block[0], block[1]
 
 
 def build_quant_config(requested: str | None, hf_config: dict[str, Any],

@@ -75,6 +75,50 @@ def test_fp8_checkpoint_refusals(qc, family, needle):
     assert needle in str(info.value)
 
 
+FP8_BLOCK_W = dict(FP8_W, strategy="block", block_structure=[128, 128])
+FP8_GROUP_DYN = {"type": "float", "num_bits": 8, "strategy": "group", "group_size": 128,
+                 "dynamic": True, "symmetric": True}
+
+
+def test_compressed_tensors_block_strategy():
+    """llm-compressor's FP8_BLOCK scheme: 128 x 128 weight blocks, dynamic activations per
+    token and group of 128; its scale tensor is ``weight_scale``."""
+    got = build_quant_config(None, _ct(FP8_BLOCK_W, FP8_GROUP_DYN), "qwen3")
+    assert got == QuantConfig(prequantized=True, weight_block=(128, 128),
+                              block_scale_name="weight_scale")
+
+
+def test_the_block_layout_crosses_the_process_boundary():
+    """Workers get the config over msgpack: the block size comes back a tuple, equal."""
+    import msgspec
+
+    cfg = build_quant_config(None, _ct(FP8_BLOCK_W, FP8_GROUP_DYN), "llama")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(cfg), type=QuantConfig)
+    assert back == cfg and back.weight_block == (128, 128)
+
+
+@pytest.mark.parametrize("weights,acts,needle", [
+    (dict(FP8_W, strategy="block"), FP8_GROUP_DYN, "block_structure"),
+    (dict(FP8_BLOCK_W, block_structure=[128, 96]), FP8_GROUP_DYN, "block_structure"),
+    (FP8_BLOCK_W, FP8_DYN, "strategy 'group' with group_size 128"),
+    (FP8_BLOCK_W, dict(FP8_GROUP_DYN, group_size=64), "group_size 128"),
+    (FP8_BLOCK_W, dict(FP8_GROUP_DYN, dynamic=False), "dynamic"),
+    (FP8_W, FP8_GROUP_DYN, "'group'"),  # per-channel weights with grouped activations
+])
+def test_compressed_tensors_block_refusals(weights, acts, needle):
+    with pytest.raises(QuantConfigError) as info:
+        build_quant_config(None, _ct(weights, acts), "llama")
+    assert needle in str(info.value)
+
+
+def test_mixed_weight_strategies_are_refused():
+    hf = _ct(FP8_BLOCK_W, FP8_GROUP_DYN)
+    hf["quantization_config"]["config_groups"]["group_1"] = {
+        "weights": FP8_W, "input_activations": FP8_DYN, "targets": ["re:.*down_proj"]}
+    with pytest.raises(QuantConfigError, match="different FP8 weight strategies"):
+        build_quant_config(None, hf, "llama")
+
+
 def test_a_requested_method_the_checkpoint_does_not_have_is_refused():
     with pytest.raises(QuantConfigError, match="quantized with 'fp8'"):
         build_quant_config("compressed-tensors", _fp8(), "llama")
@@ -92,7 +136,7 @@ def test_a_requested_method_the_checkpoint_does_not_have_is_refused():
     (None, {"quantization_config": {"quant_method": "bitsandbytes"}}, "llama", "bitsandbytes"),
     (None, _ct({"type": "int", "num_bits": 8}, FP8_DYN), "llama", "'int' with 8 bits"),
     (None, _ct({"type": "int", "num_bits": 4, "strategy": "group"}, None), "llama", "'int'"),
-    (None, _ct(dict(FP8_W, strategy="block"), FP8_DYN), "llama", "'block'"),
+    (None, _ct(dict(FP8_W, strategy="group"), FP8_DYN), "llama", "'group'"),
     (None, _ct(FP8_W, None), "llama", "input_activations"),
     (None, _ct(FP8_W, FP8_DYN, ignore=["model.layers.0.mlp.down_proj"]), "llama", "ignore"),
     ("compressed-tensors", {}, "llama", "compressed-tensors"),

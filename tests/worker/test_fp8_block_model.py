@@ -55,7 +55,9 @@ def _fake_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _write_block(src, dst, hf, block=BLOCK) -> None:
+def _write_block(src, dst, hf, block=BLOCK, compressed_tensors: bool = False) -> None:
+    """A block-wise FP8 copy of the tiny model: the ``fp8`` format (``weight_scale_inv``), or
+    compressed-tensors' block strategy (the scale named ``weight_scale``)."""
     from safetensors.torch import save_file
 
     shutil.copytree(src, dst)
@@ -67,13 +69,26 @@ def _write_block(src, dst, hf, block=BLOCK) -> None:
         if name.endswith(".weight") and module.split(".")[-1] in LINEARS:
             q, s = _block_quant(t, *block)
             tensors[name] = q.contiguous()
-            tensors[module + ".weight_scale_inv"] = s
+            tensors[module + (".weight_scale" if compressed_tensors
+                              else ".weight_scale_inv")] = s
         elif not (name == "lm_head.weight" and hf.config.tie_word_embeddings):
             tensors[name] = t.contiguous()
     save_file(tensors, str(dst / "model.safetensors"))
     cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic", "weight_block_size": block}
+    if compressed_tensors:
+        scheme = {"weights": {"type": "float", "num_bits": 8, "symmetric": True,
+                              "strategy": "block", "block_structure": block},
+                  "input_activations": {"type": "float", "num_bits": 8, "symmetric": True,
+                                        "strategy": "group", "group_size": block[1],
+                                        "dynamic": True},
+                  "targets": ["Linear"]}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                      "format": "float-quantized", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": scheme}}
+    else:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "dynamic",
+                                      "weight_block_size": block}
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
@@ -111,6 +126,16 @@ def test_block_checkpoint_matches_fake_quantized_hf(tiny_models, tmp_path, famil
     assert _max_diff(logprobs, ref_logprobs) < 0.05
     assert _mean_diff(logprobs, ref_logprobs) < 0.1 * _mean_diff(logprobs, per_row)
     assert _run(dst, quantization="fp8")[0] == tokens  # --quantization fp8 reads it as it is
+
+
+def test_compressed_tensors_block_checkpoint_equals_the_fp8_one(tiny_models, tmp_path):
+    folder, hf = tiny_models["llama"]
+    fp8, ct = tmp_path / "fp8-block", tmp_path / "ct-block"
+    _write_block(folder, fp8, hf)
+    _write_block(folder, ct, hf, compressed_tensors=True)
+    got, want = _run(ct), _run(fp8)
+    assert got[0] == want[0]
+    assert _max_diff(got[1], want[1]) == 0.0
 
 
 def _load_layer0(folder, rank: int = 0, world: int = 1, **kw):

@@ -66,8 +66,14 @@ def _load_checkpoint(model: nn.Module, config: ModelConfig) -> None:
 
             # Models whose weight loaders take lazy tensors read only their own shards.
             lazy = bool(getattr(model, "supports_lazy_weights", False))
+            quant = config.quantization
+            # A compressed-tensors block scale fills the block layers' ``weight_scale_inv``.
+            rename = (quant is not None and quant.weight_block is not None
+                      and quant.block_scale_name == "weight_scale")
             for name, tensor, path in iter_safetensors(config.path, lazy=lazy):
                 current["file"] = path
+                if rename and name.endswith(".weight_scale"):
+                    name += "_inv"
                 yield name, tensor
 
     try:

@@ -476,11 +476,11 @@ class Kernels:
         silu: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp8_linear(rms_norm(x + residual)), x + residual)`` for rows where the one-row
-        GEMV does not apply. 2 to 8 rows (``fp8_rows_applies``): the Triton norm over the rows, then the few-row tensor-core
-        GEMV, weight-only as at one row. Else on the GPU, where the policy has it, one Triton
-        pass adds, norms and quantizes each row (``triton_fp8_quant``) and cuBLASLt multiplies;
-        elsewhere the plain norm, then ``fp8_linear`` (which quantizes again: the same
-        numbers)."""
+        GEMV does not apply. 2 to 8 rows (``fp8_rows_applies``): the Triton norm over the
+        rows, then the few-row tensor-core GEMV, weight-only as at one row. Else on the GPU,
+        where the policy has it, one Triton pass adds, norms and quantizes each row
+        (``triton_fp8_quant``) and cuBLASLt multiplies; elsewhere the plain norm, then
+        ``fp8_linear`` (which quantizes again: the same numbers)."""
         if (self._td is not None and x.dim() == 2 and norm_weight.dtype == x.dtype
                 and (residual is None
                      or (residual.shape == x.shape and residual.dtype == x.dtype))
