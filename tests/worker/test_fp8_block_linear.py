@@ -160,3 +160,4 @@ def test_unsupported_shapes_are_declined():
     assert not tfb.supported(torch.zeros(2, 64), q, 16)  # block below the e4m3 dot's K step
     assert not tfb.supported(torch.zeros(2, 64, dtype=torch.float64), q, 64)
     assert tfb.supported(torch.zeros(2, 64), q, 64)
+

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.worker.test_fp8_model import LINEARS, _hf_run, _max_diff, _run
+from tests.worker.test_fp8_model import LINEARS, PARAMS, PROMPTS, _hf_run, _max_diff, _run
 
 F8 = torch.float8_e4m3fn
 BLOCK = [16, 32]  # small blocks, so that the tiny models' weights hold several of them
@@ -138,6 +138,31 @@ def test_compressed_tensors_block_checkpoint_equals_the_fp8_one(tiny_models, tmp
     assert _max_diff(got[1], want[1]) == 0.0
 
 
+@pytest.mark.slow
+def test_compiled_block_model_is_one_graph_and_matches_eager(tiny_models, tmp_path):
+    """``--compilation-config``: Dynamo traces the block layers (the torch reference on a
+    CPU) over a data-dependent token count in one graph; a pad of those rows once sent the
+    whole model back to eager."""
+    from tidal.frontend import LLM
+
+    folder, hf = tiny_models["qwen3"]
+    dst = tmp_path / "fp8-block"
+    _write_block(folder, dst, hf)
+    eager = _run(dst)
+    llm = LLM(str(dst), skip_tokenizer_init=True, num_kv_blocks=64, device="cpu",
+              cpu_threads=1, compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        compiled = llm.engine.core.executor.worker.runner.compiled
+    finally:
+        llm.shutdown()
+    assert compiled.failure is None and compiled.stats.dynamo_traces == 1
+    assert [o.outputs[0].token_ids for o in outs] == eager[0]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs]
+    assert _max_diff(logprobs, eager[1]) < 1e-4
+
+
 def _load_layer0(folder, rank: int = 0, world: int = 1, **kw):
     from tidal.engine_core.config import EngineArgs
     from tidal.worker.attention.torch_backend import TorchAttention
@@ -259,8 +284,6 @@ def test_gpu_block_model_with_cuda_graphs_matches_fake_quantized_hf(tiny_models,
     folder, hf = tiny_models["llama"]
     dst = tmp_path / "fp8-block"
     _write_block(folder, dst, hf)
-    from tests.worker.test_fp8_model import PARAMS, PROMPTS
-
     llm = LLM(str(dst), skip_tokenizer_init=True, dtype="float32", device="cuda",
               num_kv_blocks=64)
     try:

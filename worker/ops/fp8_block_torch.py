@@ -25,9 +25,13 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     m, k = x.shape
     groups = -(-k // group)
     x32 = x.float()
-    padded = torch.nn.functional.pad(x32, (0, groups * group - k)).view(m, groups, group)
-    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (padded / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # (No pad where the groups tile K, every real model's case: padding a tensor of
+    # data-dependent rows stops torch.compile's graph.)
+    if k % group:
+        x32 = torch.nn.functional.pad(x32, (0, groups * group - k))
+    tiles = x32.view(m, groups, group)
+    scale = (tiles.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (tiles / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k], scale
 
 
@@ -67,8 +71,12 @@ def fp8_block_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, 
     and group of ``block_k``, the dequantized product in float32, cast to ``x.dtype``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    k = x2.shape[1]
     x_q, x_scale = quantize_groups(x2, block_k)
-    a = x_q.float() * x_scale.repeat_interleave(block_k, dim=1)[:, :x2.shape[1]]
+    if k % block_k:
+        a = x_q.float() * x_scale.repeat_interleave(block_k, dim=1)[:, :k]
+    else:
+        a = (x_q.float().view(-1, k // block_k, block_k) * x_scale[..., None]).view(-1, k)
     y = a @ dequantize_weight(w_q, w_scale, block_k).t()
     if bias is not None:
         y = y + bias.float()
