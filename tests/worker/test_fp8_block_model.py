@@ -1,9 +1,10 @@
 """FP8 checkpoints of ``quant_method: fp8`` end to end on the CPU: block-wise ones
 (``weight_block_size``: e4m3 weights with ``weight_scale_inv`` per block, activations
 quantized per token and group, the format of Qwen3-*-FP8 and DeepSeek-V3) against HF
-transformers with the same fake quantization written here from the format's definition, their
-tensor-parallel shards, random weights in that format; and AutoFP8's per-tensor ones against
-the equivalent compressed-tensors checkpoint."""
+transformers with the same fake quantization written here from the format's definition, the
+compressed-tensors block strategy against them, their tensor-parallel shards, random weights
+in that format, a compiled model against the eager one; AutoFP8's per-tensor ones against the
+equivalent compressed-tensors checkpoint; and (GPU) the Triton path under CUDA graphs."""
 
 from __future__ import annotations
 
