@@ -32,28 +32,31 @@ from pathlib import Path
 
 import torch
 
+from tidal.worker.ops.fp8_block_torch import (dequantize_weight, expand_block_scale,
+                                             quantize_groups, quantize_weight_blocks)
+from tidal.worker.ops.fp8_torch import quantize_rows
+
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "pride_and_prejudice_ch1.txt"
-F8 = torch.float8_e4m3fn
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    s = (t.abs().amax(-1, keepdim=True) / 448).clamp_min(1e-12)
-    return (t / s).clamp(-448, 448).to(F8).float() * s
+    """``t`` through tidal's per-row quantizer (weights per output row, activations per
+    token), dequantized."""
+    q, s = quantize_rows(t.reshape(-1, t.shape[-1]))
+    return (q.float() * s).view(t.shape)
 
 
-def _groups(t: torch.Tensor, g: int = 128) -> torch.Tensor:
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """Activations through the block-wise layers' quantizer (per token and 128 channels)."""
+    q, s = quantize_groups(t.reshape(-1, t.shape[-1]), 128)
     k = t.shape[-1]
-    pad = (-k) % g
-    p = torch.nn.functional.pad(t, (0, pad))
-    return _rows(p.view(*p.shape[:-1], -1, g)).view(p.shape)[..., :k]
+    return (q.float() * s.repeat_interleave(128, dim=1)[:, :k]).view(t.shape)
 
 
-def _blocks(w: torch.Tensor, b: int = 128) -> torch.Tensor:
-    n, k = w.shape
-    p = torch.nn.functional.pad(w, (0, (-k) % b, 0, (-n) % b))
-    t = p.view(p.shape[0] // b, b, p.shape[1] // b, b).transpose(1, 2)
-    t = _rows(t.reshape(*t.shape[:2], b * b)).view(t.shape)
-    return t.transpose(1, 2).reshape(p.shape)[:n, :k]
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """A weight quantized in 128 x 128 blocks, as a block-wise checkpoint holds it."""
+    q, s = quantize_weight_blocks(w, 128, 128)
+    return dequantize_weight(q, expand_block_scale(s, w.shape[0], 128), 128)
 
 
 SCHEMES = {"w8a8_rows": (_rows, _rows), "w8_rows": (_rows, None), "a8_rows": (None, _rows),

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tidal.engine_core.quantization_config import QuantConfig
+from tidal.worker.loader.safetensors_weights import materialize
 from tidal.worker.ops.fp8_block_torch import expand_block_scale, quantize_weight_blocks
 from tidal.worker.ops.fp8_torch import FP8_DTYPE
 
@@ -69,10 +70,6 @@ def matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> tor
                                           layout.block_k, bias)
 
 
-def _materialize(t: Any) -> torch.Tensor:
-    return t if isinstance(t, torch.Tensor) else t.materialize()
-
-
 def _load_weight(layer: LinearBase, param: nn.Parameter, loaded: Any,
                  shard_id: object = None) -> None:
     # (A lazy checkpoint tensor tells its dtype by a one-row read; the rank's shard is read
@@ -86,7 +83,7 @@ def _load_weight(layer: LinearBase, param: nn.Parameter, loaded: Any,
 
 def _load_scale(layer: LinearBase, layout: Fp8BlockLayout, param: nn.Parameter, loaded: Any,
                 shard_id: object = None) -> None:
-    s = _materialize(loaded)
+    s = materialize(loaded)
     if not s.is_floating_point():
         raise Fp8BlockLoadError(f"weight_scale_inv must be floating point, got {s.dtype}")
     rows = layer.checkpoint_rows(shard_id)
