@@ -261,6 +261,105 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
                "paged_attention_decode");
 }
 
+// out [m, n] = x [m, k] @ w.T on the few-row tensor-core product (skinny_gemm.cu). `format`:
+// 0 a weight of x's dtype [rows, k]; 1 e4m3 [rows, k] with float32 `w_scale` [rows]; 2 INT4 in
+// tidal's layout, int32 [rows, k / 8] with `scales` (x's dtype) and uint8 `zeros` [rows, G].
+// `act` 1 / 2: rows = 2 n ([gate; up]) and out = SiLU / tanh-GELU(gate) * up.
+void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t format,
+                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& w_scale,
+                 const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& zeros,
+                 int64_t group_size, int64_t act, int64_t tiles, int64_t warps, int64_t unroll) {
+  check_cuda(x, "x");
+  check_cuda(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dim");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(m >= 1 && m <= 8, "skinny_gemm takes 1 to 8 rows, got ", m);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be bfloat16 or float16");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "w must be 2-D, contiguous in its last dim");
+  TORCH_CHECK(act >= 0 && act <= 2, "act must be 0, 1 or 2");
+  const int64_t rows = w.size(0);
+  const int64_t n = act != 0 ? rows / 2 : rows;
+  TORCH_CHECK(act == 0 || rows % 2 == 0, "a gated weight needs an even number of rows");
+  tidal::SkinnyGemmArgs a{};
+  switch (format) {
+    case 0:
+      check_same_dtype(x, w, "w");
+      TORCH_CHECK(w.size(1) == k, "w has ", w.size(1), " columns, x ", k);
+      a.format = tidal::SkinnyFormat::kW16;
+      break;
+    case 1:
+      TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "format 1 needs an e4m3 weight");
+      TORCH_CHECK(w.size(1) == k, "w has ", w.size(1), " columns, x ", k);
+      TORCH_CHECK(w_scale.has_value() && w_scale->is_cuda() &&
+                      w_scale->scalar_type() == at::kFloat && w_scale->is_contiguous() &&
+                      w_scale->numel() == rows,
+                  "format 1 needs a contiguous float32 w_scale of ", rows, " values");
+      a.format = tidal::SkinnyFormat::kFp8;
+      a.w_scale = w_scale->data_ptr<float>();
+      break;
+    case 2: {
+      TORCH_CHECK(w.scalar_type() == at::kInt && w.size(1) * 8 == k,
+                  "format 2 needs an int32 weight of k / 8 columns");
+      TORCH_CHECK(scales.has_value() && zeros.has_value(), "format 2 needs scales and zeros");
+      check_same_dtype(x, *scales, "scales");
+      TORCH_CHECK(zeros->scalar_type() == at::kByte, "zeros must be uint8");
+      TORCH_CHECK(scales->dim() == 2 && zeros->dim() == 2 && scales->size(0) == rows &&
+                      zeros->size(0) == rows && scales->size(1) == zeros->size(1) &&
+                      scales->stride(1) == 1 && zeros->stride(1) == 1 &&
+                      scales->stride(0) == zeros->stride(0),
+                  "scales and zeros must be [rows, groups] with one row stride");
+      TORCH_CHECK(group_size > 0 && scales->size(1) * group_size >= k,
+                  "group_size ", group_size, " and ", scales->size(1), " groups do not cover ", k);
+      // One group over all of K, or a power of two from 32.
+      int shift = 30;
+      if (group_size < k) {
+        TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0,
+                    "group_size must be a power of two >= 32 (or cover all of K), got ",
+                    group_size);
+        shift = 0;
+        while ((int64_t{1} << shift) < group_size) ++shift;
+      }
+      a.format = tidal::SkinnyFormat::kInt4;
+      a.scales = scales->data_ptr();
+      a.zeros = zeros->data_ptr<uint8_t>();
+      a.group_stride = scales->stride(0);
+      a.group_shift = shift;
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unknown weight format ", format);
+  }
+  check_rows(out, "out", m, n);
+  check_same_dtype(x, out, "out");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && (x.stride(0) * 2) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+                  (w.stride(0) * w.element_size()) % 16 == 0,
+              "x and w rows must be 16-byte aligned");
+  if (bias.has_value()) {
+    TORCH_CHECK(act == 0, "bias with a gated weight is not supported");
+    check_same_dtype(x, *bias, "bias");
+    TORCH_CHECK(bias->is_cuda() && bias->is_contiguous() && bias->numel() == n,
+                "bias must be contiguous [n]");
+    a.bias = bias->data_ptr();
+  }
+  a.x = x.data_ptr();
+  a.x_stride = x.stride(0);
+  a.m = static_cast<int>(m);
+  a.w = w.data_ptr();
+  a.w_stride = w.stride(0) * w.element_size();
+  a.n = n;
+  a.k = k;
+  a.out = out.data_ptr();
+  a.out_stride = out.stride(0);
+  a.act = static_cast<int>(act);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(tidal::launch_skinny_gemm(dtype_of(x), a, static_cast<int>(tiles),
+                                         static_cast<int>(warps), static_cast<int>(unroll),
+                                         current_stream(x)),
+               "skinny_gemm");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -273,4 +372,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode_supported", &paged_attention_decode_supported,
         "whether the decode kernel covers this query dtype/head_dim/GQA ratio");
   m.def("paged_attention_decode", &paged_attention_decode, "flash-decoding over the paged cache");
+  m.def("skinny_gemm", &skinny_gemm, "few-row product on tensor cores (16-bit, FP8, INT4 weights)");
+  m.def("skinny_gemm_lane_k", [](int64_t format) {
+    return tidal::skinny_gemm_lane_k(static_cast<tidal::SkinnyFormat>(format));
+  }, "K values in one lane's 16-byte weight load");
 }

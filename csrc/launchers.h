@@ -73,4 +73,39 @@ cudaError_t launch_paged_attention_decode(const PagedDecodeArgs& args, cudaStrea
 // Whether launch_paged_attention_decode has a kernel for this shape.
 bool paged_attention_decode_supported(DType dtype, int head_dim, int queries_per_kv);
 
+// Weight formats of the few-row product (skinny_gemm.cu).
+enum class SkinnyFormat : int { kW16 = 0, kFp8 = 1, kInt4 = 2 };
+
+struct SkinnyGemmArgs {
+  SkinnyFormat format;
+  const void* x;  // [m, k] in the activation dtype, rows x_stride elements apart
+  int64_t x_stride;
+  int m;          // 1 .. 8
+  const void* w;  // weight rows w_stride bytes apart: [rows, k] 16-bit or e4m3, [rows, k / 8] int32
+  int64_t w_stride;
+  int64_t n;  // outputs per row (a gated weight has 2 n rows: [gate; up])
+  int64_t k;
+  void* out;  // [m, n] in the activation dtype
+  int64_t out_stride;
+  const void* bias;        // [n] in the activation dtype, or null (not with act)
+  const float* w_scale;    // FP8: float32 [rows]
+  const void* scales;      // INT4: [rows, groups] in the activation dtype
+  const uint8_t* zeros;    // INT4: [rows, groups]
+  int64_t group_stride;    // INT4: the scales' and zeros' row stride (elements)
+  int group_shift;         // INT4: the group of input k is k >> group_shift (5 .. 30: groups
+                           // are powers of two from 32; 30 for one group over all of K)
+  int act;                 // 0: none; 1: SiLU(gate) * up; 2: tanh-GELU(gate) * up
+};
+
+// out = x @ w.T (weight-only dequantization in registers, float32 sums) on mma tensor cores:
+// blocks of `tiles` x 8 weight rows, `warps` warps splitting K, `unroll` 16-byte loads in
+// flight per tile and lane. cudaErrorInvalidValue for shapes it does not take (k not a
+// multiple of 4 x skinny_gemm_lane_k, n not a multiple of 8, m outside 1..8), and
+// cudaErrorInvalidConfiguration for a launch shape it was not built with.
+cudaError_t launch_skinny_gemm(DType dtype, const SkinnyGemmArgs& args, int tiles, int warps,
+                               int unroll, cudaStream_t stream);
+
+// K values in one lane's 16-byte weight load for a format (a chunk of K is four of them).
+int skinny_gemm_lane_k(SkinnyFormat format);
+
 }  // namespace tidal

@@ -52,6 +52,9 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The few-row GEMV's first weight chunk loaded before the programmatic-dependent-launch wait
     # (with ``pdl``); off: 2-7 % per call on an H200, nothing end to end (EAGLE-3 batch 1).
     gemv_rows_pdl: bool = False
+    # 2 to 8 rows of an INT4 (AWQ / GPTQ) linear on the CUDA extension's few-row tensor-core
+    # product (csrc/skinny_gemm.cu), not the Triton split-K GEMV.
+    skinny_w4a16: bool = True
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
     attn_fused_merge: bool = False  # split-decode partials merged inside the attention kernel

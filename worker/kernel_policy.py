@@ -108,6 +108,10 @@ class KernelPolicy:
     # INT4 (AWQ/GPTQ) linears on the Triton W4A16 kernels (``triton_w4a16``: a GEMM, GEMVs
     # for decode rows); else the torch reference (dequantize and matmul).
     triton_w4a16: bool = False
+    # 2 to 8 rows of an INT4 linear (no act-order) on the CUDA extension's few-row tensor-core
+    # product (``csrc/skinny_gemm.cu``); the Triton split-K GEMV it replaced took 12-22x as
+    # long per Llama-3.1-8B weight at four rows on an H200.
+    skinny_w4a16: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
     triton_lora: bool = False
@@ -230,6 +234,13 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
                     else f"measured on Hopper only (compute capability "
                          f"{device.capability[0]}.{device.capability[1]}): cuBLAS"))
 
+    skinny = gpu and kc.skinny_w4a16 and device.cuda_ext and device.capability >= (8, 0)
+    if gpu and not skinny:
+        why.append(("w4a16_linear", "off in the config" if not kc.skinny_w4a16
+                    else "the CUDA extension is not loaded (ops not auto / cuda, or it did "
+                         "not build)" if not device.cuda_ext
+                    else "no tensor-core mma below compute capability 8.0"))
+
     attention = _attention(kc, device, triton_ok, arch, why)
     layers = (attention,) * (arch.num_layers if arch is not None else 0)
 
@@ -274,6 +285,7 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         fp8_norm_quant=fp8_norm_quant,
         triton_fp8_block=fp8_norm_quant,
         triton_w4a16=gpu and triton_ok,
+        skinny_w4a16=skinny,
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
@@ -345,7 +357,8 @@ def describe(policy: KernelPolicy) -> list[str]:
              if policy.triton_fp8_block else "torch reference"),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
-             "one row, split-K GEMV for 2-4)"
+             "one row; " + ("CUDA tensor-core product for 2-8 rows"
+                            if policy.skinny_w4a16 else "split-K GEMV for 2-8 rows") + ")"
              if policy.triton_w4a16 else "torch reference"),
         # Kernels.lora_shrink / lora_expand (--enable-lora only).
         line("lora", "triton (per-token shrink / expand; segmented for eager steps"

@@ -139,6 +139,16 @@ def test_kernel_policy_picks_triton_on_a_gpu_only():
     assert (cpu.triton_w4a16, gpu.triton_w4a16, bare.triton_w4a16) == (False, True, False)
     assert any(line.startswith("w4a16_linear: triton") for line in describe(gpu))
     assert "w4a16_linear: torch reference" in describe(cpu)
+    # 2-8 rows on the CUDA extension's few-row product: only where the extension built, on
+    # tensor-core mma (compute capability 8.0 on).
+    ext = resolve(KernelConfig(), DeviceInfo("cuda", triton=True, cuda_ext=True,
+                                             capability=(9, 0)))
+    old = resolve(KernelConfig(), DeviceInfo("cuda", triton=True, cuda_ext=True,
+                                             capability=(7, 5)))
+    assert (cpu.skinny_w4a16, gpu.skinny_w4a16, ext.skinny_w4a16, old.skinny_w4a16) == (
+        False, False, True, False)
+    assert any("CUDA tensor-core product for 2-8 rows" in line for line in describe(ext))
+    assert not any("CUDA tensor-core" in line for line in describe(gpu))
 
 
 @functools.lru_cache(maxsize=2)
@@ -368,3 +378,44 @@ def test_gpu_kernels_dispatch_to_triton():
     y = kernels.w4a16_linear(x, qweight, s, qzeros, 128)
     ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 9])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gpu_kernels_take_the_cuda_few_row_product_for_2_to_8_rows(m, gated):
+    """With the extension built, 2-8 rows (no act-order) run ``skinny_gemm``; one row and nine
+    stay on Triton; all equal the torch reference."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import resolve, probe_device
+    from tidal.worker.ops import skinny_gemm
+    from tidal.worker.ops.kernels import Kernels
+
+    kc = KernelConfig()
+    kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
+    if kernels._skinny is None:
+        pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'policy off'}")
+    q, zeros, scales, g_idx = _random_int4(512, 1024, 128, seed=m)
+    qweight, s, qzeros, _ = _tidal_layout(q, zeros, scales, g_idx, torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = skinny_gemm.skinny_gemm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    skinny_gemm.skinny_gemm = spy
+    try:
+        if gated:
+            y = kernels.w4a16_gated_linear(x, qweight, s, qzeros, 128, None, None, "silu")
+            g, u = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128).float().chunk(2, -1)
+            ref = torch.nn.functional.silu(g) * u
+        else:
+            y = kernels.w4a16_linear(x, qweight, s, qzeros, 128)
+            ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128)
+    finally:
+        skinny_gemm.skinny_gemm = real
+    assert bool(calls) == (2 <= m <= 8)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)

@@ -33,6 +33,7 @@ SOURCES = (
     "rotary_kernels.cu",
     "cache_kernels.cu",
     "paged_attention.cu",
+    "skinny_gemm.cu",
 )
 HEADERS = ("common.cuh", "launchers.h")
 

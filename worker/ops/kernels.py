@@ -72,7 +72,7 @@ class Kernels:
 
     __slots__ = ("policy", "gpu", "_decode", "_gemv", "_gemv_max_bytes", "_norm_apart",
                  "_vocab", "_td", "_sampling", "_moe", "_fp8", "_fp8q", "_fp8b", "_w4", "_lora",
-                 "_custom", "_custom_impl", "_rows")
+                 "_custom", "_custom_impl", "_rows", "_skinny")
 
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
@@ -105,6 +105,9 @@ class Kernels:
         # The W4A16 (AWQ/GPTQ) GEMM and split-K GEMV (imports triton).
         self._w4: ModuleType | None = (_triton_module("triton_w4a16")
                                        if policy.triton_w4a16 else None)
+        # INT4 linears of 2 to 8 rows on the CUDA extension's tensor-core product.
+        self._skinny: ModuleType | None = (importlib.import_module(
+            "tidal.worker.ops.skinny_gemm") if policy.skinny_w4a16 else None)
         # LoRA's shrink / expand kernels (imports triton; --enable-lora models only call them).
         self._lora: ModuleType | None = (_triton_module("triton_lora")
                                          if policy.triton_lora else None)
@@ -434,13 +437,34 @@ class Kernels:
                 return y.reshape(*x.shape[:-1], w_q.shape[0])
         return fp8_block_torch.fp8_block_linear(x, w_q, w_scale, block_k, bias)
 
+    def skinny_w4a16_applies(self, x: torch.Tensor, qweight: torch.Tensor,
+                             scales: torch.Tensor, group_size: int,
+                             g_idx: torch.Tensor | None, bias: torch.Tensor | None,
+                             gated: bool = False) -> bool:
+        """Whether an INT4 linear on ``x`` runs the CUDA few-row product: the policy has it,
+        2 to 8 rows (one row stays on the group-tiled Triton GEMV, as fast and with its
+        fusions), no act-order, a group it takes (a power of two from 32, or the whole row),
+        no bias when gated, and not inside a torch.compile trace."""
+        sk = self._skinny
+        if sk is None or g_idx is not None or not x.is_cuda or not x.shape[-1]:
+            return False
+        rows = x.numel() // x.shape[-1]
+        return (2 <= rows <= sk.MAX_ROWS and scales.dtype == x.dtype
+                and (bias is None or (not gated and bias.dtype == x.dtype))
+                and sk.supported(x, qweight, group_size, gated)
+                and not torch.compiler.is_compiling())
+
     def w4a16_linear(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      qzeros: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` times an INT4 weight in tidal's layout (``int4_torch``: ``qweight`` int32
         [N, K / 8], per-group ``scales`` and uint8 ``qzeros`` [N, G], act-order ``g_idx``):
         the Triton kernels on the GPU where the policy has them (a GEMM, a split-K GEMV for
-        decode rows), dequantizing in registers; else the torch reference."""
+        decode rows), dequantizing in registers; 2 to 8 rows without act-order on the CUDA
+        few-row product where ``skinny_w4a16_applies``; else the torch reference."""
+        if self.skinny_w4a16_applies(x, qweight, scales, group_size, g_idx, bias):
+            return self._skinny.skinny_gemm(x, qweight, bias, scales=scales, zeros=qzeros,
+                                            group_size=group_size)
         if self._w4 is not None and x.is_cuda:
             return self._w4.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
         return int4_torch.w4a16_linear(x, qweight, scales, qzeros, group_size, g_idx, bias)
@@ -453,6 +477,9 @@ class Kernels:
         the activation as its epilogue (no separate activation kernel); else the linear, then
         the activation."""
         _check_gated_act(act)
+        if self.skinny_w4a16_applies(x, qweight, scales, group_size, g_idx, bias, gated=True):
+            return self._skinny.skinny_gemm(x, qweight, scales=scales, zeros=qzeros,
+                                            group_size=group_size, act=act)
         if (self._w4 is not None and x.is_cuda
                 and self._w4.gated_gemv_applies(x, qweight, group_size, g_idx)):
             return self._w4.w4a16_gated_gemv(x, qweight, scales, qzeros, group_size, act, bias)

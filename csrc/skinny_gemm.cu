@@ -1,0 +1,561 @@
+// A product of a few activation rows (1 to 8) by a weight [N, K] that is bound by the weight's
+// bytes: out[m, n] = sum_k x[m, k] * w[n, k], for decode at small batch and speculative
+// verifies. Weights are 16-bit (the activations' dtype), FP8 e4m3 with a float32 scale per
+// output row (weight-only), or INT4 in tidal's layout (``worker/ops/int4_torch.py``: eight
+// 4-bit values per int32 along K, a scale and a zero point per output row and group).
+//
+// Why tensor cores for a GEMV: the weight is multiplied on ``mma.sync.m16n8k16`` with the
+// activation rows as the A operand (rows padded to 16 with zeros) and eight weight rows as
+// the B operand, so converting the weight (FP8 -> f16, INT4 -> bf16 / f16) is the only
+// per-weight arithmetic; an elementwise GEMV spends one FMA per weight and row, and its INT4
+// dequantization alone made it bound by instructions at half the memory rate.
+//
+// The layout trick that makes it a plain stream of 16-byte loads: the mma's K order is free
+// (a sum), so each lane of a quad (the four lanes holding one B column, one weight row) loads
+// its own 16 contiguous bytes of that row, and the A fragment is built from the activation
+// values at the same K positions, which the lane also loads as contiguous bytes (lane
+// (g, t) owns activation row g and weight row g of the tile; the mma's logical K positions
+// 2t, 2t+1, 2t+8, 2t+9 map onto the lane's own chunk). No weight reordering at load time.
+//
+// A block takes R tiles of eight weight rows (R / 2 gate and R / 2 up tiles for a fused
+// [gate; up] weight, so the gated epilogue has both halves in one thread) over the whole K,
+// split among its warps in interleaved chunks; the warps' partial sums meet in shared memory.
+// Each warp keeps U chunks of loads in flight per tile before it multiplies.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace tidal {
+namespace {
+
+constexpr int kMaxRows = 8;  // activation rows: the A fragment's first eight rows
+
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  // (0x4300 | q) is the bf16 number 128 + q for q < 128: a nibble becomes a number with one
+  // LOP3 and no int -> float conversion.
+  static constexpr uint32_t kMagic = 0x43004300u;
+};
+template <>
+struct Pair<__half> {
+  using type = __half2;
+  static constexpr uint32_t kMagic = 0x64006400u;  // f16 1024 + q
+};
+
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t as_u32(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+template <typename P>
+__device__ __forceinline__ P from_u32(uint32_t u) {
+  return *reinterpret_cast<P*>(&u);
+}
+template <typename T>
+__device__ __forceinline__ T from_u16(uint16_t u) {
+  return *reinterpret_cast<T*>(&u);
+}
+
+// Keeps a loop-invariant pointer in a register: without it the compiler recomputes the row
+// addresses (64-bit multiplies) inside the loop, and INT4's loop is bound by instructions.
+template <typename Ptr>
+__device__ __forceinline__ void pin(Ptr& p) {
+  uint64_t v = reinterpret_cast<uint64_t>(p);
+  asm volatile("mov.b64 %0, %0;" : "+l"(v));
+  p = reinterpret_cast<Ptr>(v);
+}
+
+// (v & 0x000F000F) | magic in one instruction.
+__device__ __forceinline__ uint32_t nibbles_or(uint32_t v, uint32_t magic) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(out) : "r"(v), "r"(magic));
+  return out;
+}
+
+// C += A * B on one m16n8k16 mma: A (16 x 16) = four registers a0..a3, B (16 x 8) = b0, b1.
+// Lane (g, t) holds a0 = A[g][2t..2t+1], a1 = A[g+8][2t..2t+1], a2 = A[g][2t+8..2t+9],
+// a3 = A[g+8][2t+8..2t+9], b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g], and gets
+// c[0], c[1] = C[g][2t], C[g][2t+1] and c[2], c[3] = C[g+8][2t], C[g+8][2t+1].
+//
+// Rows g + 8 of A are not zero padding: they carry the lane's other activation pairs, so one
+// mma sums half of the lane's K positions into C row g and the next the other half into C row
+// g + 8 of a second accumulator (``even`` / ``odd`` slots below). Every A register then comes
+// straight from a load or a conversion, with no zero registers to move into place.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], uint32_t a0, uint32_t a1,
+                                                        uint32_t a2, uint32_t a3, uint32_t b0,
+                                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], uint32_t a0, uint32_t a1,
+                                                 uint32_t a2, uint32_t a3, uint32_t b0,
+                                                 uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two e4m3 values (the low 16 bits of `v` >> `shift`) widened exactly to f16x2, lower byte in
+// the lower half.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}"
+      : "=r"(out)
+      : "r"(v));
+  return out;
+}
+
+// Two activation values (a bf16 or f16 pair) as an f16 pair times 2^-4, the FP8 path's A
+// operand: e4m3's widening is exact in f16, and the 2^-4 keeps activations up to 2^20 finite
+// (the one-row and few-row Triton GEMVs do the same); the epilogue multiplies 16 back.
+template <typename T>
+__device__ __forceinline__ uint32_t x_pair_to_f16(uint32_t v);
+template <>
+__device__ __forceinline__ uint32_t x_pair_to_f16<__nv_bfloat16>(uint32_t v) {
+  const float lo = __uint_as_float(v << 16) * 0.0625f;
+  const float hi = __uint_as_float(v & 0xffff0000u) * 0.0625f;
+  return as_u32(__floats2half2_rn(lo, hi));
+}
+template <>
+__device__ __forceinline__ uint32_t x_pair_to_f16<__half>(uint32_t v) {
+  return as_u32(__hmul2(from_u32<__half2>(v), __float2half2_rn(0.0625f)));
+}
+
+// The loads are volatile asm so that they keep their program order against the fence that
+// follows a step's loads (see the main loop).
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 load16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint16_t load_u16(const void* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint16_t load_u8(const void* p) {
+  uint16_t v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ float activate(float g, int act) {
+  if (act == 1) return g / (1.f + __expf(-g));  // SiLU
+  // tanh-approximated GELU
+  const float c = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.f + tanhf(c));
+}
+
+// Weight formats.
+constexpr int kW16 = 0;   // the activations' dtype
+constexpr int kWFp8 = 1;  // e4m3, float32 scale per row
+constexpr int kWInt4 = 2; // tidal's INT4 layout
+
+template <int WK>
+struct Fmt;
+template <>
+struct Fmt<kW16> {
+  static constexpr int kLaneK = 8;  // K values in a lane's 16 bytes
+  static constexpr int kXVecs = 1;  // 16-byte activation vectors per lane and chunk
+  // Accumulators per tile, taken in turn by the chunk's mma steps: one chain of dependent
+  // mmas would wait out each one's latency.
+  static constexpr int kAcc = 2;
+};
+template <>
+struct Fmt<kWFp8> {
+  static constexpr int kLaneK = 16;
+  static constexpr int kXVecs = 2;
+  static constexpr int kAcc = 4;
+};
+template <>
+struct Fmt<kWInt4> {
+  static constexpr int kLaneK = 32;
+  static constexpr int kXVecs = 4;
+  static constexpr int kAcc = 2;
+};
+
+// One 16-byte weight vector of one lane times the activation vectors of the same K positions,
+// into the tile's accumulator. `zq`: INT4's (magic + zero point) pair; `sq`: INT4's scale pair
+// for the pre-scaled (small group) form, or 0 to leave the scale to the caller.
+// One lane's 16 weight bytes times the activations at the same K positions. Accumulator
+// slots come in pairs: an even slot's C row g and the next odd slot's C row g + 8 hold the
+// useful sums (see mma16816). `zq`: INT4's (magic + zero point) pair; `sq`: INT4's scale pair
+// for the pre-scaled (small group) form.
+template <typename T, int WK, bool PRESCALE>
+__device__ __forceinline__ void chunk_mma(float (&c)[Fmt<WK>::kAcc][4], const uint4& w,
+                                          const uint4 (&xv)[4], uint32_t zq, uint32_t sq) {
+  using P = typename Pair<T>::type;
+  constexpr int kAcc = Fmt<WK>::kAcc;
+  const uint32_t* wu = reinterpret_cast<const uint32_t*>(&w);
+  if constexpr (WK == kW16) {
+    // Positions (0,1) (4,5) into row g, (2,3) (6,7) into row g + 8.
+    const uint32_t* xu = reinterpret_cast<const uint32_t*>(&xv[0]);
+    mma16816<T>(c[0], xu[0], xu[1], xu[2], xu[3], wu[0], wu[2]);
+    mma16816<T>(c[1], xu[0], xu[1], xu[2], xu[3], wu[1], wu[3]);
+  } else if constexpr (WK == kWFp8) {
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+      // Words j and j + 1 hold positions 4j .. 4j+7 of the lane's 16; the activations were
+      // converted to f16 pairs by the caller: pair i of the lane is x(2i, 2i+1).
+      const uint32_t* xa = reinterpret_cast<const uint32_t*>(&xv[j >> 1]);
+      const int slot = (j >> 1) % (kAcc / 2) * 2;
+      mma16816<__half>(c[slot], xa[0], xa[1], xa[2], xa[3], e4m3x2_to_f16x2(wu[j]),
+                       e4m3x2_to_f16x2(wu[j + 1]));
+      mma16816<__half>(c[slot + 1], xa[0], xa[1], xa[2], xa[3], e4m3x2_to_f16x2(wu[j] >> 16),
+                       e4m3x2_to_f16x2(wu[j + 1] >> 16));
+    }
+  } else {
+    const P zp = from_u32<P>(zq);
+    // In a register, so that mask-and-or is one LOP3 (it takes one immediate).
+    uint32_t magic;
+    asm("mov.b32 %0, %1;" : "=r"(magic) : "n"(Pair<T>::kMagic));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // Word j: K positions 8j .. 8j+7 of the lane's 32; pair i = nibbles (i, i + 4).
+      const uint32_t word = wu[j];
+      uint32_t q[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        P v = __hsub2(from_u32<P>(nibbles_or(word >> (4 * i), magic)), zp);
+        if constexpr (PRESCALE) v = __hmul2(v, from_u32<P>(sq));
+        q[i] = as_u32(v);
+      }
+      // The activations in the same pairing: (x0, x4), (x1, x5), (x2, x6), (x3, x7).
+      const uint32_t* xu = reinterpret_cast<const uint32_t*>(&xv[j]);
+      const uint32_t x04 = __byte_perm(xu[0], xu[2], 0x5410);
+      const uint32_t x15 = __byte_perm(xu[0], xu[2], 0x7632);
+      const uint32_t x26 = __byte_perm(xu[1], xu[3], 0x5410);
+      const uint32_t x37 = __byte_perm(xu[1], xu[3], 0x7632);
+      const int slot = j % (kAcc / 2) * 2;
+      mma16816<T>(c[slot], x04, x15, x26, x37, q[0], q[2]);
+      mma16816<T>(c[slot + 1], x04, x15, x26, x37, q[1], q[3]);
+    }
+  }
+}
+
+// What one chunk (kQuadK values of K) of every tile reads: the weight vectors, the
+// activations at the same K positions and, for INT4, the zero points and scales.
+template <int WK, int R>
+struct ChunkLoads {
+  uint4 w[R];
+  uint4 x[4];
+  uint16_t zero[R];      // INT4: the lane's row's zero point
+  uint16_t scale[R][2];  // INT4: columns 2t and 2t + 1 (groups >= 128), or the lane's row
+};
+
+// Where a lane's loads come from (fixed for the kernel); offsets from here are 32-bit.
+template <int R>
+struct LaneRows {
+  const char* w[R];       // the weight row at the lane's first K position
+  const char* x;          // the activation row at the lane's first K position
+  const uint8_t* zero[R];  // INT4: the lane's row of zero points
+  const uint16_t* scale[R];  // INT4: tile column 2t's row of scales (groups >= 128), else
+                             // the lane's row
+  const uint16_t* scale1[R];  // INT4 with groups >= 128: tile column 2t + 1's row
+};
+
+template <typename T, int WK, int R, bool PRESCALE>
+__device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRows<R>& lr,
+                                           int c, int t, ChunkLoads<WK, R>& out) {
+  using F = Fmt<WK>;
+  // A chunk's bytes of a weight row and of an activation row.
+  constexpr uint32_t kWBytes = 64;  // four lanes' 16 bytes, in every format
+  constexpr uint32_t kXBytes = 4 * F::kLaneK * sizeof(T);
+  const uint32_t cu = static_cast<uint32_t>(c);
+#pragma unroll
+  for (int r = 0; r < R; ++r) out.w[r] = load_stream16(lr.w[r] + cu * kWBytes);
+  const char* xp = lr.x + cu * kXBytes;
+#pragma unroll
+  for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16(xp + 16 * j);
+  if constexpr (WK == kWInt4) {
+    // The lane's 32 K values lie in one group (groups are powers of two >= 32, or one group);
+    // with groups of 128 or more the quad's 128 share it.
+    const uint32_t grp = (cu * 128u + static_cast<uint32_t>(t) * 32u) >> a.group_shift;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      out.zero[r] = load_u8(lr.zero[r] + grp);
+      out.scale[r][0] = load_u16(lr.scale[r] + grp);
+      if constexpr (!PRESCALE) out.scale[r][1] = load_u16(lr.scale1[r] + grp);
+    }
+  }
+}
+
+// One chunk of every tile, from its loads: FP8's activations to f16 pairs, INT4's zero points
+// and scales, and the mma steps.
+template <typename T, int WK, int R, bool PRESCALE>
+__device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
+                                           ChunkLoads<WK, R>& ld) {
+  if constexpr (WK == kWFp8) {
+    // Sixteen activations as eight f16 pairs, in the two vectors' places.
+    uint32_t* x0 = reinterpret_cast<uint32_t*>(&ld.x[0]);
+    uint32_t* x1 = reinterpret_cast<uint32_t*>(&ld.x[1]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x0[i] = x_pair_to_f16<T>(x0[i]);
+      x1[i] = x_pair_to_f16<T>(x1[i]);
+    }
+  }
+  if constexpr (WK == kWInt4) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      // (magic | z) is the number magic + z, as for the weights' nibbles.
+      const uint32_t zq = Pair<T>::kMagic | (static_cast<uint32_t>(ld.zero[r]) * 0x10001u);
+      if constexpr (PRESCALE) {
+        const uint32_t s = static_cast<uint32_t>(ld.scale[r][0]) * 0x10001u;
+        chunk_mma<T, WK, true>(acc[r], ld.w[r], ld.x, zq, s);
+      } else {
+        // The scale multiplies the chunk's sums instead of every weight; part[.][0] and
+        // part[.][1] are tile columns 2t and 2t + 1 (the rows of other lanes).
+        float part[Fmt<WK>::kAcc][4] = {};
+        chunk_mma<T, WK, false>(part, ld.w[r], ld.x, zq, 0u);
+        float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < Fmt<WK>::kAcc; i += 2) {
+          p0 += part[i][0] + part[i + 1][2];
+          p1 += part[i][1] + part[i + 1][3];
+        }
+        acc[r][0][0] += p0 * to_float(from_u16<T>(ld.scale[r][0]));
+        acc[r][0][1] += p1 * to_float(from_u16<T>(ld.scale[r][1]));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) chunk_mma<T, WK, false>(acc[r], ld.w[r], ld.x, 0u, 0u);
+  }
+}
+
+template <typename T, int WK, int R, int WARPS, int U, bool PRESCALE>
+__global__ void __launch_bounds__(WARPS * 32)
+    skinny_gemm_kernel(const SkinnyGemmArgs a) {
+  using F = Fmt<WK>;
+  constexpr int kQuadK = 4 * F::kLaneK;  // K per chunk: the quad's four lanes
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = a.k / kQuadK;
+  const bool gated = a.act != 0;
+
+  // This lane's weight row in each tile, and whether the tile exists (N is a multiple of 8,
+  // so a tile is whole or absent). Absent tiles and activation rows past m read row 0: their
+  // sums land in outputs nobody writes (A row g only feeds C row g), and the loop needs no
+  // predicates, which would keep the compiler from issuing the loads back to back.
+  int64_t row[R];
+  bool row_ok[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    int64_t n;
+    if (gated) {
+      constexpr int half = R / 2 > 0 ? R / 2 : 1;
+      const int64_t base = static_cast<int64_t>(blockIdx.x) * 8 * half + (r % half) * 8 + g;
+      row_ok[r] = base < a.n;
+      n = r < half ? base : a.n + base;
+    } else {
+      n = static_cast<int64_t>(blockIdx.x) * 8 * R + r * 8 + g;
+      row_ok[r] = n < a.n;
+    }
+    row[r] = row_ok[r] ? n : 0;
+  }
+  const bool x_ok = g < a.m;
+  LaneRows<R> lr;
+  lr.x = reinterpret_cast<const char*>(
+      reinterpret_cast<const T*>(a.x) + (x_ok ? g : 0) * a.x_stride + t * F::kLaneK);
+  // Bytes of a weight row per K value, times 2 (INT4 is half a byte).
+  constexpr int kW2 = WK == kW16 ? 2 * sizeof(T) : WK == kWFp8 ? 2 : 1;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    lr.w[r] = reinterpret_cast<const char*>(a.w) + row[r] * a.w_stride + t * F::kLaneK * kW2 / 2;
+    if constexpr (WK == kWInt4) {
+      lr.zero[r] = a.zeros + row[r] * a.group_stride;
+      const int64_t srow = PRESCALE || !row_ok[r] ? row[r] : row[r] - g + 2 * t;
+      lr.scale[r] = reinterpret_cast<const uint16_t*>(a.scales) + srow * a.group_stride;
+      lr.scale1[r] = lr.scale[r] + (PRESCALE ? 0 : a.group_stride);
+      pin(lr.zero[r]);
+      pin(lr.scale[r]);
+      pin(lr.scale1[r]);
+    }
+    pin(lr.w[r]);
+  }
+  pin(lr.x);
+
+  float acc[R][F::kAcc][4] = {};
+
+  // U chunks a step, then the chunks left one at a time. A step's loads all issue before its
+  // first mma: the branch after them (never taken) ends the basic block, and the assembler
+  // does not move the loads past it; otherwise it starts the first mma as soon as its operands
+  // are "ready" by its latency model and every later load waits behind that stalled mma.
+  const int full = chunks - (WARPS * (U - 1));
+  int c0 = warp;
+  for (; c0 < full; c0 += WARPS * U) {
+    ChunkLoads<WK, R> ld[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) load_chunk<T, WK, R, PRESCALE>(a, lr, c0 + u * WARPS, t, ld[u]);
+    if (a.k < 0) asm volatile("trap;");
+#pragma unroll
+    for (int u = 0; u < U; ++u) chunk_step<T, WK, R, PRESCALE>(acc, ld[u]);
+  }
+  for (; c0 < chunks; c0 += WARPS) {
+    ChunkLoads<WK, R> ld;
+    load_chunk<T, WK, R, PRESCALE>(a, lr, c0, t, ld);
+    chunk_step<T, WK, R, PRESCALE>(acc, ld);
+  }
+
+  // The accumulators of each tile, then the warps' partial sums of each tile column, summed
+  // by warp 0 in warp order.
+  float sum[R][2];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = sum[r][1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < F::kAcc; i += 2) {
+      sum[r][0] += acc[r][i][0] + acc[r][i + 1][2];
+      sum[r][1] += acc[r][i][1] + acc[r][i + 1][3];
+    }
+  }
+  __shared__ float part[WARPS > 1 ? WARPS - 1 : 1][R][32][2];
+  if (WARPS > 1) {
+    if (warp > 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        part[warp - 1][r][lane][0] = sum[r][0];
+        part[warp - 1][r][lane][1] = sum[r][1];
+      }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int w = 0; w < WARPS - 1; ++w)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        sum[r][0] += part[w][r][lane][0];
+        sum[r][1] += part[w][r][lane][1];
+      }
+  }
+  if (!x_ok) return;
+
+  // Lane (g, t) holds outputs (row g, tile columns 2t and 2t + 1).
+  T* orow = reinterpret_cast<T*>(a.out) + g * a.out_stride;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (gated && r >= R / 2) break;
+    int64_t col0;
+    if (gated)
+      col0 = static_cast<int64_t>(blockIdx.x) * 8 * (R / 2) + r * 8 + 2 * t;
+    else
+      col0 = static_cast<int64_t>(blockIdx.x) * 8 * R + r * 8 + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t col = col0 + j;
+      if (col >= a.n) continue;
+      float v = sum[r][j];
+      if constexpr (WK == kWFp8) v *= 16.f * a.w_scale[col];
+      if (gated) {
+        float u = sum[r + R / 2][j];
+        if constexpr (WK == kWFp8) u *= 16.f * a.w_scale[a.n + col];
+        // Rounded as the unfused ops round: the product to T, then act(gate) * up to T.
+        const float gr = to_float(from_float<T>(v));
+        const float ur = to_float(from_float<T>(u));
+        orow[col] = from_float<T>(activate<T>(gr, a.act) * ur);
+      } else {
+        if (a.bias != nullptr) v += to_float(reinterpret_cast<const T*>(a.bias)[col]);
+        orow[col] = from_float<T>(v);
+      }
+    }
+  }
+}
+
+template <typename T, int WK, bool PRESCALE>
+cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaStream_t stream) {
+  const int rows_per_block = 8 * r;
+  const int64_t outs_per_block = a.act != 0 ? rows_per_block / 2 : rows_per_block;
+  const dim3 grid(static_cast<unsigned>((a.n + outs_per_block - 1) / outs_per_block));
+  const dim3 block(32 * warps);
+#define TIDAL_SKINNY_CASE(R_, W_, U_)                                                   \
+  if (r == R_ && warps == W_ && u == U_) {                                               \
+    skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE><<<grid, block, 0, stream>>>(a);      \
+    return cudaGetLastError();                                                           \
+  }
+#define TIDAL_SKINNY_WARPS(R_, U_) \
+  TIDAL_SKINNY_CASE(R_, 2, U_)     \
+  TIDAL_SKINNY_CASE(R_, 4, U_)     \
+  TIDAL_SKINNY_CASE(R_, 8, U_)
+  TIDAL_SKINNY_WARPS(1, 1)
+  TIDAL_SKINNY_WARPS(1, 2)
+  TIDAL_SKINNY_WARPS(1, 4)
+  TIDAL_SKINNY_WARPS(2, 1)
+  TIDAL_SKINNY_WARPS(2, 2)
+  TIDAL_SKINNY_WARPS(2, 4)
+  TIDAL_SKINNY_WARPS(4, 1)
+  TIDAL_SKINNY_WARPS(4, 2)
+#undef TIDAL_SKINNY_WARPS
+#undef TIDAL_SKINNY_CASE
+  return cudaErrorInvalidConfiguration;
+}
+
+template <typename T>
+cudaError_t launch_format(const SkinnyGemmArgs& a, int r, int warps, int u,
+                          cudaStream_t stream) {
+  switch (a.format) {
+    case SkinnyFormat::kW16:
+      return launch_typed<T, kW16, false>(a, r, warps, u, stream);
+    case SkinnyFormat::kFp8:
+      return launch_typed<T, kWFp8, false>(a, r, warps, u, stream);
+    case SkinnyFormat::kInt4:
+      if (a.group_shift >= 7) return launch_typed<T, kWInt4, false>(a, r, warps, u, stream);
+      return launch_typed<T, kWInt4, true>(a, r, warps, u, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+int skinny_gemm_lane_k(SkinnyFormat format) {
+  switch (format) {
+    case SkinnyFormat::kW16: return Fmt<kW16>::kLaneK;
+    case SkinnyFormat::kFp8: return Fmt<kWFp8>::kLaneK;
+    case SkinnyFormat::kInt4: return Fmt<kWInt4>::kLaneK;
+  }
+  return 0;
+}
+
+cudaError_t launch_skinny_gemm(DType dtype, const SkinnyGemmArgs& a, int tiles, int warps,
+                               int unroll, cudaStream_t stream) {
+  if (a.m < 1 || a.m > kMaxRows || a.n < 1 || a.n % 8 != 0 ||
+      a.k % (4 * skinny_gemm_lane_k(a.format)) != 0 ||
+      (a.act != 0 && tiles % 2 != 0))
+    return cudaErrorInvalidValue;
+  if (a.format == SkinnyFormat::kInt4 && (a.group_shift < 5 || a.group_shift > 30 ||
+                                          a.k > (int64_t{1} << 30)))
+    return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kBFloat16: return launch_format<__nv_bfloat16>(a, tiles, warps, unroll, stream);
+    case DType::kFloat16: return launch_format<__half>(a, tiles, warps, unroll, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace tidal

@@ -1,0 +1,177 @@
+"""The few-row tensor-core product (``csrc/skinny_gemm.cu``, ``worker/ops/skinny_gemm.py``)
+against plain torch on the same (dequantized) weights: 16-bit, FP8 and INT4 weights, 1-8 rows,
+bias, the gated epilogues, every launch shape it is built with, and the shapes it refuses.
+GPU only (a CUDA kernel); the CPU runs print why they skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.worker.ops import int4_torch
+
+
+def _gpu_skip() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device: the few-row product is a CUDA kernel (the torch paths cover CPUs)"
+    from tidal.worker.ops.cuda_ext import build_result
+
+    result = build_result()
+    if result.module is None:
+        return f"the CUDA extension did not build: {result.error}"
+    return None
+
+
+GPU_SKIP = _gpu_skip()
+pytestmark = pytest.mark.skipif(GPU_SKIP is not None, reason=str(GPU_SKIP))
+
+DEV = "cuda"
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act: str | None,
+         dtype: torch.dtype) -> torch.Tensor:
+    """torch's rounding: the product in float64 rounded to ``dtype``, then the activation."""
+    y = F.linear(x.double(), w.double(), None if bias is None else bias.double()).to(dtype)
+    if act is None:
+        return y
+    g, u = y.double().chunk(2, dim=-1)
+    a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+    return (a * u).to(dtype)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, label: str, tol: float = 1.5e-2) -> None:
+    assert out.shape == ref.shape, label
+    assert torch.isfinite(out).all(), f"{label}: non-finite output"
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    assert err < tol, f"{label}: relative error {err:.3g}"
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = (w.float().abs().amax(1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("act", [None, "silu", "gelu_tanh"])
+def test_16bit_weights_match_torch(dtype, rows, act):
+    from tidal.worker.ops import skinny_gemm as sk
+
+    torch.manual_seed(rows)
+    n, k = 136, 512  # 17 tiles of 8: a partial last block at every tile count
+    w = torch.randn(2 * n if act else n, k, device=DEV, dtype=dtype) / k ** 0.5
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    bias = None if act else torch.randn(n, device=DEV, dtype=dtype)
+    assert sk.supported(x, w, gated=act is not None)
+    ref = _ref(x, w, bias, act, dtype)
+    for cfg in sorted(sk.BUILT):
+        if act and cfg.tiles % 2:
+            continue
+        out = sk.skinny_gemm(x, w, bias, act=act, config=cfg)
+        _close(out, ref, f"{dtype} rows {rows} {act} {cfg}")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_fp8_weights_match_weight_only_reference(rows, act):
+    from tidal.worker.ops import skinny_gemm as sk
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 conversion needs compute capability 8.9")
+    torch.manual_seed(10 + rows)
+    n, k = 64, 1024
+    w = torch.randn(2 * n if act else n, k, device=DEV) / k ** 0.5
+    w_q, scale = _fp8(w)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    # Large activations: the kernel takes x times 2^-4 in f16 and must not overflow.
+    x[0, :8] *= 3000
+    ref = _ref(x, w_q.float() * scale, None, act, torch.bfloat16)
+    for cfg in sorted(sk.BUILT):
+        if act and cfg.tiles % 2:
+            continue
+        out = sk.skinny_gemm(x, w_q, w_scale=scale, act=act, config=cfg)
+        _close(out, ref, f"fp8 rows {rows} {act} {cfg}")
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256, 1024])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_weights_match_dequantized_reference(group, rows, dtype):
+    from tidal.worker.ops import skinny_gemm as sk
+
+    torch.manual_seed(group + rows)
+    n, k = 48, 1024
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    qw, s, z = int4_torch.quantize_rtn(w, group)
+    s = s.to(dtype)
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    dense = int4_torch.dequantize(qw, s, z, group, dtype=dtype)
+    ref = _ref(x, dense, None, None, dtype)
+    # The torch path the CPUs run, for the same inputs.
+    _close(int4_torch.w4a16_linear(x, qw, s, z, group), ref, "torch reference")
+    assert sk.supported(x, qw, group)
+    for cfg in sorted(sk.BUILT):
+        out = sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=group, config=cfg)
+        _close(out, ref, f"int4 group {group} rows {rows} {dtype} {cfg}", tol=1e-2)
+
+
+def test_int4_gated_matches_reference():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    torch.manual_seed(3)
+    n, k, group = 40, 512, 128
+    w = torch.randn(2 * n, k, device=DEV) / k ** 0.5
+    qw, s, z = int4_torch.quantize_rtn(w, group)
+    s = s.to(torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    dense = int4_torch.dequantize(qw, s, z, group, dtype=torch.bfloat16)
+    ref = _ref(x, dense, None, "silu", torch.bfloat16)
+    out = sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=group, act="silu")
+    _close(out, ref, "int4 gated")
+
+
+def test_rows_past_the_batch_are_not_written_and_strided_rows_work():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    k, n = 256, 32
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    big = torch.randn(3, 2 * k, device=DEV, dtype=torch.bfloat16)
+    x = big[:, :k]  # a row stride of 2k
+    out = sk.skinny_gemm(x, w)
+    _close(out, _ref(x, w, None, None, torch.bfloat16), "strided rows")
+
+
+def test_refuses_what_it_does_not_take():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    w = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    assert not sk.supported(torch.randn(9, 256, device=DEV, dtype=torch.bfloat16), w)
+    assert not sk.supported(torch.randn(1, 200, device=DEV, dtype=torch.bfloat16),
+                            torch.randn(64, 200, device=DEV, dtype=torch.bfloat16))
+    assert not sk.supported(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16),
+                            torch.randn(60, 256, device=DEV, dtype=torch.bfloat16))
+    assert not sk.supported(torch.randn(1, 256, device=DEV), w.float())  # float32
+    qw = torch.zeros(64, 32, dtype=torch.int32, device=DEV)
+    x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)
+    assert not sk.supported(x, qw, group_size=96)
+    assert not sk.supported(x, qw, group_size=16)
+    assert sk.supported(x, qw, group_size=128)
+    assert sk.supported(x, qw, group_size=256)  # one group over all of K
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        sk.skinny_gemm(torch.randn(9, 256, device=DEV, dtype=torch.bfloat16), w)
+
+
+def test_int4_one_group_over_a_row_that_is_no_power_of_two():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    torch.manual_seed(5)
+    n, k = 16, 640  # GPTQ's group -1: one group of 640
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    qw, s, z = int4_torch.quantize_rtn(w, k)
+    s = s.to(torch.bfloat16)
+    x = torch.randn(2, k, device=DEV, dtype=torch.bfloat16)
+    ref = _ref(x, int4_torch.dequantize(qw, s, z, k, dtype=torch.bfloat16), None, None,
+               torch.bfloat16)
+    assert sk.supported(x, qw, k)
+    _close(sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=k), ref, "one group")

@@ -1,0 +1,114 @@
+"""The few-row product on tensor cores (``csrc/skinny_gemm.cu``): ``x [M, K] @ w.T`` for 1 to 8
+activation rows and a weight that is 16-bit, FP8 e4m3 (per-row scale, weight-only) or INT4 in
+tidal's layout (``int4_torch``), the decode steps bound by the weight's bytes.
+
+``supported`` says whether a call fits the kernel (rows, alignment, K a multiple of its chunk,
+an extension that built); ``launch_shape`` picks the kernel's launch shape (tiles of eight
+weight rows per block, warps splitting K, 16-byte loads in flight per lane), from the sweep
+in ``tools/bench_skinny_gemm.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tidal.worker.ops import cuda_ext
+
+MAX_ROWS = 8
+FORMAT_W16, FORMAT_FP8, FORMAT_INT4 = 0, 1, 2
+_LANE_K = {FORMAT_W16: 8, FORMAT_FP8: 16, FORMAT_INT4: 32}  # K per lane's 16-byte load
+ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
+
+
+class Launch(NamedTuple):
+    tiles: int   # blocks of 8 weight rows per thread block (even when gated)
+    warps: int   # warps splitting K: 2, 4 or 8
+    unroll: int  # loads in flight per lane and tile: 1, 2 or 4 (tiles 4: up to 2)
+
+
+# The launch shapes the extension is built with (``launch_typed`` in the .cu file).
+BUILT = frozenset(Launch(t, w, u) for t in (1, 2, 4) for w in (2, 4, 8) for u in (1, 2, 4)
+                  if not (t == 4 and u == 4))
+
+
+def weight_format(w: torch.Tensor, x: torch.Tensor) -> int | None:
+    """The kernel's format code for a weight ``w`` times ``x``, or None."""
+    if w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return FORMAT_W16
+    if w.dtype == torch.float8_e4m3fn and x.dtype in (torch.bfloat16, torch.float16):
+        return FORMAT_FP8
+    if w.dtype == torch.int32 and x.dtype in (torch.bfloat16, torch.float16):
+        return FORMAT_INT4
+    return None
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, group_size: int = 0,
+              gated: bool = False) -> bool:
+    """Whether ``skinny_gemm`` takes ``x`` [..., K] (1-8 rows) times ``w`` on this device."""
+    if not (x.is_cuda and w.is_cuda) or x.dim() < 1:
+        return False
+    fmt = weight_format(w, x)
+    if fmt is None or w.dim() != 2 or w.stride(-1) != 1:
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 1 <= rows <= MAX_ROWS or k % (4 * _LANE_K[fmt]) != 0:
+        return False
+    if (w.shape[1] * (8 if fmt == FORMAT_INT4 else 1)) != k:
+        return False
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    if n % 8 or (gated and w.shape[0] % 2):
+        return False
+    if fmt == FORMAT_INT4 and not group_ok(group_size, k):
+        return False
+    if (w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16
+            or x.data_ptr() % 16 or (x.dim() > 1 and x.stride(-2) % 8 and rows > 1)):
+        return False
+    if torch.cuda.get_device_capability(x.device) < ((8, 9) if fmt == FORMAT_FP8 else (8, 0)):
+        return False
+    return cuda_ext.load_extension() is not None
+
+
+def group_ok(group_size: int, k: int) -> bool:
+    """Whether the kernel takes INT4 groups of ``group_size`` over ``k`` inputs: a power of two
+    from 32, or one group over all of K."""
+    return group_size >= k or (group_size >= 32 and group_size & (group_size - 1) == 0)
+
+
+def launch_shape(n: int, k: int, fmt: int, rows: int, gated: bool) -> Launch:
+    """A launch shape for ``n`` outputs of ``k`` inputs: enough blocks to cover the GPU several
+    times over, the rest of the parallelism from warps splitting K."""
+    tiles = 2 if gated else 1
+    # Bytes of one row of the weight: the warps of a block split them.
+    row_bytes = k * {FORMAT_W16: 2, FORMAT_FP8: 1, FORMAT_INT4: 0.5}[fmt]
+    warps = 8 if row_bytes >= 8192 else 4
+    return Launch(tiles, warps, 2)
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                w_scale: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                zeros: torch.Tensor | None = None, group_size: int = 0,
+                act: str | None = None, config: Launch | None = None) -> torch.Tensor:
+    """``x [..., K] @ w.T`` (+ ``bias``); ``act`` ("silu" / "gelu_tanh"): ``w`` is a fused
+    ``[gate; up]`` and the result ``act(gate) * up``. FP8 weights take ``w_scale`` [N] (float32),
+    INT4 ones (int32 [N, K / 8]) ``scales`` / ``zeros`` [N, G] and ``group_size``. Call
+    ``supported`` first."""
+    fmt = weight_format(w, x)
+    k = x.shape[-1]
+    if fmt is None or not 1 <= x.numel() // max(k, 1) <= MAX_ROWS:
+        raise ValueError(f"skinny_gemm takes 1 to {MAX_ROWS} rows of 16-bit activations times "
+                         f"a 16-bit, e4m3 or int32 (INT4) weight; got x {tuple(x.shape)} "
+                         f"{x.dtype}, w {w.dtype}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) % 8):
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    n = w.shape[0] // 2 if act is not None else w.shape[0]
+    cfg = config or launch_shape(n, k, fmt, m, act is not None)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    cuda_ext.require_extension().skinny_gemm(
+        out, x2, w, fmt, bias, None if w_scale is None else w_scale.reshape(-1), scales, zeros,
+        group_size, ACTS[act], cfg.tiles, cfg.warps, cfg.unroll)
+    return out.view(*x.shape[:-1], n)
