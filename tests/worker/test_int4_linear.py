@@ -418,4 +418,7 @@ def test_gpu_kernels_take_the_cuda_few_row_product_for_2_to_8_rows(m, gated):
     finally:
         skinny_gemm.skinny_gemm = real
     assert bool(calls) == (2 <= m <= 8)
-    torch.testing.assert_close(y.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    # (Summed in another order, a gate or up value may round to the next bfloat16, which the
+    # product carries: compare the whole output, not each element.)
+    err = float((y.double() - ref.double()).norm() / ref.double().norm())
+    assert err < 1e-2, f"relative error {err:.3g}"

@@ -157,3 +157,38 @@ def test_gpu_int4_with_cuda_graphs_matches_hf(tiny_models, tmp_path, method, kw)
             assert list(out.token_ids) == tokens
             got = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
             assert max_logprob_diff(got, logprobs) < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CUDA few-row "
+                    "INT4 product, captured in CUDA graphs, runs on a GPU)")
+def test_gpu_int4_bf16_decode_rows_on_the_cuda_product_match_triton(tmp_path):
+    """bfloat16 INT4 Llama wide enough for the CUDA few-row product (K of 256 and 512): the
+    three prompts decode together (3-row steps in CUDA graphs) with ``skinny_w4a16`` on and
+    off (the Triton split-K GEMV); the tokens agree until a near-tie, the logprobs closely."""
+    from tests.reference import make_tiny_model
+    from tidal.worker.ops import skinny_gemm
+
+    src = tmp_path / "src"
+    src.mkdir()
+    hf = make_tiny_model("llama", src, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    dst = tmp_path / "awq"
+    write_int4_checkpoint(src, dst, hf, "awq", group_size=128)
+    x = torch.zeros(3, 256, device="cuda", dtype=torch.bfloat16)
+    assert skinny_gemm.supported(x, torch.zeros(512, 32, device="cuda", dtype=torch.int32), 128)
+    runs = {}
+    for skinny in (True, False):
+        llm = LLM(str(dst), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+                  num_kv_blocks=64, kernel_config={"skinny_w4a16": skinny})
+        try:
+            runs[skinny] = [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    for a, b in zip(runs[True], runs[False]):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            la, lb = a.logprobs[i], b.logprobs[i]
+            if ta != tb:  # summed in another order: only a near-tie may flip
+                assert abs(la[ta].logprob - lb[tb].logprob) < 0.05, (i, ta, tb)
+                break
+            assert abs(la[ta].logprob - lb[tb].logprob) < 0.05
