@@ -5,10 +5,11 @@
 // 4-bit values per int32 along K, a scale and a zero point per output row and group).
 //
 // Why tensor cores for a GEMV: the weight is multiplied on ``mma.sync.m16n8k16`` with the
-// activation rows as the A operand (rows padded to 16 with zeros) and eight weight rows as
-// the B operand, so converting the weight (FP8 -> f16, INT4 -> bf16 / f16) is the only
-// per-weight arithmetic; an elementwise GEMV spends one FMA per weight and row, and its INT4
-// dequantization alone made it bound by instructions at half the memory rate.
+// activation rows as the A operand and eight weight rows as the B operand, so converting the
+// weight (FP8 -> f16, INT4 -> bf16 / f16) is the only per-weight arithmetic, whatever the
+// number of rows; an elementwise GEMV adds one FMA per weight and row. (INT4 at one row is
+// still bound by its instructions, about 1.2-2.3 TB/s on an H200, as the Triton GEMV is; from
+// two rows on this is the fast INT4 path. tools/results/skinny_gemm_h200_llama8b.json.)
 //
 // The layout trick that makes it a plain stream of 16-byte loads: the mma's K order is free
 // (a sum), so each lane of a quad (the four lanes holding one B column, one weight row) loads
@@ -110,8 +111,8 @@ __device__ __forceinline__ void mma16816<__half>(float (&c)[4], uint32_t a0, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two e4m3 values (the low 16 bits of `v` >> `shift`) widened exactly to f16x2, lower byte in
-// the lower half.
+// Two e4m3 values (the low 16 bits of `v`) widened exactly to f16x2, lower byte in the lower
+// half.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
   uint32_t out;
   asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}"
@@ -163,7 +164,6 @@ __device__ __forceinline__ uint16_t load_u8(const void* p) {
   return v;
 }
 
-template <typename T>
 __device__ __forceinline__ float activate(float g, int act) {
   if (act == 1) return g / (1.f + __expf(-g));  // SiLU
   // tanh-approximated GELU
@@ -182,8 +182,8 @@ template <>
 struct Fmt<kW16> {
   static constexpr int kLaneK = 8;  // K values in a lane's 16 bytes
   static constexpr int kXVecs = 1;  // 16-byte activation vectors per lane and chunk
-  // Accumulators per tile, taken in turn by the chunk's mma steps: one chain of dependent
-  // mmas would wait out each one's latency.
+  // Accumulator slots per tile, in (row g, row g + 8) pairs (chunk_mma); more pairs split
+  // the chain of dependent mmas, each of which waits out the previous one's latency.
   static constexpr int kAcc = 2;
 };
 template <>
@@ -199,9 +199,6 @@ struct Fmt<kWInt4> {
   static constexpr int kAcc = 2;
 };
 
-// One 16-byte weight vector of one lane times the activation vectors of the same K positions,
-// into the tile's accumulator. `zq`: INT4's (magic + zero point) pair; `sq`: INT4's scale pair
-// for the pre-scaled (small group) form, or 0 to leave the scale to the caller.
 // One lane's 16 weight bytes times the activations at the same K positions. Accumulator
 // slots come in pairs: an even slot's C row g and the next odd slot's C row g + 8 hold the
 // useful sums (see mma16816). `zq`: INT4's (magic + zero point) pair; `sq`: INT4's scale pair
@@ -479,7 +476,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         // Rounded as the unfused ops round: the product to T, then act(gate) * up to T.
         const float gr = to_float(from_float<T>(v));
         const float ur = to_float(from_float<T>(u));
-        orow[col] = from_float<T>(activate<T>(gr, a.act) * ur);
+        orow[col] = from_float<T>(activate(gr, a.act) * ur);
       } else {
         if (a.bias != nullptr) v += to_float(reinterpret_cast<const T*>(a.bias)[col]);
         orow[col] = from_float<T>(v);

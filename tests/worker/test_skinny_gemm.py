@@ -1,9 +1,13 @@
 """The few-row tensor-core product (``csrc/skinny_gemm.cu``, ``worker/ops/skinny_gemm.py``)
 against plain torch on the same (dequantized) weights: 16-bit, FP8 and INT4 weights, 1-8 rows,
 bias, the gated epilogues, every launch shape it is built with, and the shapes it refuses.
-GPU only (a CUDA kernel); the CPU runs print why they skip."""
+GPU only (a CUDA kernel; the CPU runs print why they skip), except the launch-shape rule and
+the list of built shapes, which the CPU checks against the .cu file."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ def _gpu_skip() -> str | None:
 
 
 GPU_SKIP = _gpu_skip()
-pytestmark = pytest.mark.skipif(GPU_SKIP is not None, reason=str(GPU_SKIP))
+gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=str(GPU_SKIP))
 
 DEV = "cuda"
 
@@ -52,6 +56,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).to(torch.float8_e4m3fn), scale
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("act", [None, "silu", "gelu_tanh"])
@@ -72,6 +77,7 @@ def test_16bit_weights_match_torch(dtype, rows, act):
         _close(out, ref, f"{dtype} rows {rows} {act} {cfg}")
 
 
+@gpu
 @pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_fp8_weights_match_weight_only_reference(rows, act):
@@ -94,6 +100,7 @@ def test_fp8_weights_match_weight_only_reference(rows, act):
         _close(out, ref, f"fp8 rows {rows} {act} {cfg}")
 
 
+@gpu
 @pytest.mark.parametrize("group", [32, 64, 128, 256, 1024])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -116,6 +123,7 @@ def test_int4_weights_match_dequantized_reference(group, rows, dtype):
         _close(out, ref, f"int4 group {group} rows {rows} {dtype} {cfg}", tol=1e-2)
 
 
+@gpu
 def test_int4_gated_matches_reference():
     from tidal.worker.ops import skinny_gemm as sk
 
@@ -131,6 +139,7 @@ def test_int4_gated_matches_reference():
     _close(out, ref, "int4 gated")
 
 
+@gpu
 def test_rows_past_the_batch_are_not_written_and_strided_rows_work():
     from tidal.worker.ops import skinny_gemm as sk
 
@@ -142,6 +151,7 @@ def test_rows_past_the_batch_are_not_written_and_strided_rows_work():
     _close(out, _ref(x, w, None, None, torch.bfloat16), "strided rows")
 
 
+@gpu
 def test_refuses_what_it_does_not_take():
     from tidal.worker.ops import skinny_gemm as sk
 
@@ -162,6 +172,7 @@ def test_refuses_what_it_does_not_take():
         sk.skinny_gemm(torch.randn(9, 256, device=DEV, dtype=torch.bfloat16), w)
 
 
+@gpu
 def test_int4_one_group_over_a_row_that_is_no_power_of_two():
     from tidal.worker.ops import skinny_gemm as sk
 
@@ -175,3 +186,38 @@ def test_int4_one_group_over_a_row_that_is_no_power_of_two():
                torch.bfloat16)
     assert sk.supported(x, qw, k)
     _close(sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=k), ref, "one group")
+
+
+
+def test_built_launch_shapes_match_the_cuda_file():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    src = (Path(__file__).resolve().parents[2] / "csrc" / "skinny_gemm.cu").read_text()
+    warps = {int(w) for w in re.findall(r"TIDAL_SKINNY_CASE\(R_, (\d+), U_\)", src)}
+    pairs = re.findall(r"^  TIDAL_SKINNY_WARPS\((\d+), (\d+)\)$", src, re.M)
+    built = {sk.Launch(int(r), w, int(u)) for r, u in pairs for w in warps}
+    assert built and built == sk.BUILT
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2])
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False),
+                                       (14336, 4096, True), (4096, 14336, False),
+                                       (128256, 4096, False), (136, 512, False),
+                                       (40, 512, True)])
+def test_launch_shape_is_built_and_tiles_whole_gate_up_pairs(fmt, n, k, gated):
+    from tidal.worker.ops import skinny_gemm as sk
+
+    cfg = sk.launch_shape(n, k, fmt, 4, gated)
+    assert cfg in sk.BUILT
+    assert not gated or cfg.tiles % 2 == 0
+
+
+def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
+    """The rule reproduces the H200 sweep's best (or within 1 %) per Llama-3.1-8B weight."""
+    from tidal.worker.ops import skinny_gemm as sk
+
+    shape = {(n, gated): tuple(sk.launch_shape(n, 4096, sk.FORMAT_INT4, 4, gated))
+             for n, gated in [(6144, False), (4096, False), (14336, True), (128256, False)]}
+    assert shape == {(6144, False): (2, 8, 1), (4096, False): (1, 8, 4),
+                     (14336, True): (2, 2, 1), (128256, False): (2, 4, 1)}
+    assert sk.group_ok(128, 4096) and sk.group_ok(640, 640) and not sk.group_ok(96, 4096)
