@@ -12,6 +12,10 @@ next, all in this process:
   ``torch._scaled_mm`` on 8192^3, as bench_common measures the bf16 peak). Its KV cache stays
   bf16: it is also the bf16-KV leg of the KV comparison.
 * ``int4`` (``--quantization awq``), when this build of tidal accepts it: batch-1 decode.
+* every engine but ``fp8_kv``: decode at batch ``--few-batch`` (default 4; 0 skips it), where
+  the few-row kernels run (2-8 rows: also what a speculative verify reads). Not a target of
+  the issue; ``few_rows`` gives each quantized step against bf16's (an INT4 step at batch 4
+  took 8.7x bf16's on an H200 before INT4 had a few-row kernel of its own).
 * ``fp8 + fp8 KV`` (``--kv-cache-dtype fp8``), when accepted: the batch decode leg (against
   bf16's: FP8 as a server would run it), and decode throughput at
   ``--kv-batch`` x ``--kv-context``, against the bf16-KV leg of the fp8 engine at the same
@@ -209,6 +213,12 @@ def verdicts(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def few_rows(result: dict[str, Any]) -> dict[str, Any]:
+    """Each quantized engine's step at ``--few-batch`` rows against bf16's (None: not run)."""
+    few = lambda lbl: _get(result, lbl, "decode_few", "ms_per_step", "median")  # noqa: E731
+    return {lbl: _ratio(few(lbl), few("bf16")) for lbl in ("fp8", "int4")}
+
+
 def _decode_leg(batch: int, context: int, ns: argparse.Namespace, vocab: int, facts,
                 bw: float | None, rng: random.Random):
     def leg(core: EngineCore) -> dict[str, Any]:
@@ -243,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tiny shape on the CPU, a few steps: checks the tool in seconds")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens of decode legs")
     ap.add_argument("--batch", type=int, default=256, help="the throughput decode batch")
+    ap.add_argument("--few-batch", type=int, default=4,
+                    help="a decode batch of 2-8 rows (the few-row kernels); 0 to skip")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=4)
@@ -283,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "quant", "device": device_name(), "torch": torch.__version__,
         "shape": ns.shape, "dtype": ns.dtype, "ceilings": ceilings, "runs": {},
-        "workload": {"context": ns.context, "batch": ns.batch, "prefill": ns.prefill,
+        "workload": {"context": ns.context, "batch": ns.batch, "few_batch": ns.few_batch,
+                     "prefill": ns.prefill,
                      "kv_batch": ns.kv_batch, "kv_context": ns.kv_context,
                      "steps": ns.steps, "repeats": ns.repeats},
     }
@@ -295,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         def legs(batch_leg: bool, prefill_peak: float | None,
                  kv_leg: bool = False) -> list[tuple[str, Any]]:
             out = [("decode_b1", _decode_leg(1, ns.context, ns, vocab, facts, bw, rng))]
+            if ns.few_batch:
+                out.append(("decode_few",
+                            _decode_leg(ns.few_batch, ns.context, ns, vocab, facts, bw, rng)))
             if batch_leg:
                 out.append(("decode_batch",
                             _decode_leg(ns.batch, ns.context, ns, vocab, facts, bw, rng)))
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             result["kv_fp8_unavailable"] = kv_why or "--no-kv"
             logger.info("fp8 KV cache: not available (%s)", result["kv_fp8_unavailable"])
     result["targets"] = verdicts(result)
+    result["few_rows"] = {"batch": ns.few_batch, "step_vs_bf16": few_rows(result)}
     result["elapsed_s"] = round(now() - clock.t0, 1)
     dump(result, ns.out)
     table(result)
@@ -353,19 +370,22 @@ def table(r: dict[str, Any]) -> None:
     c = r["ceilings"]
     print(f"\n{r['shape']} on {r['device']}: HBM {c.get('hbm_GBps')} GB/s, bf16 matmul "
           f"{c.get('matmul_TFLOPs')} TFLOP/s, fp8 matmul {c.get('fp8_matmul_TFLOPs')} TFLOP/s")
-    print(f"{'engine':>8} {'b1 ms/step':>11} {'batch tok/s':>12} {'prefill tok/s':>14} "
-          f"{'MFU':>7} {'KV tokens':>10} {'long-ctx tok/s (batch)':>24}")
+    few_label = f"b{r.get('workload', {}).get('few_batch', '-')} ms/step"
+    print(f"{'engine':>8} {'b1 ms/step':>11} {few_label:>11} {'batch tok/s':>12} "
+          f"{'prefill tok/s':>14} {'MFU':>7} {'KV tokens':>10} {'long-ctx tok/s (batch)':>24}")
     for label, e in r["runs"].items():
         if "error" in e or "skipped" in e:
             print(f"{label:>8} {e.get('error') or e.get('skipped')}")
             continue
         b1 = (e.get("decode_b1") or {}).get("ms_per_step", {}).get("median")
+        bf = (e.get("decode_few") or {}).get("ms_per_step", {}).get("median")
         bt = (e.get("decode_batch") or {}).get("tokens_per_s")
         pf = e.get("prefill") or {}
         kvl = e.get("decode_kv") or {}
         kv_txt = (f"{kvl.get('tokens_per_s')} ({kvl.get('batch')})"
                   if "tokens_per_s" in kvl else "-")
-        print(f"{label:>8} {b1 if b1 is not None else '-':>11} {bt or '-':>12} "
+        print(f"{label:>8} {b1 if b1 is not None else '-':>11} "
+              f"{bf if bf is not None else '-':>11} {bt or '-':>12} "
               f"{pf.get('tokens_per_s', '-'):>14} "
               f"{(pf.get('MFU') or {}).get('median', '-'):>7} {e.get('kv_tokens', '-'):>10} "
               f"{kv_txt:>24}")

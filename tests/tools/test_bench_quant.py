@@ -47,6 +47,9 @@ def test_verdicts_against_the_targets():
     assert v["prefill_fp8_mfu"]["verdict"] == "PASS"
     assert v["kv_fp8_speedup"]["value"] == 1.4 and v["kv_fp8_speedup"]["verdict"] == "PASS"
     # Legs that did not run are not measured, never passed.
+    few = {"runs": {"bf16": {"decode_few": {"ms_per_step": {"median": 4.0}}},
+                    "int4": {"decode_few": {"ms_per_step": {"median": 3.0}}}}}
+    assert bench_quant.few_rows(few) == {"fp8": None, "int4": 0.75}
     missing = bench_quant.verdicts({"runs": {"bf16": _run(b1=10.0)},
                                     "int4_unavailable": "no", "kv_fp8_unavailable": "no"})
     assert {t["verdict"] for t in missing.values()} == {"n/a"}
@@ -61,9 +64,11 @@ def test_smoke_run_on_cpu(tmp_path, capsys):
     runs = r["runs"]
     for label in ("bf16", "fp8"):
         assert runs[label]["decode_b1"]["ms_per_step"]["median"] > 0
+        assert runs[label]["decode_few"]["batch"] == 4  # the few-row leg
         assert runs[label]["decode_batch"]["batch"] == 8
         assert runs[label]["prefill"]["tokens"] == 2 * 64
     assert set(r["targets"]) == set(bench_quant.TARGETS)
+    assert r["few_rows"]["batch"] == 4 and r["few_rows"]["step_vs_bf16"]["fp8"] > 0
     assert all(t["verdict"] in ("PASS", "MISS", "n/a") for t in r["targets"].values())
     # Each engine is either measured or says why it is missing.
     assert "int4" in runs or r["int4_unavailable"]
