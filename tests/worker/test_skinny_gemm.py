@@ -221,3 +221,33 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
     assert shape == {(6144, False): (2, 8, 1), (4096, False): (1, 8, 4),
                      (14336, True): (2, 2, 1), (128256, False): (2, 4, 1)}
     assert sk.group_ok(128, 4096) and sk.group_ok(640, 640) and not sk.group_ok(96, 4096)
+
+
+@gpu
+@pytest.mark.parametrize("call", ["skinny", "rms_norm"])
+def test_a_bad_argument_raises_in_python_not_a_crash(call):
+    """A failed check inside the extension's bindings must reach Python as RuntimeError. On an
+    H200 (stop 51) a call of nine rows straight into the binding killed the process with a
+    segmentation fault instead; the wrapper refuses such calls first now, and this runs the
+    bindings in a child process so that a crash fails this test instead of the whole run."""
+    import subprocess
+    import sys
+
+    body = {
+        "skinny": "w = torch.randn(64, 256, device='cuda', dtype=torch.bfloat16)\n"
+                  "x = torch.randn(9, 256, device='cuda', dtype=torch.bfloat16)\n"
+                  "out = torch.empty(9, 64, device='cuda', dtype=torch.bfloat16)\n"
+                  "ext.skinny_gemm(out, x, w, 0, None, None, None, None, 0, 0, 1, 4, 1)\n",
+        "rms_norm": "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
+                    "ext.rms_norm(torch.empty_like(x), x, torch.ones(100, device='cuda', "
+                    "dtype=torch.bfloat16), 1e-6)\n",
+    }[call]
+    script = ("import torch\nfrom tidal.worker.ops import cuda_ext\n"
+              "ext = cuda_ext.require_extension()\ntry:\n"
+              + "".join("    " + line + "\n" for line in body.splitlines())
+              + "except RuntimeError as exc:\n    print('raised:', exc)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, (f"the {call} binding's check crashed the process "
+                                 f"(exit {run.returncode}): {run.stderr[-2000:]}")
+    assert "raised:" in run.stdout, run.stdout
