@@ -109,7 +109,7 @@ class KernelPolicy:
     # for decode rows); else the torch reference (dequantize and matmul).
     triton_w4a16: bool = False
     # 2 to 8 rows of an INT4 linear (no act-order) on the CUDA extension's few-row tensor-core
-    # product (``csrc/skinny_gemm.cu``); the Triton split-K GEMV it replaced took 12-23x as
+    # product (``csrc/skinny_gemm.cu``); the Triton split-K GEMV it replaced took 14-21x as
     # long per Llama-3.1-8B weight at four rows on an H200.
     skinny_w4a16: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
