@@ -373,7 +373,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the decode kernel covers this query dtype/head_dim/GQA ratio");
   m.def("paged_attention_decode", &paged_attention_decode, "flash-decoding over the paged cache");
   m.def("skinny_gemm", &skinny_gemm, "few-row product on tensor cores (16-bit, FP8, INT4 weights)");
-  m.def("skinny_gemm_lane_k", [](int64_t format) {
-    return tidal::skinny_gemm_lane_k(static_cast<tidal::SkinnyFormat>(format));
-  }, "K values in one lane's 16-byte weight load");
 }

@@ -100,12 +100,9 @@ struct SkinnyGemmArgs {
 // out = x @ w.T (weight-only dequantization in registers, float32 sums) on mma tensor cores:
 // blocks of `tiles` x 8 weight rows, `warps` warps splitting K, `unroll` 16-byte loads in
 // flight per tile and lane. cudaErrorInvalidValue for shapes it does not take (k not a
-// multiple of 4 x skinny_gemm_lane_k, n not a multiple of 8, m outside 1..8), and
+// multiple of the format's chunk, n not a multiple of 8, m outside 1..8), and
 // cudaErrorInvalidConfiguration for a launch shape it was not built with.
 cudaError_t launch_skinny_gemm(DType dtype, const SkinnyGemmArgs& args, int tiles, int warps,
                                int unroll, cudaStream_t stream);
-
-// K values in one lane's 16-byte weight load for a format (a chunk of K is four of them).
-int skinny_gemm_lane_k(SkinnyFormat format);
 
 }  // namespace tidal

@@ -139,18 +139,19 @@ __device__ __forceinline__ uint32_t x_pair_to_f16<__half>(uint32_t v) {
 
 // The loads are volatile asm so that they keep their program order against the fence that
 // follows a step's loads (see the main loop).
-__device__ __forceinline__ uint4 load_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// kStream: the weights, read once (evict-first); else the activations, read by every block
+// (cached, read-only).
+template <bool kStream>
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (kStream)
+    asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  else
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   return v;
 }
 __device__ __forceinline__ uint16_t load_u16(const void* p) {
@@ -285,10 +286,10 @@ __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRo
   constexpr uint32_t kXBytes = 4 * F::kLaneK * sizeof(T);
   const uint32_t cu = static_cast<uint32_t>(c);
 #pragma unroll
-  for (int r = 0; r < R; ++r) out.w[r] = load_stream16(lr.w[r] + cu * kWBytes);
+  for (int r = 0; r < R; ++r) out.w[r] = load16<true>(lr.w[r] + cu * kWBytes);
   const char* xp = lr.x + cu * kXBytes;
 #pragma unroll
-  for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16(xp + 16 * j);
+  for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16<false>(xp + 16 * j);
   if constexpr (WK == kWInt4) {
     // The lane's 32 K values lie in one group (groups are powers of two >= 32, or one group);
     // with groups of 128 or more the quad's 128 share it.
@@ -530,7 +531,10 @@ cudaError_t launch_format(const SkinnyGemmArgs& a, int r, int warps, int u,
 
 }  // namespace
 
-int skinny_gemm_lane_k(SkinnyFormat format) {
+namespace {
+
+// K values in one lane's 16-byte weight load (a chunk of K is four of them).
+int lane_k(SkinnyFormat format) {
   switch (format) {
     case SkinnyFormat::kW16: return Fmt<kW16>::kLaneK;
     case SkinnyFormat::kFp8: return Fmt<kWFp8>::kLaneK;
@@ -539,10 +543,12 @@ int skinny_gemm_lane_k(SkinnyFormat format) {
   return 0;
 }
 
+}  // namespace
+
 cudaError_t launch_skinny_gemm(DType dtype, const SkinnyGemmArgs& a, int tiles, int warps,
                                int unroll, cudaStream_t stream) {
   if (a.m < 1 || a.m > kMaxRows || a.n < 1 || a.n % 8 != 0 ||
-      a.k % (4 * skinny_gemm_lane_k(a.format)) != 0 ||
+      a.k % (4 * lane_k(a.format)) != 0 ||
       (a.act != 0 && tiles % 2 != 0))
     return cudaErrorInvalidValue;
   if (a.format == SkinnyFormat::kInt4 && (a.group_shift < 5 || a.group_shift > 30 ||

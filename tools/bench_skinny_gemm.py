@@ -154,8 +154,8 @@ def main() -> None:
                     print(row, flush=True)
                     results.append(row)
                     continue
-                picked = sk.launch_shape(n // 2 if gated else n, k,
-                                         sk.weight_format(ws[0]["w"], x), m, gated)
+                picked = sk.launch_shape(n // 2 if gated else n,
+                                         sk.weight_format(ws[0]["w"], x), gated)
                 check("skinny", skinny(0))
                 row["skinny_us"] = round(_time(lambda i: skinny(i), copies), 2)
                 row["skinny_picked"] = tuple(picked)

@@ -207,7 +207,7 @@ def test_built_launch_shapes_match_the_cuda_file():
 def test_launch_shape_is_built_and_tiles_whole_gate_up_pairs(fmt, n, k, gated):
     from tidal.worker.ops import skinny_gemm as sk
 
-    cfg = sk.launch_shape(n, k, fmt, 4, gated)
+    cfg = sk.launch_shape(n, fmt, gated)
     assert cfg in sk.BUILT
     assert not gated or cfg.tiles % 2 == 0
 
@@ -216,7 +216,7 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
     """The rule reproduces the H200 sweep's best (or within 1 %) per Llama-3.1-8B weight."""
     from tidal.worker.ops import skinny_gemm as sk
 
-    shape = {(n, gated): tuple(sk.launch_shape(n, 4096, sk.FORMAT_INT4, 4, gated))
+    shape = {(n, gated): tuple(sk.launch_shape(n, sk.FORMAT_INT4, gated))
              for n, gated in [(6144, False), (4096, False), (14336, True), (128256, False)]}
     assert shape == {(6144, False): (2, 8, 1), (4096, False): (1, 8, 4),
                      (14336, True): (2, 2, 1), (128256, False): (2, 4, 1)}

@@ -83,8 +83,8 @@ def group_ok(group_size: int, k: int) -> bool:
     return group_size >= k or (group_size >= 32 and group_size & (group_size - 1) == 0)
 
 
-def launch_shape(n: int, k: int, fmt: int, rows: int, gated: bool) -> Launch:
-    """The launch shape for ``n`` outputs of ``k`` inputs: the best (or within 1 %) of every
+def launch_shape(n: int, fmt: int, gated: bool) -> Launch:
+    """The launch shape for ``n`` outputs: the best (or within 1 %) of every
     built shape for each Llama-3.1-8B weight at one and four rows on an H200
     (``tools/results/skinny_gemm_h200_llama8b.json``), as a rule for other weights. Many
     output rows take two tiles a block; fewer take one tile and eight warps over K; a fused
@@ -117,7 +117,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     m = x2.shape[0]
     n = w.shape[0] // 2 if act is not None else w.shape[0]
-    cfg = config or launch_shape(n, k, fmt, m, act is not None)
+    cfg = config or launch_shape(n, fmt, act is not None)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cuda_ext.require_extension().skinny_gemm(
         out, x2, w, fmt, bias, None if w_scale is None else w_scale.reshape(-1), scales, zeros,
