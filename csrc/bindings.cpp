@@ -9,6 +9,18 @@
 
 namespace {
 
+// Error messages never stream integers: in a GPU image whose system g++ differs from the one
+// torch was built with, `std::ostream << int64_t` compiled into this extension segfaulted
+// (H200 image, g++ 13.3: a failed check with a number in its message killed the process
+// instead of raising). std::to_string formats without the stream's locale facets.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + num(t.size(d));
+  return s + "]";
+}
+
 tidal::DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return tidal::DType::kFloat32;
@@ -32,8 +44,8 @@ void check_cuda(const at::Tensor& t, const char* name) {
 
 void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
   check_cuda(t, name);
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [", rows,
-              ", ", cols, "], got ", t.sizes());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [",
+              num(rows), ", ", num(cols), "], got ", shape_of(t));
   TORCH_CHECK(t.stride(1) == 1 || cols == 1, name, " must be contiguous in its last dim");
 }
 
@@ -93,7 +105,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t head_dim) {
   check_cuda(t, name);
   TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim, name,
-              " must be [tokens, heads, head_dim], got ", t.sizes());
+              " must be [tokens, heads, head_dim], got ", shape_of(t));
   TORCH_CHECK(t.stride(2) == 1, name, " must be contiguous in its last dim");
 }
 
@@ -273,7 +285,7 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
   check_cuda(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dim");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(m >= 1 && m <= 8, "skinny_gemm takes 1 to 8 rows, got ", m);
+  TORCH_CHECK(m >= 1 && m <= 8, "skinny_gemm takes 1 to 8 rows, got ", num(m));
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "x must be bfloat16 or float16");
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "w must be 2-D, contiguous in its last dim");
@@ -285,16 +297,16 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
   switch (format) {
     case 0:
       check_same_dtype(x, w, "w");
-      TORCH_CHECK(w.size(1) == k, "w has ", w.size(1), " columns, x ", k);
+      TORCH_CHECK(w.size(1) == k, "w has ", num(w.size(1)), " columns, x ", num(k));
       a.format = tidal::SkinnyFormat::kW16;
       break;
     case 1:
       TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "format 1 needs an e4m3 weight");
-      TORCH_CHECK(w.size(1) == k, "w has ", w.size(1), " columns, x ", k);
+      TORCH_CHECK(w.size(1) == k, "w has ", num(w.size(1)), " columns, x ", num(k));
       TORCH_CHECK(w_scale.has_value() && w_scale->is_cuda() &&
                       w_scale->scalar_type() == at::kFloat && w_scale->is_contiguous() &&
                       w_scale->numel() == rows,
-                  "format 1 needs a contiguous float32 w_scale of ", rows, " values");
+                  "format 1 needs a contiguous float32 w_scale of ", num(rows), " values");
       a.format = tidal::SkinnyFormat::kFp8;
       a.w_scale = w_scale->data_ptr<float>();
       break;
@@ -310,13 +322,14 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
                       scales->stride(0) == zeros->stride(0),
                   "scales and zeros must be [rows, groups] with one row stride");
       TORCH_CHECK(group_size > 0 && scales->size(1) * group_size >= k,
-                  "group_size ", group_size, " and ", scales->size(1), " groups do not cover ", k);
+                  "group_size ", num(group_size), " and ", num(scales->size(1)),
+                  " groups do not cover ", num(k));
       // One group over all of K, or a power of two from 32.
       int shift = 30;
       if (group_size < k) {
         TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0,
                     "group_size must be a power of two >= 32 (or cover all of K), got ",
-                    group_size);
+                    num(group_size));
         shift = 0;
         while ((int64_t{1} << shift) < group_size) ++shift;
       }
@@ -328,7 +341,7 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
       break;
     }
     default:
-      TORCH_CHECK(false, "unknown weight format ", format);
+      TORCH_CHECK(false, "unknown weight format ", num(format));
   }
   check_rows(out, "out", m, n);
   check_same_dtype(x, out, "out");

@@ -355,6 +355,13 @@ DECODE1_GEMVS = [
     ("gemma2_9b/gate_up", 28672, 3584, "gelu"), ("gemma2_9b/down", 3584, 14336, ""),
     ("gemma3_12b/qkv", 8192, 3840, ""), ("gemma3_12b/o", 3840, 4096, ""),
     ("gemma3_12b/gate_up", 30720, 3840, "gelu"), ("gemma3_12b/down", 3840, 15360, ""),
+    # Speculative drafters' one-row passes (issue 21; `--gemvs draft/`): Llama-3.2-1B as a
+    # draft model, and Llama-3.1-8B's EAGLE-3 head (fc over three hidden states, q/k/v over
+    # two, its LM head over the 32k draft vocabulary; the rest are the 8B's own shapes).
+    ("draft/llama1b_qkv", 3072, 2048, "norm"), ("draft/llama1b_o", 2048, 2048, ""),
+    ("draft/llama1b_gate_up", 16384, 2048, "silu"), ("draft/llama1b_down", 2048, 8192, ""),
+    ("draft/eagle3_fc", 4096, 12288, ""), ("draft/eagle3_qkv", 6144, 8192, ""),
+    ("draft/llama1b_lm_head", 128256, 2048, ""), ("draft/eagle3_lm_head", 32000, 4096, ""),
 ]  # fmt: skip
 GEMV_SWEEP = [(2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 4), (8, 512, 4), (8, 1024, 4),
               (16, 512, 4), (16, 512, 8), (2, 1024, 4), (4, 256, 4), (8, 256, 4), (2, 4096, 8),

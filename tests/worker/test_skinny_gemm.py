@@ -224,12 +224,14 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
 
 
 @gpu
-@pytest.mark.parametrize("call", ["skinny", "rms_norm"])
+@pytest.mark.parametrize("call", ["skinny", "skinny_format", "rms_norm", "rms_norm_shape"])
 def test_a_bad_argument_raises_in_python_not_a_crash(call):
-    """A failed check inside the extension's bindings must reach Python as RuntimeError. On an
-    H200 (stop 51) a call of nine rows straight into the binding killed the process with a
-    segmentation fault instead; the wrapper refuses such calls first now, and this runs the
-    bindings in a child process so that a crash fails this test instead of the whole run."""
+    """A failed check inside the extension's bindings must reach Python as RuntimeError. On the
+    H200 image (system g++ 13.3) a check whose message held a number (nine rows; an unknown
+    format; a shape) killed the process with a segmentation fault: `std::ostream << int64_t`
+    compiled into the extension crashed there, even outside any check. The messages format
+    numbers with std::to_string now. Each case runs in a child process, so that a crash fails
+    this test instead of the whole run."""
     import subprocess
     import sys
 
@@ -238,6 +240,13 @@ def test_a_bad_argument_raises_in_python_not_a_crash(call):
                   "x = torch.randn(9, 256, device='cuda', dtype=torch.bfloat16)\n"
                   "out = torch.empty(9, 64, device='cuda', dtype=torch.bfloat16)\n"
                   "ext.skinny_gemm(out, x, w, 0, None, None, None, None, 0, 0, 1, 4, 1)\n",
+        "skinny_format": "w = torch.randn(64, 256, device='cuda', dtype=torch.bfloat16)\n"
+                         "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
+                         "out = torch.empty(4, 64, device='cuda', dtype=torch.bfloat16)\n"
+                         "ext.skinny_gemm(out, x, w, 7, None, None, None, None, 0, 0, 1, 4, 1)\n",
+        "rms_norm_shape": "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
+                          "ext.rms_norm(torch.empty(3, 256, device='cuda', dtype=torch.bfloat16), "
+                          "x, torch.ones(256, device='cuda', dtype=torch.bfloat16), 1e-6)\n",
         "rms_norm": "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
                     "ext.rms_norm(torch.empty_like(x), x, torch.ones(100, device='cuda', "
                     "dtype=torch.bfloat16), 1e-6)\n",
@@ -251,3 +260,6 @@ def test_a_bad_argument_raises_in_python_not_a_crash(call):
     assert run.returncode == 0, (f"the {call} binding's check crashed the process "
                                  f"(exit {run.returncode}): {run.stderr[-2000:]}")
     assert "raised:" in run.stdout, run.stdout
+    expected = {"skinny": "got 9", "skinny_format": "format 7", "rms_norm": "[hidden]",
+                "rms_norm_shape": "got [3, 256]"}[call]
+    assert expected in run.stdout, run.stdout  # the message names the value
