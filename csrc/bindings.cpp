@@ -9,10 +9,10 @@
 
 namespace {
 
-// Error messages never stream integers: in a GPU image whose system g++ differs from the one
-// torch was built with, `std::ostream << int64_t` compiled into this extension segfaulted
-// (H200 image, g++ 13.3: a failed check with a number in its message killed the process
-// instead of raising). std::to_string formats without the stream's locale facets.
+// Error messages never stream integers: in the H200 image (system g++ 13.3, torch 2.11 +
+// cu130) `std::ostream << int64_t` compiled into an extension segfaulted, in a check's message
+// or not, so a failed check with a number in it killed the process instead of raising (root
+// cause not found; strings and dtypes streamed fine). std::to_string does not use the stream.
 std::string num(int64_t v) { return std::to_string(v); }
 
 std::string shape_of(const at::Tensor& t) {

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(label: str, p: float, t0: float) -> None:
         results[label] = p
-        print(f"{label:22s} {p:8.3f}  {(p - base) / base:+7.2%}  ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"{label:24s} {p:8.3f}  {(p - base) / base:+7.2%}  ({seconds:.0f} s)", flush=True)
 
     hess: dict[str, list] = {}
     if not args.no_gptq:
