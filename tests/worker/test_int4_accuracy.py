@@ -11,7 +11,9 @@ that an integer zero point cannot represent), so round-to-nearest requantizes al
 values onto a misaligned grid, and a 135M model has little redundancy. Calibration does not
 close it either: GPTQ on ~1k tokens of other public-domain text gives +30 % at g128 (+22.5 %
 with act-order) and +14 % at g32 with act-order, and every projection kind loses 1.4-6.9 % on
-its own (tools/int4_calibration_study.py, tools/results/int4_calibration_smollm2_cpu.json).
+its own (tools/quant_accuracy_study.py int4, tools/results/quant_accuracy_int4_smollm2_cpu.json).
+This text flatters INT4: on tests/data/calibration_public_domain.txt round-to-nearest loses
+56-75 % (groups of 32-128).
 The bound is the measured gap with some margin: it catches weights scrambled by a wrong layout
 or group mapping, not the last few percent. The engine's exactness on these formats is shown
 by test_int4_model.py (tokens equal to HF transformers on the dequantized weights)."""
