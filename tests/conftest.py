@@ -130,6 +130,16 @@ def smollm2_perplexity(smollm2_llm) -> float:
 
 
 @pytest.fixture(scope="session")
+def smollm2_perplexity_second(smollm2_llm) -> float:
+    """The same for ``perplexity.SECOND_TEXT`` (~980 tokens)."""
+    from perplexity import SECOND_TEXT, perplexity
+
+    base, n = perplexity(smollm2_llm, SECOND_TEXT)
+    assert n > 900 and 1.0 < base < 100.0
+    return base
+
+
+@pytest.fixture(scope="session")
 def tiny_smol_path(smollm2_tokenizer, tmp_path_factory):
     """A tiny random-weight Llama with SmolLM2's real tokenizer (49,152 tokens): constrained
     decoding tests need a real byte-level vocabulary, and the weights must not matter."""

@@ -14,7 +14,7 @@ spread (``tools/results/fp8_ppl_noise_smollm2_cpu.json``).
 That text is a lucky one: on the second committed public-domain text
 (tests/data/calibration_public_domain.txt, 984 tokens) the same engine loses +6.45 % (the FP8
 KV cache +0.14 %; ``tools/quant_accuracy_study.py fp8 --engine``,
-``tools/results/quant_accuracy_fp8_smollm2_cpu.json``). Simulated in float32 the per-row
+``tools/results/quant_accuracy_fp8_smollm2_cpu.json``), checked here against a regression bound. Simulated in float32 the per-row
 weight scales carry most of it (+4.8 %); a scale per row and 128 input channels, with
 activations scaled per token and 128 channels, brings it to +1.9 %."""
 
@@ -22,19 +22,26 @@ from __future__ import annotations
 
 import pytest
 
-from perplexity import perplexity
+from perplexity import SECOND_TEXT, perplexity
 from tidal.frontend import LLM
 
 
 @pytest.mark.slow
-def test_fp8_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_path):
-    base = smollm2_perplexity
-    # (72 KV blocks hold the one ~460-token prompt: the 2 GiB CPU default costs start-up.)
+def test_fp8_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_perplexity_second,
+                                             smollm2_path):
+    base, base2 = smollm2_perplexity, smollm2_perplexity_second
+    # (160 KV blocks hold the ~980-token second text: the 2 GiB CPU default costs start-up.)
     fp8 = LLM(str(smollm2_path), quantization="fp8", dtype="float32", device="cpu",
-              max_model_len=1024, max_num_seqs=4, num_kv_blocks=72)
+              max_model_len=2048, max_num_seqs=4, num_kv_blocks=160)
     try:
         quant, _ = perplexity(fp8)
+        quant2, _ = perplexity(fp8, SECOND_TEXT)
     finally:
         fp8.shutdown()
+    print(f"SmolLM2 perplexity, FP8 W8A8: {(quant - base) / base:+.2%} on the first text, "
+          f"{(quant2 - base2) / base2:+.2%} on the second")
     assert quant != base  # the weights really were quantized
     assert abs(quant - base) / base < 0.02, (quant, base)
+    # Issue 23's 1 % is missed on the second text (+6.45 % measured): a regression bound,
+    # which weights or scales mapped wrongly would still cross many times over.
+    assert abs(quant2 - base2) / base2 < 0.10, (quant2, base2)
