@@ -14,9 +14,10 @@ spread (``tools/results/fp8_ppl_noise_smollm2_cpu.json``).
 That text is a lucky one: on the second committed public-domain text
 (tests/data/calibration_public_domain.txt, 984 tokens) the same engine loses +6.45 % (the FP8
 KV cache +0.14 %; ``tools/quant_accuracy_study.py fp8 --engine``,
-``tools/results/quant_accuracy_fp8_smollm2_cpu.json``), checked here against a regression bound. Simulated in float32 the per-row
-weight scales carry most of it (+4.8 %); a scale per row and 128 input channels, with
-activations scaled per token and 128 channels, brings it to +1.9 %."""
+``tools/results/quant_accuracy_fp8_smollm2_cpu.json``), checked here against a regression
+bound. Simulated in float32 the per-row weight scales carry most of it (+4.8 %); a scale per
+row and 128 input channels, with activations scaled per token and 128 channels, brings it to
++1.9 %."""
 
 from __future__ import annotations
 
