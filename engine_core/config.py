@@ -421,10 +421,12 @@ class EngineArgs:
             size = ngram_history_bytes(scheduler.max_num_seqs, max_model_len)
             speculative = msgspec.structs.replace(speculative, prompt_lookup_on_device=(
                 device == "cuda" and size <= MAX_NGRAM_HISTORY_BYTES))
-        if quantization is not None and speculative is not None and speculative.uses_model:
+        # A draft model or EAGLE-3 head stays 16-bit under a quantized target; MTP layers are
+        # read from the target's own checkpoint, quantized or not, so not (yet) with it.
+        if quantization is not None and speculative is not None and speculative.method == "mtp":
             raise ConfigError(f"--quantization: {quantization.method.upper()} with speculative "
-                              f"method {speculative.method!r} (a draft model or EAGLE-3 head) "
-                              "is not yet implemented in tidal")
+                              "method 'mtp' (MTP layers of the quantized checkpoint) is not yet "
+                              "implemented in tidal; a draft model or an EAGLE-3 head works")
         try:
             lora = build_lora_config(
                 self.enable_lora, self.max_loras, self.max_cpu_loras, self.max_lora_rank,

@@ -162,11 +162,14 @@ def test_engine_args_carry_it_into_the_frozen_config(tiny_models, tmp_path):
                       num_kv_blocks=64).create_config().model.quantization is None
     with pytest.raises(ConfigError, match=r"--quantization: quantization 'awq' needs a "):
         EngineArgs(model=str(folder), device="cpu", quantization="awq").create_config()
-    with pytest.raises(ConfigError, match="--quantization: FP8 with speculative method "
-                                          "'draft_model'"):
-        EngineArgs(model=str(folder), device="cpu", quantization="fp8",
-                   speculative_config={"method": "draft_model", "model": str(folder),
-                                       "num_speculative_tokens": 2}).create_config()
+    # A draft model (or an EAGLE-3 head) stays 16-bit under a quantized target.
+    from tidal.worker.spec_decode.draft_proposer import draft_model_config
+
+    spec = EngineArgs(model=str(folder), device="cpu", num_kv_blocks=64, quantization="fp8",
+                      speculative_config={"method": "draft_model", "model": str(folder),
+                                          "num_speculative_tokens": 2}).create_config()
+    assert spec.model.quantization == QuantConfig()
+    assert draft_model_config(str(folder), spec.model).quantization is None
     # An 8-bit GPTQ checkpoint is refused at start-up, not loaded as if it were 16-bit.
     gptq = tmp_path / "gptq"
     shutil.copytree(folder, gptq)

@@ -323,6 +323,50 @@ def test_eagle3_greedy_identical_and_seeds_reproducible(drafts, plain):
         llm.shutdown()
 
 
+def _quantized_params(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s FP8 or packed INT4 tensors."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [n for n, t in named if t.dtype == torch.float8_e4m3fn or n.endswith("qweight")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant,method", [("fp8", "eagle3"), ("awq", "draft_model")])
+def test_a_quantized_target_verifies_a_16_bit_draft(drafts, tiny_models, tmp_path, quant,
+                                                    method):
+    """``--quantization`` with a draft model or an EAGLE-3 head: the target's weights are
+    quantized (FP8 on load; an AWQ checkpoint), the draft's are not (its checkpoint has no
+    quantized tensors), and speculation leaves the quantized target's greedy output as it
+    was, drafts accepted."""
+    from tests.worker.int4_writer import write_int4_checkpoint
+    from tidal.frontend import LLM
+
+    target, kw = str(drafts["target"]), dict(KW, kv_cache_memory_bytes=64 << 20)
+    if quant == "awq":
+        target = str(tmp_path / "awq")
+        write_int4_checkpoint(drafts["target"], tmp_path / "awq", tiny_models["llama"][1],
+                              "awq", group_size=32, dequantize=False)
+    else:
+        kw["quantization"] = quant
+    plain = LLM(target, **kw)
+    try:
+        want, _ = _generate(plain, GREEDY)
+    finally:
+        plain.shutdown()
+    draft = drafts["eagle3" if method == "eagle3" else "small"]
+    llm = LLM(target, speculative_config=_spec(method, draft), **kw)
+    try:
+        got, (n_drafts, _, accepted) = _generate(llm, GREEDY)
+        assert got == want
+        # (The random EAGLE-3 head's drafts are all rejected, so only the draft model's run
+        # shows accepted drafts too; its seeds make some land.)
+        assert n_drafts > 0 and (accepted > 0 or method == "eagle3")
+        runner = llm.engine.core.executor.worker.runner
+        assert _quantized_params(runner.model)
+        assert not _quantized_params(runner.spec.drafter.proposer.model)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 def test_dummy_weights_apply_to_the_draft_too(drafts, tmp_path):
     """``load_format="dummy"``: the draft needs only its config (as ``tools/bench_spec.py

@@ -437,7 +437,9 @@ class Eagle3Proposer(_ChainProposer):
 def draft_model_config(model: str, target: ModelConfig, *, load_format: str = "auto"
                        ) -> ModelConfig:
     """The ``ModelConfig`` of a draft (a model folder / hub id / GGUF, or an EAGLE-3 head) for
-    ``target``: its own architecture, the target's dtype, context and tokenizer."""
+    ``target``: its own architecture, the target's dtype, context and tokenizer. Never the
+    target's quantization: a quantized target (FP8, INT4) verifies drafts from a 16-bit draft,
+    whose checkpoint holds no quantized tensors."""
     import msgspec
 
     from tidal.engine_core.model_arch import arch_from_hf_dict
@@ -452,4 +454,4 @@ def draft_model_config(model: str, target: ModelConfig, *, load_format: str = "a
                     "are never drafted", src.path, arch.vocab_size, target.arch.vocab_size)
     return msgspec.structs.replace(target, path=src.path, format=src.format,
                                    load_format=load_format, served_model_name=src.name,
-                                   arch=arch)
+                                   arch=arch, quantization=None)
