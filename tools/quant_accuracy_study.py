@@ -20,9 +20,9 @@ of 128 with the rounding error of each spread over the columns not yet quantized
 scale and zero point are taken from the weights as updated when the group starts (min / max,
 the range holding 0, as tests/worker/int4_writer.py); act-order visits the columns by
 decreasing H diagonal, each group being consecutive columns in that order. Measured
-(tools/results/quant_accuracy_int4_smollm2_cpu.json): unquantized 16.30; RTN g128 +24.9 %,
-g64 +11.7 %, g32 +19.3 % (on the second text +73.7 / +74.8 / +56.0 %); GPTQ g128 +30.1 %
-(act-order +22.5 %), g32 act-order +14.3 %; one projection kind at a time (RTN g128) +1.4 %
+(tools/results/quant_accuracy_int4_smollm2_cpu.json): unquantized 16.30; RTN g128 +24.8 %,
+g64 +11.8 %, g32 +19.3 % (on the second text +74.0 / +75.6 / +56.0 %); GPTQ g128 +29.3 %
+(act-order +22.7 %), g32 act-order +13.7 %; one projection kind at a time (RTN g128) +1.4 %
 (q, gate) to +6.9 % (up). GPTQ is normally
 calibrated on ~10^5 tokens, here on ~10^3 (fewer than down_proj's 1,536 inputs): a floor of
 what calibration gives.
@@ -51,26 +51,22 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+from tests.worker.int4_writer import dequantized, group_params  # noqa: E402
+from tests.worker.int4_writer import rtn as rtn_checkpoint  # noqa: E402
+from tidal.worker.ops import fp8_block_torch as fp8b  # noqa: E402
 
 DATA = REPO / "tests" / "data"
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def group_params(w: torch.Tensor, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale [N], zero [N]) of asymmetric 4-bit over ``w`` [N, g]; fp16 scales, as stored."""
-    lo, hi = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
-    s = ((hi - lo) / 15).clamp_min(1e-8).half().double()
-    return s, (-lo / s).round().clamp(min_zero, 15)
-
-
 def rtn(w: torch.Tensor, g: int) -> torch.Tensor:
-    """Round-to-nearest of ``w`` [N, K] by groups of ``g`` input channels, dequantized."""
-    out = torch.empty_like(w)
-    for c in range(0, w.shape[1], g):
-        s, z = group_params(w[:, c:c + g])
-        out[:, c:c + g] = ((w[:, c:c + g] / s[:, None] + z[:, None]).round().clamp(0, 15)
-                           - z[:, None]) * s[:, None]
-    return out
+    """Round-to-nearest of ``w`` [N, K] by groups of ``g`` input channels (the INT4 test
+    writer's), dequantized."""
+    k = w.shape[1]
+    g_idx = torch.arange(k) // g
+    return dequantized(*rtn_checkpoint(w, g_idx, -(-k // g), False), g_idx)
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool, damp: float = 0.01,
@@ -94,7 +90,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool, damp: float 
         for i in range(b1 - b0):
             c = b0 + i
             if c % g == 0:  # the group's range from the weights as updated so far
-                s, z = group_params(torch.cat([wb[:, i:], w[:, b1:]], 1)[:, :g])
+                s, z = group_params(torch.cat([wb[:, i:], w[:, b1:]], 1)[:, :g], False)
             col = wb[:, i]
             qc = ((col / s + z).round().clamp(0, 15) - z) * s
             q[:, c] = qc
@@ -105,41 +101,22 @@ def gptq(w: torch.Tensor, h: torch.Tensor, g: int, act_order: bool, damp: float 
     return q[:, torch.argsort(perm)]
 
 
-F8 = torch.float8_e4m3fn
-F8_MAX = 448.0
-
-
-def fp8_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` through e4m3 at ``scale`` (broadcast), back in ``x``'s dtype."""
-    return (x / scale).clamp(-F8_MAX, F8_MAX).to(F8).to(x.dtype) * scale
-
-
 def fp8_weight(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``w`` [N, K] through e4m3, one scale per ``rows`` x ``cols`` block (``cols`` 0: all of
-    K)."""
+    """``w`` [N, K] through e4m3 with a scale per ``rows`` x ``cols`` block (``cols`` 0: all
+    of K), by the engine's block-FP8 quantizer; dequantized."""
     n, k = w.shape
     cols = cols or k
-    out = torch.empty_like(w)
-    for c in range(0, k, cols):
-        if rows == 1:  # a scale per row of the slice
-            blk = w[:, c:c + cols]
-            out[:, c:c + cols] = fp8_round(blk, blk.abs().amax(1, keepdim=True)
-                                           .clamp_min(1e-12) / F8_MAX)
-            continue
-        for r in range(0, n, rows):
-            blk = w[r:r + rows, c:c + cols]
-            out[r:r + rows, c:c + cols] = fp8_round(blk, blk.abs().amax().clamp_min(1e-12)
-                                                    / F8_MAX)
-    return out
+    q, scale = fp8b.quantize_weight_blocks(w, rows, cols)
+    return fp8b.dequantize_weight(q, fp8b.expand_block_scale(scale, n, rows), cols).to(w.dtype)
 
 
 def fp8_input(x: torch.Tensor, cols: int) -> torch.Tensor:
-    """Activations through e4m3, one scale per token and ``cols`` channels (0: all)."""
+    """Activations through e4m3 with a scale per token and ``cols`` channels (0: all), by the
+    engine's quantizer; dequantized."""
     k = x.shape[-1]
     cols = cols or k
-    parts = [fp8_round(c, c.abs().amax(-1, keepdim=True).clamp_min(1e-12) / F8_MAX)
-             for c in x.split(cols, dim=-1)]
-    return torch.cat(parts, dim=-1)
+    q, scale = fp8b.quantize_groups(x.reshape(-1, k), cols)
+    return fp8b.dequantize_weight(q, scale, cols).to(x.dtype).reshape(x.shape)
 
 
 class Study:

@@ -46,6 +46,21 @@ def pack_sequential(values: np.ndarray, axis: int) -> np.ndarray:
     return np.moveaxis(_words(v), -1, axis)
 
 
+def group_params(cols: torch.Tensor, sym: bool, min_zero: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale [N], zero [N])`` of one group ``cols`` [N, g] (float64): the scale rounded to
+    fp16 as the checkpoint holds it, zero points at least ``min_zero``."""
+    n = cols.shape[0]
+    if sym:
+        amax = cols.abs().amax(1).clamp_min(1e-8)
+        s, z = 2 * amax / 15, torch.full((n,), 8.0, dtype=torch.float64)
+    else:  # the range always holds 0 (AWQ's and GPTQ's own quantizers)
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp_min(1e-8)
+        z = (-lo / s).round().clamp(min_zero, 15)
+    return s.half().double(), z
+
+
 def rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_zero: int = 0
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest INT4 of ``w`` [N, K] (float64) by input-channel group ``g_idx``:
@@ -54,16 +69,7 @@ def rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool, min_zero: 
     scales = torch.empty(n, groups, dtype=torch.float64)
     zeros = torch.empty(n, groups, dtype=torch.float64)
     for g in range(groups):
-        cols = w[:, g_idx == g]
-        if sym:
-            amax = cols.abs().amax(1).clamp_min(1e-8)
-            s, z = 2 * amax / 15, torch.full((n,), 8.0, dtype=torch.float64)
-        else:  # the range always holds 0 (AWQ's and GPTQ's own quantizers)
-            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            s = ((hi - lo) / 15).clamp_min(1e-8)
-            z = (-lo / s).round().clamp(min_zero, 15)
-        scales[:, g] = s.half().double()  # the checkpoint holds fp16 scales
-        zeros[:, g] = z
+        scales[:, g], zeros[:, g] = group_params(w[:, g_idx == g], sym, min_zero)
     gi = g_idx.long()
     q = (w / scales[:, gi] + zeros[:, gi]).round().clamp(0, 15)
     return q.long(), zeros.long(), scales.half()

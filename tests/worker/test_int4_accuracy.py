@@ -9,11 +9,11 @@ of 32 give 19.45 (+19 %), and an MSE search of each group's clipping range did n
 (20.50). The source weights are the GGUF's Q4_1 (already 4-bit, with a free per-block minimum
 that an integer zero point cannot represent), so round-to-nearest requantizes already rounded
 values onto a misaligned grid, and a 135M model has little redundancy. Calibration does not
-close it either: GPTQ on ~1k tokens of other public-domain text gives +30 % at g128 (+22.5 %
+close it either: GPTQ on ~1k tokens of other public-domain text gives +29 % at g128 (+23 %
 with act-order) and +14 % at g32 with act-order, and every projection kind loses 1.4-6.9 % on
 its own (tools/quant_accuracy_study.py int4, tools/results/quant_accuracy_int4_smollm2_cpu.json).
 This text flatters INT4: on tests/data/calibration_public_domain.txt round-to-nearest loses
-56-75 % (groups of 32-128).
+56-76 % (groups of 32-128).
 The bound is the measured gap with some margin: it catches weights scrambled by a wrong layout
 or group mapping, not the last few percent. The engine's exactness on these formats is shown
 by test_int4_model.py (tokens equal to HF transformers on the dequantized weights)."""
