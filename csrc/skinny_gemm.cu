@@ -7,9 +7,10 @@
 // Why tensor cores for a GEMV: the weight is multiplied on ``mma.sync.m16n8k16`` with the
 // activation rows as the A operand and eight weight rows as the B operand, so converting the
 // weight (FP8 -> f16, INT4 -> bf16 / f16) is the only per-weight arithmetic, whatever the
-// number of rows; an elementwise GEMV adds one FMA per weight and row. (INT4 at one row is
-// still bound by its instructions, about 1.2-2.3 TB/s on an H200, as the Triton GEMV is; from
-// two rows on this is the fast INT4 path. tools/results/skinny_gemm_h200_llama8b.json.)
+// number of rows; an elementwise GEMV adds one FMA per weight and row. (INT4 runs at about
+// 1.2-2.6 TB/s of an H200's 4.8, against 4 TB/s for bf16 weights: Nsight Compute shows DRAM
+// at 38 % and issue slots at 49 % on the gate/up weight, at 36 % occupancy, so it is neither
+// purely bound by instructions nor by memory. tools/results/skinny_gemm_h200_llama8b*.json.)
 //
 // The layout trick that makes it a plain stream of 16-byte loads: the mma's K order is free
 // (a sum), so each lane of a quad (the four lanes holding one B column, one weight row) loads
@@ -22,11 +23,19 @@
 // [gate; up] weight, so the gated epilogue has both halves in one thread) over the whole K,
 // split among its warps in interleaved chunks; the warps' partial sums meet in shared memory.
 // Each warp keeps U chunks of loads in flight per tile before it multiplies.
+//
+// One INT4 row with groups of 128 or more takes a staged form (XS): the block first copies the
+// activation row into shared memory as f16 pairs in the mma's order (stage_x), so the loop
+// neither pairs nor converts activations, the nibbles become f16 with one shift a word, and
+// each warp keeps a ring of U chunks' weight loads in flight. 5-7 % faster than the direct
+// form per Llama-3.1-8B weight at one row (o: 3 % slower); slower at two rows, so one only.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "common.cuh"
 #include "launchers.h"
@@ -77,6 +86,14 @@ __device__ __forceinline__ void pin(Ptr& p) {
 __device__ __forceinline__ uint32_t nibbles_or(uint32_t v, uint32_t magic) {
   uint32_t out;
   asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xEA;" : "=r"(out) : "r"(v), "r"(magic));
+  return out;
+}
+
+// (v & 0x00F000F0) | magic: nibbles 1 and 5 as f16 1024 + 16 q (exact: 16 q fits f16's
+// mantissa step at 1024), so one shift serves four nibble pairs (the staged INT4 path).
+__device__ __forceinline__ uint32_t nibbles_hi_or(uint32_t v, uint32_t magic) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, 0x00F000F0, %2, 0xEA;" : "=r"(out) : "r"(v), "r"(magic));
   return out;
 }
 
@@ -154,6 +171,14 @@ __device__ __forceinline__ uint4 load16(const void* p) {
                  : "l"(p));
   return v;
 }
+// A 16-byte shared-memory load (volatile for the same reason as the global ones).
+__device__ __forceinline__ uint4 load16_shared(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
 __device__ __forceinline__ uint16_t load_u16(const void* p) {
   uint16_t v;
   asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -204,7 +229,7 @@ struct Fmt<kWInt4> {
 // slots come in pairs: an even slot's C row g and the next odd slot's C row g + 8 hold the
 // useful sums (see mma16816). `zq`: INT4's (magic + zero point) pair; `sq`: INT4's scale pair
 // for the pre-scaled (small group) form.
-template <typename T, int WK, bool PRESCALE>
+template <typename T, int WK, bool PRESCALE, bool XS>
 __device__ __forceinline__ void chunk_mma(float (&c)[Fmt<WK>::kAcc][4], const uint4& w,
                                           const uint4 (&xv)[4], uint32_t zq, uint32_t sq) {
   using P = typename Pair<T>::type;
@@ -226,6 +251,31 @@ __device__ __forceinline__ void chunk_mma(float (&c)[Fmt<WK>::kAcc][4], const ui
                        e4m3x2_to_f16x2(wu[j + 1]));
       mma16816<__half>(c[slot + 1], xa[0], xa[1], xa[2], xa[3], e4m3x2_to_f16x2(wu[j] >> 16),
                        e4m3x2_to_f16x2(wu[j + 1] >> 16));
+    }
+  } else if constexpr (XS) {
+    // Staged activations (see stage_x): xv[j] is positions 8j .. 8j+7 of the lane's 32 as
+    // f16 pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7), times 2^-4. The weights become f16
+    // q - z exactly: the low nibble of each byte pair through 1024 + q minus `zq` (1024 + z),
+    // the high one through 1024 + 16 q times 1/16 plus `sq` (-(64 + z)), so one shift serves
+    // the word's four pairs.
+    uint32_t magic, sixteenth;
+    asm("mov.b32 %0, %1;" : "=r"(magic) : "n"(0x64006400u));
+    asm("mov.b32 %0, %1;" : "=r"(sixteenth) : "n"(0x2C002C00u));  // f16 1/16
+    const __half2 zp = from_u32<__half2>(zq), zh = from_u32<__half2>(sq);
+    const __half2 h16 = from_u32<__half2>(sixteenth);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = wu[j];
+      const uint32_t w8 = word >> 8;
+      const uint32_t q0 = as_u32(__hsub2(from_u32<__half2>(nibbles_or(word, magic)), zp));
+      const uint32_t q1 =
+          as_u32(__hfma2(from_u32<__half2>(nibbles_hi_or(word, magic)), h16, zh));
+      const uint32_t q2 = as_u32(__hsub2(from_u32<__half2>(nibbles_or(w8, magic)), zp));
+      const uint32_t q3 = as_u32(__hfma2(from_u32<__half2>(nibbles_hi_or(w8, magic)), h16, zh));
+      const uint32_t* xu = reinterpret_cast<const uint32_t*>(&xv[j]);
+      const int slot = j % (kAcc / 2) * 2;
+      mma16816<__half>(c[slot], xu[0], xu[1], xu[2], xu[3], q0, q2);
+      mma16816<__half>(c[slot + 1], xu[0], xu[1], xu[2], xu[3], q1, q3);
     }
   } else {
     const P zp = from_u32<P>(zq);
@@ -256,6 +306,63 @@ __device__ __forceinline__ void chunk_mma(float (&c)[Fmt<WK>::kAcc][4], const ui
   }
 }
 
+// The staged activations (INT4 with groups of 128 or more, when they fit; see stage_x): per
+// activation row, per chunk of 128 K values, the quad's four lanes' 32 values in 80-byte
+// slots (64 bytes and 16 of padding, so that the quad's four 16-byte loads of a step hit
+// different banks), rows padded to start 64 bytes apart modulo 128 (so rows g and g + 1 of
+// a load phase do not collide either).
+constexpr int kXsLane = 80;
+constexpr int kXsChunk = 4 * kXsLane;
+constexpr int64_t kXsMaxBytes = 40 * 1024;  // under the 48 KB a launch gets without opt-in
+// One activation row only: at two rows the staged form measured slower than the direct one
+// on two of the four Llama-3.1-8B weights (o 7.15 against 6.72 us, gate/up 29.7 against
+// 28.8), and from four rows most rows no longer fit.
+__host__ __device__ constexpr int64_t xs_row_bytes(int64_t k) {
+  return k / 128 * kXsChunk + (4 - (k / 128 * (kXsChunk / 16)) % 8 + 8) % 8 * 16;
+}
+
+// Copies the m activation rows into shared memory once per block, in the staged layout: f16
+// times 2^-4 (as the FP8 path's activations, finite up to 2^20), already in the pairs the
+// INT4 mma takes, (x0, x4), (x1, x5), (x2, x6), (x3, x7) of every eight. This takes the
+// pairing and the conversion out of the main loop, where they cost as much as the weights'
+// own unpacking.
+// A thread takes kB vectors a round, all loads first: with few warps a block stages many
+// vectors per thread, and one load in flight at a time made the copy cost more than the
+// weights (a fused gate/up at two rows and two warps: 51 against 29 us).
+template <typename T>
+__device__ __forceinline__ void stage_x(const SkinnyGemmArgs& a, char* xs) {
+  constexpr int kB = 4;
+  const int vecs = static_cast<int>(a.k / 8);
+  const int total = a.m * vecs;
+  const int64_t row_bytes = xs_row_bytes(a.k);
+  for (int v0 = threadIdx.x; v0 < total; v0 += kB * blockDim.x) {
+    uint4 raw[kB];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int v = min(v0 + b * static_cast<int>(blockDim.x), total - 1);
+      const int r = v / vecs, p = v - r * vecs;
+      raw[b] = load16<false>(reinterpret_cast<const T*>(a.x) + r * a.x_stride + p * 8);
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int v = v0 + b * static_cast<int>(blockDim.x);
+      if (v >= total) break;
+      const int r = v / vecs, p = v - r * vecs;  // vector p: K positions 8p .. 8p + 7
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(&raw[b]);
+      const uint32_t f0 = x_pair_to_f16<T>(u[0]), f1 = x_pair_to_f16<T>(u[1]);
+      const uint32_t f2 = x_pair_to_f16<T>(u[2]), f3 = x_pair_to_f16<T>(u[3]);
+      uint4 o;
+      o.x = __byte_perm(f0, f2, 0x5410);
+      o.y = __byte_perm(f0, f2, 0x7632);
+      o.z = __byte_perm(f1, f3, 0x5410);
+      o.w = __byte_perm(f1, f3, 0x7632);
+      // Chunk p / 16, lane (p / 4) % 4, vector p % 4 of the lane's four.
+      *reinterpret_cast<uint4*>(xs + r * row_bytes + (p >> 4) * kXsChunk +
+                                ((p >> 2) & 3) * kXsLane + (p & 3) * 16) = o;
+    }
+  }
+}
+
 // What one chunk (kQuadK values of K) of every tile reads: the weight vectors, the
 // activations at the same K positions and, for INT4, the zero points and scales.
 template <int WK, int R>
@@ -277,7 +384,7 @@ struct LaneRows {
   const uint16_t* scale1[R];  // INT4 with groups >= 128: tile column 2t + 1's row
 };
 
-template <typename T, int WK, int R, bool PRESCALE>
+template <typename T, int WK, int R, bool PRESCALE, bool XS>
 __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRows<R>& lr,
                                            int c, int t, ChunkLoads<WK, R>& out) {
   using F = Fmt<WK>;
@@ -287,9 +394,11 @@ __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRo
   const uint32_t cu = static_cast<uint32_t>(c);
 #pragma unroll
   for (int r = 0; r < R; ++r) out.w[r] = load16<true>(lr.w[r] + cu * kWBytes);
-  const char* xp = lr.x + cu * kXBytes;
+  if constexpr (!XS) {  // (staged: read from shared memory just before the mma, load_xs)
+    const char* xp = lr.x + cu * kXBytes;
 #pragma unroll
-  for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16<false>(xp + 16 * j);
+    for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16<false>(xp + 16 * j);
+  }
   if constexpr (WK == kWInt4) {
     // The lane's 32 K values lie in one group (groups are powers of two >= 32, or one group);
     // with groups of 128 or more the quad's 128 share it.
@@ -303,9 +412,17 @@ __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRo
   }
 }
 
+// The staged activations of chunk `c` for the lane.
+template <int WK, int R>
+__device__ __forceinline__ void load_xs(uint32_t xs, int c, ChunkLoads<WK, R>& out) {
+  const uint32_t xa = xs + static_cast<uint32_t>(c) * kXsChunk;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out.x[j] = load16_shared(xa + 16 * j);
+}
+
 // One chunk of every tile, from its loads: FP8's activations to f16 pairs, INT4's zero points
 // and scales, and the mma steps.
-template <typename T, int WK, int R, bool PRESCALE>
+template <typename T, int WK, int R, bool PRESCALE, bool XS>
 __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
                                            ChunkLoads<WK, R>& ld) {
   if constexpr (WK == kWFp8) {
@@ -321,16 +438,21 @@ __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
   if constexpr (WK == kWInt4) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      // (magic | z) is the number magic + z, as for the weights' nibbles.
-      const uint32_t zq = Pair<T>::kMagic | (static_cast<uint32_t>(ld.zero[r]) * 0x10001u);
+      const uint32_t z = ld.zero[r];
       if constexpr (PRESCALE) {
+        // (magic | z) is the number magic + z, as for the weights' nibbles.
+        const uint32_t zq = Pair<T>::kMagic | (z * 0x10001u);
         const uint32_t s = static_cast<uint32_t>(ld.scale[r][0]) * 0x10001u;
-        chunk_mma<T, WK, true>(acc[r], ld.w[r], ld.x, zq, s);
+        chunk_mma<T, WK, true, false>(acc[r], ld.w[r], ld.x, zq, s);
       } else {
+        // Staged: the f16 pairs 1024 + z and -(64 + z) (sign, exponent 6, mantissa 16 z),
+        // one IMAD each; else magic + z in T.
+        const uint32_t zq = (XS ? 0x64006400u : Pair<T>::kMagic) + z * 0x10001u;
+        const uint32_t zh = XS ? z * 0x100010u + 0xD400D400u : 0u;
         // The scale multiplies the chunk's sums instead of every weight; part[.][0] and
         // part[.][1] are tile columns 2t and 2t + 1 (the rows of other lanes).
         float part[Fmt<WK>::kAcc][4] = {};
-        chunk_mma<T, WK, false>(part, ld.w[r], ld.x, zq, 0u);
+        chunk_mma<T, WK, false, XS>(part, ld.w[r], ld.x, zq, zh);
         float p0 = 0.f, p1 = 0.f;
 #pragma unroll
         for (int i = 0; i < Fmt<WK>::kAcc; i += 2) {
@@ -343,11 +465,11 @@ __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
     }
   } else {
 #pragma unroll
-    for (int r = 0; r < R; ++r) chunk_mma<T, WK, false>(acc[r], ld.w[r], ld.x, 0u, 0u);
+    for (int r = 0; r < R; ++r) chunk_mma<T, WK, false, false>(acc[r], ld.w[r], ld.x, 0u, 0u);
   }
 }
 
-template <typename T, int WK, int R, int WARPS, int U, bool PRESCALE>
+template <typename T, int WK, int R, int WARPS, int U, bool PRESCALE, bool XS>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const SkinnyGemmArgs a) {
   using F = Fmt<WK>;
@@ -402,6 +524,36 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   float acc[R][F::kAcc][4] = {};
 
+  if constexpr (XS) {
+    // A ring of U chunks' weight loads in flight per tile: chunk c's slot is refilled with
+    // chunk c + U * WARPS as soon as c is multiplied, so the loads never wait for a whole
+    // step's arithmetic (which, at four times the bf16 work per byte, kept INT4 at about
+    // half the bf16 bytes' rate). Past its last chunk a warp re-reads the last one (cached)
+    // and skips it, so the loads need no predicates.
+    const int last = chunks - 1;
+    ChunkLoads<WK, R> ld[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      load_chunk<T, WK, R, PRESCALE, XS>(a, lr, min(warp + u * WARPS, last), t, ld[u]);
+    // Every thread stages (no thread has returned yet); the first loads are already out.
+    extern __shared__ uint4 xs_smem[];
+    stage_x<T>(a, reinterpret_cast<char*>(xs_smem));
+    __syncthreads();
+    const uint32_t xs = static_cast<uint32_t>(__cvta_generic_to_shared(xs_smem)) +
+                        static_cast<uint32_t>((x_ok ? g : 0) * xs_row_bytes(a.k)) +
+                        t * kXsLane;
+    for (int c0 = warp; c0 < chunks; c0 += WARPS * U) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * WARPS;
+        if (c < chunks) {
+          load_xs<WK, R>(xs, c, ld[u]);
+          chunk_step<T, WK, R, PRESCALE, XS>(acc, ld[u]);
+        }
+        load_chunk<T, WK, R, PRESCALE, XS>(a, lr, min(c + U * WARPS, last), t, ld[u]);
+      }
+    }
+  } else {
   // U chunks a step, then the chunks left one at a time. A step's loads all issue before its
   // first mma: the branch after them (never taken) ends the basic block, and the assembler
   // does not move the loads past it; otherwise it starts the first mma as soon as its operands
@@ -411,15 +563,17 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (; c0 < full; c0 += WARPS * U) {
     ChunkLoads<WK, R> ld[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) load_chunk<T, WK, R, PRESCALE>(a, lr, c0 + u * WARPS, t, ld[u]);
+    for (int u = 0; u < U; ++u)
+      load_chunk<T, WK, R, PRESCALE, XS>(a, lr, c0 + u * WARPS, t, ld[u]);
     if (a.k < 0) asm volatile("trap;");
 #pragma unroll
-    for (int u = 0; u < U; ++u) chunk_step<T, WK, R, PRESCALE>(acc, ld[u]);
+    for (int u = 0; u < U; ++u) chunk_step<T, WK, R, PRESCALE, XS>(acc, ld[u]);
   }
   for (; c0 < chunks; c0 += WARPS) {
     ChunkLoads<WK, R> ld;
-    load_chunk<T, WK, R, PRESCALE>(a, lr, c0, t, ld);
-    chunk_step<T, WK, R, PRESCALE>(acc, ld);
+    load_chunk<T, WK, R, PRESCALE, XS>(a, lr, c0, t, ld);
+    chunk_step<T, WK, R, PRESCALE, XS>(acc, ld);
+  }
   }
 
   // The accumulators of each tile, then the warps' partial sums of each tile column, summed
@@ -471,9 +625,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       if (col >= a.n) continue;
       float v = sum[r][j];
       if constexpr (WK == kWFp8) v *= 16.f * a.w_scale[col];
+      if constexpr (XS) v *= 16.f;  // the staged activations' 2^-4
       if (gated) {
         float u = sum[r + R / 2][j];
         if constexpr (WK == kWFp8) u *= 16.f * a.w_scale[a.n + col];
+        if constexpr (XS) u *= 16.f;
         // Rounded as the unfused ops round: the product to T, then act(gate) * up to T.
         const float gr = to_float(from_float<T>(v));
         const float ur = to_float(from_float<T>(u));
@@ -486,15 +642,16 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-template <typename T, int WK, bool PRESCALE>
+template <typename T, int WK, bool PRESCALE, bool XS>
 cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaStream_t stream) {
+  const size_t smem = XS ? static_cast<size_t>(a.m * xs_row_bytes(a.k)) : 0;
   const int rows_per_block = 8 * r;
   const int64_t outs_per_block = a.act != 0 ? rows_per_block / 2 : rows_per_block;
   const dim3 grid(static_cast<unsigned>((a.n + outs_per_block - 1) / outs_per_block));
   const dim3 block(32 * warps);
 #define TIDAL_SKINNY_CASE(R_, W_, U_)                                                   \
   if (r == R_ && warps == W_ && u == U_) {                                               \
-    skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE><<<grid, block, 0, stream>>>(a);      \
+    skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE, XS><<<grid, block, smem, stream>>>(a); \
     return cudaGetLastError();                                                           \
   }
 #define TIDAL_SKINNY_WARPS(R_, U_) \
@@ -514,17 +671,29 @@ cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaS
   return cudaErrorInvalidConfiguration;
 }
 
+// TIDAL_SKINNY_STAGED=0 turns the staged INT4 activations off: a switch for measuring the two
+// forms side by side (tools/bench_skinny_gemm.py), read once.
+bool staging_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TIDAL_SKINNY_STAGED");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
 template <typename T>
 cudaError_t launch_format(const SkinnyGemmArgs& a, int r, int warps, int u,
                           cudaStream_t stream) {
   switch (a.format) {
     case SkinnyFormat::kW16:
-      return launch_typed<T, kW16, false>(a, r, warps, u, stream);
+      return launch_typed<T, kW16, false, false>(a, r, warps, u, stream);
     case SkinnyFormat::kFp8:
-      return launch_typed<T, kWFp8, false>(a, r, warps, u, stream);
+      return launch_typed<T, kWFp8, false, false>(a, r, warps, u, stream);
     case SkinnyFormat::kInt4:
-      if (a.group_shift >= 7) return launch_typed<T, kWInt4, false>(a, r, warps, u, stream);
-      return launch_typed<T, kWInt4, true>(a, r, warps, u, stream);
+      if (a.group_shift < 7) return launch_typed<T, kWInt4, true, false>(a, r, warps, u, stream);
+      if (a.m == 1 && xs_row_bytes(a.k) <= kXsMaxBytes && staging_enabled())
+        return launch_typed<T, kWInt4, false, true>(a, r, warps, u, stream);
+      return launch_typed<T, kWInt4, false, false>(a, r, warps, u, stream);
   }
   return cudaErrorInvalidValue;
 }

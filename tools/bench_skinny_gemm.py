@@ -20,6 +20,7 @@ output is checked against a float64 product of the same dequantized weight first
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -154,8 +155,10 @@ def main() -> None:
                     print(row, flush=True)
                     results.append(row)
                     continue
-                picked = sk.launch_shape(n // 2 if gated else n,
-                                         sk.weight_format(ws[0]["w"], x), gated)
+                wfmt = sk.weight_format(ws[0]["w"], x)
+                staged = (wfmt == sk.FORMAT_INT4 and sk.stages_activations(m, k, GROUP)
+                          and os.environ.get("TIDAL_SKINNY_STAGED") != "0")
+                picked = sk.launch_shape(n // 2 if gated else n, wfmt, gated, staged)
                 check("skinny", skinny(0))
                 row["skinny_us"] = round(_time(lambda i: skinny(i), copies), 2)
                 row["skinny_picked"] = tuple(picked)

@@ -109,8 +109,9 @@ class KernelPolicy:
     # for decode rows); else the torch reference (dequantize and matmul).
     triton_w4a16: bool = False
     # 2 to 8 rows of an INT4 linear (no act-order) on the CUDA extension's few-row tensor-core
-    # product (``csrc/skinny_gemm.cu``); the Triton split-K GEMV it replaced took 14-21x as
-    # long per Llama-3.1-8B weight at four rows on an H200.
+    # product (``csrc/skinny_gemm.cu``), and one row with groups of 128 or more (its staged
+    # form, 3-8 % faster than the Triton GEMV per Llama-3.1-8B weight on an H200); the Triton
+    # split-K GEMV it replaced took 14-21x as long per weight at four rows.
     skinny_w4a16: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
@@ -357,7 +358,8 @@ def describe(policy: KernelPolicy) -> list[str]:
              if policy.triton_fp8_block else "torch reference"),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
-             "one row; " + ("CUDA tensor-core product for 2-8 rows"
+             "one row; " + ("CUDA tensor-core product for 2-8 rows, and for one row with "
+                            "groups of 128 or more (activations staged in shared memory)"
                             if policy.skinny_w4a16 else "split-K GEMV for 2-8 rows") + ")"
              if policy.triton_w4a16 else "torch reference"),
         # Kernels.lora_shrink / lora_expand (--enable-lora only).

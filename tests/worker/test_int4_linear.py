@@ -384,9 +384,11 @@ def test_gpu_kernels_dispatch_to_triton():
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9])
 @pytest.mark.parametrize("gated", [False, True])
-def test_gpu_kernels_take_the_cuda_few_row_product_for_2_to_8_rows(m, gated):
-    """With the extension built, 2-8 rows (no act-order) run ``skinny_gemm``; one row and nine
-    stay on Triton; all equal the torch reference."""
+@pytest.mark.parametrize("group", [64, 128])
+def test_gpu_kernels_take_the_cuda_few_row_product_for_1_to_8_rows(m, gated, group):
+    """With the extension built, 2-8 rows (no act-order) run ``skinny_gemm``, and one row
+    where it stages the activations (groups of 128 here); one row with groups of 64 and nine
+    rows stay on Triton; all equal the torch reference."""
     from tidal.engine_core.kernel_config import KernelConfig
     from tidal.worker.kernel_policy import resolve, probe_device
     from tidal.worker.ops import skinny_gemm
@@ -396,7 +398,7 @@ def test_gpu_kernels_take_the_cuda_few_row_product_for_2_to_8_rows(m, gated):
     kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
     if kernels._skinny is None:
         pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'policy off'}")
-    q, zeros, scales, g_idx = _random_int4(512, 1024, 128, seed=m)
+    q, zeros, scales, g_idx = _random_int4(512, 1024, group, seed=m)
     qweight, s, qzeros, _ = _tidal_layout(q, zeros, scales, g_idx, torch.bfloat16)
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     calls = []
@@ -409,15 +411,15 @@ def test_gpu_kernels_take_the_cuda_few_row_product_for_2_to_8_rows(m, gated):
     skinny_gemm.skinny_gemm = spy
     try:
         if gated:
-            y = kernels.w4a16_gated_linear(x, qweight, s, qzeros, 128, None, None, "silu")
-            g, u = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128).float().chunk(2, -1)
+            y = kernels.w4a16_gated_linear(x, qweight, s, qzeros, group, None, None, "silu")
+            g, u = int4_torch.w4a16_linear(x, qweight, s, qzeros, group).float().chunk(2, -1)
             ref = torch.nn.functional.silu(g) * u
         else:
-            y = kernels.w4a16_linear(x, qweight, s, qzeros, 128)
-            ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, 128)
+            y = kernels.w4a16_linear(x, qweight, s, qzeros, group)
+            ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, group)
     finally:
         skinny_gemm.skinny_gemm = real
-    assert bool(calls) == (2 <= m <= 8)
+    assert bool(calls) == (2 <= m <= 8 or (m == 1 and group >= 128))
     # (Summed in another order, a gate or up value may round to the next bfloat16, which the
     # product carries: compare the whole output, not each element.)
     err = float((y.double() - ref.double()).norm() / ref.double().norm())

@@ -124,6 +124,51 @@ def test_int4_weights_match_dequantized_reference(group, rows, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("rows,k", [(1, 640), (3, 1024), (2, 4096), (1, 14336), (8, 8192)])
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_staged_and_direct_activations_match_reference(rows, k, act, dtype):
+    """Both INT4 forms for groups of 128: one row's activations staged in shared memory as
+    scaled f16 pairs (an odd and an even count of 128-input chunks, up to the largest row that
+    fits) and 2-8 rows read directly, with activations from 1e-3 up to 3e4 (past f16's range
+    unscaled)."""
+    from tidal.worker.ops import skinny_gemm as sk
+
+    torch.manual_seed(rows * k)
+    n, group = 24, 128
+    w = torch.randn(2 * n if act else n, k, device=DEV) / k ** 0.5
+    qw, s, z = int4_torch.quantize_rtn(w, group)
+    s = s.to(dtype)
+    x = torch.randn(rows, k, device=DEV) * torch.logspace(-3, 0, k, device=DEV)
+    if dtype == torch.bfloat16:
+        x[:, ::97] *= 3e4
+    x = x.to(dtype)
+    dense = int4_torch.dequantize(qw, s, z, group, dtype=dtype)
+    ref = _ref(x, dense, None, act, dtype)
+    staged = sk.stages_activations(rows, k, group)
+    assert staged == (rows == 1), (rows, k)  # the cases cover both forms
+    for cfg in (sk.Launch(2, 8, 4), sk.Launch(2, 4, 2), sk.Launch(4, 2, 1)):
+        out = sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=group, act=act, config=cfg)
+        _close(out, ref, f"int4 rows {rows} k {k} staged {staged} {dtype} {cfg}", tol=1e-2)
+
+
+def test_staged_layout_constants_match_the_cuda_file():
+    from tidal.worker.ops import skinny_gemm as sk
+
+    src = (Path(__file__).resolve().parents[2] / "csrc" / "skinny_gemm.cu").read_text()
+    assert int(re.search(r"constexpr int kXsLane = (\d+);", src).group(1)) == sk.XS_LANE
+    assert (int(re.search(r"kXsMaxBytes = (\d+) \* 1024;", src).group(1)) * 1024
+            == sk.XS_MAX_BYTES)
+    # Rows start 64 bytes apart modulo 128 (four 16-byte bank units), for any chunk count.
+    for k in (128, 640, 1024, 4096, 14336):
+        assert sk.xs_row_bytes(k) % 16 == 0 and sk.xs_row_bytes(k) // 16 % 8 == 4
+        assert sk.xs_row_bytes(k) >= k // 128 * 4 * sk.XS_LANE
+    assert sk.stages_activations(1, 14336, 128) and not sk.stages_activations(1, 14336, 64)
+    assert not sk.stages_activations(2, 1024, 128)  # one row only
+    assert not sk.stages_activations(1, 16384, 128)  # 41 KB: does not fit
+
+
+@gpu
 def test_int4_gated_matches_reference():
     from tidal.worker.ops import skinny_gemm as sk
 
@@ -220,6 +265,11 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
              for n, gated in [(6144, False), (4096, False), (14336, True), (128256, False)]}
     assert shape == {(6144, False): (2, 8, 1), (4096, False): (1, 8, 4),
                      (14336, True): (2, 2, 1), (128256, False): (2, 4, 1)}
+    # One row with staged activations (tools/results/skinny_gemm_h200_llama8b_int4_staged.json).
+    staged = {(n, gated): tuple(sk.launch_shape(n, sk.FORMAT_INT4, gated, staged=True))
+              for n, gated in [(6144, False), (4096, False), (14336, True), (128256, False)]}
+    assert staged == {(6144, False): (2, 8, 1), (4096, False): (2, 8, 2),
+                      (14336, True): (2, 2, 1), (128256, False): (4, 2, 1)}
     assert sk.group_ok(128, 4096) and sk.group_ok(640, 640) and not sk.group_ok(96, 4096)
 
 

@@ -442,14 +442,18 @@ class Kernels:
                              g_idx: torch.Tensor | None, bias: torch.Tensor | None,
                              gated: bool = False) -> bool:
         """Whether an INT4 linear on ``x`` runs the CUDA few-row product: the policy has it,
-        2 to 8 rows (one row stays on the group-tiled Triton GEMV, as fast and with its
-        fusions), no act-order, a group it takes (a power of two from 32, or the whole row),
-        no bias when gated, and not inside a torch.compile trace."""
+        2 to 8 rows, or one row where the kernel stages the activations in shared memory
+        (groups of 128 or more; else one row stays on the group-tiled Triton GEMV, which the
+        direct form only ties), no act-order, a group it takes (a power of two from 32, or
+        the whole row), no bias when gated, and not inside a torch.compile trace."""
         sk = self._skinny
         if sk is None or g_idx is not None or not x.is_cuda or not x.shape[-1]:
             return False
-        rows = x.numel() // x.shape[-1]
-        return (2 <= rows <= sk.MAX_ROWS and scales.dtype == x.dtype
+        k = x.shape[-1]
+        rows = x.numel() // k
+        if rows == 1 and not sk.stages_activations(1, k, group_size):
+            return False
+        return (1 <= rows <= sk.MAX_ROWS and scales.dtype == x.dtype
                 and (bias is None or (not gated and bias.dtype == x.dtype))
                 and sk.supported(x, qweight, group_size, gated)
                 and not torch.compiler.is_compiling())
@@ -460,7 +464,7 @@ class Kernels:
         """``x`` times an INT4 weight in tidal's layout (``int4_torch``: ``qweight`` int32
         [N, K / 8], per-group ``scales`` and uint8 ``qzeros`` [N, G], act-order ``g_idx``):
         the Triton kernels on the GPU where the policy has them (a GEMM, a split-K GEMV for
-        decode rows), dequantizing in registers; 2 to 8 rows without act-order on the CUDA
+        decode rows), dequantizing in registers; 1 to 8 rows without act-order on the CUDA
         few-row product where ``skinny_w4a16_applies``; else the torch reference."""
         if self.skinny_w4a16_applies(x, qweight, scales, group_size, g_idx, bias):
             return self._skinny.skinny_gemm(x, qweight, bias, scales=scales, zeros=qzeros,

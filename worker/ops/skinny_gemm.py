@@ -83,15 +83,41 @@ def group_ok(group_size: int, k: int) -> bool:
     return group_size >= k or (group_size >= 32 and group_size & (group_size - 1) == 0)
 
 
-def launch_shape(n: int, fmt: int, gated: bool) -> Launch:
+# The staged INT4 form (``stage_x`` in the .cu file): with groups of 128 or more, the activation
+# rows are copied once per block into shared memory as paired f16, when they fit in
+# ``XS_MAX_BYTES``; ``XS_LANE`` bytes per lane and chunk of 128 inputs, rows padded.
+XS_LANE, XS_MAX_BYTES = 80, 40 * 1024
+
+
+def xs_row_bytes(k: int) -> int:
+    """Shared-memory bytes of one staged activation row of ``k`` inputs (``xs_row_bytes``)."""
+    units = k // 128 * (4 * XS_LANE // 16)
+    return k // 128 * 4 * XS_LANE + (4 - units % 8 + 8) % 8 * 16
+
+
+def stages_activations(rows: int, k: int, group_size: int) -> bool:
+    """Whether an INT4 call of ``rows`` x ``k`` runs the staged form: one row, groups of 128
+    or more, a row that fits (unless the environment turns it off with
+    ``TIDAL_SKINNY_STAGED=0``)."""
+    return rows == 1 and group_size >= 128 and xs_row_bytes(k) <= XS_MAX_BYTES
+
+
+def launch_shape(n: int, fmt: int, gated: bool, staged: bool = False) -> Launch:
     """The launch shape for ``n`` outputs: the best (or within 1 %) of every
     built shape for each Llama-3.1-8B weight at one and four rows on an H200
     (``tools/results/skinny_gemm_h200_llama8b.json``), as a rule for other weights. Many
     output rows take two tiles a block; fewer take one tile and eight warps over K; a fused
-    gate/up takes few warps (its grid alone covers the GPU)."""
+    gate/up takes few warps (its grid alone covers the GPU). ``staged``: the one-row INT4
+    form with its activations in shared memory (``stages_activations``), whose best shapes
+    differ for the smaller weights and the LM head
+    (``tools/results/skinny_gemm_h200_llama8b_int4_staged.json``)."""
     if fmt == FORMAT_INT4:
         if gated:
             return Launch(2, 2, 1)
+        if staged:
+            if n >= 6144:
+                return Launch(2, 8, 1) if n <= 16384 else Launch(4, 2, 1)
+            return Launch(2, 8, 2)
         if n >= 6144:
             return Launch(2, 8 if n <= 16384 else 4, 1)
         return Launch(1, 8, 4)
@@ -117,7 +143,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     m = x2.shape[0]
     n = w.shape[0] // 2 if act is not None else w.shape[0]
-    cfg = config or launch_shape(n, fmt, act is not None)
+    staged = fmt == FORMAT_INT4 and stages_activations(m, k, group_size)
+    cfg = config or launch_shape(n, fmt, act is not None, staged)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cuda_ext.require_extension().skinny_gemm(
         out, x2, w, fmt, bias, None if w_scale is None else w_scale.reshape(-1), scales, zeros,
