@@ -65,6 +65,11 @@ _HELP = {
                     "config.json); awq or gptq (INT4 weight-only checkpoints, read as they "
                     "are, also detected from config.json); dense Llama/Mistral/Qwen2/Qwen3 "
                     "only; default: none",
+    "fp8_group_size": "with --quantization fp8 on a 16/32-bit checkpoint: quantize each weight "
+                      "row in groups of this many input channels (a power of two from 16 to "
+                      "1024; 128 is usual) and activations per token and group, through the "
+                      "block-wise FP8 kernels; closer to the 16-bit model than one scale per "
+                      "row; default: one scale per row",
     "kv_cache_dtype": "KV cache type: auto (the model dtype) or fp8 / fp8_e4m3 (FP8 e4m3 "
                       "with per-layer K/V scales from the checkpoint, else 1.0; twice the "
                       "cached tokens); not with MLA models, encoders, draft models or the "

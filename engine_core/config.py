@@ -253,6 +253,10 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     quantization: str | None = None  # fp8 | compressed-tensors (quantization_config.py)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 (kv_cache_dtype.py)
+    # With --quantization fp8 on a 16/32-bit checkpoint: a weight scale per output row and
+    # this many input channels, activations per token and as many (the block-wise FP8 path);
+    # None: one scale per row, activations per token.
+    fp8_group_size: int | None = None
     enable_prefix_caching: bool = True
     prefix_hash_seed: int | None = None
     disable_hybrid_kv_cache_manager: bool = False
@@ -360,7 +364,8 @@ class EngineArgs:
 
         try:
             quantization = build_quant_config(self.quantization, hf, arch.family,
-                                              dummy=load_format == "dummy")
+                                              dummy=load_format == "dummy",
+                                              fp8_group_size=self.fp8_group_size)
         except QuantConfigError as exc:
             raise ConfigError(f"--quantization: {exc}") from None
         model = ModelConfig(

@@ -8,8 +8,9 @@ from a 16/32-bit checkpoint as it loads or read as they are from a compressed-te
 checkpoint or an ``fp8`` one (AutoFP8's per-tensor scales); block-wise FP8 checkpoints
 (``quant_method: fp8`` with ``weight_block_size``, as Qwen3-*-FP8 and DeepSeek-V3 ship): e4m3
 weights with a float32 scale per weight block, activations quantized per token and per block
-of input channels (compressed-tensors' ``block`` strategy too); and INT4 AWQ / GPTQ
-checkpoints (int4_config.py). Everything else is
+of input channels (compressed-tensors' ``block`` strategy too), or ``--fp8-group-size`` on a
+16/32-bit checkpoint (a scale per row and group of input channels, quantized on load); and INT4
+AWQ / GPTQ checkpoints (int4_config.py). Everything else is
 refused here, naming what was asked for, rather than loaded in a way that would silently
 differ from what the checkpoint means.
 """
@@ -50,9 +51,10 @@ class QuantConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 0
     desc_act: bool = False
     zeros_minus_one: bool = False
-    # Block-wise FP8 (``fp8`` checkpoints with ``weight_block_size``): (output rows, input
-    # channels) per weight scale; activations scaled per token and per ``weight_block[1]``
-    # input channels (worker/layers/fp8_block.py). None: per-row weight scales.
+    # Block-wise FP8 (``fp8`` checkpoints with ``weight_block_size``, or ``--fp8-group-size``
+    # on a 16/32-bit one: one-row blocks, quantized on load): (output rows, input channels)
+    # per weight scale; activations scaled per token and per ``weight_block[1]`` input
+    # channels (worker/layers/fp8_block.py). None: per-row weight scales.
     weight_block: tuple[int, int] | None = None
     # The checkpoint's name for the block scale: ``weight_scale_inv`` (``fp8`` checkpoints) or
     # ``weight_scale`` (compressed-tensors); the layer's parameter is ``weight_scale_inv``.
@@ -171,6 +173,29 @@ def _fp8_checkpoint(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig(prequantized=True, weight_block=block)
 
 
+def _fp8_groups(requested: str | None, hf_config: dict[str, Any], family: str,
+                group: Any) -> QuantConfig:
+    """``--quantization fp8 --fp8-group-size G``: a 16/32-bit checkpoint quantized on load
+    with a scale per output row and G input channels, activations per token and G channels,
+    the block-wise layout with one-row blocks (worker/layers/fp8_block.py)."""
+    if requested != "fp8":
+        raise QuantConfigError(f"--fp8-group-size applies to --quantization fp8 only, got "
+                               f"--quantization {requested}")
+    if hf_config.get("quantization_config") is not None:
+        raise QuantConfigError("--fp8-group-size quantizes a 16/32-bit checkpoint as it loads; "
+                               "this checkpoint is already quantized (its own scales are "
+                               "used: leave --fp8-group-size unset)")
+    if (not isinstance(group, int) or isinstance(group, bool) or not 16 <= group <= MAX_BLOCK
+            or group & (group - 1)):
+        raise QuantConfigError(f"--fp8-group-size must be a power of two from 16 to "
+                               f"{MAX_BLOCK}, got {group!r}")
+    if family not in FP8_FAMILIES:
+        raise QuantConfigError(f"FP8 groups (--fp8-group-size) for model family {family!r} are "
+                               f"not yet implemented in tidal (families: "
+                               f"{', '.join(FP8_FAMILIES)})")
+    return QuantConfig(weight_block=(1, group))
+
+
 def _block_size(block: Any, key: str) -> tuple[int, int]:
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and 16 <= b <= MAX_BLOCK
@@ -181,10 +206,15 @@ def _block_size(block: Any, key: str) -> tuple[int, int]:
 
 
 def build_quant_config(requested: str | None, hf_config: dict[str, Any],
-                       family: str, dummy: bool = False) -> QuantConfig | None:
+                       family: str, dummy: bool = False,
+                       fp8_group_size: int | None = None) -> QuantConfig | None:
     """The quantization of a model of ``family`` with HF config ``hf_config`` when the user
     asked for ``requested`` (``--quantization``; None: whatever the checkpoint says).
-    ``dummy``: random weights (``--load-format dummy``), which need no INT4 checkpoint."""
+    ``dummy``: random weights (``--load-format dummy``), which need no INT4 checkpoint.
+    ``fp8_group_size`` (``--fp8-group-size``): FP8 quantized on load with a scale per row and
+    group of input channels instead of per row."""
+    if fp8_group_size is not None:
+        return _fp8_groups(requested, hf_config, family, fp8_group_size)
     if requested not in _ACCEPTED:
         raise QuantConfigError(f"quantization {requested!r} is not yet implemented in tidal "
                                "(accepted: fp8, compressed-tensors for FP8 checkpoints, awq "

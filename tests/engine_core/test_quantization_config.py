@@ -153,6 +153,27 @@ def test_refusals_name_what_they_refuse(requested, hf, family, needle):
     assert needle in str(info.value)
 
 
+def test_fp8_group_size_quantizes_on_load_in_one_row_blocks():
+    assert build_quant_config("fp8", {}, "llama", fp8_group_size=128) == QuantConfig(
+        weight_block=(1, 128))
+    assert build_quant_config("fp8", {}, "qwen3", fp8_group_size=None) == QuantConfig()
+
+
+@pytest.mark.parametrize("requested,hf,family,group,needle", [
+    (None, {}, "llama", 128, "applies to --quantization fp8 only, got --quantization None"),
+    ("awq", {}, "llama", 128, "got --quantization awq"),
+    ("fp8", _fp8(weight_block_size=[128, 128]), "llama", 128, "already quantized"),
+    ("fp8", {}, "llama", 96, "a power of two from 16 to 1024, got 96"),
+    ("fp8", {}, "llama", 8, "got 8"),
+    ("fp8", {}, "llama", True, "got True"),
+    ("fp8", {}, "mixtral", 128, "model family 'mixtral'"),
+])
+def test_fp8_group_size_refusals(requested, hf, family, group, needle):
+    with pytest.raises(QuantConfigError, match="fp8-group-size|FP8 groups") as info:
+        build_quant_config(requested, hf, family, fp8_group_size=group)
+    assert needle in str(info.value)
+
+
 def test_engine_args_carry_it_into_the_frozen_config(tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     config = EngineArgs(model=str(folder), device="cpu", num_kv_blocks=64,
@@ -189,5 +210,8 @@ def test_cli_flag(tiny_models):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = engine_args_from(parser.parse_args(["--quantization", "fp8"]))
-    assert args.quantization == "fp8"
+    assert args.quantization == "fp8" and args.fp8_group_size is None
+    args = engine_args_from(parser.parse_args(["--quantization", "fp8",
+                                               "--fp8-group-size", "128"]))
+    assert args.fp8_group_size == 128
     assert engine_args_from(parser.parse_args([])).quantization is None

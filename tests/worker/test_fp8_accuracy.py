@@ -46,3 +46,27 @@ def test_fp8_perplexity_close_to_unquantized(smollm2_perplexity, smollm2_perplex
     # Issue 23's 1 % is missed on the second text (+6.45 % measured): a regression bound,
     # which weights or scales mapped wrongly would still cross many times over.
     assert abs(quant2 - base2) / base2 < 0.10, (quant2, base2)
+
+
+@pytest.mark.slow
+def test_fp8_groups_of_128_perplexity_close_to_unquantized(smollm2_perplexity,
+                                                           smollm2_perplexity_second,
+                                                           smollm2_path):
+    """``--fp8-group-size 128``: a weight scale per row and 128 input channels, activations
+    per token and 128 channels (the block-wise FP8 path, quantized on load). Measured on the
+    2-core CI kind: +0.95 % and +1.87 % (per-row FP8: +1.69 % and +6.45 %). The bounds leave
+    the first text the per-row test's room for other CPUs' kernels; the second one is where
+    the groups show."""
+    base, base2 = smollm2_perplexity, smollm2_perplexity_second
+    fp8 = LLM(str(smollm2_path), quantization="fp8", fp8_group_size=128, dtype="float32",
+              device="cpu", max_model_len=2048, max_num_seqs=4, num_kv_blocks=160)
+    try:
+        quant, _ = perplexity(fp8)
+        quant2, _ = perplexity(fp8, SECOND_TEXT)
+    finally:
+        fp8.shutdown()
+    print(f"SmolLM2 perplexity, FP8 W8A8 in groups of 128: {(quant - base) / base:+.2%} on the "
+          f"first text, {(quant2 - base2) / base2:+.2%} on the second")
+    assert quant != base
+    assert abs(quant - base) / base < 0.02, (quant, base)
+    assert abs(quant2 - base2) / base2 < 0.03, (quant2, base2)

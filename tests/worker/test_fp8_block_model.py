@@ -129,6 +129,47 @@ def test_block_checkpoint_matches_fake_quantized_hf(tiny_models, tmp_path, famil
     assert _run(dst, quantization="fp8")[0] == tokens  # --quantization fp8 reads it as it is
 
 
+GROUP = 16  # --fp8-group-size for the tiny models (several groups per row)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fp8_groups_quantized_on_load_match_fake_quantized_hf(tiny_models, family):
+    """``--quantization fp8 --fp8-group-size``: the 16-bit checkpoint quantized as it loads,
+    a scale per row and group of input channels, activations per token and group: HF with
+    one-row blocks of the same fake quantization."""
+    folder, hf = tiny_models[family]
+    tokens, logprobs = _run(folder, quantization="fp8", fp8_group_size=GROUP)
+    ref_tokens, ref_logprobs = _hf_run(_block_hf(hf, block=[1, GROUP]))
+    assert tokens == ref_tokens
+    _, per_row = _run(folder, quantization="fp8")
+    # (As for block checkpoints: a rare activation may round to the other e4m3 neighbour.)
+    close = [_max_diff([a], [b]) < 2e-3 for a, b in zip(logprobs, ref_logprobs)]
+    assert sum(close) >= len(close) - 1, close
+    assert _max_diff(logprobs, ref_logprobs) < 0.05
+    assert _mean_diff(logprobs, ref_logprobs) < 0.1 * _mean_diff(logprobs, per_row)
+
+
+def test_fp8_groups_quantized_on_load_shard_like_one_rank(tiny_models):
+    folder, hf = tiny_models["llama"]
+    kw = {"quantization": "fp8", "fp8_group_size": GROUP}
+    whole = _load_layer0(folder, **kw)
+    qkv = whole.self_attn.qkv_proj
+    assert qkv.weight.dtype == F8 and qkv.fp8_block.block_n == 1
+    assert qkv.weight_scale_inv.shape == (qkv.out_features, hf.config.hidden_size // GROUP)
+    sd = hf.state_dict()
+    want = torch.cat([_dequant(*_block_quant(sd[f"model.layers.0.self_attn.{p}.weight"], 1,
+                                             GROUP), 1, GROUP)
+                      for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(fbt_dequant(qkv), want)
+    hidden = hf.config.hidden_size // 2
+    for rank in range(2):
+        part = _load_layer0(folder, rank, 2, **kw)
+        # Row-parallel o: this rank's groups are the whole model's (quantized before sharding).
+        cols = slice(rank * hidden, (rank + 1) * hidden)
+        assert torch.equal(fbt_dequant(part.self_attn.o_proj),
+                           fbt_dequant(whole.self_attn.o_proj)[:, cols])
+
+
 def test_compressed_tensors_block_checkpoint_equals_the_fp8_one(tiny_models, tmp_path):
     folder, hf = tiny_models["llama"]
     fp8, ct = tmp_path / "fp8-block", tmp_path / "ct-block"

@@ -1,5 +1,7 @@
 """Block-wise FP8 linear layers: ``fp8`` checkpoints with ``weight_block_size`` (Qwen3-*-FP8,
-DeepSeek-V3 style) loaded as they are.
+DeepSeek-V3 style) loaded as they are, and ``--fp8-group-size`` G on a 16/32-bit checkpoint:
+one-row blocks of G input channels, each weight quantized as it loads (whole rows, so a
+row-parallel rank's groups are those of one rank).
 
 A layer built under ``fp8.quantizing(config)`` with ``config.weight_block`` keeps ``weight`` as
 e4m3 [out, in] (sharded like a 16-bit weight) and ``weight_scale_inv`` float32
@@ -53,7 +55,8 @@ def attach(layer: LinearBase, config: QuantConfig) -> Fp8BlockLayout:
             f"into {k} per rank, which splits a block of {block_k}; use a tensor-parallel size "
             "that keeps whole blocks")
     layout = Fp8BlockLayout(block_n, block_k)
-    layer.weight.weight_loader = partial(_load_weight, layer)  # type: ignore[attr-defined]
+    layer.weight.weight_loader = partial(  # type: ignore[attr-defined]
+        _load_weight if config.prequantized else _quantize_weight, layer, layout)
     layer.register_parameter("weight_scale", None)
     layer.register_parameter("input_scale", None)
     layer.weight_scale_inv = nn.Parameter(
@@ -61,6 +64,9 @@ def attach(layer: LinearBase, config: QuantConfig) -> Fp8BlockLayout:
         requires_grad=False)
     layer.weight_scale_inv.weight_loader = partial(  # type: ignore[attr-defined]
         _load_scale, layer, layout)
+    if not config.prequantized:
+        # Computed as the weight loads: the checkpoint has no such tensor.
+        layer.weight_scale_inv.derived_on_load = True  # type: ignore[attr-defined]
     return layout
 
 
@@ -70,8 +76,8 @@ def matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> tor
                                           layout.block_k, bias)
 
 
-def _load_weight(layer: LinearBase, param: nn.Parameter, loaded: Any,
-                 shard_id: object = None) -> None:
+def _load_weight(layer: LinearBase, layout: Fp8BlockLayout, param: nn.Parameter,
+                 loaded: Any, shard_id: object = None) -> None:
     # (A lazy checkpoint tensor tells its dtype by a one-row read; the rank's shard is read
     # by the layer's own loader.)
     dtype = (loaded if isinstance(loaded, torch.Tensor) else loaded.narrow(0, 0, 1)).dtype
@@ -79,6 +85,20 @@ def _load_weight(layer: LinearBase, param: nn.Parameter, loaded: Any,
         raise Fp8BlockLoadError(f"the block-wise FP8 checkpoint holds this weight as {dtype}, "
                                 "not float8_e4m3fn")
     layer.weight_loader(param, loaded, shard_id)
+
+
+def _quantize_weight(layer: LinearBase, layout: Fp8BlockLayout, param: nn.Parameter,
+                     loaded: Any, shard_id: object = None) -> None:
+    """A 16/32-bit checkpoint tensor quantized by block on the parameter's device, whole
+    before any sharding; its scales go where the weight's rows go (``_load_scale``)."""
+    t = materialize(loaded)
+    if t.dtype == FP8_DTYPE:
+        raise Fp8BlockLoadError("an FP8 weight in a checkpoint without a quantization_config "
+                                "(its scales are unknown)")
+    q, scale = quantize_weight_blocks(t.to(param.device), layout.block_n, layout.block_k)
+    del t
+    layer.weight_loader(param, q, shard_id)
+    _load_scale(layer, layout, layer.weight_scale_inv, scale, shard_id)
 
 
 def _load_scale(layer: LinearBase, layout: Fp8BlockLayout, param: nn.Parameter, loaded: Any,
