@@ -275,7 +275,9 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
 
 // out [m, n] = x [m, k] @ w.T on the few-row tensor-core product (skinny_gemm.cu). `format`:
 // 0 a weight of x's dtype [rows, k]; 1 e4m3 [rows, k] with float32 `w_scale` [rows]; 2 INT4 in
-// tidal's layout, int32 [rows, k / 8] with `scales` (x's dtype) and uint8 `zeros` [rows, G].
+// tidal's layout, int32 [rows, k / 8] with `scales` (x's dtype) and uint8 `zeros` [rows, G];
+// 3 e4m3 [rows, k] with float32 `scales` [rows, G] per row and group of `group_size` inputs
+// (block-wise FP8, weight-only here).
 // `act` 1 / 2: rows = 2 n ([gate; up]) and out = SiLU / tanh-GELU(gate) * up.
 void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t format,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& w_scale,
@@ -336,6 +338,30 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
       a.format = tidal::SkinnyFormat::kInt4;
       a.scales = scales->data_ptr();
       a.zeros = zeros->data_ptr<uint8_t>();
+      a.group_stride = scales->stride(0);
+      a.group_shift = shift;
+      break;
+    }
+    case 3: {
+      TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn, "format 3 needs an e4m3 weight");
+      TORCH_CHECK(w.size(1) == k, "w has ", num(w.size(1)), " columns, x ", num(k));
+      TORCH_CHECK(scales.has_value() && scales->is_cuda() &&
+                      scales->scalar_type() == at::kFloat && scales->dim() == 2 &&
+                      scales->size(0) == rows && scales->stride(1) == 1,
+                  "format 3 needs float32 scales [", num(rows), ", groups]");
+      TORCH_CHECK(group_size > 0 && scales->size(1) * group_size >= k,
+                  "group_size ", num(group_size), " and ", num(scales->size(1)),
+                  " groups do not cover ", num(k));
+      int shift = 30;
+      if (group_size < k) {
+        TORCH_CHECK(group_size >= 64 && (group_size & (group_size - 1)) == 0,
+                    "FP8 group_size must be a power of two >= 64 (or cover all of K), got ",
+                    num(group_size));
+        shift = 0;
+        while ((int64_t{1} << shift) < group_size) ++shift;
+      }
+      a.format = tidal::SkinnyFormat::kFp8Groups;
+      a.scales = scales->data_ptr();
       a.group_stride = scales->stride(0);
       a.group_shift = shift;
       break;

@@ -74,7 +74,7 @@ cudaError_t launch_paged_attention_decode(const PagedDecodeArgs& args, cudaStrea
 bool paged_attention_decode_supported(DType dtype, int head_dim, int queries_per_kv);
 
 // Weight formats of the few-row product (skinny_gemm.cu).
-enum class SkinnyFormat : int { kW16 = 0, kFp8 = 1, kInt4 = 2 };
+enum class SkinnyFormat : int { kW16 = 0, kFp8 = 1, kInt4 = 2, kFp8Groups = 3 };
 
 struct SkinnyGemmArgs {
   SkinnyFormat format;
@@ -89,11 +89,12 @@ struct SkinnyGemmArgs {
   int64_t out_stride;
   const void* bias;        // [n] in the activation dtype, or null (not with act)
   const float* w_scale;    // FP8: float32 [rows]
-  const void* scales;      // INT4: [rows, groups] in the activation dtype
+  const void* scales;      // INT4: [rows, groups] in the activation dtype; FP8 groups: float32
   const uint8_t* zeros;    // INT4: [rows, groups]
-  int64_t group_stride;    // INT4: the scales' and zeros' row stride (elements)
-  int group_shift;         // INT4: the group of input k is k >> group_shift (5 .. 30: groups
-                           // are powers of two from 32; 30 for one group over all of K)
+  int64_t group_stride;    // INT4, FP8 groups: the scales' (and zeros') row stride (elements)
+  int group_shift;         // the group of input k is k >> group_shift (INT4 5 .. 30: groups
+                           // are powers of two from 32; FP8 groups from 64; 30 for one group
+                           // over all of K)
   int act;                 // 0: none; 1: SiLU(gate) * up; 2: tanh-GELU(gate) * up
 };
 

@@ -1,8 +1,9 @@
 // A product of a few activation rows (1 to 8) by a weight [N, K] that is bound by the weight's
 // bytes: out[m, n] = sum_k x[m, k] * w[n, k], for decode at small batch and speculative
 // verifies. Weights are 16-bit (the activations' dtype), FP8 e4m3 with a float32 scale per
-// output row (weight-only), or INT4 in tidal's layout (``worker/ops/int4_torch.py``: eight
-// 4-bit values per int32 along K, a scale and a zero point per output row and group).
+// output row or per row and group of >= 64 inputs (block-wise FP8; weight-only either way), or
+// INT4 in tidal's layout (``worker/ops/int4_torch.py``: eight 4-bit values per int32 along K, a
+// scale and a zero point per output row and group).
 //
 // Why tensor cores for a GEMV: the weight is multiplied on ``mma.sync.m16n8k16`` with the
 // activation rows as the A operand and eight weight rows as the B operand, so converting the
@@ -184,6 +185,11 @@ __device__ __forceinline__ uint16_t load_u16(const void* p) {
   asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
+__device__ __forceinline__ float load_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ uint16_t load_u8(const void* p) {
   uint16_t v;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
@@ -201,6 +207,9 @@ __device__ __forceinline__ float activate(float g, int act) {
 constexpr int kW16 = 0;   // the activations' dtype
 constexpr int kWFp8 = 1;  // e4m3, float32 scale per row
 constexpr int kWInt4 = 2; // tidal's INT4 layout
+constexpr int kWFp8G = 3; // e4m3, float32 scale per row and group of >= 64 inputs (block FP8)
+template <int WK>
+constexpr bool kIsFp8 = WK == kWFp8 || WK == kWFp8G;
 
 template <int WK>
 struct Fmt;
@@ -218,6 +227,8 @@ struct Fmt<kWFp8> {
   static constexpr int kXVecs = 2;
   static constexpr int kAcc = 4;
 };
+template <>
+struct Fmt<kWFp8G> : Fmt<kWFp8> {};
 template <>
 struct Fmt<kWInt4> {
   static constexpr int kLaneK = 32;
@@ -240,7 +251,7 @@ __device__ __forceinline__ void chunk_mma(float (&c)[Fmt<WK>::kAcc][4], const ui
     const uint32_t* xu = reinterpret_cast<const uint32_t*>(&xv[0]);
     mma16816<T>(c[0], xu[0], xu[1], xu[2], xu[3], wu[0], wu[2]);
     mma16816<T>(c[1], xu[0], xu[1], xu[2], xu[3], wu[1], wu[3]);
-  } else if constexpr (WK == kWFp8) {
+  } else if constexpr (kIsFp8<WK>) {
 #pragma unroll
     for (int j = 0; j < 4; j += 2) {
       // Words j and j + 1 hold positions 4j .. 4j+7 of the lane's 16; the activations were
@@ -371,6 +382,7 @@ struct ChunkLoads {
   uint4 x[4];
   uint16_t zero[R];      // INT4: the lane's row's zero point
   uint16_t scale[R][2];  // INT4: columns 2t and 2t + 1 (groups >= 128), or the lane's row
+  float fscale[R][2];    // FP8 groups: columns 2t and 2t + 1
 };
 
 // Where a lane's loads come from (fixed for the kernel); offsets from here are 32-bit.
@@ -382,6 +394,8 @@ struct LaneRows {
   const uint16_t* scale[R];  // INT4: tile column 2t's row of scales (groups >= 128), else
                              // the lane's row
   const uint16_t* scale1[R];  // INT4 with groups >= 128: tile column 2t + 1's row
+  const float* fscale[R];     // FP8 groups: tile column 2t's row of scales
+  const float* fscale1[R];    // and 2t + 1's
 };
 
 template <typename T, int WK, int R, bool PRESCALE, bool XS>
@@ -410,6 +424,15 @@ __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRo
       if constexpr (!PRESCALE) out.scale[r][1] = load_u16(lr.scale1[r] + grp);
     }
   }
+  if constexpr (WK == kWFp8G) {
+    // The quad's 64 K values lie in one group (groups of 64 or more).
+    const uint32_t grp = (cu * 64u) >> a.group_shift;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      out.fscale[r][0] = load_f32(lr.fscale[r] + grp);
+      out.fscale[r][1] = load_f32(lr.fscale1[r] + grp);
+    }
+  }
 }
 
 // The staged activations of chunk `c` for the lane.
@@ -420,12 +443,28 @@ __device__ __forceinline__ void load_xs(uint32_t xs, int c, ChunkLoads<WK, R>& o
   for (int j = 0; j < 4; ++j) out.x[j] = load16_shared(xa + 16 * j);
 }
 
+// A chunk's sums of tile columns 2t and 2t + 1 (the rows of other lanes), times each column's
+// scale for the chunk's group, into the tile's accumulator: the scale multiplies the sums
+// instead of every weight.
+template <int ACC>
+__device__ __forceinline__ void add_scaled(float (&acc)[ACC][4], const float (&part)[ACC][4],
+                                           float s0, float s1) {
+  float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+  for (int i = 0; i < ACC; i += 2) {
+    p0 += part[i][0] + part[i + 1][2];
+    p1 += part[i][1] + part[i + 1][3];
+  }
+  acc[0][0] += p0 * s0;
+  acc[0][1] += p1 * s1;
+}
+
 // One chunk of every tile, from its loads: FP8's activations to f16 pairs, INT4's zero points
 // and scales, and the mma steps.
 template <typename T, int WK, int R, bool PRESCALE, bool XS>
 __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
                                            ChunkLoads<WK, R>& ld) {
-  if constexpr (WK == kWFp8) {
+  if constexpr (kIsFp8<WK>) {
     // Sixteen activations as eight f16 pairs, in the two vectors' places.
     uint32_t* x0 = reinterpret_cast<uint32_t*>(&ld.x[0]);
     uint32_t* x1 = reinterpret_cast<uint32_t*>(&ld.x[1]);
@@ -449,19 +488,18 @@ __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
         // one IMAD each; else magic + z in T.
         const uint32_t zq = (XS ? 0x64006400u : Pair<T>::kMagic) + z * 0x10001u;
         const uint32_t zh = XS ? z * 0x100010u + 0xD400D400u : 0u;
-        // The scale multiplies the chunk's sums instead of every weight; part[.][0] and
-        // part[.][1] are tile columns 2t and 2t + 1 (the rows of other lanes).
         float part[Fmt<WK>::kAcc][4] = {};
         chunk_mma<T, WK, false, XS>(part, ld.w[r], ld.x, zq, zh);
-        float p0 = 0.f, p1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < Fmt<WK>::kAcc; i += 2) {
-          p0 += part[i][0] + part[i + 1][2];
-          p1 += part[i][1] + part[i + 1][3];
-        }
-        acc[r][0][0] += p0 * to_float(from_u16<T>(ld.scale[r][0]));
-        acc[r][0][1] += p1 * to_float(from_u16<T>(ld.scale[r][1]));
+        add_scaled(acc[r], part, to_float(from_u16<T>(ld.scale[r][0])),
+                   to_float(from_u16<T>(ld.scale[r][1])));
       }
+    }
+  } else if constexpr (WK == kWFp8G) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float part[Fmt<WK>::kAcc][4] = {};
+      chunk_mma<T, WK, false, false>(part, ld.w[r], ld.x, 0u, 0u);
+      add_scaled(acc[r], part, ld.fscale[r][0], ld.fscale[r][1]);
     }
   } else {
 #pragma unroll
@@ -505,7 +543,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   lr.x = reinterpret_cast<const char*>(
       reinterpret_cast<const T*>(a.x) + (x_ok ? g : 0) * a.x_stride + t * F::kLaneK);
   // Bytes of a weight row per K value, times 2 (INT4 is half a byte).
-  constexpr int kW2 = WK == kW16 ? 2 * sizeof(T) : WK == kWFp8 ? 2 : 1;
+  constexpr int kW2 = WK == kW16 ? 2 * sizeof(T) : kIsFp8<WK> ? 2 : 1;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     lr.w[r] = reinterpret_cast<const char*>(a.w) + row[r] * a.w_stride + t * F::kLaneK * kW2 / 2;
@@ -517,6 +555,14 @@ __global__ void __launch_bounds__(WARPS * 32)
       pin(lr.zero[r]);
       pin(lr.scale[r]);
       pin(lr.scale1[r]);
+    }
+    if constexpr (WK == kWFp8G) {
+      // Tile columns 2t and 2t + 1: the rows whose sums this lane holds (see add_scaled).
+      const int64_t srow = row_ok[r] ? row[r] - g + 2 * t : row[r];
+      lr.fscale[r] = reinterpret_cast<const float*>(a.scales) + srow * a.group_stride;
+      lr.fscale1[r] = lr.fscale[r] + (row_ok[r] ? a.group_stride : 0);
+      pin(lr.fscale[r]);
+      pin(lr.fscale1[r]);
     }
     pin(lr.w[r]);
   }
@@ -625,11 +671,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       if (col >= a.n) continue;
       float v = sum[r][j];
       if constexpr (WK == kWFp8) v *= 16.f * a.w_scale[col];
-      if constexpr (XS) v *= 16.f;  // the staged activations' 2^-4
+      if constexpr (XS || WK == kWFp8G) v *= 16.f;  // the activations' 2^-4
       if (gated) {
         float u = sum[r + R / 2][j];
         if constexpr (WK == kWFp8) u *= 16.f * a.w_scale[a.n + col];
-        if constexpr (XS) u *= 16.f;
+        if constexpr (XS || WK == kWFp8G) u *= 16.f;
         // Rounded as the unfused ops round: the product to T, then act(gate) * up to T.
         const float gr = to_float(from_float<T>(v));
         const float ur = to_float(from_float<T>(u));
@@ -689,6 +735,8 @@ cudaError_t launch_format(const SkinnyGemmArgs& a, int r, int warps, int u,
       return launch_typed<T, kW16, false, false>(a, r, warps, u, stream);
     case SkinnyFormat::kFp8:
       return launch_typed<T, kWFp8, false, false>(a, r, warps, u, stream);
+    case SkinnyFormat::kFp8Groups:
+      return launch_typed<T, kWFp8G, false, false>(a, r, warps, u, stream);
     case SkinnyFormat::kInt4:
       if (a.group_shift < 7) return launch_typed<T, kWInt4, true, false>(a, r, warps, u, stream);
       if (a.m == 1 && xs_row_bytes(a.k) <= kXsMaxBytes && staging_enabled())
@@ -707,6 +755,7 @@ int lane_k(SkinnyFormat format) {
   switch (format) {
     case SkinnyFormat::kW16: return Fmt<kW16>::kLaneK;
     case SkinnyFormat::kFp8: return Fmt<kWFp8>::kLaneK;
+    case SkinnyFormat::kFp8Groups: return Fmt<kWFp8G>::kLaneK;
     case SkinnyFormat::kInt4: return Fmt<kWInt4>::kLaneK;
   }
   return 0;
@@ -722,6 +771,9 @@ cudaError_t launch_skinny_gemm(DType dtype, const SkinnyGemmArgs& a, int tiles, 
     return cudaErrorInvalidValue;
   if (a.format == SkinnyFormat::kInt4 && (a.group_shift < 5 || a.group_shift > 30 ||
                                           a.k > (int64_t{1} << 30)))
+    return cudaErrorInvalidValue;
+  if (a.format == SkinnyFormat::kFp8Groups &&
+      (a.group_shift < 6 || a.group_shift > 30 || a.k > (int64_t{1} << 30)))
     return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kBFloat16: return launch_format<__nv_bfloat16>(a, tiles, warps, unroll, stream);

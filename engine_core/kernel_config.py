@@ -55,6 +55,10 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # 2 to 8 rows of an INT4 (AWQ / GPTQ) linear on the CUDA extension's few-row tensor-core
     # product (csrc/skinny_gemm.cu), not the Triton split-K GEMV.
     skinny_w4a16: bool = True
+    # 1 to 8 rows of a block-wise FP8 linear (``weight_block_size`` checkpoints,
+    # ``--fp8-group-size``) weight-only on the same product, reading a scale per row and group,
+    # not the Triton block GEMM (which quantizes the activations). Off until it has run on a GPU.
+    skinny_fp8_block: bool = False
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
     attn_fused_merge: bool = False  # split-decode partials merged inside the attention kernel

@@ -113,6 +113,9 @@ class KernelPolicy:
     # form, 3-8 % faster than the Triton GEMV per Llama-3.1-8B weight on an H200); the Triton
     # split-K GEMV it replaced took 14-21x as long per weight at four rows.
     skinny_w4a16: bool = False
+    # 1 to 8 rows of a block-wise FP8 linear on the same product, weight-only (opt-in: not yet
+    # run on a GPU).
+    skinny_fp8_block: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
     triton_lora: bool = False
@@ -287,6 +290,8 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         triton_fp8_block=fp8_norm_quant,
         triton_w4a16=gpu and triton_ok,
         skinny_w4a16=skinny,
+        skinny_fp8_block=(gpu and kc.skinny_fp8_block and device.cuda_ext
+                          and device.capability >= (8, 9)),
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
@@ -354,8 +359,10 @@ def describe(policy: KernelPolicy) -> list[str]:
              else "torch reference" + (" (compute capability < 8.9)"
                                        if policy.device == "cuda" else "")),
         # Kernels.fp8_block_linear (block-wise FP8 checkpoints only).
-        line("fp8_block_linear", "triton (group quantizer, block-scaled e4m3 GEMM)"
-             if policy.triton_fp8_block else "torch reference"),
+        line("fp8_block_linear", ("triton (group quantizer, block-scaled e4m3 GEMM)"
+                                  + ("; CUDA tensor-core product for 1-8 rows, weight-only"
+                                     if policy.skinny_fp8_block else "")
+                                  if policy.triton_fp8_block else "torch reference")),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
              "one row; " + ("CUDA tensor-core product for 2-8 rows, and for one row with "

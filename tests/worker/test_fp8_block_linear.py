@@ -161,3 +161,41 @@ def test_unsupported_shapes_are_declined():
     assert not tfb.supported(torch.zeros(2, 64, dtype=torch.float64), q, 64)
     assert tfb.supported(torch.zeros(2, 64), q, 64)
 
+
+
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("m", [1, 4, 8, 9])
+def test_opted_in_kernels_take_the_cuda_few_row_product_weight_only(m):
+    """``skinny_fp8_block`` (opt-in): 1-8 rows of a block-wise FP8 linear run the CUDA few-row
+    product weight-only (the activations stay 16-bit: equal to the dequantized weight's
+    product); nine rows keep the Triton block GEMM (activations quantized per group)."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import probe_device, resolve
+    from tidal.worker.ops import skinny_gemm
+    from tidal.worker.ops.kernels import Kernels
+
+    kc = KernelConfig(skinny_fp8_block=True)
+    kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
+    if not kernels.policy.skinny_fp8_block:
+        pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'off'}")
+    w, q, s = _weight(256, 512, 128, 128, 4)
+    q, s = q.cuda(), s.cuda()
+    x = (torch.randn(m, 512) * torch.logspace(-2, 1, 512)).to(torch.bfloat16).cuda()
+    calls = []
+    real = skinny_gemm.skinny_gemm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    skinny_gemm.skinny_gemm = spy
+    try:
+        y = kernels.fp8_block_linear(x, q, s, 128)
+    finally:
+        skinny_gemm.skinny_gemm = real
+    assert bool(calls) == (m <= 8)
+    dense = fbt.dequantize_weight(q, s, 128)
+    weight_only = (x.double() @ dense.double().t())
+    ref = weight_only if m <= 8 else fbt.fp8_block_linear(x, q, s, 128).double()
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, f"relative error {err:.3g}"

@@ -149,6 +149,13 @@ def test_kernel_policy_picks_triton_on_a_gpu_only():
         False, False, True, False)
     assert any("CUDA tensor-core product for 2-8 rows" in line for line in describe(ext))
     assert not any("CUDA tensor-core" in line for line in describe(gpu))
+    # Block-wise FP8 on the same product: opt-in (not yet run on a GPU), e4m3 from 8.9.
+    opt = KernelConfig(skinny_fp8_block=True)
+    on = resolve(opt, DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0)))
+    ampere = resolve(opt, DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(8, 0)))
+    assert not ext.skinny_fp8_block and on.skinny_fp8_block and not ampere.skinny_fp8_block
+    assert any("1-8 rows, weight-only" in line for line in describe(on))
+    assert not any("1-8 rows, weight-only" in line for line in describe(ext))
 
 
 @functools.lru_cache(maxsize=2)

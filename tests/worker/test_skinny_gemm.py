@@ -101,6 +101,34 @@ def test_fp8_weights_match_weight_only_reference(rows, act):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("group", [64, 128, 512])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_fp8_group_scales_match_weight_only_reference(rows, group, act):
+    """Block-wise FP8 (a float32 scale per row and group of inputs, ``fp8_block_torch``'s
+    layout): weight-only, every built launch shape, against the dequantized weight."""
+    from tidal.worker.ops import fp8_block_torch as fbt
+    from tidal.worker.ops import skinny_gemm as sk
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 conversion needs compute capability 8.9")
+    torch.manual_seed(rows * group)
+    n, k = 40, 1024
+    w = torch.randn(2 * n if act else n, k, device=DEV) / k ** 0.5
+    w[:, :group] *= 20  # groups of very different ranges: one row scale would lose the rest
+    q, scale = fbt.quantize_weight_blocks(w, 1, group)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    ref = _ref(x, fbt.dequantize_weight(q, scale, group), None, act, torch.bfloat16)
+    assert sk.supported(x, q, group, gated=act is not None, fp8_groups=True)
+    for cfg in sorted(sk.BUILT):
+        if act and cfg.tiles % 2:
+            continue
+        out = sk.skinny_gemm(x, q, scales=scale, group_size=group, act=act, config=cfg)
+        _close(out, ref, f"fp8 groups {group} rows {rows} {act} {cfg}")
+    assert not sk.supported(x, q, 32, fp8_groups=True)  # a chunk's 64 inputs share a scale
+
+
+@gpu
 @pytest.mark.parametrize("group", [32, 64, 128, 256, 1024])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

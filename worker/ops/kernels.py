@@ -107,7 +107,8 @@ class Kernels:
                                        if policy.triton_w4a16 else None)
         # INT4 linears of 2 to 8 rows on the CUDA extension's tensor-core product.
         self._skinny: ModuleType | None = (importlib.import_module(
-            "tidal.worker.ops.skinny_gemm") if policy.skinny_w4a16 else None)
+            "tidal.worker.ops.skinny_gemm")
+            if policy.skinny_w4a16 or policy.skinny_fp8_block else None)
         # LoRA's shrink / expand kernels (imports triton; --enable-lora models only call them).
         self._lora: ModuleType | None = (_triton_module("triton_lora")
                                          if policy.triton_lora else None)
@@ -428,7 +429,14 @@ class Kernels:
         """``x`` [..., K] times a block-wise FP8 weight ``w_q`` [N, K] with its per-row block
         scale ``w_scale`` [N, ceil(K / block_k)], activations quantized per token and group of
         ``block_k`` (``fp8_block_torch``): the Triton kernels on the GPU where the policy has
-        them, else the torch reference."""
+        them, else the torch reference. With ``skinny_fp8_block``, 1 to 8 rows run the CUDA
+        few-row product instead, weight-only (the activations are not quantized)."""
+        sk = self._skinny
+        if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda
+                and (bias is None or bias.dtype == x.dtype)
+                and sk.supported(x, w_q, block_k, fp8_groups=True)
+                and not torch.compiler.is_compiling()):
+            return sk.skinny_gemm(x, w_q, bias, scales=w_scale, group_size=block_k)
         fb = self._fp8b
         if fb is not None and x.is_cuda:
             x2 = x.reshape(-1, x.shape[-1])
@@ -447,7 +455,8 @@ class Kernels:
         direct form only ties), no act-order, a group it takes (a power of two from 32, or
         the whole row), no bias when gated, and not inside a torch.compile trace."""
         sk = self._skinny
-        if sk is None or g_idx is not None or not x.is_cuda or not x.shape[-1]:
+        if (sk is None or not self.policy.skinny_w4a16 or g_idx is not None or not x.is_cuda
+                or not x.shape[-1]):
             return False
         k = x.shape[-1]
         rows = x.numel() // k

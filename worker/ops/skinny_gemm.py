@@ -18,8 +18,9 @@ import torch
 from tidal.worker.ops import cuda_ext
 
 MAX_ROWS = 8
-FORMAT_W16, FORMAT_FP8, FORMAT_INT4 = 0, 1, 2
-_LANE_K = {FORMAT_W16: 8, FORMAT_FP8: 16, FORMAT_INT4: 32}  # K per lane's 16-byte load
+FORMAT_W16, FORMAT_FP8, FORMAT_INT4, FORMAT_FP8_GROUPS = 0, 1, 2, 3
+# K per lane's 16-byte load
+_LANE_K = {FORMAT_W16: 8, FORMAT_FP8: 16, FORMAT_INT4: 32, FORMAT_FP8_GROUPS: 16}
 ACTS = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 
@@ -51,11 +52,16 @@ def weight_format(w: torch.Tensor, x: torch.Tensor) -> int | None:
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, group_size: int = 0,
-              gated: bool = False) -> bool:
-    """Whether ``skinny_gemm`` takes ``x`` [..., K] (1-8 rows) times ``w`` on this device."""
+              gated: bool = False, fp8_groups: bool = False) -> bool:
+    """Whether ``skinny_gemm`` takes ``x`` [..., K] (1-8 rows) times ``w`` on this device;
+    ``fp8_groups``: an e4m3 ``w`` with a scale per row and group of ``group_size`` inputs."""
     if not (x.is_cuda and w.is_cuda) or x.dim() < 1:
         return False
     fmt = weight_format(w, x)
+    if fp8_groups:
+        if fmt != FORMAT_FP8 or not fp8_group_ok(group_size, x.shape[-1]):
+            return False
+        fmt = FORMAT_FP8_GROUPS
     if fmt is None or w.dim() != 2 or w.stride(-1) != 1:
         return False
     k = x.shape[-1]
@@ -72,9 +78,16 @@ def supported(x: torch.Tensor, w: torch.Tensor, group_size: int = 0,
     if (w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16
             or x.data_ptr() % 16 or (x.dim() > 1 and x.stride(-2) % 8 and rows > 1)):
         return False
-    if _capability(x.device.index) < ((8, 9) if fmt == FORMAT_FP8 else (8, 0)):
+    fp8 = fmt in (FORMAT_FP8, FORMAT_FP8_GROUPS)
+    if _capability(x.device.index) < ((8, 9) if fp8 else (8, 0)):
         return False
     return cuda_ext.load_extension() is not None
+
+
+def fp8_group_ok(group_size: int, k: int) -> bool:
+    """Whether the kernel takes FP8 scales per group of ``group_size`` inputs over ``k``: a
+    power of two from 64 (a chunk's 64 inputs share a scale), or one group over all of K."""
+    return group_size >= k or (group_size >= 64 and group_size & (group_size - 1) == 0)
 
 
 def group_ok(group_size: int, k: int) -> bool:
@@ -130,9 +143,12 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
                 act: str | None = None, config: Launch | None = None) -> torch.Tensor:
     """``x [..., K] @ w.T`` (+ ``bias``); ``act`` ("silu" / "gelu_tanh"): ``w`` is a fused
     ``[gate; up]`` and the result ``act(gate) * up``. FP8 weights take ``w_scale`` [N] (float32),
-    INT4 ones (int32 [N, K / 8]) ``scales`` / ``zeros`` [N, G] and ``group_size``. Call
-    ``supported`` first."""
+    or ``scales`` [N, G] (float32, block-wise FP8: a scale per row and group of ``group_size``
+    inputs; weight-only, the activations stay 16-bit); INT4 ones (int32 [N, K / 8])
+    ``scales`` / ``zeros`` [N, G] and ``group_size``. Call ``supported`` first."""
     fmt = weight_format(w, x)
+    if fmt == FORMAT_FP8 and scales is not None:
+        fmt = FORMAT_FP8_GROUPS
     k = x.shape[-1]
     if fmt is None or not 1 <= x.numel() // max(k, 1) <= MAX_ROWS:
         raise ValueError(f"skinny_gemm takes 1 to {MAX_ROWS} rows of 16-bit activations times "
