@@ -273,6 +273,20 @@ void paged_attention_decode(at::Tensor out, const at::Tensor& query, const at::T
                "paged_attention_decode");
 }
 
+// The group of input k is k >> (this) for `groups` scale columns of `group_size` inputs over
+// k: one group over all of K (30), or a power of two from `min_group`.
+int group_shift_of(int64_t group_size, int64_t groups, int64_t k, int64_t min_group) {
+  TORCH_CHECK(group_size > 0 && groups * group_size >= k, "group_size ", num(group_size),
+              " and ", num(groups), " groups do not cover ", num(k));
+  if (group_size >= k) return 30;
+  TORCH_CHECK(group_size >= min_group && (group_size & (group_size - 1)) == 0,
+              "group_size must be a power of two >= ", num(min_group),
+              " (or cover all of K), got ", num(group_size));
+  int shift = 0;
+  while ((int64_t{1} << shift) < group_size) ++shift;
+  return shift;
+}
+
 // out [m, n] = x [m, k] @ w.T on the few-row tensor-core product (skinny_gemm.cu). `format`:
 // 0 a weight of x's dtype [rows, k]; 1 e4m3 [rows, k] with float32 `w_scale` [rows]; 2 INT4 in
 // tidal's layout, int32 [rows, k / 8] with `scales` (x's dtype) and uint8 `zeros` [rows, G];
@@ -323,23 +337,11 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
                       scales->stride(1) == 1 && zeros->stride(1) == 1 &&
                       scales->stride(0) == zeros->stride(0),
                   "scales and zeros must be [rows, groups] with one row stride");
-      TORCH_CHECK(group_size > 0 && scales->size(1) * group_size >= k,
-                  "group_size ", num(group_size), " and ", num(scales->size(1)),
-                  " groups do not cover ", num(k));
-      // One group over all of K, or a power of two from 32.
-      int shift = 30;
-      if (group_size < k) {
-        TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0,
-                    "group_size must be a power of two >= 32 (or cover all of K), got ",
-                    num(group_size));
-        shift = 0;
-        while ((int64_t{1} << shift) < group_size) ++shift;
-      }
       a.format = tidal::SkinnyFormat::kInt4;
       a.scales = scales->data_ptr();
       a.zeros = zeros->data_ptr<uint8_t>();
       a.group_stride = scales->stride(0);
-      a.group_shift = shift;
+      a.group_shift = group_shift_of(group_size, scales->size(1), k, 32);
       break;
     }
     case 3: {
@@ -349,21 +351,10 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
                       scales->scalar_type() == at::kFloat && scales->dim() == 2 &&
                       scales->size(0) == rows && scales->stride(1) == 1,
                   "format 3 needs float32 scales [", num(rows), ", groups]");
-      TORCH_CHECK(group_size > 0 && scales->size(1) * group_size >= k,
-                  "group_size ", num(group_size), " and ", num(scales->size(1)),
-                  " groups do not cover ", num(k));
-      int shift = 30;
-      if (group_size < k) {
-        TORCH_CHECK(group_size >= 64 && (group_size & (group_size - 1)) == 0,
-                    "FP8 group_size must be a power of two >= 64 (or cover all of K), got ",
-                    num(group_size));
-        shift = 0;
-        while ((int64_t{1} << shift) < group_size) ++shift;
-      }
       a.format = tidal::SkinnyFormat::kFp8Groups;
       a.scales = scales->data_ptr();
       a.group_stride = scales->stride(0);
-      a.group_shift = shift;
+      a.group_shift = group_shift_of(group_size, scales->size(1), k, 64);
       break;
     }
     default:

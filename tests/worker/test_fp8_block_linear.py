@@ -165,7 +165,7 @@ def test_unsupported_shapes_are_declined():
 
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
 @pytest.mark.parametrize("m", [1, 4, 8, 9])
-def test_opted_in_kernels_take_the_cuda_few_row_product_weight_only(m):
+def test_opted_in_kernels_take_the_cuda_few_row_product_weight_only(m, monkeypatch):
     """``skinny_fp8_block`` (opt-in): 1-8 rows of a block-wise FP8 linear run the CUDA few-row
     product weight-only (the activations stay 16-bit: equal to the dequantized weight's
     product); nine rows keep the Triton block GEMM (activations quantized per group)."""
@@ -183,16 +183,9 @@ def test_opted_in_kernels_take_the_cuda_few_row_product_weight_only(m):
     x = (torch.randn(m, 512) * torch.logspace(-2, 1, 512)).to(torch.bfloat16).cuda()
     calls = []
     real = skinny_gemm.skinny_gemm
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    skinny_gemm.skinny_gemm = spy
-    try:
-        y = kernels.fp8_block_linear(x, q, s, 128)
-    finally:
-        skinny_gemm.skinny_gemm = real
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    y = kernels.fp8_block_linear(x, q, s, 128)
     assert bool(calls) == (m <= 8)
     dense = fbt.dequantize_weight(q, s, 128)
     weight_only = (x.double() @ dense.double().t())

@@ -113,8 +113,15 @@ def test_block_checkpoint_matches_fake_quantized_hf(tiny_models, tmp_path, famil
     folder, hf = tiny_models[family]
     dst = tmp_path / "fp8-block"
     _write_block(folder, dst, hf)
-    tokens, logprobs = _run(dst)  # detected from config.json
-    ref_tokens, ref_logprobs = _hf_run(_block_hf(hf))
+    tokens, _ = _run_matches_hf(folder, hf, BLOCK, dst)  # detected from config.json
+    assert _run(dst, quantization="fp8")[0] == tokens  # --quantization fp8 reads it as it is
+
+
+def _run_matches_hf(folder, hf, block, model=None, **kw):
+    """tidal on ``model`` (default ``folder``) with ``kw`` against HF with the ``block`` fake
+    quantization, and both against per-row FP8 of the same weights; tidal's run."""
+    tokens, logprobs = _run(model or folder, **kw)
+    ref_tokens, ref_logprobs = _hf_run(_block_hf(hf, block=block))
     assert tokens == ref_tokens
     # The blocks mean something: per-row FP8 of the same weights computes other numbers.
     _, per_row = _run(folder, quantization="fp8")
@@ -126,7 +133,7 @@ def test_block_checkpoint_matches_fake_quantized_hf(tiny_models, tmp_path, famil
     assert sum(close) >= len(close) - 1, close
     assert _max_diff(logprobs, ref_logprobs) < 0.05
     assert _mean_diff(logprobs, ref_logprobs) < 0.1 * _mean_diff(logprobs, per_row)
-    assert _run(dst, quantization="fp8")[0] == tokens  # --quantization fp8 reads it as it is
+    return tokens, logprobs
 
 
 GROUP = 16  # --fp8-group-size for the tiny models (several groups per row)
@@ -138,15 +145,7 @@ def test_fp8_groups_quantized_on_load_match_fake_quantized_hf(tiny_models, famil
     a scale per row and group of input channels, activations per token and group: HF with
     one-row blocks of the same fake quantization."""
     folder, hf = tiny_models[family]
-    tokens, logprobs = _run(folder, quantization="fp8", fp8_group_size=GROUP)
-    ref_tokens, ref_logprobs = _hf_run(_block_hf(hf, block=[1, GROUP]))
-    assert tokens == ref_tokens
-    _, per_row = _run(folder, quantization="fp8")
-    # (As for block checkpoints: a rare activation may round to the other e4m3 neighbour.)
-    close = [_max_diff([a], [b]) < 2e-3 for a, b in zip(logprobs, ref_logprobs)]
-    assert sum(close) >= len(close) - 1, close
-    assert _max_diff(logprobs, ref_logprobs) < 0.05
-    assert _mean_diff(logprobs, ref_logprobs) < 0.1 * _mean_diff(logprobs, per_row)
+    _run_matches_hf(folder, hf, [1, GROUP], quantization="fp8", fp8_group_size=GROUP)
 
 
 def test_fp8_groups_quantized_on_load_shard_like_one_rank(tiny_models):

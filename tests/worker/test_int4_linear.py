@@ -392,7 +392,8 @@ def test_gpu_kernels_dispatch_to_triton():
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("group", [64, 128])
-def test_gpu_kernels_take_the_cuda_few_row_product_for_1_to_8_rows(m, gated, group):
+def test_gpu_kernels_take_the_cuda_few_row_product_for_1_to_8_rows(m, gated, group,
+                                                                   monkeypatch):
     """With the extension built, 2-8 rows (no act-order) run ``skinny_gemm``, and one row
     where it stages the activations (groups of 128 here); one row with groups of 64 and nine
     rows stay on Triton; all equal the torch reference."""
@@ -410,22 +411,15 @@ def test_gpu_kernels_take_the_cuda_few_row_product_for_1_to_8_rows(m, gated, gro
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     calls = []
     real = skinny_gemm.skinny_gemm
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    skinny_gemm.skinny_gemm = spy
-    try:
-        if gated:
-            y = kernels.w4a16_gated_linear(x, qweight, s, qzeros, group, None, None, "silu")
-            g, u = int4_torch.w4a16_linear(x, qweight, s, qzeros, group).float().chunk(2, -1)
-            ref = torch.nn.functional.silu(g) * u
-        else:
-            y = kernels.w4a16_linear(x, qweight, s, qzeros, group)
-            ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, group)
-    finally:
-        skinny_gemm.skinny_gemm = real
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if gated:
+        y = kernels.w4a16_gated_linear(x, qweight, s, qzeros, group, None, None, "silu")
+        g, u = int4_torch.w4a16_linear(x, qweight, s, qzeros, group).float().chunk(2, -1)
+        ref = torch.nn.functional.silu(g) * u
+    else:
+        y = kernels.w4a16_linear(x, qweight, s, qzeros, group)
+        ref = int4_torch.w4a16_linear(x, qweight, s, qzeros, group)
     assert bool(calls) == (2 <= m <= 8 or (m == 1 and group >= 128))
     # (Summed in another order, a gate or up value may round to the next bfloat16, which the
     # product carries: compare the whole output, not each element.)
