@@ -360,9 +360,9 @@ def describe(policy: KernelPolicy) -> list[str]:
                                        if policy.device == "cuda" else "")),
         # Kernels.fp8_block_linear (block-wise FP8 checkpoints only).
         line("fp8_block_linear", ("triton (group quantizer, block-scaled e4m3 GEMM)"
-                                  + ("; CUDA tensor-core product for 1-8 rows, weight-only"
-                                     if policy.skinny_fp8_block else "")
-                                  if policy.triton_fp8_block else "torch reference")),
+                                  if policy.triton_fp8_block else "torch reference")
+             + ("; CUDA tensor-core product for 1-8 rows, weight-only"
+                if policy.skinny_fp8_block else "")),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
              "one row; " + ("CUDA tensor-core product for 2-8 rows, and for one row with "
