@@ -229,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default="auto", help="fused ops: auto | triton | cuda | torch")
     ap.add_argument("--quantization", default=None,
                     help="as the engine's --quantization (fp8: the dummy weights quantized)")
+    ap.add_argument("--fp8-group-size", type=int, default=None,
+                    help="with --quantization fp8: a scale per row and this many inputs "
+                         "(the block-wise FP8 path; TIDAL_SKINNY_FP8_BLOCK=1 for its "
+                         "few-row kernel)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                           enable_prefix_caching=False, async_scheduling=bool(ns.async_scheduling),
                           enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
                           ops_backend=ns.ops, quantization=ns.quantization,
-                          kv_cache_dtype=ns.kv_cache_dtype)
+                          fp8_group_size=ns.fp8_group_size, kv_cache_dtype=ns.kv_cache_dtype)
         t0 = now()
         core = EngineCore(args.create_config())
         startup = now() - t0
@@ -288,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "benchmark": "latency", "device": device_name(), "torch": torch.__version__,
             "shape": ns.shape, "dtype": ns.dtype, "quantization": ns.quantization,
+            "fp8_group_size": ns.fp8_group_size,
             "kv_cache_dtype": ns.kv_cache_dtype, "ceilings": ceilings,
             "num_layers": facts.num_layers,
             "layers_override": ns.num_layers is not None,
