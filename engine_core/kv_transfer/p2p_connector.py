@@ -450,7 +450,7 @@ class P2pConnector(KVConnectorBase):
         if self._server is not None or self._client is not None:  # allocated again
             for side in (self._server, self._client):
                 if side is not None:
-                    side.kv_caches = kv_caches
+                    side.rebind(kv_caches)
             return
         auth = envs.kv_auth_key()
         if self.is_producer:

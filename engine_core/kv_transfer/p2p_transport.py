@@ -257,18 +257,13 @@ class KVSendServer:
     def __init__(self, kv_caches: list[torch.Tensor], address: str, buffer_bytes: float,
                  send_timeout_s: float, min_direct_bytes: int = DIRECT_MIN_BYTES,
                  auth_key: str | None = None) -> None:
-        self.kv_caches = kv_caches
         # Every consumer message must carry it (compared in constant time); None: none asked.
         self._auth = None if auth_key is None else auth_key.encode()
         self.refused_unauthorized = 0
         self.buffer_bytes = max(1, int(buffer_bytes))
         self.send_timeout_s = send_timeout_s
-        # Runs of at least this many blocks go cache to cache over a pair (not staged).
-        self.min_direct_blocks = min_direct_blocks(kv_caches, min_direct_bytes)
-        self._contiguous = all_contiguous(kv_caches)
-        self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._contiguous else []
-        # What a posted pull's receives must be to match this cache (``KVPull.posted``).
-        self._layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
+        self._min_direct_bytes = min_direct_bytes
+        self.rebind(kv_caches)
         self.direct_bytes = 0  # sent straight from the cache, over every pull
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing] = {}
@@ -306,6 +301,17 @@ class KVSendServer:
             logger.warning("P2P KV send server on %s, not a loopback address, without a shared "
                            "secret: set TIDAL_KV_AUTH_KEY on both engines so that only they "
                            "can pull, pair or release", self.address)
+
+    def rebind(self, kv_caches: list[torch.Tensor]) -> None:
+        """Serve from ``kv_caches`` (allocated again: what is derived from them goes too, so
+        no send reads the old cache's memory)."""
+        self.kv_caches = kv_caches
+        # Runs of at least this many blocks go cache to cache over a pair (not staged).
+        self.min_direct_blocks = min_direct_blocks(kv_caches, self._min_direct_bytes)
+        self._contiguous = all_contiguous(kv_caches)
+        self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._contiguous else []
+        # What a posted pull's receives must be to match this cache (``KVPull.posted``).
+        self._layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
 
     # --- step thread -------------------------------------------------------------------------
 
@@ -806,7 +812,6 @@ class KVPullClient:
     def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float,
                  backend: str = "zmq", streams: int = 1, auth_key: str | None = None,
                  min_direct_bytes: int = DIRECT_MIN_BYTES) -> None:
-        self.kv_caches = kv_caches
         self.timeout_s = timeout_s
         self._auth = auth_key or ""  # sent with every message (a producer may ask for it)
         self.backend = backend
@@ -820,14 +825,21 @@ class KVPullClient:
         # and checked, every receive posted, everything landed (where a slow pull loses its
         # time; benchmarks read it).
         self.last_phases_ms: dict[str, float] = {}
+        self._min_direct_bytes = min_direct_bytes
+        self.rebind(kv_caches)
+
+    def rebind(self, kv_caches: list[torch.Tensor]) -> None:
+        """Pull into ``kv_caches`` (allocated again: what is derived from them goes too, so
+        no receive lands in the old cache's memory)."""
+        self.kv_caches = kv_caches
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
         # Direct runs need slices the pair's backend reads in place (NCCL: GPU, gloo: host).
-        self._direct = backend in BACKENDS and all_contiguous(kv_caches) and \
-            staging_device(backend, device) == device
+        self._direct = self.backend in BACKENDS and all_contiguous(kv_caches) and \
+            staging_device(self.backend, device) == device
         self._bytes = [CacheBytes.of(c) for c in kv_caches] if self._direct else []
         # A pull into one run of at least this many blocks posts its receives before asking
         # (``KVPull.posted``): the producer's planning and the round trip leave its latency.
-        self.min_posted_blocks = min_direct_blocks(kv_caches, min_direct_bytes) \
+        self.min_posted_blocks = min_direct_blocks(kv_caches, self._min_direct_bytes) \
             if self._direct else 0
         self._layout = [x for b in self._bytes for x in (b.halves, b.block_bytes)]
 

@@ -522,3 +522,20 @@ def test_the_connector_default_for_direct_runs_is_the_transport_s():
     from tidal.engine_core.kv_transfer.p2p_direct_runs import DIRECT_MIN_BYTES
 
     assert DEFAULT_MIN_DIRECT_BYTES == DIRECT_MIN_BYTES
+
+
+def test_a_connector_allocated_again_pulls_into_the_new_cache(engines, gloo_consumer):
+    """The worker may register its KV cache again (allocated anew): the transport's cached
+    views of the old one go with it, so a direct run lands in the cache the model reads."""
+    connector = worker_connector(gloo_consumer)
+    client = connector._client
+    old = client.kv_caches
+    assert client._bytes  # (gloo on host memory: direct runs, so views are cached)
+    fresh = [torch.zeros_like(c) for c in old]
+    connector.register_kv_caches(fresh)
+    try:
+        assert client.kv_caches is fresh
+        assert [b.flat.data_ptr() for b in client._bytes] == [c.data_ptr() for c in fresh]
+    finally:
+        connector.register_kv_caches(old)
+    assert [b.flat.data_ptr() for b in client._bytes] == [c.data_ptr() for c in old]
