@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="as the engine's --quantization (fp8: the dummy weights quantized)")
     ap.add_argument("--fp8-group-size", type=int, default=None,
                     help="with --quantization fp8: a scale per row and this many inputs "
-                         "(the block-wise FP8 path; TIDAL_SKINNY_FP8_BLOCK=1 for its "
-                         "few-row kernel)")
+                         "(the block-wise FP8 path; TIDAL_SKINNY_FP8_BLOCK=0 runs its "
+                         "1-8 rows on the Triton block GEMM, not the CUDA few-row product)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")

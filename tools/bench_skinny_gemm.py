@@ -175,6 +175,8 @@ def main() -> None:
                     results.append(row)
                     continue
                 wfmt = sk.weight_format(ws[0]["w"], x)
+                if fmt == "fp8_block":  # (as skinny_gemm decides, from the group scales)
+                    wfmt = sk.FORMAT_FP8_GROUPS
                 staged = (wfmt == sk.FORMAT_INT4 and sk.stages_activations(m, k, GROUP)
                           and os.environ.get("TIDAL_SKINNY_STAGED") != "0")
                 picked = sk.launch_shape(n // 2 if gated else n, wfmt, gated, staged)

@@ -113,8 +113,8 @@ class KernelPolicy:
     # form, 3-8 % faster than the Triton GEMV per Llama-3.1-8B weight on an H200); the Triton
     # split-K GEMV it replaced took 14-21x as long per weight at four rows.
     skinny_w4a16: bool = False
-    # 1 to 8 rows of a block-wise FP8 linear on the same product, weight-only (opt-in: not yet
-    # run on a GPU).
+    # 1 to 8 rows of a block-wise FP8 linear on the same product, weight-only (e4m3 needs
+    # compute capability 8.9).
     skinny_fp8_block: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.

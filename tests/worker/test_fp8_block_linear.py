@@ -165,16 +165,17 @@ def test_unsupported_shapes_are_declined():
 
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
 @pytest.mark.parametrize("m", [1, 4, 8, 9])
-def test_opted_in_kernels_take_the_cuda_few_row_product_weight_only(m, monkeypatch):
-    """``skinny_fp8_block`` (opt-in): 1-8 rows of a block-wise FP8 linear run the CUDA few-row
-    product weight-only (the activations stay 16-bit: equal to the dequantized weight's
-    product); nine rows keep the Triton block GEMM (activations quantized per group)."""
+def test_default_kernels_take_the_cuda_few_row_product_weight_only(m, monkeypatch):
+    """``skinny_fp8_block`` (the default): 1-8 rows of a block-wise FP8 linear run the CUDA
+    few-row product weight-only (the activations stay 16-bit: equal to the dequantized
+    weight's product); nine rows keep the Triton block GEMM (activations quantized per
+    group)."""
     from tidal.engine_core.kernel_config import KernelConfig
     from tidal.worker.kernel_policy import probe_device, resolve
     from tidal.worker.ops import skinny_gemm
     from tidal.worker.ops.kernels import Kernels
 
-    kc = KernelConfig(skinny_fp8_block=True)
+    kc = KernelConfig()
     kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
     if not kernels.policy.skinny_fp8_block:
         pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'off'}")

@@ -149,13 +149,16 @@ def test_kernel_policy_picks_triton_on_a_gpu_only():
         False, False, True, False)
     assert any("CUDA tensor-core product for 2-8 rows" in line for line in describe(ext))
     assert not any("CUDA tensor-core" in line for line in describe(gpu))
-    # Block-wise FP8 on the same product: opt-in (not yet run on a GPU), e4m3 from 8.9.
-    opt = KernelConfig(skinny_fp8_block=True)
-    on = resolve(opt, DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0)))
-    ampere = resolve(opt, DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(8, 0)))
-    assert not ext.skinny_fp8_block and on.skinny_fp8_block and not ampere.skinny_fp8_block
-    assert any("1-8 rows, weight-only" in line for line in describe(on))
-    assert not any("1-8 rows, weight-only" in line for line in describe(ext))
+    # Block-wise FP8 on the same product: on by default where the extension built, e4m3 from
+    # 8.9; off when asked.
+    off = resolve(KernelConfig(skinny_fp8_block=False),
+                  DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0)))
+    ampere = resolve(KernelConfig(), DeviceInfo("cuda", triton=True, cuda_ext=True,
+                                                capability=(8, 0)))
+    assert ext.skinny_fp8_block and not off.skinny_fp8_block and not ampere.skinny_fp8_block
+    assert not gpu.skinny_fp8_block and not cpu.skinny_fp8_block
+    assert any("1-8 rows, weight-only" in line for line in describe(ext))
+    assert not any("1-8 rows, weight-only" in line for line in describe(off))
 
 
 @functools.lru_cache(maxsize=2)

@@ -272,7 +272,7 @@ def test_built_launch_shapes_match_the_cuda_file():
     assert built and built == sk.BUILT
 
 
-@pytest.mark.parametrize("fmt", [0, 1, 2])
+@pytest.mark.parametrize("fmt", [0, 1, 2, 3])
 @pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (4096, 4096, False),
                                        (14336, 4096, True), (4096, 14336, False),
                                        (128256, 4096, False), (136, 512, False),
@@ -299,6 +299,17 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
     assert staged == {(6144, False): (2, 8, 1), (4096, False): (2, 8, 2),
                       (14336, True): (2, 2, 1), (128256, False): (4, 2, 1)}
     assert sk.group_ok(128, 4096) and sk.group_ok(640, 640) and not sk.group_ok(96, 4096)
+
+
+def test_fp8_block_launch_shapes_are_the_measured_best_for_llama_8b():
+    """Block-wise FP8 at one and four rows, H200 sweep
+    (tools/results/skinny_gemm_h200_llama8b_fp8_block.json): the best or within 2 %."""
+    from tidal.worker.ops import skinny_gemm as sk
+
+    shape = {(n, gated): tuple(sk.launch_shape(n, sk.FORMAT_FP8_GROUPS, gated))
+             for n, gated in [(6144, False), (4096, False), (14336, True), (128256, False)]}
+    assert shape == {(6144, False): (1, 8, 1), (4096, False): (1, 8, 4),
+                     (14336, True): (2, 4, 2), (128256, False): (2, 4, 1)}
 
 
 @gpu

@@ -123,7 +123,9 @@ def launch_shape(n: int, fmt: int, gated: bool, staged: bool = False) -> Launch:
     gate/up takes few warps (its grid alone covers the GPU). ``staged``: the one-row INT4
     form with its activations in shared memory (``stages_activations``), whose best shapes
     differ for the smaller weights and the LM head
-    (``tools/results/skinny_gemm_h200_llama8b_int4_staged.json``)."""
+    (``tools/results/skinny_gemm_h200_llama8b_int4_staged.json``). Block-wise FP8 (a scale
+    per row and group) has its own best shapes
+    (``tools/results/skinny_gemm_h200_llama8b_fp8_block.json``)."""
     if fmt == FORMAT_INT4:
         if gated:
             return Launch(2, 2, 1)
@@ -134,6 +136,12 @@ def launch_shape(n: int, fmt: int, gated: bool, staged: bool = False) -> Launch:
         if n >= 6144:
             return Launch(2, 8 if n <= 16384 else 4, 1)
         return Launch(1, 8, 4)
+    if fmt == FORMAT_FP8_GROUPS:
+        if gated:
+            return Launch(2, 4, 2)
+        if n >= 16384:
+            return Launch(2, 4, 1)
+        return Launch(1, 8, 4) if n <= 4096 else Launch(1, 8, 1)
     return Launch(2, 4, 1) if gated else Launch(1, 8, 1)
 
 
