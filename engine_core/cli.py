@@ -108,16 +108,19 @@ _HELP = {
                               "(the stepping expert parallelism needs)",
     "enable_expert_parallel": "split each MoE layer's experts over the DP x TP workers (each "
                               "holds E / (DP x TP) whole experts; attention stays TP inside "
-                              "each DP engine); across DP engines it steps them in lockstep "
-                              "and needs --enforce-eager on a GPU",
+                              "each DP engine); across DP engines it steps them in lockstep, "
+                              "decode steps replaying CUDA graphs the engines agree on",
     "enable_dbo": "dual batch overlap (with --enable-expert-parallel across DP engines): a "
                   "step's MoE exchange runs as two micro-batches, one's gather or reduce-"
                   "scatter in flight while the other's experts compute (attention is not "
                   "split); it pays only where the exchange is slow: on two H200s over NVLink "
                   "it measured 0.60x at decode and 0.90x on prefill steps, hence off by "
-                  "default",
+                  "default; without --dbo-token-threshold the engines measure at start-up "
+                  "from which step size it pays, if any",
     "dbo_token_threshold": "--enable-dbo applies to steps of at least this many tokens over "
-                           "all engines (default 128; only with --enable-dbo)",
+                           "all engines (default: measured at start-up, the smallest step "
+                           "size from which the overlap made a MoE layer at least 1.05x "
+                           "faster at every larger size, or none; only with --enable-dbo)",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
                                     "processes), ray, or noop (no model: overhead benchmarks); "
                                     "default: uni for one worker, mp for several",

@@ -138,9 +138,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # expert_parallel_config.py); across DP engines it implies the lockstep.
     enable_expert_parallel: bool = False
     # Dual batch overlap (expert parallelism across engines): steps of at least
-    # ``dbo_token_threshold`` tokens over all engines exchange in two micro-batches.
+    # ``dbo_token_threshold`` tokens over all engines exchange in two micro-batches (0: the
+    # threshold measured at start-up, worker/layers/moe_ep.py).
     enable_dbo: bool = False
-    dbo_token_threshold: int = 128
+    dbo_token_threshold: int = 0
     # The device of each pipeline stage (--pp-devices, pp_devices.py); empty: every stage on
     # the engine's device.
     pp_devices: tuple[str, ...] = ()

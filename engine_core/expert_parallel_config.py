@@ -26,15 +26,18 @@ _DBO_NEEDS = ("--enable-dbo needs --enable-expert-parallel with --data-parallel-
               "mixture-of-experts model (it overlaps the experts' exchange between engines)")
 
 
-DEFAULT_DBO_TOKEN_THRESHOLD = 128
+# Not given: measured once the engines meet (worker/layers/moe_ep's ``DBO_MEASURE``, kept here
+# as a number: this module stays free of torch).
+DBO_MEASURED = 0
 
 
 def check_dbo_threshold(threshold: int | None, *, enable_dbo: bool = True) -> int:
-    """``--dbo-token-threshold`` (None: not given, the default). Given without
+    """``--dbo-token-threshold`` (None: not given: ``DBO_MEASURED``, the workers time the
+    exchange with and without the overlap at start-up and pick it). Given without
     ``--enable-dbo`` it would change nothing: refused, as ``--enable-dbo`` without what it
     needs is."""
     if threshold is None:
-        return DEFAULT_DBO_TOKEN_THRESHOLD
+        return DBO_MEASURED
     if not enable_dbo:
         raise ExpertParallelConfigError("--dbo-token-threshold needs --enable-dbo (it sets "
                                         "the step size from which dual batch overlap applies)")

@@ -21,7 +21,9 @@ the same footing::
     python tools/bench_dp.py --case ep --tokenizer tests/data/qwen3 --output ep.json
 
 ``--dbo-threshold N`` adds a third side, EP with ``--enable-dbo --dbo-token-threshold N`` (target:
->= 1.1x EP without it at the batch where it turns on); ``--skip-tp`` drops the TP side.
+>= 1.1x EP without it at the batch where it turns on); ``--dbo-threshold measure`` the same with
+the threshold measured at start-up (``--enable-dbo`` alone; the decision, from the server log,
+is ``dbo_measured``); ``--skip-tp`` drops the TP side.
 
 Each side also reports, per rank (``per_rank``, from the server's ``/metrics`` polled every
 quarter second during the timed run): the requests it served and when its last one finished
@@ -199,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep-eager", action="store_true",
                    help="--case ep: the EP side(s) without CUDA graphs (decode steps replay "
                         "graphs agreed between the engines otherwise)")
-    p.add_argument("--dbo-threshold", type=int, default=None,
+    p.add_argument("--dbo-threshold", default=None,
                    help="--case ep: a third side, EP with --enable-dbo from this many tokens "
-                        "per step (target: >= 1.1x EP without it)")
+                        "per step, or 'measure' (the engines measure it at start-up; target: "
+                        ">= 1.1x EP without it)")
     p.add_argument("--skip-tp", action="store_true",
                    help="--case ep: no TP side (with --dbo-threshold: DBO on vs off only)")
     p.add_argument("--shape", default=None, help="default: qwen3-0.6b (dp), qwen3-30b-a3b (ep)")
@@ -312,13 +315,18 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
             dbo = None
             if ns.dbo_threshold is not None:
                 mark = log.stat().st_size if log.exists() else 0
-                dbo = one_side(ns, model_dir, 2, log,
-                               (*ep_flags, "--enable-dbo", "--dbo-token-threshold",
-                                str(ns.dbo_threshold)), "ep2dbo")
-                # (Whether any step reached the threshold: the workers log their first one.)
+                given = () if ns.dbo_threshold == "measure" else \
+                    ("--dbo-token-threshold", str(int(ns.dbo_threshold)))
+                dbo = one_side(ns, model_dir, 2, log, (*ep_flags, "--enable-dbo", *given),
+                               "ep2dbo")
+                # (Whether any step reached the threshold: the workers log their first one;
+                # a measured threshold: what the start-up measured and decided.)
                 with log.open("rb") as f:
                     f.seek(mark)
-                    dbo["dbo_engaged"] = b"first step with dual batch overlap" in f.read()
+                    text = f.read().decode(errors="replace")
+                dbo["dbo_engaged"] = "first step with dual batch overlap" in text
+                found = re.search(r"dual batch overlap: (.*)", text)
+                dbo["dbo_measured"] = found.group(1).strip() if found else None
         except BaseException:
             print(log.read_text(errors="replace")[-4000:] if log.exists() else "", file=sys.stderr)
             raise
@@ -347,6 +355,7 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
         gain = dbo["output_throughput"] / ep["output_throughput"]
         verdicts["dbo_speedup"] = {"target": f">= {TARGET_DBO_SPEEDUP}", "value": gain,
                                    "threshold": ns.dbo_threshold,
+                                   "measured": dbo["dbo_measured"],
                                    "engaged": dbo["dbo_engaged"],
                                    "verdict": "PASS" if gain >= TARGET_DBO_SPEEDUP else "MISS"}
         print(f"EP=2 with dual batch overlap from {ns.dbo_threshold} tokens: "

@@ -32,6 +32,7 @@ from tidal.engine_core.startup_log import StartupLog
 from tidal.worker.distributed.hetero_groups import recv_through_host, send_through_host
 from tidal.worker.distributed.parallel_state import ParallelGroup
 from tidal.worker.kernel_policy import log_policy
+from tidal.worker.layers.moe_ep import DBO_MEASURE
 from tidal.worker.model_runner import IntermediateTensors, ModelRunner, SampleLater
 from tidal.worker.ops.jit_watch import JIT_WATCH
 from tidal.worker.warmup import WarmupReport, warm_up
@@ -278,6 +279,12 @@ class Worker:
             # Start-up's forwards ran on this engine alone; serving ones meet the other DP
             # engines' (layers/moe_ep).
             runner.ep.activate()
+            if runner.ep.active and runner.ep.dbo_threshold == DBO_MEASURE:
+                # (Before the decode graphs: they hold the overlap from the threshold.)
+                with JIT_WATCH.warming(), self.startup.phase("dual batch overlap") as note:
+                    measured = runner.ep.calibrate_dbo(
+                        runner.config.scheduler.max_num_batched_tokens)
+                    note.detail = "" if measured is None else measured.describe()
             if runner.graphs_wait_for_engines():
                 with JIT_WATCH.warming(), \
                         self.startup.phase("exchange graph capture") as note:

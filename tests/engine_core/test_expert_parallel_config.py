@@ -40,7 +40,7 @@ def test_accepted_layouts() -> None:
         check_dbo_threshold(0)
     # Not given: the default, with or without --enable-dbo; given without it: refused (it
     # would change nothing), as --enable-dbo without what it needs is.
-    assert check_dbo_threshold(None) == check_dbo_threshold(None, enable_dbo=False) == 128
+    assert check_dbo_threshold(None) == check_dbo_threshold(None, enable_dbo=False) == 0
     with pytest.raises(ExpertParallelConfigError, match="--dbo-token-threshold needs "
                                                         "--enable-dbo"):
         check_dbo_threshold(64, enable_dbo=False)

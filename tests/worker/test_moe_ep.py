@@ -6,6 +6,8 @@ Qwen3-MoE (float32, CPU)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -283,6 +285,23 @@ def test_ep_across_two_dp_engines_matches_hf(qwen3_moe, capfd) -> None:
         assert f"expert parallel rank {rank}/2: 2 MoE layers, {held}; tokens exchanged with 2 " \
             "data-parallel engines; dual batch overlap from 4 tokens per step" in log, log[-3000:]
         assert f"expert parallel rank {rank}: first step with dual batch overlap" in log
+
+
+@pytest.mark.slow
+def test_the_overlap_threshold_is_measured_when_not_given(qwen3_moe, capfd) -> None:
+    """``--enable-dbo`` without ``--dbo-token-threshold``: once the engines meet, each worker
+    times the first MoE layer with and without the overlap at 128 tokens over both engines
+    (their largest step, 64 tokens each), every one decides alike, the start-up log says what
+    and why, and serving gives one engine's (HF's) tokens."""
+    prompts = qwen3_moe.prompts
+    got, _ = _generate_dp(qwen3_moe.folder, prompts, alone=0, enable_dbo=True,
+                          max_num_batched_tokens=64)
+    mh.assert_matches(got, qwen3_moe.refs, prompts)
+    log = capfd.readouterr().err
+    assert "dual batch overlap from the step size measured once the engines meet" in log
+    decided = re.findall(r"dual batch overlap: (on from 128 tokens|off: never)", log)
+    assert decided and len(set(decided)) == 1, log[-3000:]  # (rank 0 logs it)
+    assert "128: " in log and "x)" in log
 
 
 @pytest.mark.gpu

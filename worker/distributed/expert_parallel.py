@@ -116,6 +116,17 @@ class DPExpertGroup:
         self.cpu_group.allreduce([counts], options).wait()
         return counts.tolist()
 
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """``values`` summed element-wise over the ranks (one gloo all-reduce; every rank
+        passes as many)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        self.cpu_group.allreduce([t], options).wait()
+        return t.tolist()
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x [n, ...]`` (the same shape on each) stacked: ``[size * n, ...]``."""
         out, work = self.start_all_gather(x)

@@ -28,7 +28,11 @@ Dual batch overlap (``--enable-dbo``, across engines only): a step of at least
 ``--dbo-token-threshold`` tokens over all engines splits each rank's tokens in two halves
 inside every MoE layer; the second half's gather is in flight while the first's experts run,
 and the first's reduce-scatter while the second's run (async collectives: NCCL's own stream,
-gloo's threads). Attention is not split. Router logits of another dtype than the hidden
+gloo's threads). Attention is not split. Without a threshold given it is measured once the
+engines meet (``calibrate_dbo``): the first MoE layer timed with and without the overlap at
+step sizes 128, 256, ... tokens, every rank together; the overlap applies from the smallest
+size from which it was at least ``DBO_MIN_GAIN`` times faster at every larger size measured,
+or nowhere, so it never runs where it measured slower. Router logits of another dtype than the hidden
 states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
 
 CUDA graphs (decode steps): once the engines meet, each captures its decode graphs with the
@@ -47,7 +51,8 @@ gathered, and the experts' activations over all of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -160,15 +165,67 @@ def split_counts(counts: list[int]) -> tuple[list[int], list[int]]:
     return first, [c - f for c, f in zip(counts, first)]
 
 
+# ``dbo_threshold`` DBO_MEASURE: measure at start-up which step sizes the overlap speeds up
+# (``ExpertParallel.calibrate_dbo``); until then the overlap is off.
+DBO_MEASURE = 0
+# The overlap must make the exchange at least this much faster at a step size (and at every
+# larger one measured) to be used there: a margin over the timing's noise.
+DBO_MIN_GAIN = 1.05
+DBO_LADDER_START = 128  # tokens over all engines
+DBO_LADDER_MAX = 16384
+
+
+def dbo_ladder(dp_size: int, max_tokens: int) -> list[int]:
+    """The step sizes (tokens over all engines) the overlap is measured at: 128, 256, ... up to
+    ``DBO_LADDER_MAX`` and every engine's ``max_tokens`` (its largest step)."""
+    sizes = []
+    total = DBO_LADDER_START
+    while total <= min(DBO_LADDER_MAX, dp_size * max_tokens):
+        sizes.append(total)
+        total *= 2
+    return sizes
+
+
+def dbo_threshold_from(sizes: list[int], ratios: list[float]) -> int | None:
+    """The smallest size from which every measured ratio (one exchange's time over the
+    overlapped one's) is at least ``DBO_MIN_GAIN``; None if the largest size's is not."""
+    threshold = None
+    for size, ratio in zip(reversed(sizes), reversed(ratios)):
+        if ratio < DBO_MIN_GAIN:
+            break
+        threshold = size
+    return threshold
+
+
+@dataclass(frozen=True, slots=True)
+class DboMeasurement:
+    """What ``calibrate_dbo`` measured and decided (the start-up log's line)."""
+
+    sizes: list[int]  # tokens over all engines
+    ratios: list[float]  # one exchange's time / the overlapped one's: > 1, the overlap faster
+    threshold: int | None
+
+    def describe(self) -> str:
+        measured = ", ".join(f"{s}: {r:.2f}x" for s, r in zip(self.sizes, self.ratios))
+        if not self.sizes:
+            return "off: no step size to measure (max-num-batched-tokens below 128 an engine)"
+        if self.threshold is None:
+            return (f"off: never {DBO_MIN_GAIN:.2f}x faster at the largest steps (one MoE "
+                    f"layer, tokens over the engines: {measured})")
+        return (f"on from {self.threshold} tokens per step over the engines (one MoE layer, "
+                f"exchange without / with the overlap: {measured})")
+
+
 class ExpertParallel:
     """One model's expert parallelism on this worker: its place in the EP group, the
     cross-engine group (None: EP within the engine's TP group only), and the per-step state of
     the cross-engine exchange.
 
-    ``dbo_threshold`` (dual batch overlap, None: off): a step of at least that many tokens over
-    all engines exchanges in two micro-batches, the second's gather in flight while the first's
-    experts run, the first's reduce-scatter while the second's run. Every rank decides alike,
-    from the agreed counts."""
+    ``dbo_threshold`` (dual batch overlap, None: off; ``DBO_MEASURE``: off until
+    ``calibrate_dbo`` sets it): a step of at least that many tokens over all engines exchanges
+    in two micro-batches, the second's gather in flight while the first's experts run, the
+    first's reduce-scatter while the second's run. Every rank decides alike, from the agreed
+    counts."""
 
     def __init__(self, tp: ParallelGroup, dp_rank: int = 0, dp_size: int = 1,
                  dp_group: DPExpertGroup | None = None,
@@ -206,6 +263,8 @@ class ExpertParallel:
         self.layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.ep is self]
         if self.layers:
             dbo = ("" if self.dbo_threshold is None else
+                   "; dual batch overlap from the step size measured once the engines meet"
+                   if self.dbo_threshold == DBO_MEASURE else
                    f"; dual batch overlap from {self.dbo_threshold} tokens per step")
             logger.info("expert parallel rank %d/%d: %d MoE layers, %s; %s%s", self.rank,
                         self.size, len(self.layers), self.layers[0].placement.describe(),
@@ -239,6 +298,69 @@ class ExpertParallel:
             num_experts=moe.num_experts, top_k=moe.routing.top_k,
             intermediate=moe.w13.shape[1] // 2, dtype_bytes=dtype_bytes,
             logits_bytes=logits_bytes) for moe in self.layers)
+
+    def calibrate_dbo(self, max_tokens: int, reps: int = 5,
+                      timed: Callable[[int, bool], float] | None = None
+                      ) -> DboMeasurement | None:
+        """With ``dbo_threshold`` ``DBO_MEASURE`` (once ``active``, before the decode graphs'
+        capture, on every worker of every engine together): time the first MoE layer's exchange
+        and experts at each ``dbo_ladder`` size, evenly split over the engines, without and
+        with the overlap, and set the threshold from the ratios (``dbo_threshold_from``; None:
+        off). Every worker decides from the same numbers: the times are summed over the
+        engines and the engine's tensor-parallel ranks. ``timed(tokens_per_rank, overlap)``
+        replaces the measurement (tests). None when there is nothing to measure."""
+        if self.dbo_threshold != DBO_MEASURE or not self.active:
+            return None
+        assert self.dp is not None
+        sizes = dbo_ladder(self.dp_size, max_tokens)
+        measure = timed or (lambda t, overlap: self._time_exchange(t, overlap, reps))
+        times = [measure(total // self.dp_size, overlap)
+                 for total in sizes for overlap in (False, True)]
+        times = self.dp.sum_floats(times) if times else []
+        if times and self.tp.world_size > 1:
+            summed = self.tp.all_reduce(torch.tensor(times, dtype=torch.float32,
+                                                     device=self.layers[0].w13.device))
+            times = summed.tolist()
+        ratios = [round(off / max(on, 1e-12), 3) for off, on in zip(times[::2], times[1::2])]
+        self.dbo_threshold = dbo_threshold_from(sizes, ratios)
+        measured = DboMeasurement(sizes, ratios, self.dbo_threshold)
+        if self.rank == 0:
+            logger.info("dual batch overlap: %s", measured.describe())
+        return measured
+
+    def _time_exchange(self, tokens: int, overlap: bool, reps: int) -> float:
+        """Seconds of the first MoE layer over ``tokens`` rows on every rank (random inputs),
+        exchanged in one go or as two micro-batches; the mean of ``reps`` after a warm-up."""
+        moe = self.layers[0]
+        device = moe.w13.device
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        x = torch.randn(tokens, moe.hidden_size, generator=gen, device=device).to(self.dtype)
+        logits = torch.randn(tokens, moe.num_experts, generator=gen,
+                             device=device).to(self.logits_dtype or self.dtype)
+        counts = [tokens] * self.dp_size
+        whole = Exchange.of(counts, self.dp_rank, device)
+        first, second = split_counts(counts)
+        halves = (Exchange.of(first, self.dp_rank, device),
+                  Exchange.of(second, self.dp_rank, device, start=first[self.dp_rank]))
+
+        def once() -> None:
+            if overlap:
+                self._halves = halves
+                self._overlapped(moe, x, logits, None)
+            else:
+                x_all, logits_all = self._dispatch(whole, x, logits)
+                self._combine(whole, self._local_experts(moe, x_all, logits_all, None))
+            self._halves = None
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        with torch.inference_mode():
+            once()  # (warm-up: the kernels' first launch, the collectives' buffers)
+            sync()
+            start = time.perf_counter()
+            for _ in range(reps):
+                once()
+            sync()
+        return (time.perf_counter() - start) / reps
 
     def close(self) -> None:
         """Forget the model's layers (they hold its expert weights) and leave the cross-engine
@@ -309,8 +431,7 @@ class ExpertParallel:
             self._step_tokens = sum(counts)
             self._halves = None
             # (Two micro-batches need two tokens on some rank; the decision is every rank's.)
-            if self.dbo_threshold is not None and sum(counts) >= self.dbo_threshold \
-                    and max(counts) >= 2:
+            if self.dbo_threshold and sum(counts) >= self.dbo_threshold and max(counts) >= 2:
                 first, second = split_counts(counts)
                 self._halves = (Exchange.of(first, self.dp_rank, device),
                                 Exchange.of(second, self.dp_rank, device,

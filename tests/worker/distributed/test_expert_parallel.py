@@ -2,13 +2,15 @@
 and ``layers/moe_ep``), two ranks as two threads over gloo on loopback: each rank holds half
 the experts of two MoE layers and gets, for its own tokens, the full layers' outputs; with
 unequal token counts (padding), a rank with none (the empty step), and dual batch overlap on
-and off (two micro-batches, or one where the step is below the threshold), also with router
-logits of another dtype than the hidden states (DeepSeek-V2's float32 gate: two gathers). At
-the end each rank closes its expert parallelism (what the runner's release does)."""
+and off (two micro-batches, or one where the step is below the threshold, given or measured
+at start-up), also with router logits of another dtype than the hidden states (DeepSeek-V2's
+float32 gate: two gathers). At the end each rank closes its expert parallelism (what the
+runner's release does)."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def _full_layers() -> nn.ModuleList:
 
 def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
           tokens: list[torch.Tensor], results: dict, errors: list,
-          logits_dtype: torch.dtype, static: bool = False) -> None:
+          logits_dtype: torch.dtype, static: bool = False, calibrate: Any = None) -> None:
     try:
         group = DPExpertGroup(rank, 2, 0, port, torch.device("cpu"))
         if static:  # (a graph's capture asks the other ranks nothing)
@@ -61,6 +63,12 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
                 mine.load_expert_weight("down", e, ref.w2[e])
         ep.bind(model)
         ep.activate()
+        measured = None
+        if calibrate is not None:  # (max tokens an engine, and the timing: None = real)
+            max_tokens, timed = calibrate
+            measured = ep.calibrate_dbo(max_tokens, reps=2,
+                                        timed=None if timed is None else
+                                        (lambda t, overlap: timed(rank, t, overlap)))
         outs = []
         for x in tokens:  # one forward per entry: both layers, in order
             if x.shape[0] == 0:
@@ -77,13 +85,15 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
         closed = (len(ep.layers), group.closed)
         ep.close()
         results[rank] = (outs, ep.overlapped_steps, closed,
-                         (ep.layers, ep.dp, ep.active, group.closed, group.cpu_group), halves[0])
+                         (ep.layers, ep.dp, ep.active, group.closed, group.cpu_group), halves[0],
+                         measured)
     except BaseException as exc:  # noqa: BLE001 - reported by the test thread
         errors.append(exc)
 
 
 def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torch.Tensor]],
-               logits_dtype: torch.dtype = torch.float32, static: bool = False) -> dict:
+               logits_dtype: torch.dtype = torch.float32, static: bool = False,
+               calibrate: Any = None) -> dict:
     """``_rank`` on ranks 0 and 1 as two threads meeting through a fresh store; each rank's
     results (fails the test with any rank's error)."""
     from torch.distributed import TCPStore
@@ -92,7 +102,8 @@ def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torc
     results: dict = {}
     errors: list = []
     threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
-                                                    results, errors, logits_dtype, static))
+                                                    results, errors, logits_dtype, static,
+                                                    calibrate))
                for r in (0, 1)]
     for t in threads:
         t.start()
@@ -115,7 +126,7 @@ def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
     tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
     results = _run_ranks(full, dbo, tokens, logits_dtype)
     for r in (0, 1):
-        outs, overlapped, before, after, _ = results[r]
+        outs, overlapped, before, after, _, _ = results[r]
         # Steps of 8 and 6 tokens overlap at a threshold of 6; those of 2 and 3 do not.
         assert overlapped == (0 if dbo is None else 2)
         # Closed: no layer (so no expert weight) kept, the groups shut and dropped.
@@ -141,10 +152,83 @@ def test_static_exchange_needs_no_counts_and_gives_the_same_outputs(dbo) -> None
     tokens = {r: [torch.randn(c, H, generator=gen) for c in counts] for r in (0, 1)}
     results = _run_ranks(full, dbo, tokens, static=True)
     for r in (0, 1):
-        outs, overlapped, _, _, halves = results[r]
+        outs, overlapped, _, _, halves, _ = results[r]
         assert overlapped == 0  # (a capture is not a served step)
         assert halves == (0 if dbo is None else 4)  # two forwards of two layers overlapped
         for x, out in zip(tokens[r], outs):
             *got, l0, l1 = out
             for layer, lg, g in zip(full, (l0, l1), got):
                 torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+
+
+def test_the_overlap_threshold_rule() -> None:
+    """Measured at 128, 256, ... tokens over the engines, up to every engine's largest step;
+    on from the smallest size from which every ratio is at least 1.05, else off."""
+    assert moe_ep.dbo_ladder(2, 4096) == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert moe_ep.dbo_ladder(4, 8192) == [128 << i for i in range(8)]  # (capped at 16384)
+    assert moe_ep.dbo_ladder(2, 32) == []
+    rule = moe_ep.dbo_threshold_from
+    sizes = [128, 256, 512, 1024]
+    assert rule(sizes, [0.9, 1.02, 1.1, 1.2]) == 512
+    assert rule(sizes, [1.2, 0.9, 1.1, 1.06]) == 512  # (a faster small size alone: not on)
+    assert rule(sizes, [1.1] * 4) == 128
+    assert rule(sizes, [1.2, 1.2, 1.2, 1.04]) is None  # slower at the largest: never on
+    assert rule([], []) is None
+
+
+def _timed(rank: int, tokens: int, overlap: bool) -> float:
+    """Made-up times: rank 0's overlap slower below 256 tokens a rank (512 over both), faster
+    from there; rank 1's the same either way (its sums decide nothing alone)."""
+    if rank == 1:
+        return 1.0
+    return (1.2 if tokens < 256 else 0.8) if overlap else 1.0
+
+
+def test_both_ranks_take_the_threshold_measured_over_both() -> None:
+    """``calibrate_dbo``: the ranks sum their times, so each decides the same threshold; the
+    forwards after it overlap from there (a step of 600 tokens over both) and not below (200),
+    with the full layers' outputs either way."""
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(3)
+    counts = [(300, 300), (100, 100)]
+    tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
+    results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens, calibrate=(512, _timed))
+    for r in (0, 1):
+        outs, overlapped, _, _, _, measured = results[r]
+        assert measured.sizes == [128, 256, 512, 1024]
+        assert measured.ratios == [round(2 / 2.2, 3)] * 2 + [round(2 / 1.8, 3)] * 2
+        assert measured.threshold == 512 and "on from 512 tokens" in measured.describe()
+        assert overlapped == 1  # (the 600-token step; the 200-token one below)
+        for x, out in zip(tokens[r], outs):
+            *got, l0, l1 = out
+            for layer, lg, g in zip(full, (l0, l1), got):
+                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+
+
+def test_a_real_measurement_agrees_across_ranks_and_leaves_the_layers_intact() -> None:
+    """Timed for real (two tiny layers on the CPU: whatever it decides), both ranks decide
+    alike from the same numbers, and the exchange afterwards still gives the full layers'
+    outputs; an overlap never faster than 1.05x leaves it off."""
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(4)
+    tokens = {r: [torch.randn(70, H, generator=gen)] for r in (0, 1)}
+    results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens, calibrate=(128, None))
+    m0, m1 = results[0][5], results[1][5]
+    assert m0 == m1 and m0.sizes == [128, 256]
+    assert m0.threshold in (None, 128, 256)
+    assert (m0.threshold is None) == (m0.ratios[-1] < moe_ep.DBO_MIN_GAIN)
+    for r in (0, 1):
+        outs, overlapped, *_ = results[r]
+        assert overlapped == (1 if m0.threshold is not None and m0.threshold <= 140 else 0)
+        *got, l0, l1 = outs[0]
+        for layer, lg, g in zip(full, (l0, l1), got):
+            torch.testing.assert_close(g, layer(tokens[r][0], lg), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unmeasured_threshold_means_no_overlap() -> None:
+    """``DBO_MEASURE`` before (or without) ``calibrate_dbo``: no step overlaps."""
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(5)
+    tokens = {r: [torch.randn(40, H, generator=gen)] for r in (0, 1)}
+    results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens)
+    assert results[0][1] == results[1][1] == 0
