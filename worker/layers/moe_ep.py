@@ -32,8 +32,8 @@ gloo's threads). Attention is not split. Without a threshold given it is measure
 engines meet (``calibrate_dbo``): the first MoE layer timed with and without the overlap at
 step sizes 128, 256, ... tokens, every rank together; the overlap applies from the smallest
 size from which it was at least ``DBO_MIN_GAIN`` times faster at every larger size measured,
-or nowhere, so it never runs where it measured slower. Router logits of another dtype than the hidden
-states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
+or nowhere, so it never runs where it measured slower. Router logits of another dtype than
+the hidden states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
 
 CUDA graphs (decode steps): once the engines meet, each captures its decode graphs with the
 exchange inside (``static_exchange``: every rank holds the graph's full row count, padding
