@@ -308,17 +308,23 @@ def test_the_overlap_threshold_is_measured_when_not_given(qwen3_moe, capfd) -> N
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs: one engine on each, exchanging tokens over NCCL")
-@pytest.mark.parametrize("dbo, eager", [(False, True), (True, True), (True, False)],
-                         ids=["one-exchange", "dual-batch-overlap", "decode-graphs"])
+@pytest.mark.parametrize("dbo, eager", [(False, True), (True, True), (True, False),
+                                       ("measure", False)],
+                         ids=["one-exchange", "dual-batch-overlap", "decode-graphs",
+                              "measured-overlap"])
 def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo, eager,
                                                          capfd) -> None:
     """Over NCCL, eagerly (with and without the overlap) and with the decode graphs agreed
     between the engines (the prompt steps overlap, eagerly; decode steps replay graphs, the
-    idle engine's in the first round on a dummy batch)."""
+    idle engine's in the first round on a dummy batch); and with the overlap's threshold
+    measured at start-up, before those graphs."""
     prompts = qwen3_moe.prompts
+    # ("measure": no threshold given, so the engines time the overlap at start-up, at 128
+    # tokens over both, their largest step.)
     got, routed = _generate_dp(qwen3_moe.folder, prompts, alone=1, device="cuda",
-                               enforce_eager=eager, enable_dbo=dbo,
-                               dbo_token_threshold=4 if dbo else None)
+                               enforce_eager=eager, enable_dbo=bool(dbo),
+                               dbo_token_threshold=4 if dbo is True else None,
+                               **({"max_num_batched_tokens": 64} if dbo == "measure" else {}))
     mh.assert_matches(got, qwen3_moe.refs, prompts, tol=mh.GPU_LOGPROB_TOL)
     assert min(routed) >= 1, routed
     log = capfd.readouterr().err
@@ -326,6 +332,8 @@ def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo, eager,
     assert (replayed in log) != eager, log[-3000:]
     if not eager:
         assert "exchange graph capture" in log, log[-3000:]
+    if dbo == "measure":
+        assert re.search(r"dual batch overlap: (on from 128|off: never)", log), log[-3000:]
 
 
 def test_exchange_headroom_covers_every_engines_rows() -> None:
