@@ -31,8 +31,8 @@ and the first's reduce-scatter while the second's run (async collectives: NCCL's
 gloo's threads). Attention is not split. Without a threshold given it is measured once the
 engines meet (``calibrate_dbo``): the first MoE layer timed with and without the overlap at
 step sizes 128, 256, ... tokens, every rank together; the overlap applies from the smallest
-size from which it was at least ``DBO_MIN_GAIN`` times faster at every larger size measured,
-or nowhere, so it never runs where it measured slower. Router logits of another dtype than
+size from which it was at least ``DBO_MIN_GAIN`` times faster at every larger size measured
+(two sizes at least), or nowhere, so it never runs where it measured slower. Router logits of another dtype than
 the hidden states (DeepSeek-V2's float32 gate) travel in a second gather beside the first.
 
 CUDA graphs (decode steps): once the engines meet, each captures its decode graphs with the
@@ -188,13 +188,17 @@ def dbo_ladder(dp_size: int, max_tokens: int) -> list[int]:
 
 def dbo_threshold_from(sizes: list[int], ratios: list[float]) -> int | None:
     """The smallest size from which every measured ratio (one exchange's time over the
-    overlapped one's) is at least ``DBO_MIN_GAIN``; None if the largest size's is not."""
-    threshold = None
-    for size, ratio in zip(reversed(sizes), reversed(ratios)):
+    overlapped one's) is at least ``DBO_MIN_GAIN``, that run holding the two largest sizes at
+    least (one ratio alone is too easily noise: on a busy CPU the largest size's came out
+    1.05-1.15x in runs whose other sizes were 0.4-0.8x); None otherwise."""
+    run = 0
+    for ratio in reversed(ratios):
         if ratio < DBO_MIN_GAIN:
             break
-        threshold = size
-    return threshold
+        run += 1
+    if run == 0 or run < min(2, len(sizes)):
+        return None
+    return sizes[len(sizes) - run]
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,22 +304,21 @@ class ExpertParallel:
             logits_bytes=logits_bytes) for moe in self.layers)
 
     def calibrate_dbo(self, max_tokens: int, reps: int = 5,
-                      timed: Callable[[int, bool], float] | None = None
+                      timed: Callable[[int], tuple[float, float]] | None = None
                       ) -> DboMeasurement | None:
         """With ``dbo_threshold`` ``DBO_MEASURE`` (once ``active``, before the decode graphs'
         capture, on every worker of every engine together): time the first MoE layer's exchange
         and experts at each ``dbo_ladder`` size, evenly split over the engines, without and
         with the overlap, and set the threshold from the ratios (``dbo_threshold_from``; None:
         off). Every worker decides from the same numbers: the times are summed over the
-        engines and the engine's tensor-parallel ranks. ``timed(tokens_per_rank, overlap)``
-        replaces the measurement (tests). None when there is nothing to measure."""
+        engines and the engine's tensor-parallel ranks. ``timed(tokens_per_rank)`` -> (without,
+        with) replaces the measurement (tests). None when there is nothing to measure."""
         if self.dbo_threshold != DBO_MEASURE or not self.active:
             return None
         assert self.dp is not None
         sizes = dbo_ladder(self.dp_size, max_tokens)
-        measure = timed or (lambda t, overlap: self._time_exchange(t, overlap, reps))
-        times = [measure(total // self.dp_size, overlap)
-                 for total in sizes for overlap in (False, True)]
+        measure = timed or (lambda t: self._time_exchange(t, reps))
+        times = [s for total in sizes for s in measure(total // self.dp_size)]
         times = self.dp.sum_floats(times) if times else []
         if times and self.tp.world_size > 1:
             summed = self.tp.all_reduce(torch.tensor(times, dtype=torch.float32,
@@ -328,9 +331,10 @@ class ExpertParallel:
             logger.info("dual batch overlap: %s", measured.describe())
         return measured
 
-    def _time_exchange(self, tokens: int, overlap: bool, reps: int) -> float:
+    def _time_exchange(self, tokens: int, reps: int) -> tuple[float, float]:
         """Seconds of the first MoE layer over ``tokens`` rows on every rank (random inputs),
-        exchanged in one go or as two micro-batches; the mean of ``reps`` after a warm-up."""
+        exchanged in one go and as two micro-batches: each the fastest of ``reps`` runs, the
+        two kinds alternating (so a slow spell of the machine hits both), after a warm-up."""
         moe = self.layers[0]
         device = moe.w13.device
         gen = torch.Generator(device=device).manual_seed(tokens)
@@ -342,8 +346,11 @@ class ExpertParallel:
         first, second = split_counts(counts)
         halves = (Exchange.of(first, self.dp_rank, device),
                   Exchange.of(second, self.dp_rank, device, start=first[self.dp_rank]))
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-        def once() -> None:
+        def once(overlap: bool) -> float:
+            sync()
+            start = time.perf_counter()
             if overlap:
                 self._halves = halves
                 self._overlapped(moe, x, logits, None)
@@ -351,16 +358,13 @@ class ExpertParallel:
                 x_all, logits_all = self._dispatch(whole, x, logits)
                 self._combine(whole, self._local_experts(moe, x_all, logits_all, None))
             self._halves = None
+            sync()
+            return time.perf_counter() - start
 
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         with torch.inference_mode():
-            once()  # (warm-up: the kernels' first launch, the collectives' buffers)
-            sync()
-            start = time.perf_counter()
-            for _ in range(reps):
-                once()
-            sync()
-        return (time.perf_counter() - start) / reps
+            once(False), once(True)  # (warm-up: the kernels' first launch, the buffers)
+            runs = [(once(False), once(True)) for _ in range(reps)]
+        return min(r[0] for r in runs), min(r[1] for r in runs)
 
     def close(self) -> None:
         """Forget the model's layers (they hold its expert weights) and leave the cross-engine

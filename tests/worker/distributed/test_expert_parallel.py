@@ -68,7 +68,7 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
             max_tokens, timed = calibrate
             measured = ep.calibrate_dbo(max_tokens, reps=2,
                                         timed=None if timed is None else
-                                        (lambda t, overlap: timed(rank, t, overlap)))
+                                        (lambda t: timed(rank, t)))
         outs = []
         for x in tokens:  # one forward per entry: both layers, in order
             if x.shape[0] == 0:
@@ -163,7 +163,8 @@ def test_static_exchange_needs_no_counts_and_gives_the_same_outputs(dbo) -> None
 
 def test_the_overlap_threshold_rule() -> None:
     """Measured at 128, 256, ... tokens over the engines, up to every engine's largest step;
-    on from the smallest size from which every ratio is at least 1.05, else off."""
+    on from the smallest size from which every ratio is at least 1.05 (the two largest sizes
+    at least), else off."""
     assert moe_ep.dbo_ladder(2, 4096) == [128, 256, 512, 1024, 2048, 4096, 8192]
     assert moe_ep.dbo_ladder(4, 8192) == [128 << i for i in range(8)]  # (capped at 16384)
     assert moe_ep.dbo_ladder(2, 32) == []
@@ -173,15 +174,18 @@ def test_the_overlap_threshold_rule() -> None:
     assert rule(sizes, [1.2, 0.9, 1.1, 1.06]) == 512  # (a faster small size alone: not on)
     assert rule(sizes, [1.1] * 4) == 128
     assert rule(sizes, [1.2, 1.2, 1.2, 1.04]) is None  # slower at the largest: never on
+    assert rule(sizes, [0.5, 0.6, 0.7, 1.1]) is None  # the largest alone: maybe noise
+    assert rule([128], [1.1]) == 128  # (one size measured: it alone decides)
     assert rule([], []) is None
 
 
-def _timed(rank: int, tokens: int, overlap: bool) -> float:
-    """Made-up times: rank 0's overlap slower below 256 tokens a rank (512 over both), faster
-    from there; rank 1's the same either way (its sums decide nothing alone)."""
+def _timed(rank: int, tokens: int) -> tuple[float, float]:
+    """Made-up (without, with) times: rank 0's overlap slower below 256 tokens a rank (512
+    over both), faster from there; rank 1's the same either way (its sums decide nothing
+    alone)."""
     if rank == 1:
-        return 1.0
-    return (1.2 if tokens < 256 else 0.8) if overlap else 1.0
+        return 1.0, 1.0
+    return 1.0, 1.2 if tokens < 256 else 0.8
 
 
 def test_both_ranks_take_the_threshold_measured_over_both() -> None:
@@ -215,8 +219,8 @@ def test_a_real_measurement_agrees_across_ranks_and_leaves_the_layers_intact() -
     results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens, calibrate=(128, None))
     m0, m1 = results[0][5], results[1][5]
     assert m0 == m1 and m0.sizes == [128, 256]
-    assert m0.threshold in (None, 128, 256)
-    assert (m0.threshold is None) == (m0.ratios[-1] < moe_ep.DBO_MIN_GAIN)
+    assert m0.threshold == moe_ep.dbo_threshold_from(m0.sizes, m0.ratios)
+    assert all(r > 0 for r in m0.ratios)
     for r in (0, 1):
         outs, overlapped, *_ = results[r]
         assert overlapped == (1 if m0.threshold is not None and m0.threshold <= 140 else 0)
