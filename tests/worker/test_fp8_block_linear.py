@@ -193,3 +193,85 @@ def test_default_kernels_take_the_cuda_few_row_product_weight_only(m, monkeypatc
     ref = weight_only if m <= 8 else fbt.fp8_block_linear(x, q, s, 128).double()
     err = float((y.double() - ref).norm() / ref.norm())
     assert err < 1e-2, f"relative error {err:.3g}"
+
+
+def _gated_reference(y: torch.Tensor) -> torch.Tensor:
+    n = y.shape[-1] // 2
+    return torch.nn.functional.silu(y[..., :n]) * y[..., n:]
+
+
+def test_a_gated_linear_is_the_activation_of_the_linear_on_the_cpu():
+    """``fp8_block_gated_linear`` off the GPU (and for rows the few-row product does not
+    take): the block-wise linear, then SiLU-and-mul, exactly as the two ops."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import DeviceInfo, resolve
+    from tidal.worker.ops.kernels import Kernels
+
+    kernels = Kernels(resolve(KernelConfig(), DeviceInfo("cpu")))
+    _, q, s = _weight(64, 256, 1, 128, 5)  # [gate; up] of 32 outputs each
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    got = kernels.fp8_block_gated_linear(x, q, s, 128, None, "silu")
+    want = kernels.silu_and_mul(kernels.fp8_block_linear(x, q, s, 128))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError):
+        kernels.fp8_block_gated_linear(x, q, s, 128, None, "relu")
+
+
+def test_the_mlp_projects_a_block_fp8_gate_up_through_the_gated_op(monkeypatch):
+    """``SiluAndMul.project`` on a block-wise FP8 ``[gate; up]`` layer goes through
+    ``fp8_block_gated_linear`` (where 1-8 rows on the GPU fuse the activation) and gives
+    silu-and-mul of the layer's output."""
+    from tidal.engine_core.quantization_config import QuantConfig
+    from tidal.worker.layers import fp8
+    from tidal.worker.layers.activation import SiluAndMul
+    from tidal.worker.layers.linear import MergedColumnParallelLinear
+
+    with fp8.quantizing(QuantConfig(method="fp8", weight_block=(1, 128))):
+        layer = MergedColumnParallelLinear(256, [32, 32], bias=False, dtype=torch.bfloat16)
+    assert layer.fp8_block is not None
+    _, q, s = _weight(64, 256, 1, 128, 6)
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+    from tidal.worker.ops.kernels import Kernels
+
+    act = SiluAndMul()
+    calls = []
+    real = Kernels.fp8_block_gated_linear
+    monkeypatch.setattr(Kernels, "fp8_block_gated_linear",
+                        lambda self, *a, **kw: calls.append(a[-1]) or real(self, *a, **kw))
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    got = act.project(layer, x)
+    assert calls == ["silu"]
+    assert torch.equal(got, act(layer(x)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("m", [1, 4, 8, 9])
+def test_gated_rows_take_the_few_row_product_with_the_activation_fused(m, monkeypatch):
+    """1-8 rows of a block-wise FP8 ``[gate; up]`` weight: the CUDA few-row product with
+    SiLU-and-mul as its epilogue (weight-only); nine rows: the block GEMM, then the op."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import probe_device, resolve
+    from tidal.worker.ops import skinny_gemm
+    from tidal.worker.ops.kernels import Kernels
+
+    kc = KernelConfig()
+    kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
+    if not kernels.policy.skinny_fp8_block:
+        pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'off'}")
+    w, q, s = _weight(512, 512, 128, 128, 7)  # [gate; up] of 256 outputs each
+    q, s = q.cuda(), s.cuda()
+    x = (torch.randn(m, 512) * torch.logspace(-2, 1, 512)).to(torch.bfloat16).cuda()
+    acts = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda *a, **kw: acts.append(kw.get("act")) or real(*a, **kw))
+    y = kernels.fp8_block_gated_linear(x, q, s, 128, None, "silu")
+    assert acts == (["silu"] if m <= 8 else [])
+    dense = fbt.dequantize_weight(q, s, 128)
+    if m <= 8:
+        ref = _gated_reference(x.double() @ dense.double().t())
+    else:
+        ref = _gated_reference(fbt.fp8_block_linear(x, q, s, 128).double())
+    err = float((y.double() - ref).norm() / ref.norm())
+    assert err < 2e-2, f"relative error {err:.3g}"

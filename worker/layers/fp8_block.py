@@ -76,6 +76,14 @@ def matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> tor
                                           layout.block_k, bias)
 
 
+def gated_matmul(layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+                 act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``matmul`` over a fused ``[gate; up]`` layer (1-8 rows on the GPU:
+    the activation is the few-row product's epilogue)."""
+    return layer.kernels.fp8_block_gated_linear(x, layer.weight, layer.weight_scale_inv,
+                                                layer.fp8_block.block_k, bias, act)
+
+
 def _load_weight(layer: LinearBase, layout: Fp8BlockLayout, param: nn.Parameter,
                  loaded: Any, shard_id: object = None) -> None:
     # (A lazy checkpoint tensor tells its dtype by a one-row read; the rank's shard is read

@@ -445,6 +445,20 @@ class Kernels:
                 return y.reshape(*x.shape[:-1], w_q.shape[0])
         return fp8_block_torch.fp8_block_linear(x, w_q, w_scale, block_k, bias)
 
+    def fp8_block_gated_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                               block_k: int, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of ``fp8_block_linear`` over a fused ``[gate; up]`` block-wise FP8
+        weight (``act``: "silu" or "gelu_tanh"): 1 to 8 rows on the CUDA few-row product with
+        the activation as its epilogue (no bias; no separate activation kernel), else the
+        linear, then the activation."""
+        _check_gated_act(act)
+        sk = self._skinny
+        if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda and bias is None
+                and sk.supported(x, w_q, block_k, gated=True, fp8_groups=True)
+                and not torch.compiler.is_compiling()):
+            return sk.skinny_gemm(x, w_q, scales=w_scale, group_size=block_k, act=act)
+        return self._gated_act(self.fp8_block_linear(x, w_q, w_scale, block_k, bias), act)
+
     def skinny_w4a16_applies(self, x: torch.Tensor, qweight: torch.Tensor,
                              scales: torch.Tensor, group_size: int,
                              g_idx: torch.Tensor | None, bias: torch.Tensor | None,
