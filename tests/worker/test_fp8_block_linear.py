@@ -275,3 +275,53 @@ def test_gated_rows_take_the_few_row_product_with_the_activation_fused(m, monkey
         ref = _gated_reference(fbt.fp8_block_linear(x, q, s, 128).double())
     err = float((y.double() - ref).norm() / ref.norm())
     assert err < 2e-2, f"relative error {err:.3g}"
+
+
+def test_the_one_row_gemv_with_group_scales_is_opt_in_where_the_gemv_runs_fp8():
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import DeviceInfo, describe, resolve
+
+    hopper = DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0))
+    on = resolve(KernelConfig(gemv_fp8_block=True), hopper)
+    assert on.gemv_fp8_block and not resolve(KernelConfig(), hopper).gemv_fp8_block
+    assert not resolve(KernelConfig(gemv_fp8_block=True),
+                       DeviceInfo("cuda", triton=True, capability=(8, 0))).gemv_fp8_block
+    assert not resolve(KernelConfig(gemv_fp8_block=True), DeviceInfo("cpu")).gemv_fp8_block
+    assert not resolve(KernelConfig(gemv_fp8_block=True, gemv=False), hopper).gemv_fp8_block
+    assert any("one row: the GEMV with group scales" in line for line in describe(on))
+
+
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+@pytest.mark.parametrize("gated", [False, True])
+def test_opted_in_one_row_takes_the_gemv_with_group_scales(gated, monkeypatch):
+    """``gemv_fp8_block``: one row of a block-wise FP8 linear (and of a gated one, SiLU as the
+    GEMV's epilogue) runs the Triton one-row GEMV with the group scales, weight-only; two rows
+    do not."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import probe_device, resolve
+    from tidal.worker.ops import triton_decode
+    from tidal.worker.ops.kernels import Kernels
+
+    kc = KernelConfig(gemv_fp8_block=True)
+    kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
+    if not kernels.policy.gemv_fp8_block:
+        pytest.skip(f"no one-row GEMV here: {kernels.policy.why('ops') or 'off'}")
+    _, q, s = _weight(512, 1024, 1, 128, 8)
+    q, s = q.cuda(), s.cuda()
+    dense = fbt.dequantize_weight(q, s, 128).double()
+    for m in (1, 2):
+        x = (torch.randn(m, 1024) * torch.logspace(-2, 1, 1024)).to(torch.bfloat16).cuda()
+        calls = []
+        real = triton_decode.gemv
+        monkeypatch.setattr(triton_decode, "gemv",
+                            lambda *a, **kw: calls.append(kw.get("group_size")) or real(*a, **kw))
+        if gated:
+            y = kernels.fp8_block_gated_linear(x, q, s, 128, None, "silu")
+            ref = _gated_reference(x.double() @ dense.t())
+        else:
+            y = kernels.fp8_block_linear(x, q, s, 128)
+            ref = x.double() @ dense.t()
+        assert calls == ([128] if m == 1 else [])
+        if m == 1:
+            err = float((y.double() - ref).norm() / ref.norm())
+            assert err < 1e-2, f"relative error {err:.3g}"

@@ -430,7 +430,11 @@ class Kernels:
         scale ``w_scale`` [N, ceil(K / block_k)], activations quantized per token and group of
         ``block_k`` (``fp8_block_torch``): the Triton kernels on the GPU where the policy has
         them, else the torch reference. With ``skinny_fp8_block``, 1 to 8 rows run the CUDA
-        few-row product instead, weight-only (the activations are not quantized)."""
+        few-row product instead, weight-only (the activations are not quantized); with
+        ``gemv_fp8_block``, one row the Triton one-row GEMV with group scales (weight-only)."""
+        if self._fp8_block_gemv_applies(x, w_q, block_k):
+            y, _ = self._td.gemv(x, w_q, bias, group_scales=w_scale, group_size=block_k)
+            return y.view(*x.shape[:-1], w_q.shape[0])
         sk = self._skinny
         if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda
                 and (bias is None or bias.dtype == x.dtype)
@@ -445,6 +449,13 @@ class Kernels:
                 return y.reshape(*x.shape[:-1], w_q.shape[0])
         return fp8_block_torch.fp8_block_linear(x, w_q, w_scale, block_k, bias)
 
+    def _fp8_block_gemv_applies(self, x: torch.Tensor, w_q: torch.Tensor, block_k: int) -> bool:
+        """One row of a block-wise FP8 linear on the one-row GEMV (``gemv_fp8_block``): the
+        GEMV applies and the group is a power of two from 16 (a chunk then never straddles
+        two)."""
+        return (self.policy.gemv_fp8_block and block_k >= 16 and block_k & (block_k - 1) == 0
+                and self.gemv_applies(x, w_q) and not torch.compiler.is_compiling())
+
     def fp8_block_gated_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                block_k: int, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         """``act(gate) * up`` of ``fp8_block_linear`` over a fused ``[gate; up]`` block-wise FP8
@@ -452,6 +463,11 @@ class Kernels:
         the activation as its epilogue (no bias; no separate activation kernel), else the
         linear, then the activation."""
         _check_gated_act(act)
+        if (self._fp8_block_gemv_applies(x, w_q, block_k) and bias is None
+                and w_q.shape[0] % 2 == 0):
+            y, _ = self._td.gemv(x, w_q, silu=act == "silu", gelu=act == "gelu_tanh",
+                                 group_scales=w_scale, group_size=block_k)
+            return y.view(*x.shape[:-1], w_q.shape[0] // 2)
         sk = self._skinny
         if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda and bias is None
                 and sk.supported(x, w_q, block_k, gated=True, fp8_groups=True)
