@@ -325,3 +325,78 @@ def test_opted_in_one_row_takes_the_gemv_with_group_scales(gated, monkeypatch):
         if m == 1:
             err = float((y.double() - ref).norm() / ref.norm())
             assert err < 1e-2, f"relative error {err:.3g}"
+
+
+def _norm_gate_up(kernels=None):
+    """An RMSNorm and a block-wise FP8 ``[gate; up]`` layer (2 x 256 outputs, 512 inputs)
+    built with ``kernels`` (default: the torch ones), fused as the decoder fuses them."""
+    from tidal.engine_core.quantization_config import QuantConfig
+    from tidal.worker.kernel_policy import building, reference_kernels
+    from tidal.worker.layers import fp8
+    from tidal.worker.layers.linear import MergedColumnParallelLinear
+    from tidal.worker.layers.norm import RMSNorm
+    from tidal.worker.models.decoder import NormLinear
+
+    with building(kernels or reference_kernels()), \
+            fp8.quantizing(QuantConfig(method="fp8", weight_block=(1, 128))):
+        norm = RMSNorm(512, 1e-6, torch.bfloat16)
+        layer = MergedColumnParallelLinear(512, [256, 256], bias=False, dtype=torch.bfloat16)
+    _, q, s = _weight(512, 512, 1, 128, 11)
+    layer.weight.data.copy_(q)
+    layer.weight_scale_inv.data.copy_(s)
+    norm.weight.data.copy_((torch.rand(512) + 0.5).to(torch.bfloat16))
+    return norm, layer, NormLinear(norm, layer, silu=True)
+
+
+def test_the_decoder_norm_gate_up_of_block_fp8_takes_the_gated_op(monkeypatch):
+    """The decoder's fused norm + gate/up over a block-wise FP8 layer: the norm, then
+    ``fp8_block_gated_linear`` (whose 1-8 GPU rows fuse SiLU-and-mul), equal to the ops
+    composed."""
+    from tidal.worker.ops import torch_ops
+    from tidal.worker.ops.kernels import Kernels
+
+    norm, layer, fused = _norm_gate_up()
+    calls = []
+    real = Kernels.fp8_block_gated_linear
+    monkeypatch.setattr(Kernels, "fp8_block_gated_linear",
+                        lambda self, *a, **kw: calls.append(a[-1]) or real(self, *a, **kw))
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    residual = torch.randn(3, 512).to(torch.bfloat16)
+    y, res = fused(x, residual)
+    assert calls == ["silu"]
+    h, want_res = torch_ops.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    assert torch.equal(res, want_res)
+    assert torch.equal(y, torch_ops.silu_and_mul(layer(h)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
+def test_opted_in_one_row_norm_gate_up_runs_the_gemv_with_the_norm_inside(monkeypatch):
+    """``gemv_fp8_block``: one row of the decoder's norm + gate/up over block-wise FP8 weights
+    goes through ``rms_norm_linear`` to the one-row GEMV with group scales (the norm and SiLU
+    fused), matching the ops composed; two rows compose them."""
+    from tidal.engine_core.kernel_config import KernelConfig
+    from tidal.worker.kernel_policy import kernels_for
+    from tidal.worker.ops import torch_ops, triton_decode
+
+    kernels = kernels_for(torch.device("cuda"), KernelConfig(gemv_fp8_block=True))
+    if not kernels.policy.gemv_fp8_block:
+        pytest.skip(f"no one-row GEMV here: {kernels.policy.why('ops') or 'off'}")
+    norm, layer, fused = _norm_gate_up(kernels)
+    norm.cuda()
+    layer.cuda()
+    sizes = []
+    real = triton_decode.gemv
+    monkeypatch.setattr(triton_decode, "gemv",
+                        lambda *a, **kw: sizes.append(kw.get("group_size")) or real(*a, **kw))
+    for m in (1, 2):
+        x = torch.randn(m, 512).to(torch.bfloat16).cuda()
+        residual = torch.randn(m, 512).to(torch.bfloat16).cuda()
+        y, res = fused(x, residual)
+        h, want_res = torch_ops.fused_add_rms_norm(x.cpu().float(), residual.cpu().float(),
+                                                   norm.weight.cpu().float(), 1e-6)
+        dense = fbt.dequantize_weight(layer.weight.cpu(), layer.weight_scale_inv.cpu(), 128)
+        ref = torch_ops.silu_and_mul(h.double() @ dense.double().t())
+        err = float((y.double().cpu() - ref).norm() / ref.norm())
+        assert err < 2e-2, f"{m} rows: relative error {err:.3g}"
+        torch.testing.assert_close(res.float().cpu(), want_res, rtol=1e-2, atol=1e-2)
+    assert sizes == [128]  # (one row; two rows: the norm, then the few-row product)

@@ -21,7 +21,7 @@ from tidal.worker.cpu_offload import layer_built
 from tidal.worker.distributed.parallel_state import ParallelGroup, single_group
 from tidal.worker.distributed.pending_sum import PendingSum
 from tidal.worker.kernel_policy import current_kernels
-from tidal.worker.layers import int4
+from tidal.worker.layers import fp8_block, int4
 from tidal.worker.layers.activation import GatedActivation, SiluAndMul
 from tidal.worker.layers.attention import Attention
 from tidal.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -187,7 +187,7 @@ class NormLinear:
     the order the math reads. A plain object, not a module: it borrows the parameters of
     ``norm`` and ``linear``, which stay where the checkpoint names them."""
 
-    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8", "_int4", "_apart")
+    __slots__ = ("_op", "_norm", "_linear", "_silu", "_fp8", "_int4", "_block", "_apart")
 
     def __init__(self, norm: RMSNorm, linear: nn.Module, silu: bool = False) -> None:
         self._op = norm.kernels.rms_norm_linear
@@ -197,9 +197,13 @@ class NormLinear:
         self._fp8 = getattr(linear, "weight_scale", None) is not None
         # INT4 weights (AWQ/GPTQ) never reach the fused 16-bit GEMV paths: the plain norm,
         # then the layer's own W4A16 matmul (with SiLU-and-mul as its epilogue for one row on
-        # the GPU). Block-wise FP8 weights likewise (the layer's own block-scaled matmul).
+        # the GPU). Block-wise FP8 weights likewise (the layer's own block-scaled matmul),
+        # unless the policy runs one row of them on the GEMV with group scales
+        # (``gemv_fp8_block``): then the norm is its prologue too.
         self._int4 = getattr(linear, "w4a16", None) is not None
-        self._apart = self._int4 or getattr(linear, "fp8_block", None) is not None
+        self._block = getattr(linear, "fp8_block", None)
+        self._apart = self._int4 or (self._block is not None
+                                     and not norm.kernels.policy.gemv_fp8_block)
 
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +220,12 @@ class NormLinear:
             return self._norm_then_linear(x, residual)
         if self._apart:
             return self._norm_then_linear(x, residual)
+        if self._block is not None:
+            if not norm.kernels.one_row_fusion_applies(x):
+                return self._norm_then_linear(x, residual)
+            return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                            silu=self._silu, group_scales=linear.weight_scale_inv,
+                            group_size=self._block.block_k)
         if not self._fp8:
             return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
                             silu=self._silu)
@@ -242,6 +252,8 @@ class NormLinear:
         linear = self._linear
         if self._silu and self._int4 and linear.lora is None:
             return int4.gated_matmul(linear, h, linear.bias, "silu"), residual
+        if self._silu and self._block is not None and linear.lora is None:
+            return fp8_block.gated_matmul(linear, h, linear.bias, "silu"), residual
         y = linear(h)
         return (kernels.silu_and_mul(y) if self._silu else y), residual
 

@@ -602,10 +602,14 @@ class Kernels:
         silu: bool = False,
         weight_scale: torch.Tensor | None = None,
         input_scale: torch.Tensor | None = None,
+        group_scales: torch.Tensor | None = None,
+        group_size: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
         An FP8 ``weight`` comes with its ``weight_scale`` (and static ``input_scale``, if any):
-        the GEMV reads it as it is (weight-only); the unfused ops run ``fp8_linear``.
+        the GEMV reads it as it is (weight-only); the unfused ops run ``fp8_linear``. A
+        block-wise FP8 one with ``group_scales`` per ``group_size`` inputs instead (one row:
+        the GEMV with group scales where ``gemv_fp8_block`` has it; else ``fp8_block_linear``).
         One row on the GPU: the GEMV kernel with the norm as its prologue (or, before a large
         weight, a one-row norm kernel first) and SiLU-and-mul as its epilogue. ``x`` may be a
         tensor-parallel ``PendingSum``: its all-reduce then completes inside the GEMV (pushed
@@ -618,7 +622,10 @@ class Kernels:
                  and (residual is None
                       or (residual.dtype == x.dtype and residual.shape == x.shape))
                  and (bias is None or (bias.dtype == x.dtype and not silu))
-                 and not (silu and weight.shape[0] % 2))
+                 and not (silu and weight.shape[0] % 2)
+                 and (group_scales is None
+                      or self._fp8_block_gemv_applies(x, weight, group_size)))
+        groups = dict(group_scales=group_scales, group_size=group_size)
         td = self._td
         parts = stats = None
         if pending is not None:
@@ -637,20 +644,22 @@ class Kernels:
         if stats is not None:
             h, ss = stats
             y, _ = td.gemv(h, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                           norm_ss=ss, weight_scale=weight_scale)
+                           norm_ss=ss, weight_scale=weight_scale, **groups)
             return y.view(*h.shape[:-1], n), h
         if (fused and parts is None and self._norm_apart
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() >= NORM_APART_MIN_BYTES
                 and x.shape[-1] <= td.ADD_NORM_MAX):
             h, residual = td.add_rms_norm_row(x, residual, norm_weight, eps)
-            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale)
+            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale, **groups)
             return y.view(*h.shape[:-1], n), residual
         if fused:
             y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
-                             eps=eps, silu=silu, parts=parts, weight_scale=weight_scale)
+                             eps=eps, silu=silu, parts=parts, weight_scale=weight_scale,
+                             **groups)
             return y.view(*x.shape[:-1], n), res
-        rows_gemv = (weight_scale is None and self.rows_gemv_applies(x, weight, gated=silu)
+        rows_gemv = (weight_scale is None and group_scales is None
+                     and self.rows_gemv_applies(x, weight, gated=silu)
                      and (bias is None or (bias.dtype == x.dtype and not silu))
                      and not (silu and weight.shape[0] % 2))
         if (rows_gemv and self._rows.PDL_DOT and norm_weight.dtype == x.dtype
@@ -666,6 +675,11 @@ class Kernels:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
         if rows_gemv:  # (h: x's shape and dtype)
             return self._rows.gemv_rows(h, weight, bias, act="silu" if silu else None), residual
+        if group_scales is not None:
+            if silu:
+                return self.fp8_block_gated_linear(h, weight, group_scales, group_size, bias,
+                                                   "silu"), residual
+            return self.fp8_block_linear(h, weight, group_scales, group_size, bias), residual
         if weight_scale is None:
             y = F.linear(h, weight, bias)
         else:
