@@ -299,6 +299,7 @@ def test_int4_launch_shapes_are_the_measured_best_for_llama_8b():
     assert staged == {(6144, False): (2, 8, 1), (4096, False): (2, 8, 2),
                       (14336, True): (2, 2, 1), (128256, False): (4, 2, 1)}
     assert sk.group_ok(128, 4096) and sk.group_ok(640, 640) and not sk.group_ok(96, 4096)
+    assert sk.group_ok(64, 4096, smallest=64) and not sk.group_ok(32, 4096, smallest=64)
 
 
 def test_fp8_block_launch_shapes_are_the_measured_best_for_llama_8b():

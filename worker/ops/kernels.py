@@ -435,12 +435,8 @@ class Kernels:
         if self._fp8_block_gemv_applies(x, w_q, block_k):
             y, _ = self._td.gemv(x, w_q, bias, group_scales=w_scale, group_size=block_k)
             return y.view(*x.shape[:-1], w_q.shape[0])
-        sk = self._skinny
-        if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda
-                and (bias is None or bias.dtype == x.dtype)
-                and sk.supported(x, w_q, block_k, fp8_groups=True)
-                and not torch.compiler.is_compiling()):
-            return sk.skinny_gemm(x, w_q, bias, scales=w_scale, group_size=block_k)
+        if self._skinny_fp8_block_applies(x, w_q, block_k, bias):
+            return self._skinny.skinny_gemm(x, w_q, bias, scales=w_scale, group_size=block_k)
         fb = self._fp8b
         if fb is not None and x.is_cuda:
             x2 = x.reshape(-1, x.shape[-1])
@@ -448,6 +444,17 @@ class Kernels:
                 y = fb.fp8_block_linear(x2, w_q, w_scale, block_k, bias)
                 return y.reshape(*x.shape[:-1], w_q.shape[0])
         return fp8_block_torch.fp8_block_linear(x, w_q, w_scale, block_k, bias)
+
+    def _skinny_fp8_block_applies(self, x: torch.Tensor, w_q: torch.Tensor, block_k: int,
+                                  bias: torch.Tensor | None, gated: bool = False) -> bool:
+        """1-8 rows of a block-wise FP8 linear on the CUDA few-row product
+        (``skinny_fp8_block``): it takes the shapes, a bias of x's dtype (none when gated),
+        not inside a torch.compile trace."""
+        sk = self._skinny
+        return (sk is not None and self.policy.skinny_fp8_block and x.is_cuda
+                and (bias is None or (bias.dtype == x.dtype and not gated))
+                and sk.supported(x, w_q, block_k, gated=gated, fp8_groups=True)
+                and not torch.compiler.is_compiling())
 
     def _fp8_block_gemv_applies(self, x: torch.Tensor, w_q: torch.Tensor, block_k: int) -> bool:
         """One row of a block-wise FP8 linear on the one-row GEMV (``gemv_fp8_block``): the
@@ -459,20 +466,19 @@ class Kernels:
     def fp8_block_gated_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                block_k: int, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         """``act(gate) * up`` of ``fp8_block_linear`` over a fused ``[gate; up]`` block-wise FP8
-        weight (``act``: "silu" or "gelu_tanh"): 1 to 8 rows on the CUDA few-row product with
-        the activation as its epilogue (no bias; no separate activation kernel), else the
-        linear, then the activation."""
+        weight (``act``: "silu" or "gelu_tanh"): 1 to 8 rows on the CUDA few-row product (one
+        row on the GEMV with group scales where ``gemv_fp8_block`` has it) with the activation
+        as its epilogue (no bias; no separate activation kernel), else the linear, then the
+        activation."""
         _check_gated_act(act)
         if (self._fp8_block_gemv_applies(x, w_q, block_k) and bias is None
                 and w_q.shape[0] % 2 == 0):
             y, _ = self._td.gemv(x, w_q, silu=act == "silu", gelu=act == "gelu_tanh",
                                  group_scales=w_scale, group_size=block_k)
             return y.view(*x.shape[:-1], w_q.shape[0] // 2)
-        sk = self._skinny
-        if (sk is not None and self.policy.skinny_fp8_block and x.is_cuda and bias is None
-                and sk.supported(x, w_q, block_k, gated=True, fp8_groups=True)
-                and not torch.compiler.is_compiling()):
-            return sk.skinny_gemm(x, w_q, scales=w_scale, group_size=block_k, act=act)
+        if self._skinny_fp8_block_applies(x, w_q, block_k, bias, gated=True):
+            return self._skinny.skinny_gemm(x, w_q, scales=w_scale, group_size=block_k,
+                                            act=act)
         return self._gated_act(self.fp8_block_linear(x, w_q, w_scale, block_k, bias), act)
 
     def skinny_w4a16_applies(self, x: torch.Tensor, qweight: torch.Tensor,
@@ -625,7 +631,6 @@ class Kernels:
                  and not (silu and weight.shape[0] % 2)
                  and (group_scales is None
                       or self._fp8_block_gemv_applies(x, weight, group_size)))
-        groups = dict(group_scales=group_scales, group_size=group_size)
         td = self._td
         parts = stats = None
         if pending is not None:
@@ -644,19 +649,21 @@ class Kernels:
         if stats is not None:
             h, ss = stats
             y, _ = td.gemv(h, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                           norm_ss=ss, weight_scale=weight_scale, **groups)
+                           norm_ss=ss, weight_scale=weight_scale, group_scales=group_scales,
+                           group_size=group_size)
             return y.view(*h.shape[:-1], n), h
         if (fused and parts is None and self._norm_apart
                 and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() >= NORM_APART_MIN_BYTES
                 and x.shape[-1] <= td.ADD_NORM_MAX):
             h, residual = td.add_rms_norm_row(x, residual, norm_weight, eps)
-            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale, **groups)
+            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale,
+                           group_scales=group_scales, group_size=group_size)
             return y.view(*h.shape[:-1], n), residual
         if fused:
             y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
                              eps=eps, silu=silu, parts=parts, weight_scale=weight_scale,
-                             **groups)
+                             group_scales=group_scales, group_size=group_size)
             return y.view(*x.shape[:-1], n), res
         rows_gemv = (weight_scale is None and group_scales is None
                      and self.rows_gemv_applies(x, weight, gated=silu)

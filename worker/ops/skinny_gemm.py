@@ -59,7 +59,8 @@ def supported(x: torch.Tensor, w: torch.Tensor, group_size: int = 0,
         return False
     fmt = weight_format(w, x)
     if fp8_groups:
-        if fmt != FORMAT_FP8 or not fp8_group_ok(group_size, x.shape[-1]):
+        # (A chunk's 64 inputs share one FP8 scale: groups from 64.)
+        if fmt != FORMAT_FP8 or not group_ok(group_size, x.shape[-1], smallest=64):
             return False
         fmt = FORMAT_FP8_GROUPS
     if fmt is None or w.dim() != 2 or w.stride(-1) != 1:
@@ -84,16 +85,11 @@ def supported(x: torch.Tensor, w: torch.Tensor, group_size: int = 0,
     return cuda_ext.load_extension() is not None
 
 
-def fp8_group_ok(group_size: int, k: int) -> bool:
-    """Whether the kernel takes FP8 scales per group of ``group_size`` inputs over ``k``: a
-    power of two from 64 (a chunk's 64 inputs share a scale), or one group over all of K."""
-    return group_size >= k or (group_size >= 64 and group_size & (group_size - 1) == 0)
-
-
-def group_ok(group_size: int, k: int) -> bool:
-    """Whether the kernel takes INT4 groups of ``group_size`` over ``k`` inputs: a power of two
-    from 32, or one group over all of K."""
-    return group_size >= k or (group_size >= 32 and group_size & (group_size - 1) == 0)
+def group_ok(group_size: int, k: int, smallest: int = 32) -> bool:
+    """Whether the kernel takes groups of ``group_size`` over ``k`` inputs: a power of two from
+    ``smallest`` (INT4: 32; FP8 scales: 64), or one group over all of K."""
+    return group_size >= k or (group_size >= smallest
+                               and group_size & (group_size - 1) == 0)
 
 
 # The staged INT4 form (``stage_x`` in the .cu file): with groups of 128 or more, the activation
@@ -110,8 +106,8 @@ def xs_row_bytes(k: int) -> int:
 
 def stages_activations(rows: int, k: int, group_size: int) -> bool:
     """Whether an INT4 call of ``rows`` x ``k`` runs the staged form: one row, groups of 128
-    or more, a row that fits (unless the environment turns it off with
-    ``TIDAL_SKINNY_STAGED=0``)."""
+    or more, a row that fits. (The extension itself also reads ``TIDAL_SKINNY_STAGED=0``, a
+    switch for side-by-side benchmarks that this function does not see.)"""
     return rows == 1 and group_size >= 128 and xs_row_bytes(k) <= XS_MAX_BYTES
 
 
