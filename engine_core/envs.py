@@ -174,7 +174,6 @@ KERNEL_ENV: dict[str, str] = {
     "gemv_rows_pdl": "TIDAL_GEMV_ROWS_PDL",
     "skinny_w4a16": "TIDAL_SKINNY_W4A16",
     "skinny_fp8_block": "TIDAL_SKINNY_FP8_BLOCK",
-    "gemv_fp8_block": "TIDAL_GEMV_FP8_BLOCK",
     "gemv_configs": "TIDAL_GEMV_CONFIGS",
     "norm_apart": "TIDAL_NORM_APART",
     "pdl": "TIDAL_PDL",

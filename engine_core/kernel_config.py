@@ -61,12 +61,6 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # with groups of 128, the decode step at batch 1 / 4 took 3.48 / 3.61 ms against 4.32 /
     # 4.48 (tools/results/quant_h200_llama8b_fp8_block_e2e.json).
     skinny_fp8_block: bool = True
-    # One row of a block-wise FP8 linear on the Triton one-row GEMV instead, with a scale per
-    # row and group applied once per chunk of the group (weight-only, like per-row FP8's): its
-    # sm_90 loop is 3.9-4.0 instructions a weight against 3.4 for per-row FP8 at the same
-    # shape (tools/sass_loop_mix.py gemv-fp8-groups); opt-in until measured on a GPU against
-    # the few-row product.
-    gemv_fp8_block: bool = False
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
     attn_fused_merge: bool = False  # split-decode partials merged inside the attention kernel

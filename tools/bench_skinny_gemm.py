@@ -10,8 +10,7 @@ What it compares against, per format: bf16 cuBLAS, the one-row Triton GEMV (one 
 few-row Triton GEMV (2-8 rows); FP8 the one-row / few-row Triton GEMVs (weight-only, e4m3
 widened in registers); ``fp8_block`` (a scale per row and 128 inputs, the block-wise layout)
 the Triton block GEMM (activations quantized per group; the kernel here is weight-only, so
-the check's reference is the dequantized weight's product) and, at one row, the one-row Triton
-GEMV with group scales (``gemv_fp8_block``, opt-in); INT4 (groups of 128) the Triton
+the check's reference is the dequantized weight's product); INT4 (groups of 128) the Triton
 W4A16 GEMVs the engine picks
 (``triton_w4a16.w4a16_linear`` / ``w4a16_gated_gemv``). Gated weights (fused gate/up) are
 timed with SiLU-and-mul, fused where the kernel fuses it.
@@ -111,9 +110,6 @@ def _baselines(fmt: str, rows: int, gated: bool):
             y = tfb.fp8_block_linear(x, d["w"], d["scales"], GROUP, None)
             return torch_ops.silu_and_mul(y) if gated else y
         cases.append(("triton_fp8_block", block_gemm))
-        if rows == 1:  # (the opt-in gemv_fp8_block: the one-row GEMV with group scales)
-            cases.append(("triton_gemv_groups", lambda x, d: td.gemv(
-                x, d["w"], silu=gated, group_scales=d["scales"], group_size=GROUP)[0]))
     else:
         def int4(x, d):
             if gated and w4.gated_gemv_applies(x, d["w"], GROUP, None):

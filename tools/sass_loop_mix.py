@@ -110,22 +110,20 @@ def _int4_groups(bn: int, gpc: int, warps: int, prefetch: int,
     return w4._w4a16_gemv_groups, sig, consts, warps, bn * gpc * 128 / (32 * warps)
 
 
-def _gemv(dtype: str, bn: int, bk: int, warps: int,
-          group: int = 0) -> tuple[Any, dict, dict, int, float]:
-    """The one-row GEMV (``triton_decode._gemv_kernel``), plain: no norm, residual or LoRA;
-    ``group``: FP8 with a scale per row and that many inputs (block-wise), not per row."""
+def _gemv(dtype: str, bn: int, bk: int, warps: int) -> tuple[Any, dict, dict, int, float]:
+    """The one-row GEMV (``triton_decode._gemv_kernel``), plain: no norm, residual or LoRA."""
     from tidal.worker.ops import triton_decode as td
 
     consts = dict(BLOCK_N=bn, BLOCK_K=bk, NORM=False, ADD=False, SILU=False, GELU=False,
                   HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True, ROW_CHUNK=4096,
                   PREFETCH=1, SS_PARTS=0, PARTS=0, PUSH_WORLD=0, SENT=td.SENTINEL, EVICT="",
-                  W_SCALE=dtype == "fp8" and not group, GROUP_K=group, LORA=False, LORA_R=1, LORA_SR=1, LORA_SR_P=1,
+                  W_SCALE=dtype == "fp8", LORA=False, LORA_R=1, LORA_SR=1, LORA_SR_P=1,
                   LORA_SPLITS=1, LORA_SPLITS_P=1, LORA_OFF1=0, LORA_OFF2=0)
     types = {"w_ptr": "*fp8e4nv" if dtype == "fp8" else "*bf16", "N": "i32", "K": "i32",
              "stride_w": "i32", "eps": "fp32", "parts_bits_ptr": "*i16", "rearm_ptr": "*i16",
              "rearm_n": "i32", "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32",
              "ws_ptr": "*fp32", "lora_xa_ptr": "*fp32", "lora_slot_ptr": "*i32",
-             "stride_bl": "i32", "stride_bn": "i32", "gs_stride": "i32"}
+             "stride_bl": "i32", "stride_bn": "i32"}
     sig = {a: types.get(a, "*bf16") for a in td._gemv_kernel.arg_names if a not in consts}
     return td._gemv_kernel, sig, consts, warps, bn * bk / (32 * warps)
 
@@ -163,7 +161,6 @@ KERNELS: dict[str, tuple[str, Callable[..., tuple[Any, ...]]]] = {
     "int4-groups": ("BLOCK_N,GPC,warps,prefetch,split", _int4_groups),
     "gemv-bf16": ("BLOCK_N,BLOCK_K,warps", lambda *a: _gemv("bf16", *a)),
     "gemv-fp8": ("BLOCK_N,BLOCK_K,warps", lambda *a: _gemv("fp8", *a)),
-    "gemv-fp8-groups": ("BLOCK_N,BLOCK_K,warps,GROUP", lambda *a: _gemv("fp8", *a)),
     "attn-decode": ("KV_FP8,TILE_N,warps,stages", _attn_decode),
 }
 

@@ -8,7 +8,7 @@ commit in ``worker/ops/triton_decode.py``.
 With ``--dot``, each GEMV is also timed on the few-row tensor-core kernel
 (``triton_gemv_rows``, FP8 weights widened in registers) over its launch shapes, as the engine
 would run each: the norm before it apart (``add_rms_norm_row``), where the elementwise GEMV
-takes it as its prologue below ``NORM_APART_MIN_BYTES``. Prints the ``FP8_ROWS_CONFIGS``
+takes it as its prologue below ``NORM_APART_MIN_WEIGHTS``. Prints the ``FP8_ROWS_CONFIGS``
 entries where that sequence beat the elementwise one's (with its table launch shape).
 
     python tools/sweep_fp8_gemv.py --shape llama8b --dot --out fp8_gemv.json
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_kernel_check import DECODE1_GEMVS, GEMV_SWEEP, time_calls
     from tidal.worker.ops import triton_decode as td
     from tidal.worker.ops.fp8_torch import quantize_rows
+    from tidal.worker.ops.kernels import NORM_APART_MIN_WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama8b", help="prefix of gpu_kernel_check's GEMV names")
@@ -76,11 +77,21 @@ def main(argv: list[str] | None = None) -> int:
         default = td.gemv_config(n // 2 if silu else n, k, silu, 1, sms)
         rows: list[dict[str, Any]] = []
 
+        apart = bool(kind) and n * k >= NORM_APART_MIN_WEIGHTS
+
+        def call(w: Any, s: Any, c: tuple[int, ...] | None) -> None:
+            # As the engine runs it: the norm apart before a large weight, else the prologue.
+            if apart:
+                h, _ = td.add_rms_norm_row(x, r, nw, 1e-6)
+                td.gemv(h, w, silu=silu, config=c, weight_scale=s)
+            else:
+                td.gemv(x, w, norm_weight=nwv, residual=rv, eps=1e-6, silu=silu, config=c,
+                        weight_scale=s)
+
         def timed(c: tuple[int, ...] | None) -> None:
             try:
-                t = time_calls([(lambda w=w, s=s, c=c: td.gemv(
-                    x, w, norm_weight=nwv, residual=rv, eps=1e-6, silu=silu, config=c,
-                    weight_scale=s)) for w, s in zip(ws, ss)])
+                t = time_calls([(lambda w=w, s=s, c=c: call(w, s, c))
+                                for w, s in zip(ws, ss)])
             except Exception as exc:  # a launch shape that does not compile
                 rows.append({"config": c, "error": str(exc)[:200]})
                 return
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = [r for r in rows if "ms" in r]
         top = min(ok, key=lambda r: r["ms"])
         d = next(r for r in ok if r["default"])
-        print(f"{name:18s} {n}x{k}{' silu' if silu else ''}: default {d['config']} "
+        what = f"{n}x{k}{' silu' if silu else ''}{', norm apart' if apart else ''}"
+        print(f"{name:18s} {what}: default {d['config']} "
               f"{d['ms'] * 1e3:.1f} us ({d['GBps']:.0f} GB/s); best {top['config']} "
               f"{top['ms'] * 1e3:.1f} us ({top['GBps']:.0f} GB/s)", flush=True)
         best[name] = {"n": n // 2 if silu else n, "k": k, "silu": silu, "config": top["config"],
@@ -163,10 +175,10 @@ def _dot_sweep(name: str, ws: list, ss: list, x: Any, r: Any, nw: Any, kind: str
     """The engine's sequence for this GEMV on the elementwise kernel against the same on the
     tensor-core kernel over ``DOT_SWEEP``: microseconds per call (norm included)."""
     from tidal.worker.ops import triton_gemv_rows as tr
-    from tidal.worker.ops.kernels import NORM_APART_MIN_BYTES
+    from tidal.worker.ops.kernels import NORM_APART_MIN_WEIGHTS
 
     act = "silu" if silu else None
-    apart = bool(kind) and ws[0].numel() >= NORM_APART_MIN_BYTES
+    apart = bool(kind) and ws[0].numel() >= NORM_APART_MIN_WEIGHTS
 
     def engine(w: Any, s: Any) -> None:
         if apart:

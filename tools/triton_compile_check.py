@@ -140,7 +140,7 @@ def main() -> int:
                   "parts_bits_ptr": "*i16", "rearm_ptr": "*i16", "rearm_n": "i32",
                   "push_ptrs": "*i64", "push_off": "i32", "ss_ptr": "*fp32", "ws_ptr": "*fp32",
                   "lora_xa_ptr": "*fp32", "lora_b_ptr": "*bf16", "lora_slot_ptr": "*i32",
-                  "stride_bl": "i32", "stride_bn": "i32", "gs_stride": "i32"}
+                  "stride_bl": "i32", "stride_bn": "i32"}
     no_lora = dict(LORA=False, LORA_R=1, LORA_SR=1, LORA_SR_P=1, LORA_SPLITS=1, LORA_SPLITS_P=1,
                    LORA_OFF1=0, LORA_OFF2=0)
     # The LoRA term at Llama-3.1-8B's rank-16 shapes: (S*R, slices of the shrink's inputs,
@@ -169,18 +169,10 @@ def main() -> int:
                       or norm, SILU=silu, GELU=gelu, HAS_BIAS=False, EVEN_N=True, EVEN_K=True,
                       PDL=True, ROW_CHUNK=4096, PREFETCH=prefetch, SS_PARTS=ss, PARTS=parts,
                       PUSH_WORLD=push, SENT=td.SENTINEL, EVICT="evict_first" if push else "",
-                      W_SCALE=False, GROUP_K=0, **lora)
+                      W_SCALE=False, **lora)
         sig = {a: "constexpr" if a in consts else gemv_types[a]
                for a in td._gemv_kernel.arg_names}
         cases.append((name, td._gemv_kernel, sig, consts))
-    # Block-wise FP8 weights (a scale per row and 128 inputs), norm prologue and SiLU epilogue.
-    consts = dict(BLOCK_N=64, BLOCK_K=128, NORM=True, ADD=True, SILU=True, GELU=False,
-                  HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PDL=True, ROW_CHUNK=4096, PREFETCH=2,
-                  SS_PARTS=0, PARTS=0, PUSH_WORLD=0, SENT=td.SENTINEL, EVICT="evict_first",
-                  W_SCALE=False, GROUP_K=128, **no_lora)
-    sig = {a: "constexpr" if a in consts else gemv_types[a] for a in td._gemv_kernel.arg_names}
-    cases.append(("gemv, block-wise FP8 + norm + SiLU", td._gemv_kernel,
-                  {**sig, "w_ptr": "*fp8e4nv"}, consts))
     from tidal.worker.ops import triton_lora as tlo
 
     for label, in_f, sr, norm in (("LoRA one-row shrink, partial sums (down)", 14336, 16, False),

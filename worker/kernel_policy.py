@@ -116,9 +116,6 @@ class KernelPolicy:
     # 1 to 8 rows of a block-wise FP8 linear on the same product, weight-only (e4m3 needs
     # compute capability 8.9).
     skinny_fp8_block: bool = False
-    # One row of a block-wise FP8 linear on the Triton one-row GEMV with group scales (opt-in,
-    # ``KernelConfig.gemv_fp8_block``; where the GEMV runs FP8 weights).
-    gemv_fp8_block: bool = False
     # LoRA's shrink / expand products (--enable-lora) on the Triton kernels (``triton_lora``:
     # per-token for graph-captured steps, segmented for eager ones); else the torch reference.
     triton_lora: bool = False
@@ -295,7 +292,6 @@ def resolve(kc: KernelConfig, device: DeviceInfo, arch: ArchSpec | None = None,
         skinny_w4a16=skinny,
         skinny_fp8_block=(gpu and kc.skinny_fp8_block and device.cuda_ext
                           and device.capability >= (8, 9)),
-        gemv_fp8_block=gemv and kc.gemv_fp8_block and device.capability >= (8, 9),
         triton_lora=gpu and triton_ok,
         lora_grouped_min_tokens=kc.lora_grouped_min_tokens if gpu and triton_ok else 0,
         moe_direct_max_pairs=kc.moe_direct_max_pairs if gpu and triton_ok else 0,
@@ -366,9 +362,7 @@ def describe(policy: KernelPolicy) -> list[str]:
         line("fp8_block_linear", ("triton (group quantizer, block-scaled e4m3 GEMM)"
                                   if policy.triton_fp8_block else "torch reference")
              + ("; CUDA tensor-core product for 1-8 rows, weight-only"
-                if policy.skinny_fp8_block else "")
-             + ("; one row: the GEMV with group scales, weight-only"
-                if policy.gemv_fp8_block else "")),
+                if policy.skinny_fp8_block else "")),
         # Kernels.w4a16_linear (AWQ / GPTQ checkpoints only).
         line("w4a16_linear", "triton (GEMM; group-tiled GEMV with the gate/up activation for "
              "one row; " + ("CUDA tensor-core product for 2-8 rows, and for one row with "

@@ -277,56 +277,6 @@ def test_gated_rows_take_the_few_row_product_with_the_activation_fused(m, monkey
     assert err < 2e-2, f"relative error {err:.3g}"
 
 
-def test_the_one_row_gemv_with_group_scales_is_opt_in_where_the_gemv_runs_fp8():
-    from tidal.engine_core.kernel_config import KernelConfig
-    from tidal.worker.kernel_policy import DeviceInfo, describe, resolve
-
-    hopper = DeviceInfo("cuda", triton=True, cuda_ext=True, capability=(9, 0))
-    on = resolve(KernelConfig(gemv_fp8_block=True), hopper)
-    assert on.gemv_fp8_block and not resolve(KernelConfig(), hopper).gemv_fp8_block
-    assert not resolve(KernelConfig(gemv_fp8_block=True),
-                       DeviceInfo("cuda", triton=True, capability=(8, 0))).gemv_fp8_block
-    assert not resolve(KernelConfig(gemv_fp8_block=True), DeviceInfo("cpu")).gemv_fp8_block
-    assert not resolve(KernelConfig(gemv_fp8_block=True, gemv=False), hopper).gemv_fp8_block
-    assert any("one row: the GEMV with group scales" in line for line in describe(on))
-
-
-@pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
-@pytest.mark.parametrize("gated", [False, True])
-def test_opted_in_one_row_takes_the_gemv_with_group_scales(gated, monkeypatch):
-    """``gemv_fp8_block``: one row of a block-wise FP8 linear (and of a gated one, SiLU as the
-    GEMV's epilogue) runs the Triton one-row GEMV with the group scales, weight-only; two rows
-    do not."""
-    from tidal.engine_core.kernel_config import KernelConfig
-    from tidal.worker.kernel_policy import probe_device, resolve
-    from tidal.worker.ops import triton_decode
-    from tidal.worker.ops.kernels import Kernels
-
-    kc = KernelConfig(gemv_fp8_block=True)
-    kernels = Kernels(resolve(kc, probe_device(torch.device("cuda"), kc)))
-    if not kernels.policy.gemv_fp8_block:
-        pytest.skip(f"no one-row GEMV here: {kernels.policy.why('ops') or 'off'}")
-    _, q, s = _weight(512, 1024, 1, 128, 8)
-    q, s = q.cuda(), s.cuda()
-    dense = fbt.dequantize_weight(q, s, 128).double()
-    for m in (1, 2):
-        x = (torch.randn(m, 1024) * torch.logspace(-2, 1, 1024)).to(torch.bfloat16).cuda()
-        calls = []
-        real = triton_decode.gemv
-        monkeypatch.setattr(triton_decode, "gemv",
-                            lambda *a, **kw: calls.append(kw.get("group_size")) or real(*a, **kw))
-        if gated:
-            y = kernels.fp8_block_gated_linear(x, q, s, 128, None, "silu")
-            ref = _gated_reference(x.double() @ dense.t())
-        else:
-            y = kernels.fp8_block_linear(x, q, s, 128)
-            ref = x.double() @ dense.t()
-        assert calls == ([128] if m == 1 else [])
-        if m == 1:
-            err = float((y.double() - ref).norm() / ref.norm())
-            assert err < 1e-2, f"relative error {err:.3g}"
-
-
 def _norm_gate_up(kernels=None):
     """An RMSNorm and a block-wise FP8 ``[gate; up]`` layer (2 x 256 outputs, 512 inputs)
     built with ``kernels`` (default: the torch ones), fused as the decoder fuses them."""
@@ -370,24 +320,24 @@ def test_the_decoder_norm_gate_up_of_block_fp8_takes_the_gated_op(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason=str(GPU_SKIP))
-def test_opted_in_one_row_norm_gate_up_runs_the_gemv_with_the_norm_inside(monkeypatch):
-    """``gemv_fp8_block``: one row of the decoder's norm + gate/up over block-wise FP8 weights
-    goes through ``rms_norm_linear`` to the one-row GEMV with group scales (the norm and SiLU
-    fused), matching the ops composed; two rows compose them."""
+def test_one_and_two_rows_of_the_decoder_norm_gate_up_fuse_silu_on_the_gpu(monkeypatch):
+    """On the GPU, the decoder's norm + gate/up over block-wise FP8 weights at one and two rows:
+    the norm, then the few-row product with SiLU-and-mul as its epilogue, matching the ops
+    composed in float64."""
     from tidal.engine_core.kernel_config import KernelConfig
     from tidal.worker.kernel_policy import kernels_for
-    from tidal.worker.ops import torch_ops, triton_decode
+    from tidal.worker.ops import skinny_gemm, torch_ops
 
-    kernels = kernels_for(torch.device("cuda"), KernelConfig(gemv_fp8_block=True))
-    if not kernels.policy.gemv_fp8_block:
-        pytest.skip(f"no one-row GEMV here: {kernels.policy.why('ops') or 'off'}")
+    kernels = kernels_for(torch.device("cuda"), KernelConfig())
+    if not kernels.policy.skinny_fp8_block:
+        pytest.skip(f"no CUDA few-row product here: {kernels.policy.why('ops') or 'off'}")
     norm, layer, fused = _norm_gate_up(kernels)
     norm.cuda()
     layer.cuda()
-    sizes = []
-    real = triton_decode.gemv
-    monkeypatch.setattr(triton_decode, "gemv",
-                        lambda *a, **kw: sizes.append(kw.get("group_size")) or real(*a, **kw))
+    acts = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm",
+                        lambda *a, **kw: acts.append(kw.get("act")) or real(*a, **kw))
     for m in (1, 2):
         x = torch.randn(m, 512).to(torch.bfloat16).cuda()
         residual = torch.randn(m, 512).to(torch.bfloat16).cuda()
@@ -399,4 +349,4 @@ def test_opted_in_one_row_norm_gate_up_runs_the_gemv_with_the_norm_inside(monkey
         err = float((y.double().cpu() - ref).norm() / ref.norm())
         assert err < 2e-2, f"{m} rows: relative error {err:.3g}"
         torch.testing.assert_close(res.float().cpu(), want_res, rtol=1e-2, atol=1e-2)
-    assert sizes == [128]  # (one row; two rows: the norm, then the few-row product)
+    assert acts == ["silu", "silu"]

@@ -723,15 +723,15 @@ def test_kernels_add_rms_norm_row_dispatch(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.parametrize("silu", [False, True])
 def test_norm_apart_from_large_gemvs(monkeypatch: pytest.MonkeyPatch, silu: bool) -> None:
-    """``Kernels.rms_norm_linear`` before a weight of ``NORM_APART_MIN_BYTES`` or more: the one-row
-    norm kernel, then the plain GEMV; the same result as the prologue path up to the norm's
+    """``Kernels.rms_norm_linear`` before a weight of ``NORM_APART_MIN_WEIGHTS`` or more: the
+    one-row norm kernel, then the plain GEMV; the same result as the prologue path up to the norm's
     summation order, and the same new residual."""
     gen = torch.Generator(device=DEVICE).manual_seed(17)
     x, w, _, nw, r = _gemv_case(256 * (2 if silu else 1), 2048, torch.bfloat16, gen, True, True,
                                 False)
-    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_BYTES", 1 << 40)
+    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_WEIGHTS", 1 << 40)
     y0, res0 = K.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
-    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels_module, "NORM_APART_MIN_WEIGHTS", 0)
     y1, res1 = K.rms_norm_linear(x, r, nw, 1e-6, w, silu=silu)
     assert torch.equal(res0, res1)
     ref, got_torch, _ = _gemv_refs(x, w, None, nw, r, 1e-6, silu)

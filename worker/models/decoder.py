@@ -197,13 +197,11 @@ class NormLinear:
         self._fp8 = getattr(linear, "weight_scale", None) is not None
         # INT4 weights (AWQ/GPTQ) never reach the fused 16-bit GEMV paths: the plain norm,
         # then the layer's own W4A16 matmul (with SiLU-and-mul as its epilogue for one row on
-        # the GPU). Block-wise FP8 weights likewise (the layer's own block-scaled matmul),
-        # unless the policy runs one row of them on the GEMV with group scales
-        # (``gemv_fp8_block``): then the norm is its prologue too.
+        # the GPU). Block-wise FP8 weights likewise (the layer's own block-scaled matmul, its
+        # gate/up with SiLU-and-mul as the few-row product's epilogue).
         self._int4 = getattr(linear, "w4a16", None) is not None
         self._block = getattr(linear, "fp8_block", None)
-        self._apart = self._int4 or (self._block is not None
-                                     and not norm.kernels.policy.gemv_fp8_block)
+        self._apart = self._int4 or self._block is not None
 
     def __call__(self, x: torch.Tensor | PendingSum,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,12 +218,6 @@ class NormLinear:
             return self._norm_then_linear(x, residual)
         if self._apart:
             return self._norm_then_linear(x, residual)
-        if self._block is not None:
-            if not norm.kernels.one_row_fusion_applies(x):
-                return self._norm_then_linear(x, residual)
-            return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
-                            silu=self._silu, group_scales=linear.weight_scale_inv,
-                            group_size=self._block.block_k)
         if not self._fp8:
             return self._op(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
                             silu=self._silu)

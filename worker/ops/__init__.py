@@ -18,7 +18,7 @@ from tidal.worker.ops import torch_ops
 from tidal.worker.ops.kernels import (
     ARGMAX_MAX_ROWS,
     GEMV_MAX_ROWS,
-    NORM_APART_MIN_BYTES,
+    NORM_APART_MIN_WEIGHTS,
     Kernels,
     op_module,
 )
@@ -26,7 +26,7 @@ from tidal.worker.ops.kernels import (
 __all__ = [
     "ARGMAX_MAX_ROWS",
     "GEMV_MAX_ROWS",
-    "NORM_APART_MIN_BYTES",
+    "NORM_APART_MIN_WEIGHTS",
     "Kernels",
     "op_module",
     "torch_ops",

@@ -30,17 +30,20 @@ if TYPE_CHECKING:
 GEMV_MAX_ROWS = 1  # decode batches with more rows stay on cuBLAS (its tiles suit them)
 GATED_ACTS = ("silu", "gelu_tanh")  # the activations of Kernels.gated_linear
 ARGMAX_MAX_ROWS = 16  # larger batches already fill the GPU with torch's one-block-per-row argmax
-# The RMSNorm before a GEMV of at least this many bytes runs once, in its own one-program kernel,
-# rather than as the GEMV's prologue (which every one of the GEMV's programs runs over the whole
-# row): measured on H200 for Llama-3.1-8B's q/k/v (50 MB) 12.2 + 1.2 us against 15.5, and
-# 3.32 against 3.58 ms for a whole TP=1 step's GEMVs. Qwen3-0.6B's weights (8-12 MB) keep the
-# prologue, and so do Qwen3-30B-A3B's q/k/v (21 MB, a 2048-wide row): on an H100 its batch-1
-# step took 3.035 ms with the prologue against 3.059 with the norm apart (same call, both
-# with a MoE routing variant since reverted, measured level). Weights of 16-32 MB with wider
+# The RMSNorm before a GEMV of at least this many weights runs once, in its own one-program
+# kernel, rather than as the GEMV's prologue (which every one of the GEMV's programs runs over
+# the whole row), and the GEMV's weights stream in under dependent launch while it runs:
+# measured on H200 for Llama-3.1-8B's q/k/v (25M weights) in bf16 12.2 + 1.2 us against 15.5,
+# and 3.32 against 3.58 ms for a whole TP=1 step's GEMVs; in FP8 (per-row, 25 MB) the batch-1
+# step 2.663 against 2.690 ms (two runs each). Counted in weights, not bytes, for that reason:
+# FP8's 16-row programs pay the prologue as bf16's 2-row ones do. Qwen3-0.6B's weights (4-6M)
+# keep the prologue, and so do Qwen3-30B-A3B's q/k/v (10.5M, a 2048-wide row): on an H100 its
+# batch-1 step took 3.035 ms with the prologue against 3.059 with the norm apart (same call,
+# both with a MoE routing variant since reverted, measured level). Weights of 8-16M with wider
 # rows (3072-3584: Llama-3.2-3B's, Qwen2.5-7B's q/k/v) are not measured either way.
 # Under tensor parallelism the signal-free all-reduce before the norm computes its
 # statistics instead, for weights of any size. KernelConfig.norm_apart off: always the prologue.
-NORM_APART_MIN_BYTES = 32 << 20
+NORM_APART_MIN_WEIGHTS = 16 << 20
 
 _OP_MODULES = {"cuda": "tidal.worker.ops.cuda_ops", "triton": "tidal.worker.ops.triton_ops",
                "torch": "tidal.worker.ops.torch_ops"}
@@ -430,11 +433,7 @@ class Kernels:
         scale ``w_scale`` [N, ceil(K / block_k)], activations quantized per token and group of
         ``block_k`` (``fp8_block_torch``): the Triton kernels on the GPU where the policy has
         them, else the torch reference. With ``skinny_fp8_block``, 1 to 8 rows run the CUDA
-        few-row product instead, weight-only (the activations are not quantized); with
-        ``gemv_fp8_block``, one row the Triton one-row GEMV with group scales (weight-only)."""
-        if self._fp8_block_gemv_applies(x, w_q, block_k):
-            y, _ = self._td.gemv(x, w_q, bias, group_scales=w_scale, group_size=block_k)
-            return y.view(*x.shape[:-1], w_q.shape[0])
+        few-row product instead, weight-only (the activations are not quantized)."""
         if self._skinny_fp8_block_applies(x, w_q, block_k, bias):
             return self._skinny.skinny_gemm(x, w_q, bias, scales=w_scale, group_size=block_k)
         fb = self._fp8b
@@ -456,26 +455,13 @@ class Kernels:
                 and sk.supported(x, w_q, block_k, gated=gated, fp8_groups=True)
                 and not torch.compiler.is_compiling())
 
-    def _fp8_block_gemv_applies(self, x: torch.Tensor, w_q: torch.Tensor, block_k: int) -> bool:
-        """One row of a block-wise FP8 linear on the one-row GEMV (``gemv_fp8_block``): the
-        GEMV applies and the group is a power of two from 16 (a chunk then never straddles
-        two)."""
-        return (self.policy.gemv_fp8_block and block_k >= 16 and block_k & (block_k - 1) == 0
-                and self.gemv_applies(x, w_q) and not torch.compiler.is_compiling())
-
     def fp8_block_gated_linear(self, x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                                block_k: int, bias: torch.Tensor | None, act: str) -> torch.Tensor:
         """``act(gate) * up`` of ``fp8_block_linear`` over a fused ``[gate; up]`` block-wise FP8
-        weight (``act``: "silu" or "gelu_tanh"): 1 to 8 rows on the CUDA few-row product (one
-        row on the GEMV with group scales where ``gemv_fp8_block`` has it) with the activation
-        as its epilogue (no bias; no separate activation kernel), else the linear, then the
-        activation."""
+        weight (``act``: "silu" or "gelu_tanh"): 1 to 8 rows on the CUDA few-row product with
+        the activation as its epilogue (no bias; no separate activation kernel), else the
+        linear, then the activation."""
         _check_gated_act(act)
-        if (self._fp8_block_gemv_applies(x, w_q, block_k) and bias is None
-                and w_q.shape[0] % 2 == 0):
-            y, _ = self._td.gemv(x, w_q, silu=act == "silu", gelu=act == "gelu_tanh",
-                                 group_scales=w_scale, group_size=block_k)
-            return y.view(*x.shape[:-1], w_q.shape[0] // 2)
         if self._skinny_fp8_block_applies(x, w_q, block_k, bias, gated=True):
             return self._skinny.skinny_gemm(x, w_q, scales=w_scale, group_size=block_k,
                                             act=act)
@@ -608,14 +594,10 @@ class Kernels:
         silu: bool = False,
         weight_scale: torch.Tensor | None = None,
         input_scale: torch.Tensor | None = None,
-        group_scales: torch.Tensor | None = None,
-        group_size: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(linear(rms_norm(x + residual)), x + residual)``; see ``torch_ops.rms_norm_linear``.
         An FP8 ``weight`` comes with its ``weight_scale`` (and static ``input_scale``, if any):
-        the GEMV reads it as it is (weight-only); the unfused ops run ``fp8_linear``. A
-        block-wise FP8 one with ``group_scales`` per ``group_size`` inputs instead (one row:
-        the GEMV with group scales where ``gemv_fp8_block`` has it; else ``fp8_block_linear``).
+        the GEMV reads it as it is (weight-only); the unfused ops run ``fp8_linear``.
         One row on the GPU: the GEMV kernel with the norm as its prologue (or, before a large
         weight, a one-row norm kernel first) and SiLU-and-mul as its epilogue. ``x`` may be a
         tensor-parallel ``PendingSum``: its all-reduce then completes inside the GEMV (pushed
@@ -628,9 +610,7 @@ class Kernels:
                  and (residual is None
                       or (residual.dtype == x.dtype and residual.shape == x.shape))
                  and (bias is None or (bias.dtype == x.dtype and not silu))
-                 and not (silu and weight.shape[0] % 2)
-                 and (group_scales is None
-                      or self._fp8_block_gemv_applies(x, weight, group_size)))
+                 and not (silu and weight.shape[0] % 2))
         td = self._td
         parts = stats = None
         if pending is not None:
@@ -649,24 +629,20 @@ class Kernels:
         if stats is not None:
             h, ss = stats
             y, _ = td.gemv(h, weight, bias, norm_weight=norm_weight, eps=eps, silu=silu,
-                           norm_ss=ss, weight_scale=weight_scale, group_scales=group_scales,
-                           group_size=group_size)
+                           norm_ss=ss, weight_scale=weight_scale)
             return y.view(*h.shape[:-1], n), h
         if (fused and parts is None and self._norm_apart
                 and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.numel() * weight.element_size() >= NORM_APART_MIN_BYTES
+                and weight.numel() >= NORM_APART_MIN_WEIGHTS
                 and x.shape[-1] <= td.ADD_NORM_MAX):
             h, residual = td.add_rms_norm_row(x, residual, norm_weight, eps)
-            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale,
-                           group_scales=group_scales, group_size=group_size)
+            y, _ = td.gemv(h, weight, bias, silu=silu, weight_scale=weight_scale)
             return y.view(*h.shape[:-1], n), residual
         if fused:
             y, res = td.gemv(x, weight, bias, norm_weight=norm_weight, residual=residual,
-                             eps=eps, silu=silu, parts=parts, weight_scale=weight_scale,
-                             group_scales=group_scales, group_size=group_size)
+                             eps=eps, silu=silu, parts=parts, weight_scale=weight_scale)
             return y.view(*x.shape[:-1], n), res
-        rows_gemv = (weight_scale is None and group_scales is None
-                     and self.rows_gemv_applies(x, weight, gated=silu)
+        rows_gemv = (weight_scale is None and self.rows_gemv_applies(x, weight, gated=silu)
                      and (bias is None or (bias.dtype == x.dtype and not silu))
                      and not (silu and weight.shape[0] % 2))
         if (rows_gemv and self._rows.PDL_DOT and norm_weight.dtype == x.dtype
@@ -682,11 +658,6 @@ class Kernels:
             h, residual = self.fused_add_rms_norm(x, residual, norm_weight, eps)
         if rows_gemv:  # (h: x's shape and dtype)
             return self._rows.gemv_rows(h, weight, bias, act="silu" if silu else None), residual
-        if group_scales is not None:
-            if silu:
-                return self.fp8_block_gated_linear(h, weight, group_scales, group_size, bias,
-                                                   "silu"), residual
-            return self.fp8_block_linear(h, weight, group_scales, group_size, bias), residual
         if weight_scale is None:
             y = F.linear(h, weight, bias)
         else:

@@ -241,20 +241,6 @@ def _w_chunk(w_rows, kk, row_ok, km, EVEN_NK: tl.constexpr, EVICT: tl.constexpr)
 
 
 @triton.jit
-def _accumulate(acc, accg, w, xf, gs_rows, k0, row_ok, GROUP_K: tl.constexpr):
-    """A chunk's products added: elementwise to ``acc`` [BLOCK_N, BLOCK_K]; block-wise FP8
-    (GROUP_K > 0), summed over the chunk and times each row's scale of the group the chunk
-    lies in, to ``accg`` [BLOCK_N] instead (the wrapper keeps a chunk inside one group: one
-    scale a row, applied once per chunk, not once per weight)."""
-    if GROUP_K > 0:
-        scale = tl.load(gs_rows + k0 // GROUP_K, mask=row_ok, other=0.0)
-        accg += tl.sum(w.to(tl.float32) * xf, axis=1) * scale
-    else:
-        acc += w.to(tl.float32) * xf
-    return acc, accg
-
-
-@triton.jit
 def _lora_b_rows(b_ptr, rows, row_ok, j, stride_bn, R: tl.constexpr, OFF1: tl.constexpr,
                  OFF2: tl.constexpr):
     """B's ``rows`` (one slot) laid over the shrink's S*R outputs ``j``: row n holds its R
@@ -316,10 +302,6 @@ def _gemv_kernel(
     # by the weight bytes alone, so quantizing x would cost a pass and precision for nothing.
     ws_ptr,
     W_SCALE: tl.constexpr,
-    # Block-wise FP8: ws_ptr holds float32 scales [rows, groups] (row stride gs_stride), one
-    # per row and GROUP_K inputs, applied to each chunk's weights as they are widened.
-    gs_stride,
-    GROUP_K: tl.constexpr,
     # LoRA (``LoRAArgs``): each row's float32 sum gets its adapter term before the epilogue,
     # B's row of the token's slot (lora_slot_ptr[0]; -1: none, the base result exactly) times
     # the shrink's output, read as LORA_SPLITS partial sums of LORA_SR floats (lora_xa_ptr).
@@ -343,8 +325,6 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     # With SILU the weight is [gate; up]: the up row of output j is row N + j.
     wu_rows = w_ptr + (rows + N).to(tl.int64)[:, None] * stride_w
-    gs_rows = ws_ptr + rows.to(tl.int64) * gs_stride
-    gsu_rows = ws_ptr + (rows + N).to(tl.int64) * gs_stride
     cols = tl.arange(0, BLOCK_K)
     even = EVEN_N and EVEN_K
     # The first chunk of weights depends on nothing the previous kernel writes: with
@@ -394,30 +374,22 @@ def _gemv_kernel(
         inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, K, eps, 0, (pid == 0).to(tl.int32) * K,
                            ADD, PARTS, ROW_CHUNK)
     xf = _x_chunk(x_ptr, res_ptr, nw_ptr, cols, km0, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    accg = tl.zeros([BLOCK_N], tl.float32)
-    acc, accg = _accumulate(acc, accg, w0, xf, gs_rows, 0, row_ok, GROUP_K)
+    acc = w0.to(tl.float32) * xf
     if SILU:
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        accg_up = tl.zeros([BLOCK_N], tl.float32)
-        acc_up, accg_up = _accumulate(acc_up, accg_up, wu0, xf, gsu_rows, 0, row_ok, GROUP_K)
+        acc_up = wu0.to(tl.float32) * xf
     if PREFETCH > 1:
         xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk1, km1, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
-        acc, accg = _accumulate(acc, accg, w1, xf, gs_rows, BLOCK_K, row_ok, GROUP_K)
+        acc += w1.to(tl.float32) * xf
         if SILU:
-            acc_up, accg_up = _accumulate(acc_up, accg_up, wu1, xf, gsu_rows, BLOCK_K, row_ok,
-                                          GROUP_K)
+            acc_up += wu1.to(tl.float32) * xf
     for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         km = kk < K
         xf = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, km, inv, K, NORM, ADD, EVEN_K, PARTS)[None, :]
-        acc, accg = _accumulate(acc, accg, _w_chunk(w_rows, kk, row_ok, km, even, EVICT), xf,
-                                gs_rows, k0, row_ok, GROUP_K)
+        acc += _w_chunk(w_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
         if SILU:
-            acc_up, accg_up = _accumulate(acc_up, accg_up,
-                                          _w_chunk(wu_rows, kk, row_ok, km, even, EVICT), xf,
-                                          gsu_rows, k0, row_ok, GROUP_K)
-    y = accg if GROUP_K > 0 else tl.sum(acc, axis=1)
+            acc_up += _w_chunk(wu_rows, kk, row_ok, km, even, EVICT).to(tl.float32) * xf
+    y = tl.sum(acc, axis=1)
     if W_SCALE:
         y *= tl.load(ws_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
@@ -427,7 +399,7 @@ def _gemv_kernel(
         # (Not even a zero added without an adapter: the base bits, -0.0 included.)
         y = tl.where(lhas, y + tl.sum(lb_rows.to(tl.float32) * lxa, axis=1), y)
     if SILU:
-        u = accg_up if GROUP_K > 0 else tl.sum(acc_up, axis=1)
+        u = tl.sum(acc_up, axis=1)
         if W_SCALE:
             u *= tl.load(ws_ptr + rows + N, mask=row_ok, other=0.0)
         if LORA:
@@ -658,18 +630,13 @@ def gemv(
     norm_ss: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     lora: LoRAArgs | None = None,
-    group_scales: torch.Tensor | None = None,
-    group_size: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One row ``x [1, K]`` times ``weight [N, K]``; see the module docstring for the fusions.
 
     An FP8 (e4m3) ``weight`` takes ``weight_scale`` (float32, one per weight row: ``[N, 1]``
     or ``[N]``, ``N`` counting both halves with ``silu``); the product is then ``x @ (weight *
     weight_scale)^T`` with ``x`` as it is (weight-only dequantization,
-    ``fp8_torch.fp8_weight_only_linear``). Or, block-wise, ``group_scales`` (float32 ``[N,
-    ceil(K / group_size)]``, a scale per row and ``group_size`` inputs, a power of two from
-    16): each chunk's weights are scaled as they are widened (the chunk no wider than a
-    group); still weight-only.
+    ``fp8_torch.fp8_weight_only_linear``).
 
     ``silu`` / ``gelu``: the weight is a fused ``[gate; up]`` one and ``y`` is ``silu(gate) *
     up`` / ``gelu_tanh(gate) * up`` (one of the two).
@@ -699,23 +666,10 @@ def gemv(
     k = x.shape[-1]
     n_total = weight.shape[0]
     n = n_total // 2 if gated else n_total
-    if weight_scale is not None and group_scales is not None:
-        raise ValueError("an FP8 weight takes a weight_scale or group_scales, not both")
-    fp8_scales = weight_scale is not None or group_scales is not None
-    if fp8_scales != (weight.element_size() == 1):
-        raise ValueError("an FP8 weight takes a weight_scale (or group_scales), and only an "
-                         "FP8 weight does")
+    if (weight_scale is not None) != (weight.element_size() == 1):
+        raise ValueError("an FP8 weight takes a weight_scale, and only an FP8 weight does")
     if weight_scale is not None and weight_scale.numel() != n_total:
         raise ValueError(f"weight_scale has {weight_scale.numel()} values for {n_total} rows")
-    if group_scales is not None:
-        groups = -(-k // group_size) if group_size > 0 else 0
-        if (group_size < 16 or group_size & (group_size - 1)
-                or tuple(group_scales.shape) != (n_total, groups)
-                or group_scales.dtype != torch.float32 or group_scales.stride(1) != 1):
-            raise ValueError(f"group_scales must be float32 [{n_total}, ceil({k} / group_size)]"
-                             f" with group_size a power of two from 16; got "
-                             f"{tuple(group_scales.shape)} {group_scales.dtype}, group_size "
-                             f"{group_size}")
     if lora is not None and (parts is not None or push is not None):
         raise ValueError("a LoRA term is not added to pushed or summed partial rows")
     if parts is not None:
@@ -737,8 +691,6 @@ def gemv(
         n, k, gated, weight.element_size(), num_sms(device_index(x.device))
     )
     prefetch = more[0] if more and prefetch is None else (prefetch or 1)
-    if group_scales is not None:
-        block_k = min(block_k, group_size)  # (a chunk inside one group: powers of two)
     pdl = pdl_enabled(x.device)
     if parts is not None:
         wa = (parts.data.view(torch.int16), parts.rearm.view(torch.int16), parts.rearm.numel())
@@ -760,12 +712,8 @@ def gemv(
              PARTS=parts.world if parts is not None else 0, push_ptrs=pa[0], push_off=pa[1],
              PUSH_WORLD=push.world if push is not None else 0, SENT=SENTINEL,
              EVICT="evict_first" if STREAM_WEIGHTS else "",
-             ws_ptr=(weight_scale if weight_scale is not None else
-                     group_scales if group_scales is not None else xr),
-             W_SCALE=weight_scale is not None,
-             gs_stride=group_scales.stride(0) if group_scales is not None else 0,
-             GROUP_K=group_size if group_scales is not None else 0,
-             **_lora_kernel_args(lora, n_total, xr)),
+             ws_ptr=weight_scale if weight_scale is not None else xr,
+             W_SCALE=weight_scale is not None, **_lora_kernel_args(lora, n_total, xr)),
         pdl,
     )  # fmt: skip
     if add:
