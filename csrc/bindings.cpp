@@ -292,11 +292,13 @@ int group_shift_of(int64_t group_size, int64_t groups, int64_t k, int64_t min_gr
 // tidal's layout, int32 [rows, k / 8] with `scales` (x's dtype) and uint8 `zeros` [rows, G];
 // 3 e4m3 [rows, k] with float32 `scales` [rows, G] per row and group of `group_size` inputs
 // (block-wise FP8, weight-only here).
-// `act` 1 / 2: rows = 2 n ([gate; up]) and out = SiLU / tanh-GELU(gate) * up.
+// `act` 1 / 2: rows = 2 n ([gate; up]) and out = SiLU / tanh-GELU(gate) * up. `pdl`: launched
+// as a programmatic dependent of the stream's previous kernel (compute capability >= 9.0).
 void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t format,
                  const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& w_scale,
                  const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& zeros,
-                 int64_t group_size, int64_t act, int64_t tiles, int64_t warps, int64_t unroll) {
+                 int64_t group_size, int64_t act, int64_t tiles, int64_t warps, int64_t unroll,
+                 bool pdl) {
   check_cuda(x, "x");
   check_cuda(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D, contiguous in its last dim");
@@ -383,6 +385,12 @@ void skinny_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
   a.out = out.data_ptr();
   a.out_stride = out.stride(0);
   a.act = static_cast<int>(act);
+  if (pdl) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.get_device());
+    TORCH_CHECK(major >= 9, "pdl needs compute capability 9.0 or more");
+    a.pdl = 1;
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(tidal::launch_skinny_gemm(dtype_of(x), a, static_cast<int>(tiles),
                                          static_cast<int>(warps), static_cast<int>(unroll),

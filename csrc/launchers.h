@@ -96,6 +96,7 @@ struct SkinnyGemmArgs {
                            // are powers of two from 32; FP8 groups from 64; 30 for one group
                            // over all of K)
   int act;                 // 0: none; 1: SiLU(gate) * up; 2: tanh-GELU(gate) * up
+  int pdl;                 // 1: launch as a programmatic dependent (compute capability >= 9)
 };
 
 // out = x @ w.T (weight-only dequantization in registers, float32 sums) on mma tensor cores:

@@ -172,6 +172,20 @@ __device__ __forceinline__ uint4 load16(const void* p) {
                  : "l"(p));
   return v;
 }
+// Programmatic dependent launch (sm_90; the launch attribute is set where the caller asks):
+// what a block does before this point overlaps the previous kernel in the stream, so only
+// weights and their scales are read before it (no kernel writes those); the activations, the
+// output and everything after come after it. It also lets the next kernel launch and fetch
+// its own weights while this one runs. Without the attribute both return at once.
+__device__ __forceinline__ void dependent_launch_point() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+}
 // A 16-byte shared-memory load (volatile for the same reason as the global ones).
 __device__ __forceinline__ uint4 load16_shared(uint32_t addr) {
   uint4 v;
@@ -581,6 +595,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u)
       load_chunk<T, WK, R, PRESCALE, XS>(a, lr, min(warp + u * WARPS, last), t, ld[u]);
+    // (Those loads read weights only: they overlap the previous kernel's end.)
+    dependent_launch_point();
     // Every thread stages (no thread has returned yet); the first loads are already out.
     extern __shared__ uint4 xs_smem[];
     stage_x<T>(a, reinterpret_cast<char*>(xs_smem));
@@ -604,6 +620,17 @@ __global__ void __launch_bounds__(WARPS * 32)
   // first mma: the branch after them (never taken) ends the basic block, and the assembler
   // does not move the loads past it; otherwise it starts the first mma as soon as its operands
   // are "ready" by its latency model and every later load waits behind that stalled mma.
+  // The first step's weight bytes head for L2 while the previous kernel ends (its loads also
+  // read activations, which must wait for it).
+  if (chunks > 0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t c = static_cast<uint32_t>(min(warp + u * WARPS, chunks - 1));
+#pragma unroll
+      for (int r = 0; r < R; ++r) prefetch_l2(lr.w[r] + c * 64u);
+    }
+  }
+  dependent_launch_point();
   const int full = chunks - (WARPS * (U - 1));
   int c0 = warp;
   for (; c0 < full; c0 += WARPS * U) {
@@ -688,6 +715,22 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
+template <typename Kernel>
+cudaError_t launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          const SkinnyGemmArgs& a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+
 template <typename T, int WK, bool PRESCALE, bool XS>
 cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaStream_t stream) {
   const size_t smem = XS ? static_cast<size_t>(a.m * xs_row_bytes(a.k)) : 0;
@@ -695,11 +738,10 @@ cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaS
   const int64_t outs_per_block = a.act != 0 ? rows_per_block / 2 : rows_per_block;
   const dim3 grid(static_cast<unsigned>((a.n + outs_per_block - 1) / outs_per_block));
   const dim3 block(32 * warps);
-#define TIDAL_SKINNY_CASE(R_, W_, U_)                                                   \
-  if (r == R_ && warps == W_ && u == U_) {                                               \
-    skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE, XS><<<grid, block, smem, stream>>>(a); \
-    return cudaGetLastError();                                                           \
-  }
+#define TIDAL_SKINNY_CASE(R_, W_, U_)                                                          \
+  if (r == R_ && warps == W_ && u == U_)                                                        \
+    return launch_kernel(skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE, XS>, grid, block, smem, \
+                         stream, a);
 #define TIDAL_SKINNY_WARPS(R_, U_) \
   TIDAL_SKINNY_CASE(R_, 2, U_)     \
   TIDAL_SKINNY_CASE(R_, 4, U_)     \

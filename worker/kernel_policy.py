@@ -400,7 +400,12 @@ def describe(policy: KernelPolicy) -> list[str]:
 def apply_tuning(policy: KernelPolicy) -> None:
     """Hand the kernel variants to the Triton kernel modules, once per worker at start-up,
     before anything compiles or a CUDA graph is captured (the modules keep them as launch
-    constants). Nothing to do, and nothing imported, where Triton cannot run."""
+    constants), and the dependent-launch switch to the CUDA few-row product. Nothing else to
+    do, and nothing else imported, where Triton cannot run."""
+    if policy.skinny_w4a16 or policy.skinny_fp8_block:
+        from tidal.worker.ops import skinny_gemm
+
+        skinny_gemm.configure(pdl=policy.pdl)
     if not policy.triton:
         return
     from tidal.worker.ops import (attention_plan, moe_configs, triton_attention_kernels,

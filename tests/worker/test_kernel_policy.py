@@ -156,6 +156,21 @@ def test_moe_direct_path_limit_follows_the_config(arch, monkeypatch) -> None:
         moe_configs.configure_direct(reset=True)
 
 
+def test_the_few_row_products_dependent_launch_follows_pdl(arch, monkeypatch) -> None:
+    """The CUDA few-row product (INT4, block-wise FP8) launches as a programmatic dependent
+    unless ``pdl`` is off; set at start-up with or without Triton."""
+    from tidal.worker.ops import skinny_gemm
+
+    ext_only = DeviceInfo("cuda", triton=False, cuda_ext=True, capability=(9, 0))
+    monkeypatch.setattr(skinny_gemm, "PDL", True)
+    off = resolve(KernelConfig(pdl=False), ext_only, arch)
+    assert off.skinny_w4a16 and off.skinny_fp8_block
+    apply_tuning(off)
+    assert skinny_gemm.PDL is False
+    apply_tuning(resolve(KernelConfig(), ext_only, arch))
+    assert skinny_gemm.PDL is True
+
+
 @pytest.mark.parametrize("overrides, what", [
     ({"sliding_window": 8, "window_layers": (1,)}, "sliding window 8 (attention layer 1)"),
     ({"attn_logit_softcap": 50.0}, "logit soft-cap 50.0 (attention layer 0)"),

@@ -152,6 +152,59 @@ def test_int4_weights_match_dequantized_reference(group, rows, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_groups", "int4_staged", "int4_direct"])
+def test_a_dependent_launch_reads_what_the_norm_before_it_wrote(fmt, monkeypatch):
+    """Launched as a programmatic dependent right after the Triton one-row norm (which lets its
+    dependents start at once), the product still reads the norm's output, not what that memory
+    held before: bit for bit the result of the same calls launched plainly, eagerly and
+    replayed from a CUDA graph."""
+    from tidal.worker.ops import fp8_block_torch as fbt
+    from tidal.worker.ops import skinny_gemm as sk
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
+    try:
+        from tidal.worker.ops import triton_decode as td
+    except ImportError as exc:
+        pytest.skip(f"the one-row norm before it is a Triton kernel: {exc}")
+    if not td.pdl_enabled(torch.device(DEV)):
+        pytest.skip("the Triton kernels run without dependent launch here")
+    torch.manual_seed(5)
+    n, k = 2048, 4096
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    if fmt == "bf16":
+        wq, kw = w.to(torch.bfloat16), {}
+    elif fmt == "fp8_groups":
+        wq, scale = fbt.quantize_weight_blocks(w, 1, 128)
+        kw = dict(scales=scale, group_size=128)
+    else:
+        group = 128 if fmt == "int4_staged" else 64  # (groups under 128: the direct form)
+        wq, s, z = int4_torch.quantize_rtn(w, group)
+        kw = dict(scales=s.to(torch.bfloat16), zeros=z, group_size=group)
+    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
+    xs = [torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * (i + 1) for i in range(4)]
+    res = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+
+    def calls(pdl: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(sk, "PDL", pdl)
+        return [sk.skinny_gemm(td.add_rms_norm_row(x, res, nw, 1e-6)[0], wq, **kw) for x in xs]
+
+    want = calls(False)
+    got = calls(True)
+    graph = torch.cuda.CUDAGraph()
+    calls(True)  # (warm-up outside the capture)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = calls(True)
+    for step in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b, c) in enumerate(zip(want, got, captured)):
+            assert torch.equal(a, b), f"{fmt}: call {i}, eager"
+            assert torch.equal(a, c), f"{fmt}: call {i}, graph replay {step}"
+
+
+@gpu
 @pytest.mark.parametrize("rows,k", [(1, 640), (3, 1024), (2, 4096), (1, 14336), (8, 8192)])
 @pytest.mark.parametrize("act", [None, "silu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -329,11 +382,12 @@ def test_a_bad_argument_raises_in_python_not_a_crash(call):
         "skinny": "w = torch.randn(64, 256, device='cuda', dtype=torch.bfloat16)\n"
                   "x = torch.randn(9, 256, device='cuda', dtype=torch.bfloat16)\n"
                   "out = torch.empty(9, 64, device='cuda', dtype=torch.bfloat16)\n"
-                  "ext.skinny_gemm(out, x, w, 0, None, None, None, None, 0, 0, 1, 4, 1)\n",
+                  "ext.skinny_gemm(out, x, w, 0, None, None, None, None, 0, 0, 1, 4, 1, False)\n",
         "skinny_format": "w = torch.randn(64, 256, device='cuda', dtype=torch.bfloat16)\n"
                          "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
                          "out = torch.empty(4, 64, device='cuda', dtype=torch.bfloat16)\n"
-                         "ext.skinny_gemm(out, x, w, 7, None, None, None, None, 0, 0, 1, 4, 1)\n",
+                         "ext.skinny_gemm(out, x, w, 7, None, None, None, None, 0, 0, 1, 4, 1, "
+                         "False)\n",
         "rms_norm_shape": "x = torch.randn(4, 256, device='cuda', dtype=torch.bfloat16)\n"
                           "ext.rms_norm(torch.empty(3, 256, device='cuda', dtype=torch.bfloat16), "
                           "x, torch.ones(256, device='cuda', dtype=torch.bfloat16), 1e-6)\n",

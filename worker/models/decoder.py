@@ -240,7 +240,9 @@ class NormLinear:
         if residual is None:
             h, residual = kernels.rms_norm(x, norm.weight, norm.eps), x
         else:
-            h, residual = kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            # (One row on the GPU: the norm kernel launched as a programmatic dependent, which
+            # lets the INT4 / block-FP8 product after it fetch its weights while it runs.)
+            h, residual = kernels.add_rms_norm_row(x, residual, norm.weight, norm.eps)
         linear = self._linear
         if self._silu and self._int4 and linear.lora is None:
             return int4.gated_matmul(linear, h, linear.bias, "silu"), residual

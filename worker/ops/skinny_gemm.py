@@ -30,6 +30,18 @@ class Launch(NamedTuple):
     unroll: int  # loads in flight per lane and tile: 1, 2 or 4 (tiles 4: up to 2)
 
 
+# Programmatic dependent launch on compute capability 9.0 and later: a call launches while the
+# stream's previous kernel ends and its blocks fetch their first weights meanwhile
+# (``dependent_launch_point`` in the .cu file); set from ``KernelConfig.pdl`` at start-up
+# (``configure``), before any CUDA graph is captured.
+PDL = True
+
+
+def configure(*, pdl: bool) -> None:
+    global PDL
+    PDL = pdl
+
+
 # The launch shapes the extension is built with (``launch_typed`` in the .cu file).
 BUILT = frozenset(Launch(t, w, u) for t in (1, 2, 4) for w in (2, 4, 8) for u in (1, 2, 4)
                   if not (t == 4 and u == 4))
@@ -168,5 +180,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cuda_ext.require_extension().skinny_gemm(
         out, x2, w, fmt, bias, None if w_scale is None else w_scale.reshape(-1), scales, zeros,
-        group_size, ACTS[act], cfg.tiles, cfg.warps, cfg.unroll)
+        group_size, ACTS[act], cfg.tiles, cfg.warps, cfg.unroll,
+        PDL and _capability(x.device.index)[0] >= 9)
     return out.view(*x.shape[:-1], n)
