@@ -616,10 +616,6 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
   } else {
-  // U chunks a step, then the chunks left one at a time. A step's loads all issue before its
-  // first mma: the branch after them (never taken) ends the basic block, and the assembler
-  // does not move the loads past it; otherwise it starts the first mma as soon as its operands
-  // are "ready" by its latency model and every later load waits behind that stalled mma.
   // The first step's weight bytes head for L2 while the previous kernel ends (its loads also
   // read activations, which must wait for it).
   if (chunks > 0) {
@@ -631,6 +627,10 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   dependent_launch_point();
+  // U chunks a step, then the chunks left one at a time. A step's loads all issue before its
+  // first mma: the branch after them (never taken) ends the basic block, and the assembler
+  // does not move the loads past it; otherwise it starts the first mma as soon as its operands
+  // are "ready" by its latency model and every later load waits behind that stalled mma.
   const int full = chunks - (WARPS * (U - 1));
   int c0 = warp;
   for (; c0 < full; c0 += WARPS * U) {
