@@ -59,7 +59,8 @@ class KernelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # ``--fp8-group-size``) weight-only on the same product, reading a scale per row and group,
     # not the Triton block GEMM (which quantizes the activations): on an H200, Llama-3.1-8B
     # with groups of 128, the decode step at batch 1 / 4 took 3.48 / 3.61 ms against 4.32 /
-    # 4.48 (tools/results/quant_h200_llama8b_fp8_block_e2e.json).
+    # 4.48 (tools/results/quant_h200_llama8b_fp8_block_e2e.json); 3.08 / 3.30 since its SiLU
+    # epilogue and dependent launch (quant_h200_llama8b_stop55_skinny_pdl.json).
     skinny_fp8_block: bool = True
     norm_apart: bool = True  # before large weights the norm runs as its own one-row kernel
     pdl: bool = True  # programmatic dependent launch (Hopper and later)
