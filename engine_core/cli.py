@@ -121,6 +121,13 @@ _HELP = {
                            "all engines (default: measured at start-up, the smallest step "
                            "size from which the overlap made a MoE layer at least 1.05x "
                            "faster at every larger size, or none; only with --enable-dbo)",
+    "all2all_backend": "how the experts' tokens move between engines with "
+                       "--enable-expert-parallel and --data-parallel-size > 1: "
+                       "allgather_reducescatter (every engine's tokens to every worker, its "
+                       "partial sums back by reduce-scatter; decode steps in CUDA graphs) or "
+                       "alltoallv (each token only to the engines holding one of its experts, "
+                       "partial sums back by all-to-all; eager steps only, the decode graphs "
+                       "keep the gather; not yet measured on GPUs)",
     "distributed_executor_backend": "how workers run: uni (in the engine process), mp (local "
                                     "processes), ray, or noop (no model: overhead benchmarks); "
                                     "default: uni for one worker, mp for several",

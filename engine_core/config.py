@@ -24,6 +24,7 @@ from tidal.engine_core.compilation_config import check_combination as check_comp
 from tidal.engine_core.cpu_offload_config import CPUOffloadConfigError, cpu_offload_bytes
 from tidal.engine_core.expert_parallel_config import (
     ExpertParallelConfigError,
+    check_all2all_backend,
     check_dbo_threshold,
     check_expert_parallel,
 )
@@ -142,6 +143,8 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # threshold measured at start-up, worker/layers/moe_ep.py).
     enable_dbo: bool = False
     dbo_token_threshold: int = 0
+    # How the experts' tokens move between engines (expert_parallel_config.ALL2ALL_BACKENDS).
+    all2all_backend: str = "allgather_reducescatter"
     # The device of each pipeline stage (--pp-devices, pp_devices.py); empty: every stage on
     # the engine's device.
     pp_devices: tuple[str, ...] = ()
@@ -277,6 +280,9 @@ class EngineArgs:
     # in steps of at least this many tokens over all engines (None: 128; only with enable_dbo).
     enable_dbo: bool = False
     dbo_token_threshold: int | None = None
+    # How the experts' tokens move between engines with expert parallelism (vLLM's field):
+    # "allgather_reducescatter" or "alltoallv" (worker/layers/moe_ep.py).
+    all2all_backend: str = "allgather_reducescatter"
     distributed_executor_backend: str | None = None
     cpu_collectives: str = "auto"  # auto | shm | gloo
     device: str = "auto"
@@ -464,11 +470,16 @@ class EngineArgs:
                 speculative=speculative is not None, lora=lora is not None)
             dbo_threshold = check_dbo_threshold(self.dbo_token_threshold,
                                                 enable_dbo=self.enable_dbo)
+            all2all = check_all2all_backend(self.all2all_backend,
+                                            expert_parallel=expert_parallel,
+                                            data_parallel_size=parallel.data_parallel_size,
+                                            enable_dbo=self.enable_dbo)
         except ExpertParallelConfigError as exc:
             raise ConfigError(str(exc)) from None
         parallel = msgspec.structs.replace(parallel, enable_expert_parallel=expert_parallel,
                                            enable_dbo=self.enable_dbo,
-                                           dbo_token_threshold=dbo_threshold)
+                                           dbo_token_threshold=dbo_threshold,
+                                           all2all_backend=all2all)
         try:
             check_mixed(pp_devices, tensor_parallel_size=parallel.tensor_parallel_size,
                         backend=parallel.distributed_executor_backend,

@@ -26,6 +26,38 @@ _DBO_NEEDS = ("--enable-dbo needs --enable-expert-parallel with --data-parallel-
               "mixture-of-experts model (it overlaps the experts' exchange between engines)")
 
 
+# ``--all2all-backend``: how the experts' tokens move between engines (worker/layers/moe_ep.py).
+# vLLM's name for the default; "alltoallv" is tidal's (uneven NCCL / gloo all-to-alls).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
+_VLLM_ONLY_ALL2ALL = ("naive", "pplx", "deepep_high_throughput", "deepep_low_latency",
+                      "flashinfer_all2allv")
+
+
+def check_all2all_backend(backend: str, *, expert_parallel: bool, data_parallel_size: int,
+                          enable_dbo: bool) -> str:
+    """``--all2all-backend``, refused where it names a backend tidal lacks or would change
+    nothing (no exchange between engines) or clash with dual batch overlap (which splits the
+    gather's exchange)."""
+    if backend not in ALL2ALL_BACKENDS:
+        known = "a vLLM backend tidal does not have" if backend in _VLLM_ONLY_ALL2ALL else \
+            "unknown"
+        raise ExpertParallelConfigError(
+            f"--all2all-backend {backend!r}: {known}; choose one of "
+            f"{', '.join(ALL2ALL_BACKENDS)}")
+    if backend == ALL2ALL_BACKENDS[0]:
+        return backend
+    if not expert_parallel or data_parallel_size < 2:
+        raise ExpertParallelConfigError(
+            f"--all2all-backend {backend} needs --enable-expert-parallel with "
+            "--data-parallel-size > 1 on a mixture-of-experts model (it moves the experts' "
+            "tokens between engines)")
+    if enable_dbo:
+        raise ExpertParallelConfigError(
+            f"--all2all-backend {backend} with --enable-dbo is not supported: dual batch "
+            "overlap splits the all-gather / reduce-scatter exchange")
+    return backend
+
+
 # Not given: measured once the engines meet (worker/layers/moe_ep's ``DBO_MEASURE``, kept here
 # as a number: this module stays free of torch).
 DBO_MEASURED = 0

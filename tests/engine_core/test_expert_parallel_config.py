@@ -1,4 +1,4 @@
-"""``--enable-expert-parallel`` / ``--enable-dbo`` checks (engine_core/expert_parallel_config.py):
+"""``--enable-expert-parallel`` / ``--enable-dbo`` / ``--all2all-backend`` checks (engine_core/expert_parallel_config.py):
 what runs is accepted, what does not is refused naming the reason, and a dense model gets a
 warning (the flag changes nothing there, as in vLLM)."""
 
@@ -10,6 +10,7 @@ import pytest
 
 from tidal.engine_core.expert_parallel_config import (
     ExpertParallelConfigError,
+    check_all2all_backend,
     check_dbo_threshold,
     check_expert_parallel,
 )
@@ -67,3 +68,23 @@ def test_a_dense_model_gets_a_warning_and_no_expert_parallelism(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert not _check(arch=DENSE, data_parallel_size=3)  # (no split to refuse either)
     assert "has no experts (a dense model); the flag has no effect" in caplog.text
+
+
+def test_all2all_backend() -> None:
+    """The default always passes; ``alltoallv`` needs EP across engines and no overlap;
+    vLLM's other backends and unknown names are refused, naming the two tidal has."""
+    ok = dict(expert_parallel=True, data_parallel_size=2, enable_dbo=False)
+    assert check_all2all_backend("allgather_reducescatter", **ok) == "allgather_reducescatter"
+    assert check_all2all_backend("allgather_reducescatter", expert_parallel=False,
+                                 data_parallel_size=1, enable_dbo=False)
+    assert check_all2all_backend("alltoallv", **ok) == "alltoallv"
+    with pytest.raises(ExpertParallelConfigError, match="vLLM backend tidal does not have"):
+        check_all2all_backend("pplx", **ok)
+    with pytest.raises(ExpertParallelConfigError, match="unknown; choose one of "
+                       "allgather_reducescatter, alltoallv"):
+        check_all2all_backend("nccl", **ok)
+    for bad in (dict(ok, expert_parallel=False), dict(ok, data_parallel_size=1)):
+        with pytest.raises(ExpertParallelConfigError, match="needs --enable-expert-parallel"):
+            check_all2all_backend("alltoallv", **bad)
+    with pytest.raises(ExpertParallelConfigError, match="with --enable-dbo is not supported"):
+        check_all2all_backend("alltoallv", **dict(ok, enable_dbo=True))

@@ -85,6 +85,20 @@ def test_the_engine_config_turns_it_on_or_refuses(qwen3_moe, tiny_models) -> Non
         "--model", str(dense), "--num-kv-blocks", "64", "--data-parallel-size", "2",
         "--enable-expert-parallel"])).create_config().parallel
     assert not par.enable_expert_parallel and not par.data_parallel_lockstep
+    # --all2all-backend: vLLM's default name, tidal's all-to-all across engines, refusals.
+    ep_flags = ["--model", str(qwen3_moe.folder), "--num-kv-blocks", "64",
+                "--data-parallel-size", "2", "--enable-expert-parallel"]
+    assert par.all2all_backend == "allgather_reducescatter"
+    par = engine_args_from(build_parser().parse_args(
+        ep_flags + ["--all2all-backend", "alltoallv"])).create_config().parallel
+    assert par.all2all_backend == "alltoallv"
+    for extra, match in ((["--all2all-backend", "deepep_low_latency"], "vLLM backend tidal"),
+                         (["--all2all-backend", "bogus"], "unknown"),
+                         (["--all2all-backend", "alltoallv", "--enable-dbo"], "not supported"),
+                         (["--all2all-backend", "alltoallv", "--data-parallel-size", "1"],
+                          "needs --enable-expert-parallel with --data-parallel-size > 1")):
+        with pytest.raises(ConfigError, match=match):
+            engine_args_from(build_parser().parse_args(ep_flags + extra)).create_config()
 
 
 def _load(folder, ep: moe_ep.ExpertParallel | None):
@@ -288,6 +302,20 @@ def test_ep_across_two_dp_engines_matches_hf(qwen3_moe, capfd) -> None:
 
 
 @pytest.mark.slow
+def test_ep_across_two_dp_engines_by_all_to_all_matches_hf(qwen3_moe, capfd) -> None:
+    """``--all2all-backend alltoallv``: the same greedy tokens and logprobs as one engine
+    (HF's), every layer's tokens moved by all-to-all (the CPU's steps are all eager), one
+    engine idle in the first round."""
+    prompts = qwen3_moe.prompts
+    got, _ = _generate_dp(qwen3_moe.folder, prompts, alone=0, all2all_backend="alltoallv")
+    mh.assert_matches(got, qwen3_moe.refs, prompts)
+    log = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"expert parallel rank {rank}: first layer exchanged by all-to-all" in log, \
+            log[-3000:]
+
+
+@pytest.mark.slow
 def test_the_overlap_threshold_is_measured_when_not_given(qwen3_moe, capfd) -> None:
     """``--enable-dbo`` without ``--dbo-token-threshold``: once the engines meet, each worker
     times the first MoE layer with and without the overlap at 128 tokens over both engines
@@ -309,22 +337,25 @@ def test_the_overlap_threshold_is_measured_when_not_given(qwen3_moe, capfd) -> N
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="needs 2 CUDA GPUs: one engine on each, exchanging tokens over NCCL")
 @pytest.mark.parametrize("dbo, eager", [(False, True), (True, True), (True, False),
-                                       ("measure", False)],
+                                       ("measure", False), ("alltoallv", False)],
                          ids=["one-exchange", "dual-batch-overlap", "decode-graphs",
-                              "measured-overlap"])
+                              "measured-overlap", "all-to-all"])
 def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo, eager,
                                                          capfd) -> None:
     """Over NCCL, eagerly (with and without the overlap) and with the decode graphs agreed
     between the engines (the prompt steps overlap, eagerly; decode steps replay graphs, the
-    idle engine's in the first round on a dummy batch); and with the overlap's threshold
-    measured at start-up, before those graphs."""
+    idle engine's in the first round on a dummy batch); with the overlap's threshold
+    measured at start-up, before those graphs; and with the prompt steps' tokens moved by
+    all-to-all (``--all2all-backend alltoallv``; the decode graphs gather)."""
     prompts = qwen3_moe.prompts
     # ("measure": no threshold given, so the engines time the overlap at start-up, at 128
     # tokens over both, their largest step.)
+    a2a = dbo == "alltoallv"
     got, routed = _generate_dp(qwen3_moe.folder, prompts, alone=1, device="cuda",
-                               enforce_eager=eager, enable_dbo=bool(dbo),
+                               enforce_eager=eager, enable_dbo=bool(dbo) and not a2a,
                                dbo_token_threshold=4 if dbo is True else None,
-                               **({"max_num_batched_tokens": 64} if dbo == "measure" else {}))
+                               **({"max_num_batched_tokens": 64} if dbo == "measure" else {}),
+                               **({"all2all_backend": "alltoallv"} if a2a else {}))
     mh.assert_matches(got, qwen3_moe.refs, prompts, tol=mh.GPU_LOGPROB_TOL)
     assert min(routed) >= 1, routed
     log = capfd.readouterr().err
@@ -334,6 +365,8 @@ def test_ep_across_two_dp_engines_matches_hf_on_two_gpus(qwen3_moe, dbo, eager,
         assert "exchange graph capture" in log, log[-3000:]
     if dbo == "measure":
         assert re.search(r"dual batch overlap: (on from 128|off: never)", log), log[-3000:]
+    if a2a:
+        assert "first layer exchanged by all-to-all" in log, log[-3000:]
 
 
 def test_exchange_headroom_covers_every_engines_rows() -> None:

@@ -160,3 +160,26 @@ class DPExpertGroup:
         options = dist.ReduceScatterOptions()
         options.reduceOp = dist.ReduceOp.SUM
         return out, Pending(self.device_group._reduce_scatter_base(out, x, options), x)
+
+    def pair_counts(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` (rank r's: how many rows it sends to each rank) as the matrix
+        ``[sender][receiver]`` (one small gloo all-reduce)."""
+        import torch.distributed as dist
+
+        matrix = torch.zeros(self.size, self.size, dtype=torch.int64)
+        matrix[self.rank] = torch.tensor(row, dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        self.cpu_group.allreduce([matrix], options).wait()
+        return matrix.tolist()
+
+    def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """``x``'s rows split by ``send`` (``send[r]`` rows to rank r, in rank order), and the
+        rows every rank sends here, ``recv[r]`` from rank r, in rank order."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        # (Zero rows either way still joins the collective: every rank runs it.)
+        self.device_group.alltoall_base(out, x, recv, send, dist.AllToAllOptions()).wait()
+        return out

@@ -18,6 +18,14 @@ A layer's forward on this rank:
 3. combine: a reduce-scatter over the DP engines gives each its tokens' sums, then the MoE
    layer's tensor-parallel all-reduce sums over the engine's TP ranks, as without EP.
 
+With ``--all2all-backend alltoallv`` an eager step's layer runs differently: this rank routes
+its own tokens first and sends each only to the engines whose worker of this tensor rank holds
+one of its experts, with its weights and those experts' slots there (uneven all-to-alls, their
+sizes agreed per layer in one small gloo all-reduce, so never inside a CUDA graph: the decode
+graphs keep the gather); the partial sums come back by the reverse all-to-all and are added up
+per token. It moves fewer rows where a token's experts often sit on one engine (few experts a
+token, many engines) and pays a host round trip per layer.
+
 Every DP rank must run every MoE layer's collectives in every step: a rank without tokens
 joins with zero rows (``run_empty_step``, driven by the lockstep busy loop through an empty
 step). The cross-engine exchange starts once the worker is ready (``activate``): start-up's
@@ -61,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from tidal.engine_core.expert_parallel_config import ALL2ALL_BACKENDS
 from tidal.worker.distributed.parallel_state import ParallelGroup
 
 if TYPE_CHECKING:
@@ -233,8 +242,12 @@ class ExpertParallel:
 
     def __init__(self, tp: ParallelGroup, dp_rank: int = 0, dp_size: int = 1,
                  dp_group: DPExpertGroup | None = None,
-                 dtype: torch.dtype = torch.float32, dbo_threshold: int | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, dbo_threshold: int | None = None,
+                 all2all: str = "allgather_reducescatter") -> None:
+        if all2all not in ALL2ALL_BACKENDS:
+            raise ValueError(f"all2all backend {all2all!r}: expected one of {ALL2ALL_BACKENDS}")
         self.tp = tp
+        self.all2all = all2all
         self.dtype = dtype  # the model's (the empty step's inputs)
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -248,6 +261,11 @@ class ExpertParallel:
         self._whole = Exchange(0, 0, None)  # the current forward's exchange
         self._halves: tuple[Exchange, Exchange] | None = None  # ... as two (overlap on)
         self.overlapped_steps = 0  # eager forwards that exchanged in two micro-batches
+        # "alltoallv": layers exchanged that way, the rows they sent to other engines, and what
+        # the gather would have sent them (every row to every other engine).
+        self.alltoallv_layers = 0
+        self.alltoallv_rows_sent = 0
+        self.alltoallv_rows_gathered = 0
         # The router logits' dtype (DeepSeek-V2's are float32 in a bfloat16 model), seen at
         # the first forward: an empty step's exchange must match the other ranks'.
         self.logits_dtype: torch.dtype | None = None
@@ -389,7 +407,9 @@ class ExpertParallel:
             out = self._local_experts(moe, x, router_logits, correction_bias)
         else:
             self._enter(moe, x.shape[0])
-            if self._halves is not None:
+            if self.all2all == "alltoallv" and not self._static and self._halves is None:
+                out = self._alltoallv(moe, x, router_logits, correction_bias)
+            elif self._halves is not None:
                 if moe is self.layers[0] and not self._static:  # (not a graph's capture)
                     self._count_overlap()
                 out = self._overlapped(moe, x, router_logits, correction_bias)
@@ -535,6 +555,58 @@ class ExpertParallel:
             outs.append(mine[:ex.tokens])
         return torch.cat(outs)
 
+    def _alltoallv(self, moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
+                   correction_bias: torch.Tensor | None) -> torch.Tensor:
+        """``moe``'s experts of this tensor rank over this engine's rows, exchanged by
+        all-to-all: routed here, each row goes only to the engines whose worker of this tensor
+        rank holds one of its experts (with its weights and those experts' slots there), each
+        engine runs its experts on the rows it got, and the partial sums come back to be added
+        up per row (in float32)."""
+        assert self.dp is not None
+        t, h = x.shape
+        k = moe.routing.top_k
+        if t:
+            load = moe.expert_load
+            count = load.into(moe.expert_load_index) if load is not None else None
+            weights, ids = moe.kernels.select_experts(logits, moe.routing, correction_bias,
+                                                      count)
+        else:
+            weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
+            ids = torch.empty((0, k), dtype=torch.int32, device=x.device)
+        per_rank = moe.num_experts // self.size
+        holder = ids // per_rank  # the EP rank holding each pick
+        picks, routes, send = [], [], []
+        for engine in range(self.dp_size):
+            first = (engine * self.tp.world_size + self.tp.rank) * per_rank
+            rows = (holder == first // per_rank).any(dim=1).nonzero().flatten()
+            slots = local_expert_ids(ids[rows], range(first, first + per_rank))
+            picks.append(rows)
+            routes.append(torch.cat([weights[rows].float(), slots.float()], dim=1))
+            send.append(int(rows.numel()))
+        matrix = self.dp.pair_counts(send)
+        recv = [matrix[engine][self.dp_rank] for engine in range(self.dp_size)]
+        order = torch.cat(picks)
+        x_in = self.dp.all_to_all(x.index_select(0, order), send, recv)
+        # (Weights and slots travel as float32: slots are small integers, exact there.)
+        route_in = self.dp.all_to_all(torch.cat(routes), send, recv)
+        if x_in.shape[0]:
+            out_in = moe.kernels.fused_moe(
+                x_in, moe.w13, moe.w2, route_in[:, :k].contiguous(),
+                route_in[:, k:].to(torch.int32), moe.w13_weight_scale, moe.w2_weight_scale,
+                partial=True)
+        else:
+            out_in = x_in.new_zeros((0, h))
+        back = self.dp.all_to_all(out_in, recv, send)
+        out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+        out.index_add_(0, order, back.float())
+        if not self.alltoallv_layers:
+            logger.info("expert parallel rank %d: first layer exchanged by all-to-all",
+                        self.rank)
+        self.alltoallv_layers += 1
+        self.alltoallv_rows_sent += sum(send) - send[self.dp_rank]
+        self.alltoallv_rows_gathered += t * (self.dp_size - 1)
+        return out.to(x.dtype)
+
     @staticmethod
     def _local_experts(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,
                        correction_bias: torch.Tensor | None,
@@ -575,7 +647,8 @@ def create(config: Any, tp: ParallelGroup, device: torch.device,
         group = DPExpertGroup(par.data_parallel_rank, par.data_parallel_size, tp.rank,
                               par.data_parallel_port, device)
     dbo = par.dbo_token_threshold if par.enable_dbo else None
-    return ExpertParallel(tp, par.data_parallel_rank, par.data_parallel_size, group, dtype, dbo)
+    return ExpertParallel(tp, par.data_parallel_rank, par.data_parallel_size, group, dtype, dbo,
+                          par.all2all_backend)
 
 
 @contextmanager

@@ -36,7 +36,8 @@ def _full_layers() -> nn.ModuleList:
 
 def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
           tokens: list[torch.Tensor], results: dict, errors: list,
-          logits_dtype: torch.dtype, static: bool = False, calibrate: Any = None) -> None:
+          logits_dtype: torch.dtype, static: bool = False, calibrate: Any = None,
+          all2all: str = "allgather_reducescatter") -> None:
     try:
         group = DPExpertGroup(rank, 2, 0, port, torch.device("cpu"))
         if static:  # (a graph's capture asks the other ranks nothing)
@@ -44,7 +45,8 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
                 raise AssertionError("token counts exchanged inside static_exchange")
 
             group.token_counts = no_counts  # type: ignore[method-assign]
-        ep = moe_ep.ExpertParallel(ParallelGroup(), rank, 2, group, dbo_threshold=dbo)
+        ep = moe_ep.ExpertParallel(ParallelGroup(), rank, 2, group, dbo_threshold=dbo,
+                                   all2all=all2all)
         halves = [0]  # layers that ran two micro-batches
         overlapped_layer = ep._overlapped
 
@@ -86,14 +88,15 @@ def _rank(rank: int, port: int, full: nn.ModuleList, dbo: int | None,
         ep.close()
         results[rank] = (outs, ep.overlapped_steps, closed,
                          (ep.layers, ep.dp, ep.active, group.closed, group.cpu_group), halves[0],
-                         measured)
+                         measured, (ep.alltoallv_layers, ep.alltoallv_rows_sent,
+                                    ep.alltoallv_rows_gathered))
     except BaseException as exc:  # noqa: BLE001 - reported by the test thread
         errors.append(exc)
 
 
 def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torch.Tensor]],
                logits_dtype: torch.dtype = torch.float32, static: bool = False,
-               calibrate: Any = None) -> dict:
+               calibrate: Any = None, all2all: str = "allgather_reducescatter") -> dict:
     """``_rank`` on ranks 0 and 1 as two threads meeting through a fresh store; each rank's
     results (fails the test with any rank's error)."""
     from torch.distributed import TCPStore
@@ -103,7 +106,7 @@ def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torc
     errors: list = []
     threads = [threading.Thread(target=_rank, args=(r, store.port, full, dbo, tokens[r],
                                                     results, errors, logits_dtype, static,
-                                                    calibrate))
+                                                    calibrate, all2all))
                for r in (0, 1)]
     for t in threads:
         t.start()
@@ -126,7 +129,7 @@ def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
     tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
     results = _run_ranks(full, dbo, tokens, logits_dtype)
     for r in (0, 1):
-        outs, overlapped, before, after, _, _ = results[r]
+        outs, overlapped, before, after, _, _, _ = results[r]
         # Steps of 8 and 6 tokens overlap at a threshold of 6; those of 2 and 3 do not.
         assert overlapped == (0 if dbo is None else 2)
         # Closed: no layer (so no expert weight) kept, the groups shut and dropped.
@@ -152,7 +155,7 @@ def test_static_exchange_needs_no_counts_and_gives_the_same_outputs(dbo) -> None
     tokens = {r: [torch.randn(c, H, generator=gen) for c in counts] for r in (0, 1)}
     results = _run_ranks(full, dbo, tokens, static=True)
     for r in (0, 1):
-        outs, overlapped, _, _, halves, _ = results[r]
+        outs, overlapped, _, _, halves, _, _ = results[r]
         assert overlapped == 0  # (a capture is not a served step)
         assert halves == (0 if dbo is None else 4)  # two forwards of two layers overlapped
         for x, out in zip(tokens[r], outs):
@@ -198,7 +201,7 @@ def test_both_ranks_take_the_threshold_measured_over_both() -> None:
     tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
     results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens, calibrate=(512, _timed))
     for r in (0, 1):
-        outs, overlapped, _, _, _, measured = results[r]
+        outs, overlapped, _, _, _, measured, _ = results[r]
         assert measured.sizes == [128, 256, 512, 1024]
         assert measured.ratios == [round(2 / 2.2, 3)] * 2 + [round(2 / 1.8, 3)] * 2
         assert measured.threshold == 512 and "on from 512 tokens" in measured.describe()
@@ -236,3 +239,42 @@ def test_an_unmeasured_threshold_means_no_overlap() -> None:
     tokens = {r: [torch.randn(40, H, generator=gen)] for r in (0, 1)}
     results = _run_ranks(full, moe_ep.DBO_MEASURE, tokens)
     assert results[0][1] == results[1][1] == 0
+
+
+def test_alltoallv_sends_rows_only_where_their_experts_are() -> None:
+    """``all2all="alltoallv"``: each rank routes its own tokens and sends each only to the rank
+    holding one of its experts (fewer rows than the gather sends), with unequal counts and a
+    rank without tokens (the empty step, which may still receive rows), and gets the full
+    layers' outputs; inside ``static_exchange`` (a decode graph's capture) the layers gather
+    instead, with the same outputs."""
+    full = _full_layers()
+    gen = torch.Generator().manual_seed(6)
+    counts = [(5, 3), (6, 0), (0, 2), (9, 7)]
+    tokens = {r: [torch.randn(c[r], H, generator=gen) for c in counts] for r in (0, 1)}
+    results = _run_ranks(full, None, tokens, all2all="alltoallv")
+    for r in (0, 1):
+        outs, overlapped, _, _, _, _, (layers, sent, gathered) = results[r]
+        assert overlapped == 0
+        assert layers == 2 * len(counts)  # every layer of every forward, the empty ones too
+        assert gathered == 2 * sum(c[r] for c in counts)
+        assert 0 < sent < gathered  # (top-2 of 8 experts: some tokens stay on one rank)
+        for x, out in zip(tokens[r], outs):
+            if x.shape[0] == 0:
+                assert out is None
+                continue
+            *got, l0, l1 = out
+            for layer, lg, g in zip(full, (l0, l1), got):
+                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+    static = {r: [torch.randn(4, H, generator=gen)] for r in (0, 1)}
+    results = _run_ranks(full, None, static, static=True, all2all="alltoallv")
+    for r in (0, 1):
+        outs, *_, (layers, _, _) = results[r]
+        assert layers == 0
+        *got, l0, l1 = outs[0]
+        for layer, lg, g in zip(full, (l0, l1), got):
+            torch.testing.assert_close(g, layer(static[r][0], lg), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_all2all_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="expected one of"):
+        moe_ep.ExpertParallel(ParallelGroup(), all2all="deepep_low_latency")
