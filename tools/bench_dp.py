@@ -23,7 +23,8 @@ the same footing::
 ``--dbo-threshold N`` adds a third side, EP with ``--enable-dbo --dbo-token-threshold N`` (target:
 >= 1.1x EP without it at the batch where it turns on); ``--dbo-threshold measure`` the same with
 the threshold measured at start-up (``--enable-dbo`` alone; the decision, from the server log,
-is ``dbo_measured``); ``--skip-tp`` drops the TP side.
+is ``dbo_measured``); ``--all2all`` adds EP with ``--all2all-backend alltoallv`` (its prompt
+steps' tokens moved by all-to-all, compared with the gather); ``--skip-tp`` drops the TP side.
 
 Each side also reports, per rank (``per_rank``, from the server's ``/metrics`` polled every
 quarter second during the timed run): the requests it served and when its last one finished
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--case ep: a third side, EP with --enable-dbo from this many tokens "
                         "per step, or 'measure' (the engines measure it at start-up; target: "
                         ">= 1.1x EP without it)")
+    p.add_argument("--all2all", action="store_true",
+                   help="--case ep: a side with EP over --all2all-backend alltoallv (its "
+                        "prompt steps' tokens moved by all-to-all; the decode graphs gather)")
     p.add_argument("--skip-tp", action="store_true",
                    help="--case ep: no TP side (with --dbo-threshold: DBO on vs off only)")
     p.add_argument("--shape", default=None, help="default: qwen3-0.6b (dp), qwen3-30b-a3b (ep)")
@@ -327,10 +331,13 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
                 dbo["dbo_engaged"] = "first step with dual batch overlap" in text
                 found = re.search(r"dual batch overlap: (.*)", text)
                 dbo["dbo_measured"] = found.group(1).strip() if found else None
+            a2a = (one_side(ns, model_dir, 2, log, (*ep_flags, "--all2all-backend",
+                                                    "alltoallv"), "ep2a2a")
+                   if ns.all2all else None)
         except BaseException:
             print(log.read_text(errors="replace")[-4000:] if log.exists() else "", file=sys.stderr)
             raise
-    sides = {"tp2": tp, "ep2_dp2": ep, "ep2_dp2_dbo": dbo}
+    sides = {"tp2": tp, "ep2_dp2": ep, "ep2_dp2_dbo": dbo, "ep2_dp2_alltoallv": a2a}
     tok_s = {k: v["output_throughput"] for k, v in sides.items() if v is not None}
     for name, side in sides.items():
         if side is None:
@@ -364,6 +371,11 @@ def _ep_case(ns: argparse.Namespace, shapes: dict[str, Any], write_model_dir: An
               f"{dbo['output_throughput']:,.0f} output tok/s, {gain:.2f}x without"
               + ("" if dbo["dbo_engaged"] else " (no step reached the threshold)"),
               file=sys.stderr)
+    if a2a is not None:
+        ratio = a2a["output_throughput"] / ep["output_throughput"]
+        verdicts["alltoallv_over_gather"] = {"value": ratio}
+        print(f"EP=2 with --all2all-backend alltoallv: {a2a['output_throughput']:,.0f} output "
+              f"tok/s, {ratio:.2f}x the gather", file=sys.stderr)
     result = {
         "case": "ep", "shape": ns.model or ns.shape, "num_prompts": ns.num_prompts,
         "input_len": ns.input_len, "output_len": ns.output_len, "smoke": ns.smoke,
