@@ -574,21 +574,23 @@ class ExpertParallel:
             weights = torch.empty((0, k), dtype=torch.float32, device=x.device)
             ids = torch.empty((0, k), dtype=torch.int32, device=x.device)
         per_rank = moe.num_experts // self.size
-        holder = ids // per_rank  # the EP rank holding each pick
-        picks, routes, send = [], [], []
-        for engine in range(self.dp_size):
-            first = (engine * self.tp.world_size + self.tp.rank) * per_rank
-            rows = (holder == first // per_rank).any(dim=1).nonzero().flatten()
-            slots = local_expert_ids(ids[rows], range(first, first + per_rank))
-            picks.append(rows)
-            routes.append(torch.cat([weights[rows].float(), slots.float()], dim=1))
-            send.append(int(rows.numel()))
+        # Each engine's EP rank of this tensor rank, and which of them each row needs: the
+        # (engine, row) pairs in engine order are the rows to send, in one pass.
+        ranks = torch.arange(self.dp_size, device=x.device) * self.tp.world_size + self.tp.rank
+        need = ((ids // per_rank).unsqueeze(1) == ranks.view(1, -1, 1)).any(dim=2)  # [T, D]
+        pairs = need.t().reshape(-1).nonzero().flatten()
+        order, engine = pairs % max(t, 1), pairs // max(t, 1)
+        send = need.sum(dim=0).tolist()
+        # Their routing as the receiving engine holds it: weights, and slots among its
+        # experts (the sentinel ``per_rank`` for a pick held elsewhere).
+        slots = ids.index_select(0, order) - (ranks[engine] * per_rank).unsqueeze(1)
+        slots = torch.where((slots >= 0) & (slots < per_rank), slots,
+                            torch.full_like(slots, per_rank))
+        # (Slots travel as float32, exact for small integers, beside the float32 weights.)
+        route = torch.cat([weights.index_select(0, order), slots.float()], dim=1)
         matrix = self.dp.pair_counts(send)
-        recv = [matrix[engine][self.dp_rank] for engine in range(self.dp_size)]
-        order = torch.cat(picks)
-        x_in = self.dp.all_to_all(x.index_select(0, order), send, recv)
-        # (Weights and slots travel as float32: slots are small integers, exact there.)
-        route_in = self.dp.all_to_all(torch.cat(routes), send, recv)
+        recv = [matrix[e][self.dp_rank] for e in range(self.dp_size)]
+        x_in, route_in = self._all_to_all_rows(x.index_select(0, order), route, send, recv)
         if x_in.shape[0]:
             out_in = moe.kernels.fused_moe(
                 x_in, moe.w13, moe.w2, route_in[:, :k].contiguous(),
@@ -606,6 +608,19 @@ class ExpertParallel:
         self.alltoallv_rows_sent += sum(send) - send[self.dp_rank]
         self.alltoallv_rows_gathered += t * (self.dp_size - 1)
         return out.to(x.dtype)
+
+    def _all_to_all_rows(self, rows: torch.Tensor, route: torch.Tensor, send: list[int],
+                         recv: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` and their float32 ``route`` by one all-to-all where the rows' dtype packs
+        float32 (2- and 4-byte dtypes: the route's bytes as extra columns), else two."""
+        assert self.dp is not None
+        size = rows.element_size()
+        if 4 % size:
+            return (self.dp.all_to_all(rows, send, recv),
+                    self.dp.all_to_all(route, send, recv))
+        h = rows.shape[1]
+        got = self.dp.all_to_all(torch.cat([rows, route.view(rows.dtype)], dim=1), send, recv)
+        return got[:, :h].contiguous(), got[:, h:].contiguous().view(torch.float32)
 
     @staticmethod
     def _local_experts(moe: FusedMoE, x: torch.Tensor, logits: torch.Tensor,

@@ -278,3 +278,27 @@ def test_alltoallv_sends_rows_only_where_their_experts_are() -> None:
 def test_an_unknown_all2all_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="expected one of"):
         moe_ep.ExpertParallel(ParallelGroup(), all2all="deepep_low_latency")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_rows_and_their_routing_travel_together_bit_for_bit(dtype) -> None:
+    """The all-to-all of rows and their float32 routing (weights, slots): one collective with
+    the routing's bytes as extra columns for 2- and 4-byte rows, two otherwise; both arrive
+    unchanged (a one-rank group's all-to-all hands the rows back)."""
+    class OneRank:
+        calls = 0
+
+        def all_to_all(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+            assert send == recv == [x.shape[0]]
+            OneRank.calls += 1
+            return x.clone()
+
+    ep = moe_ep.ExpertParallel(ParallelGroup())
+    ep.dp = OneRank()  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(5, H, generator=gen).to(dtype)
+    route = torch.cat([torch.rand(5, 2, generator=gen), torch.tensor([[3., 8.]] * 5)], dim=1)
+    got_rows, got_route = ep._all_to_all_rows(rows, route, [5], [5])
+    assert torch.equal(got_rows, rows) and got_rows.is_contiguous()
+    assert torch.equal(got_route, route) and got_route.dtype == torch.float32
+    assert OneRank.calls == (2 if dtype == torch.float64 else 1)
