@@ -1,5 +1,5 @@
-"""Checks of ``--enable-expert-parallel`` (and ``--enable-dbo``) against the rest of the
-engine's configuration, made once at start-up (``EngineArgs.create_config``).
+"""Checks of ``--enable-expert-parallel`` (and ``--enable-dbo``, ``--all2all-backend``) against
+the rest of the engine's configuration, made once at start-up (``EngineArgs.create_config``).
 
 Expert parallelism splits each MoE layer's experts over the DP x TP workers
 (``worker/layers/moe_ep.py``). As in vLLM, the flag on a model without experts changes nothing
