@@ -186,6 +186,16 @@ __device__ __forceinline__ void dependent_launch_point() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
 }
+// 16 bytes from global to shared memory without passing through registers (the weight ring
+// of the INT4 one-row form): issued, committed as a group, waited for by group count.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* p) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(smem), "l"(p));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory");
+}
 // A 16-byte shared-memory load (volatile for the same reason as the global ones).
 __device__ __forceinline__ uint4 load16_shared(uint32_t addr) {
   uint4 v;
@@ -412,6 +422,22 @@ struct LaneRows {
   const float* fscale1[R];    // and 2t + 1's
 };
 
+// INT4: the zero points and scales of chunk `c`'s group for the lane's rows.
+template <int R, bool PRESCALE>
+__device__ __forceinline__ void load_int4_groups(const SkinnyGemmArgs& a, const LaneRows<R>& lr,
+                                                 int c, int t, ChunkLoads<kWInt4, R>& out) {
+  // The lane's 32 K values lie in one group (groups are powers of two >= 32, or one group);
+  // with groups of 128 or more the quad's 128 share it.
+  const uint32_t grp =
+      (static_cast<uint32_t>(c) * 128u + static_cast<uint32_t>(t) * 32u) >> a.group_shift;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    out.zero[r] = load_u8(lr.zero[r] + grp);
+    out.scale[r][0] = load_u16(lr.scale[r] + grp);
+    if constexpr (!PRESCALE) out.scale[r][1] = load_u16(lr.scale1[r] + grp);
+  }
+}
+
 template <typename T, int WK, int R, bool PRESCALE, bool XS>
 __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRows<R>& lr,
                                            int c, int t, ChunkLoads<WK, R>& out) {
@@ -427,17 +453,7 @@ __device__ __forceinline__ void load_chunk(const SkinnyGemmArgs& a, const LaneRo
 #pragma unroll
     for (int j = 0; j < F::kXVecs; ++j) out.x[j] = load16<false>(xp + 16 * j);
   }
-  if constexpr (WK == kWInt4) {
-    // The lane's 32 K values lie in one group (groups are powers of two >= 32, or one group);
-    // with groups of 128 or more the quad's 128 share it.
-    const uint32_t grp = (cu * 128u + static_cast<uint32_t>(t) * 32u) >> a.group_shift;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      out.zero[r] = load_u8(lr.zero[r] + grp);
-      out.scale[r][0] = load_u16(lr.scale[r] + grp);
-      if constexpr (!PRESCALE) out.scale[r][1] = load_u16(lr.scale1[r] + grp);
-    }
-  }
+  if constexpr (WK == kWInt4) load_int4_groups<R, PRESCALE>(a, lr, c, t, out);
   if constexpr (WK == kWFp8G) {
     // The quad's 64 K values lie in one group (groups of 64 or more).
     const uint32_t grp = (cu * 64u) >> a.group_shift;
@@ -521,7 +537,17 @@ __device__ __forceinline__ void chunk_step(float (&acc)[R][Fmt<WK>::kAcc][4],
   }
 }
 
-template <typename T, int WK, int R, int WARPS, int U, bool PRESCALE, bool XS>
+// The weight ring (opt-in, TIDAL_SKINNY_RING=1; the one-row INT4 form only): each warp's
+// next 2U chunks of weights in flight through shared memory (cp.async) rather than U chunks
+// in registers, so the bytes in flight no longer cost registers (72 a thread, 36 %
+// occupancy, DRAM at 38 %: the register ring is what limits them). Its shared memory: a
+// slot of 16 bytes per lane, tile and stage, after the staged activations.
+template <int WARPS, int R, int U>
+constexpr int64_t ring_bytes() {
+  return static_cast<int64_t>(WARPS) * (2 * U) * R * 32 * 16;
+}
+
+template <typename T, int WK, int R, int WARPS, int U, bool PRESCALE, bool XS, bool RING>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const SkinnyGemmArgs a) {
   using F = Fmt<WK>;
@@ -584,7 +610,52 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   float acc[R][F::kAcc][4] = {};
 
-  if constexpr (XS) {
+  if constexpr (XS && RING) {
+    constexpr int S = 2 * U;  // stages of the ring
+    const int last = chunks - 1;
+    extern __shared__ uint4 xs_smem[];
+    const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(xs_smem));
+    // This lane's slot of stage s and tile r: ring + (s * R + r) * 512.
+    const uint32_t ring = smem0 + static_cast<uint32_t>(a.m * xs_row_bytes(a.k)) +
+                          static_cast<uint32_t>((warp * S * R * 32 + lane) * 16);
+    ChunkLoads<WK, R> ld[S];  // (the registers: each stage's zero points and scales)
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      const int c = min(warp + st * WARPS, last);
+#pragma unroll
+      for (int r = 0; r < R; ++r) cp_async16(ring + (st * R + r) * 512, lr.w[r] + c * 64u);
+      cp_async_commit();
+      load_int4_groups<R, PRESCALE>(a, lr, c, t, ld[st]);
+    }
+    // (Weights, zero points and scales only so far: they overlap the previous kernel's end.)
+    dependent_launch_point();
+    stage_x<T>(a, reinterpret_cast<char*>(xs_smem));
+    __syncthreads();
+    const uint32_t xs = smem0 + static_cast<uint32_t>((x_ok ? g : 0) * xs_row_bytes(a.k)) +
+                        t * kXsLane;
+    for (int c0 = warp; c0 < chunks; c0 += WARPS * S) {
+#pragma unroll
+      for (int st = 0; st < S; ++st) {
+        const int c = c0 + st * WARPS;
+        // S groups are in flight: the oldest, this stage's, is complete after this (each
+        // lane waits for its own copies: no other lane reads its slots).
+        cp_async_wait<S - 1>();
+        if (c < chunks) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) ld[st].w[r] = load16_shared(ring + (st * R + r) * 512);
+          load_xs<WK, R>(xs, c, ld[st]);
+          chunk_step<T, WK, R, PRESCALE, XS>(acc, ld[st]);
+        }
+        // The slot is free once its weights were multiplied (the mma consumed the loads).
+        const int next = min(c + S * WARPS, last);
+#pragma unroll
+        for (int r = 0; r < R; ++r) cp_async16(ring + (st * R + r) * 512, lr.w[r] + next * 64u);
+        cp_async_commit();
+        load_int4_groups<R, PRESCALE>(a, lr, next, t, ld[st]);
+      }
+    }
+    cp_async_wait<0>();
+  } else if constexpr (XS) {
     // A ring of U chunks' weight loads in flight per tile: chunk c's slot is refilled with
     // chunk c + U * WARPS as soon as c is multiplied, so the loads never wait for a whole
     // step's arithmetic (which, at four times the bf16 work per byte, kept INT4 at about
@@ -718,6 +789,12 @@ __global__ void __launch_bounds__(WARPS * 32)
 template <typename Kernel>
 cudaError_t launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                           const SkinnyGemmArgs& a) {
+  if (smem > 48 * 1024) {
+    // (Above the 48 KB a launch gets without asking; only the opt-in weight ring asks.)
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -731,32 +808,44 @@ cudaError_t launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cud
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
-template <typename T, int WK, bool PRESCALE, bool XS>
+template <typename T, int WK, bool PRESCALE, bool XS, bool RING = false>
 cudaError_t launch_typed(const SkinnyGemmArgs& a, int r, int warps, int u, cudaStream_t stream) {
-  const size_t smem = XS ? static_cast<size_t>(a.m * xs_row_bytes(a.k)) : 0;
+  const size_t xs_bytes = XS ? static_cast<size_t>(a.m * xs_row_bytes(a.k)) : 0;
   const int rows_per_block = 8 * r;
   const int64_t outs_per_block = a.act != 0 ? rows_per_block / 2 : rows_per_block;
   const dim3 grid(static_cast<unsigned>((a.n + outs_per_block - 1) / outs_per_block));
   const dim3 block(32 * warps);
-#define TIDAL_SKINNY_CASE(R_, W_, U_)                                                          \
-  if (r == R_ && warps == W_ && u == U_)                                                        \
-    return launch_kernel(skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE, XS>, grid, block, smem, \
-                         stream, a);
+#define TIDAL_SKINNY_CASE(R_, W_, U_)                                                        \
+  if (r == R_ && warps == W_ && u == U_)                                                      \
+    return launch_kernel(skinny_gemm_kernel<T, WK, R_, W_, U_, PRESCALE, XS, RING>, grid,     \
+                         block, xs_bytes + (RING ? ring_bytes<W_, R_, U_>() : 0), stream, a);
 #define TIDAL_SKINNY_WARPS(R_, U_) \
   TIDAL_SKINNY_CASE(R_, 2, U_)     \
   TIDAL_SKINNY_CASE(R_, 4, U_)     \
   TIDAL_SKINNY_CASE(R_, 8, U_)
-  TIDAL_SKINNY_WARPS(1, 1)
-  TIDAL_SKINNY_WARPS(1, 2)
-  TIDAL_SKINNY_WARPS(1, 4)
-  TIDAL_SKINNY_WARPS(2, 1)
-  TIDAL_SKINNY_WARPS(2, 2)
-  TIDAL_SKINNY_WARPS(2, 4)
-  TIDAL_SKINNY_WARPS(4, 1)
-  TIDAL_SKINNY_WARPS(4, 2)
+  if constexpr (RING) {
+    // The weight ring is built for the staged form's measured shapes and their neighbours
+    // (``launch_shape``'s rule); another shape runs the register ring.
+    TIDAL_SKINNY_CASE(2, 2, 1)
+    TIDAL_SKINNY_CASE(2, 4, 1)
+    TIDAL_SKINNY_CASE(2, 4, 2)
+    TIDAL_SKINNY_CASE(2, 8, 1)
+    TIDAL_SKINNY_CASE(2, 8, 2)
+    TIDAL_SKINNY_CASE(4, 2, 1)
+    return launch_typed<T, WK, PRESCALE, XS, false>(a, r, warps, u, stream);
+  } else {
+    TIDAL_SKINNY_WARPS(1, 1)
+    TIDAL_SKINNY_WARPS(1, 2)
+    TIDAL_SKINNY_WARPS(1, 4)
+    TIDAL_SKINNY_WARPS(2, 1)
+    TIDAL_SKINNY_WARPS(2, 2)
+    TIDAL_SKINNY_WARPS(2, 4)
+    TIDAL_SKINNY_WARPS(4, 1)
+    TIDAL_SKINNY_WARPS(4, 2)
+    return cudaErrorInvalidConfiguration;
+  }
 #undef TIDAL_SKINNY_WARPS
 #undef TIDAL_SKINNY_CASE
-  return cudaErrorInvalidConfiguration;
 }
 
 // TIDAL_SKINNY_STAGED=0 turns the staged INT4 activations off: a switch for measuring the two
@@ -765,6 +854,16 @@ bool staging_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("TIDAL_SKINNY_STAGED");
     return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+// TIDAL_SKINNY_RING=1 turns the staged form's weight ring in shared memory on (see
+// ring_bytes): not yet measured on a GPU, so off unless asked, read once.
+bool ring_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TIDAL_SKINNY_RING");
+    return v != nullptr && std::string(v) == "1";
   }();
   return on;
 }
@@ -781,8 +880,10 @@ cudaError_t launch_format(const SkinnyGemmArgs& a, int r, int warps, int u,
       return launch_typed<T, kWFp8G, false, false>(a, r, warps, u, stream);
     case SkinnyFormat::kInt4:
       if (a.group_shift < 7) return launch_typed<T, kWInt4, true, false>(a, r, warps, u, stream);
-      if (a.m == 1 && xs_row_bytes(a.k) <= kXsMaxBytes && staging_enabled())
+      if (a.m == 1 && xs_row_bytes(a.k) <= kXsMaxBytes && staging_enabled()) {
+        if (ring_enabled()) return launch_typed<T, kWInt4, false, true, true>(a, r, warps, u, stream);
         return launch_typed<T, kWInt4, false, true>(a, r, warps, u, stream);
+      }
       return launch_typed<T, kWInt4, false, false>(a, r, warps, u, stream);
   }
   return cudaErrorInvalidValue;

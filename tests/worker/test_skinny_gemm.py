@@ -407,3 +407,60 @@ def test_a_bad_argument_raises_in_python_not_a_crash(call):
     expected = {"skinny": "got 9", "skinny_format": "format 7", "rms_norm": "[hidden]",
                 "rms_norm_shape": "got [3, 256]"}[call]
     assert expected in run.stdout, run.stdout  # the message names the value
+
+
+@gpu
+def test_the_opt_in_weight_ring_matches_the_register_ring():
+    """``TIDAL_SKINNY_RING=1`` (read once per process, so in a child process): the one-row INT4
+    staged form with its weights in flight through shared memory gives, bit for bit, what the
+    register ring gives, for every launch shape the ring is built with (others fall back) and
+    for a fused gate/up; and it matches the dequantized reference."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, torch
+from tidal.worker.ops import int4_torch, skinny_gemm as sk
+torch.manual_seed(0)
+out = {}
+for k, act in ((4096, None), (14336, None), (4096, "silu")):
+    n = 1024
+    w = torch.randn(2 * n if act else n, k, device="cuda") / k ** 0.5
+    qw, s, z = int4_torch.quantize_rtn(w, 128)
+    s = s.to(torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    for cfg in sorted(sk.BUILT):
+        if act and cfg.tiles % 2:
+            continue
+        y = sk.skinny_gemm(x, qw, scales=s, zeros=z, group_size=128, act=act, config=cfg)
+        out[f"{k} {act} {tuple(cfg)}"] = y.float().cpu().tolist()
+    dense = int4_torch.dequantize(qw, s, z, 128, dtype=torch.bfloat16).double()
+    ref = x.double() @ dense.t()
+    if act:
+        g, u = ref.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(g) * u
+    out[f"ref {k} {act}"] = ref.float().cpu().tolist()
+print("RESULT" + json.dumps(out))
+"""
+
+    def run(ring: str) -> dict:
+        import os
+
+        env = dict(os.environ, TIDAL_SKINNY_RING=ring)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+        return json.loads(line[len("RESULT"):])
+
+    plain, ring = run("0"), run("1")
+    assert plain.keys() == ring.keys()
+    for key, want in plain.items():
+        got = ring[key]
+        assert got == want, f"{key}: the weight ring differs from the register ring"
+        if not key.startswith("ref"):
+            k, act = key.split()[:2]
+            ref = torch.tensor(plain[f"ref {k} {act}"])
+            err = float((torch.tensor(got) - ref).norm() / ref.norm())
+            assert err < 1e-2, f"{key}: relative error {err:.3g}"
