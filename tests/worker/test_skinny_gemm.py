@@ -320,7 +320,7 @@ def test_built_launch_shapes_match_the_cuda_file():
 
     src = (Path(__file__).resolve().parents[2] / "csrc" / "skinny_gemm.cu").read_text()
     warps = {int(w) for w in re.findall(r"TIDAL_SKINNY_CASE\(R_, (\d+), U_\)", src)}
-    pairs = re.findall(r"^  TIDAL_SKINNY_WARPS\((\d+), (\d+)\)$", src, re.M)
+    pairs = re.findall(r"^ +TIDAL_SKINNY_WARPS\((\d+), (\d+)\)$", src, re.M)
     built = {sk.Launch(int(r), w, int(u)) for r, u in pairs for w in warps}
     assert built and built == sk.BUILT
 
