@@ -116,6 +116,18 @@ def _run_ranks(full: nn.ModuleList, dbo: int | None, tokens: dict[int, list[torc
     return results
 
 
+def _assert_full_outputs(full: nn.ModuleList, tokens: list[torch.Tensor], outs: list) -> None:
+    """Each forward's outputs (both layers', then their logits) equal the full layers' on the
+    rank's tokens; a forward without tokens (the empty step) has none."""
+    for x, out in zip(tokens, outs):
+        if x.shape[0] == 0:
+            assert out is None
+            continue
+        *got, l0, l1 = out
+        for layer, lg, g in zip(full, (l0, l1), got):
+            torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dbo, logits_dtype", [
     (None, torch.float32), (6, torch.float32), (None, torch.float64), (6, torch.float64)],
     ids=["one-exchange", "dual-batch-overlap", "one-exchange-mixed-dtypes",
@@ -135,13 +147,7 @@ def test_two_ranks_get_the_full_layers_outputs(dbo, logits_dtype) -> None:
         # Closed: no layer (so no expert weight) kept, the groups shut and dropped.
         assert before == (2, False)
         assert after == ([], None, False, True, None)
-        for x, out in zip(tokens[r], outs):
-            if x.shape[0] == 0:
-                assert out is None
-                continue
-            *got, l0, l1 = out
-            for layer, lg, g in zip(full, (l0, l1), got):
-                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, tokens[r], outs)
 
 
 @pytest.mark.parametrize("dbo", [None, 6], ids=["one-exchange", "dual-batch-overlap"])
@@ -158,10 +164,7 @@ def test_static_exchange_needs_no_counts_and_gives_the_same_outputs(dbo) -> None
         outs, overlapped, _, _, halves, _, _ = results[r]
         assert overlapped == 0  # (a capture is not a served step)
         assert halves == (0 if dbo is None else 4)  # two forwards of two layers overlapped
-        for x, out in zip(tokens[r], outs):
-            *got, l0, l1 = out
-            for layer, lg, g in zip(full, (l0, l1), got):
-                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, tokens[r], outs)
 
 
 def test_the_overlap_threshold_rule() -> None:
@@ -206,10 +209,7 @@ def test_both_ranks_take_the_threshold_measured_over_both() -> None:
         assert measured.ratios == [round(2 / 2.2, 3)] * 2 + [round(2 / 1.8, 3)] * 2
         assert measured.threshold == 512 and "on from 512 tokens" in measured.describe()
         assert overlapped == 1  # (the 600-token step; the 200-token one below)
-        for x, out in zip(tokens[r], outs):
-            *got, l0, l1 = out
-            for layer, lg, g in zip(full, (l0, l1), got):
-                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, tokens[r], outs)
 
 
 def test_a_real_measurement_agrees_across_ranks_and_leaves_the_layers_intact() -> None:
@@ -227,9 +227,7 @@ def test_a_real_measurement_agrees_across_ranks_and_leaves_the_layers_intact() -
     for r in (0, 1):
         outs, overlapped, *_ = results[r]
         assert overlapped == (1 if m0.threshold is not None and m0.threshold <= 140 else 0)
-        *got, l0, l1 = outs[0]
-        for layer, lg, g in zip(full, (l0, l1), got):
-            torch.testing.assert_close(g, layer(tokens[r][0], lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, tokens[r], outs)
 
 
 def test_an_unmeasured_threshold_means_no_overlap() -> None:
@@ -258,21 +256,13 @@ def test_alltoallv_sends_rows_only_where_their_experts_are() -> None:
         assert layers == 2 * len(counts)  # every layer of every forward, the empty ones too
         assert gathered == 2 * sum(c[r] for c in counts)
         assert 0 < sent < gathered  # (top-2 of 8 experts: some tokens stay on one rank)
-        for x, out in zip(tokens[r], outs):
-            if x.shape[0] == 0:
-                assert out is None
-                continue
-            *got, l0, l1 = out
-            for layer, lg, g in zip(full, (l0, l1), got):
-                torch.testing.assert_close(g, layer(x, lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, tokens[r], outs)
     static = {r: [torch.randn(4, H, generator=gen)] for r in (0, 1)}
     results = _run_ranks(full, None, static, static=True, all2all="alltoallv")
     for r in (0, 1):
         outs, *_, (layers, _, _) = results[r]
         assert layers == 0
-        *got, l0, l1 = outs[0]
-        for layer, lg, g in zip(full, (l0, l1), got):
-            torch.testing.assert_close(g, layer(static[r][0], lg), rtol=1e-5, atol=1e-5)
+        _assert_full_outputs(full, static[r], outs)
 
 
 def test_an_unknown_all2all_backend_is_refused() -> None:
